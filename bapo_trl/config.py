@@ -84,7 +84,7 @@ class BAPOConfig(GRPOConfig):
         partial_rollout_budget (`int` or `None`, *optional*, defaults to `None`):
             Tokens a completion may grow per training step (off when `None`). Unfinished completions are kept with
             the log-probs of the policy that produced each token and continued in later steps; a group is scored
-            and trained once all its completions are finished. Transformers generation only for now.
+            and trained once all its completions are finished. Works with transformers generation and vLLM.
         partial_rollout_max_resumes (`int`, *optional*, defaults to `4`):
             A completion carried over this many steps is generated to the end at its next round (>= 1).
     """
@@ -257,8 +257,6 @@ class BAPOConfig(GRPOConfig):
             )
         if not self._is_whole(resumes) or resumes < 1:
             errors.append(f"`partial_rollout_max_resumes` must be an integer >= 1, got {resumes!r}.")
-        if self.use_vllm:
-            errors.append("`partial_rollout_budget` works with transformers generation only (use_vllm=False) for now.")
         return errors
 
     @property

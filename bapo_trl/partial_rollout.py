@@ -20,7 +20,8 @@ from typing import Callable
 class Completion:
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
-    logps: list[float] = field(default_factory=list)  # behaviour log-prob of each token
+    logps: list[float] = field(default_factory=list)  # behaviour log-prob of each token (the trainer's policy)
+    sampling_logps: list[float] = field(default_factory=list)  # the sampler's own (vLLM); empty if it gives none
     versions: list[int] = field(default_factory=list)  # optimizer step of the policy that produced each token
     finished: bool = False
     resumes: int = 0  # steps this completion was carried over unfinished
@@ -41,7 +42,8 @@ class Group:
         return all(c.finished for c in self.completions)
 
 
-GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
+#: (prefixes, max_new_tokens) -> (new tokens per prefix, the sampler's log-prob of each new token or None)
+GenerateFn = Callable[[list[list[int]], int], tuple[list[list[int]], list[list[float]] | None]]
 ScoreFn = Callable[[list[list[int]], list[list[int]]], list[list[float]]]
 
 
@@ -92,12 +94,14 @@ class PartialRolloutPool:
             return
         prefixes = [c.prompt_ids + c.token_ids for c in todo]
         rooms = [self.max_len - len(c.token_ids) for c in todo]
-        new_tokens = generate(prefixes, min(max_new, max(rooms)))
+        new_tokens, sampled = generate(prefixes, min(max_new, max(rooms)))
         new_tokens = [self._cut_at_eos(t)[: min(max_new, room)] for t, room in zip(new_tokens, rooms)]
         new_logps = score(prefixes, new_tokens)
-        for c, tokens, logps in zip(todo, new_tokens, new_logps):
+        for i, (c, tokens, logps) in enumerate(zip(todo, new_tokens, new_logps)):
             c.token_ids += tokens
             c.logps += [float(x) for x in logps]
+            if sampled is not None:  # vLLM reports None for a token it could not score: kept as NaN, like TRL
+                c.sampling_logps += [float("nan") if x is None else float(x) for x in sampled[i][: len(tokens)]]
             c.versions += [step] * len(tokens)
             ended = bool(tokens) and tokens[-1] in self.eos
             c.finished = ended or len(c.token_ids) >= self.max_len or not tokens

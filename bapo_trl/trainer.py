@@ -130,6 +130,7 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             raise TypeError(f"BAPOTrainer needs `args` to be a BAPOConfig, got {type(args).__name__}.")
         self._bapo_settings = args.bapo_settings
         self._bapo_pending: dict[str, Any] | None = None
+        self._partial_behavior_logps: list | None = None  # armed while TRL scores finished partial rollouts
         self.last_search: SearchResult | None = None
         super().__init__(model, reward_funcs, args=args, **kwargs)
         # A reward function that raises is named in the error (TRL keeps the callables in this list).
@@ -187,25 +188,41 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         ready = pool.pop_ready(groups_needed)
         completions = [c for g in ready for c in g.completions]
         self._partial_ready = completions
+        # TRL computes `old_per_token_logps` (and, with vLLM, its importance-sampling ratio against the sampler's
+        # log-probs) with one forward of the CURRENT policy. Those tokens came from older policies: answer that
+        # forward with the stored per-segment log-probs instead, so TRL's correction sees only sampler mismatch.
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        trl_scores_old = self.args.gradient_accumulation_steps % generate_every != 0 or (
+            self.use_vllm and self.vllm_importance_sampling_correction)  # TRL's own condition
+        self._partial_behavior_logps = completions if trl_scores_old else None
         saved_rollout_func, self.rollout_func = self.rollout_func, self._ready_rollout
         try:
             output = super()._generate_and_score_completions([row for g in ready for row in g.rows])
+            if self._partial_behavior_logps is not None:
+                raise RuntimeError("TRL did not compute old_per_token_logps where bapo_trl expected it to: the "
+                                   "installed TRL's _generate_and_score_completions changed; please report it.")
         finally:
-            self.rollout_func, self._partial_ready = saved_rollout_func, None
-        width, device = output["completion_ids"].size(1), output["completion_ids"].device
-        output["old_per_token_logps"] = torch.tensor(
-            [(c.logps + [0.0] * width)[:width] for c in completions], dtype=torch.float32, device=device)
+            self.rollout_func, self._partial_ready, self._partial_behavior_logps = saved_rollout_func, None, None
+        completion_ids = output["completion_ids"]
+        output["old_per_token_logps"] = self._stored_logps(completions, completion_ids.size(1), completion_ids.device)
+        width, device = completion_ids.size(1), completion_ids.device
         versions = torch.tensor([(c.versions + [step] * width)[:width] for c in completions], device=device)
         output["token_policy_version"] = versions
         output["policy_version"] = versions.min(dim=1).values
+        ages = [step - v for c in completions for v in c.versions]  # per token, when its group is scored
         stats = torch.tensor(
-            [carried, sum(c.resumes for c in completions), sum(c.segments for c in completions), len(completions)],
-            dtype=torch.float64, device=device)
-        carried, resumes, segments, count = self._sum_over_processes(stats).tolist()
+            [carried, sum(c.resumes for c in completions), sum(c.segments for c in completions), len(completions),
+             sum(ages), len(ages)], dtype=torch.float64, device=device)
+        carried, resumes, segments, count, age_sum, tokens = self._sum_over_processes(stats).tolist()
+        oldest = torch.tensor([float(max(ages, default=0))], dtype=torch.float64, device=device)
+        if self.accelerator.num_processes > 1:
+            oldest = self.accelerator.gather(oldest)
         metrics = self._metrics["train"]
         metrics["partial/carried"].append(carried)
         metrics["partial/resumes_mean"].append(resumes / max(count, 1.0))
         metrics["partial/segments_per_completion"].append(segments / max(count, 1.0))
+        metrics["partial/token_staleness_mean"].append(age_sum / max(tokens, 1.0))
+        metrics["partial/token_staleness_max"].append(float(oldest.max()))
         return output
 
     def _add_to_pool(self, rows: list[dict]) -> None:
@@ -226,21 +243,42 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         return rows
 
     def _ready_rollout(self, prompts, trainer):
-        """TRL's ``rollout_func`` contract, serving the finished completions chosen above (no generation)."""
+        """TRL's ``rollout_func`` contract, serving the finished completions chosen above (no generation). The
+        log-probs are the sampler's (vLLM's, for TRL's importance-sampling correction), else the policy's."""
         done = self._partial_ready
+        logprobs = [c.sampling_logps if len(c.sampling_logps) == len(c.token_ids) else c.logps for c in done]
         return {"prompt_ids": [c.prompt_ids for c in done], "completion_ids": [c.token_ids for c in done],
-                "logprobs": [c.logps for c in done]}
+                "logprobs": logprobs}
 
-    def _continue_completions(self, prefixes: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """TRL's own single-turn generation, with the prefix = prompt + partial completion, capped at the budget."""
-        config = self.generation_config
-        saved = config.max_new_tokens
-        config.max_new_tokens = max_new_tokens
+    @staticmethod
+    def _stored_logps(completions, width: int, device) -> torch.Tensor:
+        """Each token's behaviour log-prob (from the policy that generated it), right-padded to ``width``."""
+        return torch.tensor([(c.logps + [0.0] * width)[:width] for c in completions], dtype=torch.float32,
+                            device=device)
+
+    def _continue_completions(self, prefixes: list[list[int]], max_new_tokens: int):
+        """TRL's own single-turn generation (transformers or vLLM), with the prefix = prompt + partial completion,
+        capped at ``max_new_tokens``. Returns the new tokens and the sampler's log-probs (vLLM) or None."""
+        if not self.use_vllm:
+            config = self.generation_config
+            saved = config.max_new_tokens
+            config.max_new_tokens = max_new_tokens
+            try:
+                return self._generate_single_turn(prefixes, None, {}, 1)[0], None
+            finally:
+                config.max_new_tokens = saved
+        count, backend = len(prefixes), self.vllm_generation
+        if backend.mode == "server" and self.accelerator.num_processes > 1:
+            # TRL gives each rank an equal slice of the server's answer: pad every rank to the largest share.
+            share = torch.tensor([count], device=self.accelerator.device)
+            prefixes = prefixes + [prefixes[0]] * (int(self.accelerator.gather(share).max()) - count)
+        saved = backend.max_completion_length  # vLLM's max_tokens for this call
+        backend.max_completion_length = max_new_tokens
         try:
-            completion_ids, _ = self._generate_single_turn(prefixes, None, {}, 1)
+            completion_ids, logprobs = self._generate_single_turn(prefixes, None, {}, 1)
         finally:
-            config.max_new_tokens = saved
-        return completion_ids
+            backend.max_completion_length = saved
+        return completion_ids[:count], (logprobs[:count] if logprobs is not None else None)
 
     def _join_empty_generation_round(self) -> None:
         """A rank with nothing to grow still makes the call: ZeRO-3 gathers the weights collectively."""
@@ -407,6 +445,10 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             self._bapo_pending = None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        stored = self._partial_behavior_logps
+        if stored is not None:  # TRL scoring finished partial rollouts: their tokens' own policies (see above)
+            self._partial_behavior_logps = None
+            return self._stored_logps(stored, logits_to_keep, input_ids.device), None, None
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )

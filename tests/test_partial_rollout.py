@@ -27,7 +27,7 @@ def scripted_generate(length_of):
             if done + len(tokens) == total and len(tokens) < max_new:
                 tokens.append(EOS)
             out.append(tokens)
-        return out
+        return out, None  # no sampler log-probs, like transformers generate
 
     return generate
 
@@ -122,21 +122,56 @@ def test_completions_span_several_steps_and_training_is_finite(partial_run):
         assert len(c.logps) == len(c.token_ids) == len(c.versions) and c.versions == sorted(c.versions)
 
 
-def test_each_segment_carries_the_logps_of_the_policy_that_produced_it(partial_run, tiny_model_dir):
-    trainer, snapshots = partial_run
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    checked_versions = set()
-    for c in [c for c in trainer.trained if c.segments > 1][:12]:
+def segment_logps_match_saved_policies(trained, snapshots, model_dir, temperature, limit=12):
+    """For completions spanning several steps, recompute each segment's log-probs with the policy saved at that
+    segment's version and compare with what was stored. Returns the versions checked and how far the NEWEST policy
+    of each completion is from the stored log-probs of its older segments (> 0: the segments really differ)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    checked, gap = set(), 0.0
+    for c in [c for c in trained if c.segments > 1][:limit]:
+        ids = torch.tensor([c.prompt_ids + c.token_ids])
+        per_version = {}
         for version in sorted(set(c.versions)):
             model.load_state_dict(snapshots.policies[version])
-            ids = torch.tensor([c.prompt_ids + c.token_ids])
             with torch.no_grad():
-                logits = model(input_ids=ids).logits[0, len(c.prompt_ids) - 1 : -1] / trainer.temperature
+                logits = model(input_ids=ids).logits[0, len(c.prompt_ids) - 1 : -1] / temperature
             logps = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
             positions = [i for i, v in enumerate(c.versions) if v == version]
             assert torch.allclose(logps[positions], torch.tensor(c.logps)[positions], atol=1e-4), version
-            checked_versions.add(version)
-    assert len(checked_versions) >= 2
+            per_version[version] = logps
+            checked.add(version)
+        newest = per_version[max(per_version)]
+        older = [i for i, v in enumerate(c.versions) if v < max(per_version)]
+        gap = max(gap, float((newest[older] - torch.tensor(c.logps)[older]).abs().max()))
+    return checked, gap
+
+
+def test_each_segment_carries_the_logps_of_the_policy_that_produced_it(partial_run, tiny_model_dir):
+    trainer, snapshots = partial_run
+    checked, gap = segment_logps_match_saved_policies(trainer.trained, snapshots, tiny_model_dir, trainer.temperature)
+    assert len(checked) >= 2 and gap > 1e-3
+
+
+def test_trl_old_logps_are_the_stored_segment_logps(tiny_model_dir, tmp_path):
+    """With steps_per_generation > gradient_accumulation_steps TRL computes old_per_token_logps itself (one forward
+    of the current policy); the trainer answers that call with the stored per-segment log-probs instead."""
+    batches = []
+
+    class Probe(RecordingTrainer):
+        def _score_finished_rollouts(self, inputs):
+            output = super()._score_finished_rollouts(inputs)
+            batches.append((output, list(self.trained[-output["completion_ids"].size(0):])))
+            return output
+
+    trainer = build(Probe, tiny_model_dir, tmp_path, max_steps=4, save_strategy="no", steps_per_generation=2,
+                    per_device_train_batch_size=8)
+    trainer.train()
+    assert len(batches) == 2 and all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
+    for output, completions in batches:
+        old = output["old_per_token_logps"]
+        for row, c in enumerate(completions):
+            assert old[row, : len(c.logps)].tolist() == pytest.approx(c.logps, abs=1e-6)
+    assert max(h.get("partial/token_staleness_max", 0) for h in trainer.state.log_history) >= 1
 
 
 def test_resume_keeps_carried_completions(tiny_model_dir, tmp_path):
