@@ -281,14 +281,19 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         return completion_ids[:count], (logprobs[:count] if logprobs is not None else None)
 
     def _join_empty_generation_round(self) -> None:
-        """A rank with nothing to grow still makes the call: ZeRO-3 gathers the weights collectively."""
+        """A rank with nothing to grow still makes the generate call and the scoring forward: under ZeRO-3 both
+        gather the weights collectively, so every rank must make the same calls."""
         any_prompt = self.partial_rollout.groups[0].completions[0].prompt_ids
         self._continue_completions([any_prompt], 1)
+        self._segment_logps([any_prompt[:-1]], [any_prompt[-1:]])
 
     def _segment_logps(self, prefixes: list[list[int]], segments: list[list[int]]) -> list[list[float]]:
         """Log-probs of the newly generated tokens under the current policy, as the trainer computes them."""
-        if not any(segments):
-            return [[] for _ in segments]
+        if not any(segments):  # still one forward (on a stand-in token): ranks must make the same forwards
+            empty = [[] for _ in segments]
+            prefixes, segments = [prefixes[0][:-1] or prefixes[0]], [prefixes[0][-1:]]
+            self._segment_logps(prefixes, segments)
+            return empty
         width = max(len(s) for s in segments)
         total = max(len(p) for p in prefixes) + width
         # prefixes left-padded, segments right-padded: the segment tokens then sit in the last `width` columns
@@ -299,11 +304,13 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             ids[i, start - len(p) : start + len(s)] = torch.tensor(p + s)
             attention[i, start - len(p) : start + len(s)] = 1
         device = self.accelerator.device
-        logps = self._policy_logps(ids.to(device), attention.to(device), width)
+        # ONE forward however many prefixes this rank has (ranks differ; ZeRO-3 needs equal forward counts)
+        logps = self._policy_logps(ids.to(device), attention.to(device), width, batch_size=len(prefixes))
         return [logps[i, : len(s)].tolist() for i, s in enumerate(segments)]
 
     @torch.no_grad()
-    def _policy_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int):
+    def _policy_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                      batch_size: int | None = None):
         """Current-policy log-probs of the last ``logits_to_keep`` tokens, outside the loss (no gradient, no
         checkpointing, no search: nothing arms it here)."""
         from trl.models.utils import disable_gradient_checkpointing
@@ -311,7 +318,7 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 self.model, input_ids, attention_mask, logits_to_keep,
-                batch_size=self.args.per_device_train_batch_size,
+                batch_size=batch_size or self.args.per_device_train_batch_size,
             )
         return logps
 

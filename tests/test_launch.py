@@ -85,3 +85,23 @@ def test_two_processes_with_the_replay_queue(tmp_path):
     logs = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
     assert any(h.get("replay/fraction", 0) > 0 for h in logs)
     assert any(h.get("replay/staleness_mean") is not None for h in logs)
+
+
+def test_two_processes_zero3_with_partial_rollout(tmp_path):
+    """ZeRO-3 on 2 processes with partial rollout (transformers generation): every rank makes the same generate
+    calls even when it has nothing to grow (the weights are gathered collectively), completions span steps, and each
+    rank's pool is saved in the checkpoint."""
+    out = tmp_path / "run"
+    accelerate_launch(
+        TRAIN, "--max_steps", "4", "--per_device_train_batch_size", "8", "--num_generations", "4",
+        "--steps_per_generation", "1", "--max_completion_length", "10", "--partial_rollout_budget", "3",
+        "--partial_rollout_max_resumes", "2", "--save_strategy", "steps", "--save_steps", "4", "--output_dir", out,
+        config_file=CONFIGS / "deepspeed_zero3.yaml", extra_launch=NO_MIXED, timeout=1200,
+    )
+    info = json.loads((out / "launch_info" / "rank1.json").read_text())
+    assert info["world_size"] == 2 and info["zero_stage"] == 3
+    checkpoint = out / "checkpoint-4"
+    assert (checkpoint / "partial_rollout_rank0.pt").exists() and (checkpoint / "partial_rollout_rank1.pt").exists()
+    logs = [h for h in json.loads((checkpoint / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+    assert len(logs) == 4 and max(h["partial/segments_per_completion"] for h in logs) > 1
+    assert max(h["partial/token_staleness_max"] for h in logs) >= 1
