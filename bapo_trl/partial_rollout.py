@@ -7,6 +7,8 @@ partial completion as the new prefix). A group is scored and trained only when a
 finished (EOS or ``max_completion_length``); its advantages are computed then. Each token's importance ratio
 uses the log-prob of the policy that generated it, so segments from older policies are off-policy, as they are.
 
+With vLLM the sampler's own log-probs are kept too, for TRL's sampler-mismatch correction.
+
 This module holds the pool and its bookkeeping; the trainer supplies the two model calls (generate, score).
 """
 
