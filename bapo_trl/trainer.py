@@ -139,6 +139,12 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             for f, n in zip(self.reward_funcs, self.reward_func_names)
         ]
         self.partial_rollout: PartialRolloutPool | None = None
+        if args.partial_rollout_enabled and self.use_vllm and self.accelerator.num_processes > 1:
+            raise ValueError(
+                "`partial_rollout_budget` with vLLM runs on one process only for now (got "
+                f"{self.accelerator.num_processes}): 2-process ZeRO-3 runs with the server hit an intermittent gloo "
+                "collective mismatch that is not understood yet. Use transformers generation (use_vllm=False) for "
+                "several processes.")
         if args.partial_rollout_enabled:
             self.partial_rollout = PartialRolloutPool(
                 args.partial_rollout_budget, args.partial_rollout_max_resumes, args.max_completion_length,

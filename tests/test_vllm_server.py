@@ -289,9 +289,8 @@ def test_partial_rollout_through_the_server(tiny_server, tiny_model_dir, tmp_pat
 
 
 @pytest.mark.slow
-def test_partial_rollout_zero3_two_processes_with_the_server(tiny_server, tiny_model_dir, tmp_path):
-    """`train_bapo.py` with partial rollout, ZeRO-3 on 2 processes and the server: each rank grows its own
-    completions (the ranks' shares are padded to equal length for TRL's server slicing), and the log-probs agree."""
+def test_partial_rollout_from_train_bapo_with_the_server(tiny_server, tiny_model_dir, tmp_path):
+    """`train_bapo.py` with partial rollout and the server (one process; see the trainer's guard for several)."""
     from launching import REPO, accelerate_launch
 
     reset_server_weights(tiny_server.url, tiny_model_dir)
@@ -301,8 +300,8 @@ def test_partial_rollout_zero3_two_processes_with_the_server(tiny_server, tiny_m
         "--per_device_train_batch_size", "8", "--num_generations", "4", "--steps_per_generation", "1",
         "--max_completion_length", "10", "--logging_steps", "1", "--output_dir", out,
         "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", tiny_server.url,
-        config_file=REPO / "accelerate_configs" / "deepspeed_zero3.yaml", extra_launch=["--mixed_precision", "no"],
-        timeout=1200,
+        num_processes=1, config_file=REPO / "accelerate_configs" / "single_gpu.yaml",
+        extra_launch=["--mixed_precision", "no"], timeout=1200,
     )
     text = proc.stdout + proc.stderr
     diffs = [float(x) for x in re.findall(rf"'{LOGP_DIFF}': '([^']+)'", text)]
