@@ -109,6 +109,11 @@ def bapo_card_section(args: BAPOConfig, log_history: list[dict]) -> str:
     )
 
 
+def right_pad(rows: list[list], width: int, fill, dtype: torch.dtype, device) -> torch.Tensor:
+    """Per-completion lists as one ``(len(rows), width)`` tensor, each row cut or filled with ``fill`` to ``width``."""
+    return torch.tensor([(list(r) + [fill] * width)[:width] for r in rows], dtype=dtype, device=device)
+
+
 class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode also without CUDA
     """GRPO with BAPO's adaptive clipping window (Xi et al., 2025).
 
@@ -209,10 +214,9 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
                                    "installed TRL's _generate_and_score_completions changed; please report it.")
         finally:
             self.rollout_func, self._partial_ready, self._partial_behavior_logps = saved_rollout_func, None, None
-        completion_ids = output["completion_ids"]
-        output["old_per_token_logps"] = self._stored_logps(completions, completion_ids.size(1), completion_ids.device)
-        width, device = completion_ids.size(1), completion_ids.device
-        versions = torch.tensor([(c.versions + [step] * width)[:width] for c in completions], device=device)
+        width, device = output["completion_ids"].size(1), output["completion_ids"].device
+        output["old_per_token_logps"] = self._stored_logps(completions, width, device)
+        versions = right_pad([c.versions for c in completions], width, step, torch.long, device)
         output["token_policy_version"] = versions
         output["policy_version"] = versions.min(dim=1).values
         ages = [step - v for c in completions for v in c.versions]  # per token, when its group is scored
@@ -220,15 +224,14 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             [carried, sum(c.resumes for c in completions), sum(c.segments for c in completions), len(completions),
              sum(ages), len(ages)], dtype=torch.float64, device=device)
         carried, resumes, segments, count, age_sum, tokens = self._sum_over_processes(stats).tolist()
-        oldest = torch.tensor([float(max(ages, default=0))], dtype=torch.float64, device=device)
-        if self.accelerator.num_processes > 1:
-            oldest = self.accelerator.gather(oldest)
+        oldest = torch.tensor(float(max(ages, default=0)), dtype=torch.float64, device=device)
+        oldest = self._max_over_processes(oldest)
         metrics = self._metrics["train"]
         metrics["partial/carried"].append(carried)
         metrics["partial/resumes_mean"].append(resumes / max(count, 1.0))
         metrics["partial/segments_per_completion"].append(segments / max(count, 1.0))
         metrics["partial/token_staleness_mean"].append(age_sum / max(tokens, 1.0))
-        metrics["partial/token_staleness_max"].append(float(oldest.max()))
+        metrics["partial/token_staleness_max"].append(float(oldest))
         return output
 
     def _add_to_pool(self, rows: list[dict]) -> None:
@@ -259,8 +262,7 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
     @staticmethod
     def _stored_logps(completions, width: int, device) -> torch.Tensor:
         """Each token's behaviour log-prob (from the policy that generated it), right-padded to ``width``."""
-        return torch.tensor([(c.logps + [0.0] * width)[:width] for c in completions], dtype=torch.float32,
-                            device=device)
+        return right_pad([c.logps for c in completions], width, 0.0, torch.float32, device)
 
     def _continue_completions(self, prefixes: list[list[int]], max_new_tokens: int):
         """TRL's own single-turn generation (transformers or vLLM), with the prefix = prompt + partial completion,
@@ -273,25 +275,21 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
                 return self._generate_single_turn(prefixes, None, {}, 1)[0], None
             finally:
                 config.max_new_tokens = saved
-        count, backend = len(prefixes), self.vllm_generation
-        if backend.mode == "server" and self.accelerator.num_processes > 1:
-            # TRL gives each rank an equal slice of the server's answer: pad every rank to the largest share.
-            share = torch.tensor([count], device=self.accelerator.device)
-            prefixes = prefixes + [prefixes[0]] * (int(self.accelerator.gather(share).max()) - count)
+        backend = self.vllm_generation  # one process only (see __init__): no uneven shares between ranks
         saved = backend.max_completion_length  # vLLM's max_tokens for this call
         backend.max_completion_length = max_new_tokens
         try:
             completion_ids, logprobs = self._generate_single_turn(prefixes, None, {}, 1)
         finally:
             backend.max_completion_length = saved
-        return completion_ids[:count], (logprobs[:count] if logprobs is not None else None)
+        return completion_ids, logprobs
 
     def _join_empty_generation_round(self) -> None:
         """A rank with nothing to grow still makes the generate call and the scoring forward: under ZeRO-3 both
         gather the weights collectively, so every rank must make the same calls."""
         any_prompt = self.partial_rollout.groups[0].completions[0].prompt_ids
         self._continue_completions([any_prompt], 1)
-        self._segment_logps([any_prompt[:-1]], [any_prompt[-1:]])
+        self._segment_logps([any_prompt], [[]])  # nothing to score: makes the stand-in forward
 
     def _segment_logps(self, prefixes: list[list[int]], segments: list[list[int]]) -> list[list[float]]:
         """Log-probs of the newly generated tokens under the current policy, as the trainer computes them."""
@@ -497,6 +495,12 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             return tensor
         return self.accelerator.reduce(tensor, reduction="sum")
 
+    def _max_over_processes(self, value: torch.Tensor) -> torch.Tensor:
+        """The largest 0-dim ``value`` over all processes."""
+        if self.accelerator.num_processes == 1:
+            return value
+        return self.accelerator.gather(value[None]).max()
+
     # -- metrics ------------------------------------------------------------------------------------------------
 
     def _log_search(self, result: SearchResult, ratio, advantages, mask, inputs) -> None:
@@ -524,9 +528,7 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
                              self._nonfinite_inputs.to(device=ratio.device, dtype=torch.float64)])
         counts = torch.cat([counts, extra])
         counts = self._sum_over_processes(counts)
-        stale_max = torch.as_tensor(stale_max, dtype=torch.float64, device=ratio.device)
-        if self.accelerator.num_processes > 1:
-            stale_max = self.accelerator.gather(stale_max[None]).max()
+        stale_max = self._max_over_processes(torch.as_tensor(stale_max, dtype=torch.float64, device=ratio.device))
 
         n, n_pos, n_neg, n_low, n_high, s_sum, nonfinite_inputs = counts.tolist()
         r = result.as_floats()
@@ -573,8 +575,7 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         sums.append((staleness * rep).sum())
         totals = self._sum_over_processes(torch.stack(sums)).tolist()
         stale_max = torch.where(rep, staleness, 0.0).max() if rep.numel() else torch.zeros((), dtype=torch.float64)
-        if self.accelerator.num_processes > 1:
-            stale_max = self.accelerator.gather(stale_max[None].to(ratio.device)).max()
+        stale_max = self._max_over_processes(stale_max.to(ratio.device))
         for name, (p, n, c, count) in (("fresh", totals[0:4]), ("replayed", totals[4:8])):
             self._metrics[mode][f"bapo/positive_loss_share/{name}"].append(p / (p + n) if p + n > 0 else float("nan"))
             self._metrics[mode][f"bapo/clip_fraction/{name}"].append(c / count if count else float("nan"))
