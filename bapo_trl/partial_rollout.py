@@ -84,7 +84,8 @@ class PartialRolloutPool:
 
     def finish(self, generate: GenerateFn, score: ScoreFn, step: int, num_groups: int) -> int:
         """Generate to the end, in ONE call: completions carried ``max_resumes`` times, and every unfinished
-        completion of the ``num_groups`` oldest unfinished groups (to fill a step's batch)."""
+        completion of the ``num_groups`` oldest unfinished groups (to fill a step's batch). Each of them ends
+        finished: it stops by itself before its room runs out or fills it."""
         oldest = [g for g in self.groups if not g.finished][:num_groups]
         todo = {id(c): c for g in oldest for c in g.completions if not c.finished}
         todo.update({id(c): c for c in self.unfinished() if c.resumes >= self.max_resumes})
@@ -97,7 +98,8 @@ class PartialRolloutPool:
         prefixes = [c.prompt_ids + c.token_ids for c in todo]
         rooms = [self.max_len - len(c.token_ids) for c in todo]
         new_tokens, sampled = generate(prefixes, min(max_new, max(rooms)))
-        new_tokens = [self._cut_at_eos(t)[: min(max_new, room)] for t, room in zip(new_tokens, rooms)]
+        caps = [min(max_new, room) for room in rooms]
+        new_tokens = [self._cut_at_eos(t)[:cap] for t, cap in zip(new_tokens, caps)]
         new_logps = score(prefixes, new_tokens)
         for i, (c, tokens, logps) in enumerate(zip(todo, new_tokens, new_logps)):
             c.token_ids += tokens
@@ -105,8 +107,8 @@ class PartialRolloutPool:
             if sampled is not None:  # vLLM reports None for a token it could not score: kept as NaN, like TRL
                 c.sampling_logps += [float("nan") if x is None else float(x) for x in sampled[i][: len(tokens)]]
             c.versions += [step] * len(tokens)
-            ended = bool(tokens) and tokens[-1] in self.eos
-            c.finished = ended or len(c.token_ids) >= self.max_len or not tokens
+            # Fewer tokens than the cap: the generator stopped by itself (EOS, or a stop token of its own config)
+            c.finished = len(tokens) < caps[i] or tokens[-1] in self.eos or len(c.token_ids) >= self.max_len
 
     def _cut_at_eos(self, tokens: list[int]) -> list[int]:
         for i, t in enumerate(tokens):

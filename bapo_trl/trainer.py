@@ -144,12 +144,6 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             for f, n in zip(self.reward_funcs, self.reward_func_names)
         ]
         self.partial_rollout: PartialRolloutPool | None = None
-        if args.partial_rollout_enabled and self.use_vllm and self.accelerator.num_processes > 1:
-            raise ValueError(
-                "`partial_rollout_budget` with vLLM runs on one process only for now (got "
-                f"{self.accelerator.num_processes}): 2-process ZeRO-3 runs with the server hit an intermittent gloo "
-                "collective mismatch that is not understood yet. Use transformers generation (use_vllm=False) for "
-                "several processes.")
         if args.partial_rollout_enabled:
             self.partial_rollout = PartialRolloutPool(
                 args.partial_rollout_budget, args.partial_rollout_max_resumes, args.max_completion_length,
@@ -197,6 +191,9 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             self._join_empty_generation_round()
         carried = pool.end_step()
         ready = pool.pop_ready(groups_needed)
+        if len(ready) < groups_needed:  # every rank must bring the same batch size to TRL's gathers
+            raise RuntimeError(f"partial rollout: {len(ready)} finished groups for a batch of {groups_needed} on "
+                               f"process {self.accelerator.process_index}; the finishing round left some unfinished.")
         completions = [c for g in ready for c in g.completions]
         self._partial_ready = completions
         # TRL computes `old_per_token_logps` (and, with vLLM, its importance-sampling ratio against the sampler's
@@ -275,14 +272,22 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
                 return self._generate_single_turn(prefixes, None, {}, 1)[0], None
             finally:
                 config.max_new_tokens = saved
-        backend = self.vllm_generation  # one process only (see __init__): no uneven shares between ranks
+        count, cap, backend = len(prefixes), max_new_tokens, self.vllm_generation
+        if self.accelerator.num_processes > 1 and (backend.mode == "server" or backend.tensor_parallel_size > 1):
+            # One vLLM call serves several ranks: the request's max_tokens is rank 0's, and TRL hands each rank an
+            # equal slice of the answer. Agree on the largest cap (each rank cuts its answer back to its own) and
+            # pad every rank's prefixes to the largest share.
+            wanted = torch.tensor([[count, cap]], device=self.accelerator.device)
+            largest_share, max_new_tokens = self.accelerator.gather(wanted).max(dim=0).values.tolist()
+            prefixes = prefixes + [prefixes[0]] * (largest_share - count)
         saved = backend.max_completion_length  # vLLM's max_tokens for this call
         backend.max_completion_length = max_new_tokens
         try:
             completion_ids, logprobs = self._generate_single_turn(prefixes, None, {}, 1)
         finally:
             backend.max_completion_length = saved
-        return completion_ids, logprobs
+        completion_ids = [list(ids[:cap]) for ids in completion_ids[:count]]
+        return completion_ids, (None if logprobs is None else [list(lp[:cap]) for lp in logprobs[:count]])
 
     def _join_empty_generation_round(self) -> None:
         """A rank with nothing to grow still makes the generate call and the scoring forward: under ZeRO-3 both

@@ -64,6 +64,24 @@ def test_finish_completes_the_oldest_groups_and_overdue_completions():
     assert pool.num_ready() == 3
 
 
+
+def test_a_completion_that_stops_short_of_its_cap_is_finished_and_longer_answers_are_cut():
+    """A generator may stop on a token the pool does not know as EOS (a stop token of its own config): fewer tokens
+    than asked means it ended. A generator that answers with MORE than the cap (one server request for several
+    ranks uses the largest rank's cap) is cut back to this pool's cap."""
+    pool = PartialRolloutPool(budget=3, max_resumes=5, max_completion_length=20, eos_token_ids=[EOS])
+    answers = {0: [7, 8], 1: [1, 2, 3, 4, 5, 6], 2: [4, 5, 6]}  # 0 stops short without EOS; 1 overshoots the cap
+
+    def generate(prefixes, max_new):
+        return [answers[p[0]] for p in prefixes], None
+
+    pool.add_groups([{"id": k} for k in range(3)], [[0], [1], [2]], group_size=1, step=0)
+    pool.grow(generate, scripted_score, step=0)
+    short, long, exact = (g.completions[0] for g in pool.groups)
+    assert short.finished and short.token_ids == [7, 8]
+    assert not long.finished and long.token_ids == [1, 2, 3] and len(long.logps) == 3
+    assert not exact.finished and exact.token_ids == [4, 5, 6]
+
 def test_pool_state_round_trip():
     pool = PartialRolloutPool(budget=2, max_resumes=3, max_completion_length=20, eos_token_ids=[EOS])
     pool.add_groups([{"id": 1}], [[1]], group_size=1, step=3)

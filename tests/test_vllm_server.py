@@ -291,20 +291,51 @@ def test_partial_rollout_through_the_server(tiny_server, tiny_model_dir, tmp_pat
 
 
 @pytest.mark.slow
-def test_partial_rollout_from_train_bapo_with_the_server(tiny_server, tiny_model_dir, tmp_path):
-    """`train_bapo.py` with partial rollout and the server (one process; see the trainer's guard for several)."""
+def test_partial_rollout_ranks_agree_on_the_server_request(tiny_server, tiny_model_dir, tmp_path):
+    """2 processes, one server request per round: when one rank is idle (one prefix, cap 1) and the other grows six
+    completions by up to 8 tokens, the busy rank still gets its 8 (the request's max_tokens is agreed, not rank 0's)
+    and each rank gets exactly its own continuations, cut to its own cap. Before the agreement the busy rank got
+    1-token growths or an unfinished finishing round, and uneven batches broke TRL's gathers."""
+    from launching import REPO, accelerate_launch
+
+    reset_server_weights(tiny_server.url, tiny_model_dir)
+    accelerate_launch(REPO / "tests" / "dist_scripts" / "server_continuations.py", tiny_model_dir, tiny_server.url,
+                      tmp_path, timeout=600)
+    busy_rounds = 0
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["world_size"] == 2
+        for record in result["records"]:
+            assert len(record["lengths"]) == record["count"]
+            assert record["logprob_lengths"] == record["lengths"]
+            assert all(1 <= n <= record["cap"] for n in record["lengths"]), record
+            if record["count"] > 1:  # rank 1's busy rounds came with rank 0 idle: they got 1 token each before
+                busy_rounds += 1
+                assert max(record["lengths"]) > 1, (rank, record)
+    assert busy_rounds == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_partial_rollout_from_train_bapo_with_the_server(tiny_server, tiny_model_dir, tmp_path, processes):
+    """`train_bapo.py` with partial rollout and the server, on one process and on two with ZeRO-3 (one server
+    request per round serves both ranks)."""
     from launching import REPO, accelerate_launch
 
     reset_server_weights(tiny_server.url, tiny_model_dir)
     out = tmp_path / "run"
+    config = "deepspeed_zero3.yaml" if processes == 2 else "single_gpu.yaml"
     proc = accelerate_launch(
         REPO / "train_bapo.py", "--max_steps", "4", "--partial_rollout_budget", "3",
         "--per_device_train_batch_size", "8", "--num_generations", "4", "--steps_per_generation", "1",
         "--max_completion_length", "10", "--logging_steps", "1", "--output_dir", out,
         "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", tiny_server.url,
-        num_processes=1, config_file=REPO / "accelerate_configs" / "single_gpu.yaml",
+        num_processes=processes, config_file=REPO / "accelerate_configs" / config,
         extra_launch=["--mixed_precision", "no"], timeout=1200,
     )
+    if processes == 2:
+        info = json.loads((out / "launch_info" / "rank1.json").read_text())
+        assert info["world_size"] == 2 and info["zero_stage"] == 3
     text = proc.stdout + proc.stderr
     diffs = [float(x) for x in re.findall(rf"'{LOGP_DIFF}': '([^']+)'", text)]
     assert len(diffs) == 4 and max(diffs) < IN_SYNC, diffs
