@@ -18,6 +18,12 @@ SUPPORTED_LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")
 VERL_DUAL_CLIP = 3.0
 
 
+#: Length and stop settings of vLLM / transformers generation that partial rollout cannot honour.
+PARTIAL_ROLLOUT_CLASHING_KWARGS = frozenset({
+    "max_tokens", "min_tokens", "stop", "ignore_eos", "include_stop_str_in_output",  # vLLM SamplingParams
+    "max_new_tokens", "min_new_tokens", "max_length", "min_length", "stop_strings",  # transformers GenerationConfig
+})
+
 @dataclass
 class BAPOConfig(GRPOConfig):
     r"""
@@ -257,6 +263,14 @@ class BAPOConfig(GRPOConfig):
             )
         if not self._is_whole(resumes) or resumes < 1:
             errors.append(f"`partial_rollout_max_resumes` must be an integer >= 1, got {resumes!r}.")
+        # The pool sets each round's length cap and tells a stopped completion from a capped one by its EOS tokens
+        # (`stop_token_ids` / `eos_token_id` in generation_kwargs join them); other length or stop settings would
+        # override the cap or stop on something it cannot see.
+        clashing = sorted(set(self.generation_kwargs or {}) & PARTIAL_ROLLOUT_CLASHING_KWARGS)
+        if clashing:
+            errors.append(
+                f"`generation_kwargs` keys {clashing} cannot be used with `partial_rollout_budget` (it caps each "
+                "round itself and recognises stops by EOS token ids only); use `stop_token_ids` / `eos_token_id`.")
         return errors
 
     @property

@@ -147,7 +147,7 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         if args.partial_rollout_enabled:
             self.partial_rollout = PartialRolloutPool(
                 args.partial_rollout_budget, args.partial_rollout_max_resumes, args.max_completion_length,
-                list(self.eos_token_ids),
+                self._stop_token_ids(),
             )
         self.replay_queue: ReplayQueue | None = None
         if args.replay_enabled:
@@ -155,6 +155,16 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
                 args.replay_buffer_size, args.replay_max_staleness, args.replay_sampling,
                 seed=args.seed + 7919 * self.accelerator.process_index,
             )
+
+    def _stop_token_ids(self) -> list[int]:
+        """Every token id that ends a generation: TRL's EOS ids plus generation_kwargs' ``stop_token_ids`` (vLLM)
+        and ``eos_token_id`` (transformers); partial rollout needs them to tell a stopped completion from a capped one."""
+        ids = list(self.eos_token_ids)
+        kwargs = self.args.generation_kwargs or {}
+        for key in ("stop_token_ids", "eos_token_id"):
+            extra = kwargs.get(key)
+            ids += [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+        return sorted(set(ids))
 
     # -- data: remember which policy version sampled each completion -------------------------------------------
 
@@ -191,9 +201,11 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             self._join_empty_generation_round()
         carried = pool.end_step()
         ready = pool.pop_ready(groups_needed)
-        if len(ready) < groups_needed:  # every rank must bring the same batch size to TRL's gathers
-            raise RuntimeError(f"partial rollout: {len(ready)} finished groups for a batch of {groups_needed} on "
-                               f"process {self.accelerator.process_index}; the finishing round left some unfinished.")
+        # Every rank must bring a full batch to TRL's gathers; checked on all ranks at once, so none waits forever.
+        fewest = -self._max_over_processes(torch.tensor(-float(len(ready)), device=self.accelerator.device))
+        if fewest < groups_needed:
+            raise RuntimeError(f"partial rollout: a process has {int(fewest)} finished groups for a batch of "
+                               f"{groups_needed} (this one: {len(ready)}); the finishing round left some unfinished.")
         completions = [c for g in ready for c in g.completions]
         self._partial_ready = completions
         # TRL computes `old_per_token_logps` (and, with vLLM, its importance-sampling ratio against the sampler's

@@ -38,6 +38,10 @@ BAD = [
     (dict(partial_rollout_budget=0), "partial_rollout_budget", "[1, max_completion_length)"),
     (dict(partial_rollout_budget=64, max_completion_length=32), "partial_rollout_budget", "[1, 32)"),
     (dict(partial_rollout_budget=8, partial_rollout_max_resumes=0), "partial_rollout_max_resumes", ">= 1"),
+    (dict(partial_rollout_budget=4, generation_kwargs={"stop": ["\n"]}), "generation_kwargs", "stop_token_ids"),
+    (dict(partial_rollout_budget=4, generation_kwargs={"max_tokens": 8, "top_k": 5}), "generation_kwargs",
+     "['max_tokens']"),
+    (dict(partial_rollout_budget=4, generation_kwargs={"max_new_tokens": 8}), "generation_kwargs", "caps each round"),
     (dict(max_log_ratio=0.5), "max_log_ratio", "log(ratio_upper_max)"),
     (dict(replay_buffer_size=-1), "replay_buffer_size", ">= 0"),
     (dict(replay_buffer_size=4), "replay_buffer_size", "nothing is ever replayed"),
@@ -60,6 +64,10 @@ def test_all_errors_are_reported_together():
     with pytest.raises(ValueError) as err:
         BAPOConfig(output_dir="unused", use_cpu=True, positive_contribution_target=2, ratio_lower_step=0)
     assert "positive_contribution_target" in str(err.value) and "ratio_lower_step" in str(err.value)
+
+
+def test_generation_kwargs_without_partial_rollout_are_left_to_trl():
+    BAPOConfig(output_dir="unused", use_cpu=True, generation_kwargs={"stop": ["\n"], "max_tokens": 8})
 
 
 def test_defaults_follow_the_spec():

@@ -91,6 +91,17 @@ def test_pool_state_round_trip():
     assert vars(other.groups[0].completions[0]) == vars(pool.groups[0].completions[0])
 
 
+def test_stop_token_ids_from_generation_kwargs_end_completions(tiny_model_dir, tmp_path):
+    """A stop token given through generation_kwargs ends a completion for the pool too (else a stop exactly at the
+    cap would look like a capped completion and be grown past its end)."""
+    trainer = build(BAPOTrainer, tiny_model_dir, tmp_path, generation_kwargs={"eos_token_id": [1, 7]})
+    assert {1, 7} <= set(trainer.partial_rollout.eos) and set(trainer.eos_token_ids) <= set(trainer.partial_rollout.eos)
+    pool = PartialRolloutPool(budget=3, max_resumes=5, max_completion_length=20, eos_token_ids=trainer.partial_rollout.eos)
+    pool.add_groups([{"id": 0}], [[0]], group_size=1, step=0)
+    pool.grow(lambda prefixes, n: ([[5, 6, 7]], None), scripted_score, step=0)  # stops on 7, exactly at the cap
+    assert pool.groups[0].finished
+
+
 class Snapshots(TrainerCallback):
     def __init__(self):
         self.policies = {}

@@ -309,6 +309,7 @@ def test_partial_rollout_ranks_agree_on_the_server_request(tiny_server, tiny_mod
             assert len(record["lengths"]) == record["count"]
             assert record["logprob_lengths"] == record["lengths"]
             assert all(1 <= n <= record["cap"] for n in record["lengths"]), record
+            assert record["gap_to_own_prefix"] < IN_SYNC, record  # each answer continues this rank's own prefix
             if record["count"] > 1:  # rank 1's busy rounds came with rank 0 idle: they got 1 token each before
                 busy_rounds += 1
                 assert max(record["lengths"]) > 1, (rank, record)

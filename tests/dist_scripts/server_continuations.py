@@ -1,6 +1,7 @@
 """Under `accelerate launch --num_processes 2`, with a vLLM server: partial rollout's continuation calls when the ranks
 want DIFFERENT things. One server request serves both ranks, so its max_tokens and TRL's equal per-rank slices must
-be agreed on; each rank must still get one continuation per prefix, cut to its own cap. Rounds alternate which rank
+be agreed on; each rank must still get one continuation per prefix (its own: the trainer's log-probs after that
+prefix match the server's), cut to its own cap. Rounds alternate which rank
 is the "idle" one (one prefix, cap 1, as an empty partial-rollout round makes). argv: model_dir server_url out_dir.
 """
 
@@ -33,7 +34,10 @@ for round_index in range(4):
     count, cap = (1, 1) if rank == idle else (6, 8)
     prefixes = prompts[rank * 6 : rank * 6 + count]
     completions, logprobs = trainer._continue_completions(prefixes, cap)
+    # the trainer's log-probs of each answer AFTER THIS RANK'S OWN prefix: another prefix's answer would be far off
+    own = trainer._segment_logps(prefixes, completions)
+    gap = max(abs(a - b) for row, ref in zip(logprobs, own) for a, b in zip(row, ref) if a is not None)
     records.append({"count": count, "cap": cap, "lengths": [len(c) for c in completions],
-                    "logprob_lengths": [len(x) for x in logprobs]})
+                    "logprob_lengths": [len(x) for x in logprobs], "gap_to_own_prefix": gap})
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump({"rank": rank, "world_size": trainer.accelerator.num_processes, "records": records}, f)
