@@ -91,6 +91,7 @@ class BAPOConfig(GRPOConfig):
             Tokens a completion may grow per training step (off when `None`). Unfinished completions are kept with
             the log-probs of the policy that produced each token and continued in later steps; a group is scored
             and trained once all its completions are finished. Works with transformers generation and vLLM.
+            `generation_kwargs` may add stop token ids, but not length or string-stop settings.
         partial_rollout_max_resumes (`int`, *optional*, defaults to `4`):
             A completion carried over this many steps is generated to the end at its next round (>= 1).
     """
