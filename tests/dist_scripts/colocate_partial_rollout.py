@@ -28,7 +28,8 @@ args = BAPOConfig(output_dir=out_dir, use_cpu=True, bf16=False, gradient_checkpo
                   save_strategy="no", per_device_train_batch_size=8, num_generations=4, max_completion_length=10,
                   logging_steps=1, seed=0, max_steps=5, learning_rate=5e-3, steps_per_generation=1,
                   partial_rollout_budget=3, partial_rollout_max_resumes=3, use_vllm=True, vllm_mode="colocate",
-                  vllm_max_model_length=64, vllm_gpu_memory_utilization=0.1)
+                  vllm_max_model_length=64, vllm_gpu_memory_utilization=0.1,
+                  vllm_tensor_parallel_size=int(os.environ.get("BAPO_TEST_VLLM_TP", "1")))
 trainer = CapProbe(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reverse_reward, args=args,
                    train_dataset=make_reverse_dataset(64, seed=0),
                    processing_class=AutoTokenizer.from_pretrained(model_dir))
@@ -36,6 +37,7 @@ trainer.train()
 rank = trainer.accelerator.process_index
 result = {
     "rank": rank, "world_size": trainer.accelerator.num_processes, "mode": trainer.vllm_generation.mode,
+    "tensor_parallel_size": trainer.vllm_generation.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size,
     "engine_dtype": str(trainer.vllm_generation.llm.llm_engine.model_config.dtype), "calls": trainer.calls,
     "max_completion_length_after": trainer.vllm_generation.max_completion_length,
     "logs": [h for h in trainer.state.log_history if "loss" in h],
