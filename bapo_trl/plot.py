@@ -77,6 +77,9 @@ PANELS = (
     Panel("replay_fraction", "Replayed share of each generation batch", "% of the batch",
           (Series("sequences", ("replay/fraction",)), Series("tokens", ("replay/token_fraction",), "--")),
           scale=100.0, optional=True),
+    Panel("partial_rollout", "Partial rollout: how the scored completions were generated", "per scored completion",
+          (Series("segments (policy versions)", ("partial/segments_per_completion",)),
+           Series("resumes (steps carried)", ("partial/resumes_mean",), "--")), optional=True),
 )
 
 
@@ -357,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bapo_trl.plot",
         description="Plot the training dynamics of BAPO runs (reward, entropy, clip bounds, positive share, clip "
-        "fractions, staleness and replay when logged) into one PNG; several runs are overlaid.",
+        "fractions, staleness, replay and partial rollout when logged) into one PNG; several runs are overlaid.",
     )
     parser.add_argument("runs", nargs="+", help="run directories or trainer_state.json / bapo_log_history.json files")
     parser.add_argument("-o", "--output", default="dynamics.png", help="PNG to write (default: dynamics.png)")

@@ -151,6 +151,16 @@ def test_completions_span_several_steps_and_training_is_finite(partial_run):
         assert len(c.logps) == len(c.token_ids) == len(c.versions) and c.versions == sorted(c.versions)
 
 
+def test_dynamics_plot_shows_the_partial_rollout_panel(partial_run):
+    from bapo_trl.plot import plot_dynamics
+
+    trainer, _ = partial_run
+    fig = plot_dynamics(trainer.state.log_history)
+    assert "partial_rollout" in fig.bapo_panels
+    drawn = {line.get_gid() for line in fig.bapo_axes["partial_rollout"].lines if line.get_gid()}
+    assert drawn == {"partial/segments_per_completion", "partial/resumes_mean"}
+
+
 def segment_logps_match_saved_policies(trained, snapshots, model_dir, temperature, limit=12):
     """For completions spanning several steps, recompute each segment's log-probs with the policy saved at that
     segment's version and compare with what was stored. Returns the versions checked and how far the NEWEST policy
