@@ -43,3 +43,44 @@ def test_registry_resolves_names_and_paths():
     assert funcs[0] is reverse_reward and funcs[1] is reverse_reward
     with pytest.raises(ValueError, match="no attribute|has no reward function"):
         resolve_reward_funcs(["bapo_trl.toy.nope"])
+
+
+class AsyncReward:
+    """A callable object whose ``__call__`` is async (TRL awaits such objects with its other async rewards)."""
+
+    def __init__(self, fail: bool):
+        self.fail = fail
+        self.__name__ = "async_object_reward"  # TRL names callables by __name__ (else by class name)
+
+    async def __call__(self, completions, **kwargs):
+        if self.fail:
+            raise KeyError("missing column 'solution'")
+        return [0.25] * len(completions)
+
+
+async def async_length_bonus(completions, **kwargs):
+    raise KeyError("missing column 'solution'")
+
+
+async def async_quarter(completions, **kwargs):
+    return [0.25] * len(completions)
+
+
+@pytest.mark.parametrize("reward, name", [(async_length_bonus, "async_length_bonus"),
+                                          (AsyncReward(fail=True), "async_object_reward")])
+def test_an_async_reward_that_raises_is_named(reward, name, tiny_model_dir, tmp_path):
+    from trl.trainer.utils import is_async_callable
+
+    trainer = trainer_with(reward, tiny_model_dir, tmp_path)
+    assert is_async_callable(trainer.reward_funcs[1])  # TRL still awaits it
+    with pytest.raises(RewardFunctionError, match=f"reward function '{name}' raised KeyError"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("reward, name", [(async_quarter, "async_quarter"),
+                                          (AsyncReward(fail=False), "async_object_reward")])
+def test_async_rewards_are_awaited_and_logged(reward, name, tiny_model_dir, tmp_path):
+    trainer = trainer_with(reward, tiny_model_dir, tmp_path)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if f"rewards/{name}/mean" in h]
+    assert logs and all(h[f"rewards/{name}/mean"] == 0.25 for h in logs)
