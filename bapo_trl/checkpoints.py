@@ -3,7 +3,8 @@
 Transformers writes ``checkpoint-N`` in place, file after file, and ``resume_from_checkpoint=True`` takes the
 highest N: a run killed while writing would resume from a half-written checkpoint. BAPOTrainer writes a marker
 last (atomically), and resumes from the newest checkpoint that has it; older checkpoints are never touched by a
-new write, so an interrupted write cannot corrupt them.
+new write, so an interrupted write cannot corrupt them. With ``save_total_limit``, older checkpoints are rotated
+out (by transformers' own ``rotate_checkpoints``) only after the new one is marked complete.
 """
 
 from __future__ import annotations

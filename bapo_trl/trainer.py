@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 import torch
+from transformers.trainer_utils import rotate_checkpoints
 from trl import GRPOTrainer
 
 from .checkpoints import mark_complete, resolve_resume
@@ -439,10 +440,20 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             path = self._rank_state_path(folder, stem)
             torch.save(obj.state_dict(), path + ".tmp")
             os.replace(path + ".tmp", path)  # never a half-written state file
-        super()._save_checkpoint(model, trial)
+        # Transformers rotates (save_total_limit) at the end of its own _save_checkpoint, before this checkpoint is
+        # marked complete: a crash in between could leave no complete checkpoint. It does not rotate there; this
+        # method rotates with transformers' own function once the new checkpoint counts.
+        save_total_limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = save_total_limit
         self.accelerator.wait_for_everyone()  # every rank's share is on disk before the checkpoint counts
         if self.args.should_save:
             mark_complete(folder, self.state.global_step)
+            rotate_checkpoints(output_dir=self._get_output_dir(trial=trial), save_total_limit=save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """``resume_from_checkpoint=True`` (or ``"latest"``) resumes from the newest COMPLETE checkpoint."""

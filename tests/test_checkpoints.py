@@ -1,0 +1,91 @@
+"""Complete-or-ignored checkpoints: the marker, resume resolution, and rotation that never removes the last
+complete checkpoint before the new one counts."""
+
+import os
+
+import pytest
+from transformers import AutoTokenizer
+
+import bapo_trl.trainer as trainer_module
+from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl.checkpoints import MARKER, is_complete, latest_complete_checkpoint, mark_complete, resolve_resume
+from bapo_trl.toy import make_reverse_dataset, reverse_reward
+
+
+def build(model_dir, out, **overrides):
+    settings = dict(output_dir=str(out), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
+                    per_device_train_batch_size=8, num_generations=4, max_completion_length=6, logging_steps=1,
+                    steps_per_generation=1, save_strategy="steps", save_steps=1, save_total_limit=1, seed=3)
+    settings.update(overrides)
+    return BAPOTrainer(model=model_dir, reward_funcs=reverse_reward, args=BAPOConfig(**settings),
+                       train_dataset=make_reverse_dataset(32), processing_class=AutoTokenizer.from_pretrained(model_dir))
+
+
+class Crash(Exception):
+    """Stands for the process dying: raised where the marker of the second checkpoint would be written."""
+
+
+def test_a_crash_before_the_new_checkpoint_counts_keeps_the_last_complete_one(tiny_model_dir, tmp_path, monkeypatch):
+    real_mark = trainer_module.mark_complete
+
+    def mark_then_crash_on_step_2(folder, step):
+        if step == 2:
+            raise Crash  # the new checkpoint is written but not marked complete
+        real_mark(folder, step)
+
+    monkeypatch.setattr(trainer_module, "mark_complete", mark_then_crash_on_step_2)
+    trainer = build(tiny_model_dir, tmp_path, max_steps=2)  # save_total_limit=1: room for one checkpoint only
+    with pytest.raises(Crash):
+        trainer.train()
+    survivor = tmp_path / "checkpoint-1"
+    assert latest_complete_checkpoint(str(tmp_path)) == str(survivor)
+    for name in ("model.safetensors", "optimizer.pt", "trainer_state.json", MARKER):
+        assert (survivor / name).exists(), name
+    assert not is_complete(str(tmp_path / "checkpoint-2"))
+    assert resolve_resume("latest", str(tmp_path)) == str(survivor)
+
+
+def test_rotation_still_keeps_save_total_limit(tiny_model_dir, tmp_path):
+    build(tiny_model_dir, tmp_path, max_steps=3, save_total_limit=2).train()
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-3"]
+    assert all(is_complete(str(tmp_path / n)) for n in ("checkpoint-2", "checkpoint-3"))
+    assert build(tiny_model_dir, tmp_path / "x", max_steps=1).args.save_total_limit == 1  # restored after saving
+
+
+def make_checkpoint(root, step, complete=True, trainer_state=True):
+    folder = root / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    if trainer_state:
+        (folder / "trainer_state.json").write_text("{}")
+    if complete:
+        mark_complete(str(folder), step)
+    return str(folder)
+
+
+def test_latest_complete_checkpoint_orders_by_step_and_skips_incomplete(tmp_path):
+    assert latest_complete_checkpoint(str(tmp_path / "missing")) is None
+    assert latest_complete_checkpoint(str(tmp_path)) is None
+    make_checkpoint(tmp_path, 9)
+    ten = make_checkpoint(tmp_path, 10)  # 10 > 9 numerically, not as text
+    make_checkpoint(tmp_path, 11, complete=False)
+    (tmp_path / "checkpoint-12-old").mkdir()  # not a checkpoint name
+    assert latest_complete_checkpoint(str(tmp_path)) == ten
+    assert not (tmp_path / "checkpoint-10" / (MARKER + ".tmp")).exists()  # the marker is written atomically
+
+
+def test_resolve_resume_errors_name_the_problem(tmp_path):
+    assert resolve_resume(None, str(tmp_path)) is None
+    assert resolve_resume(False, str(tmp_path)) is None
+    for latest in (True, "true", "latest", "LATEST"):
+        with pytest.raises(ValueError, match="no complete checkpoint in"):
+            resolve_resume(latest, str(tmp_path))
+    with pytest.raises(ValueError, match="is not a directory"):
+        resolve_resume(str(tmp_path / "nowhere"), str(tmp_path))
+    complete = make_checkpoint(tmp_path, 2)
+    torn = make_checkpoint(tmp_path, 4, complete=False, trainer_state=False)
+    with pytest.raises(ValueError, match=r"is incomplete.*newest complete one is '.*checkpoint-2'"):
+        resolve_resume(torn, str(tmp_path))
+    other_trainer = make_checkpoint(tmp_path, 6, complete=False)  # no marker, but a trainer_state.json
+    assert resolve_resume(other_trainer, str(tmp_path)) == other_trainer
+    assert resolve_resume(complete, str(tmp_path)) == complete
+    assert resolve_resume("latest", str(tmp_path)) == complete
