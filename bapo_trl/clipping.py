@@ -363,14 +363,16 @@ def choose_bounds(packed: torch.Tensor, path: SearchPath, settings: BAPOSettings
     meets = meets | (total[row] <= 0)
     chosen = torch.where(meets.any(), torch.argmax(meets.to(torch.uint8)), len(path) - 1)  # first one that meets
 
-    clip_low, clip_high, value_share, gradient_share = torch.cat([bounds, shares])[:, chosen].unbind()
+    # index_select, not ``[:, chosen]``: indexing with a 0-dim integer tensor calls ``.item()`` (a host sync on CUDA)
+    at = chosen.view(1)
+    clip_low, clip_high, value_share, gradient_share = torch.cat([bounds, shares]).index_select(1, at).view(-1).unbind()
     return SearchResult(
         clip_low=clip_low,
         clip_high=clip_high,
         positive_contribution=(value_share, gradient_share)[row],
         positive_contribution_before=shares[row, 0],
         steps=chosen,
-        target_met=meets[chosen],
+        target_met=meets.index_select(0, at).view(()),
         value_share=value_share,
         gradient_share=gradient_share,
         num_tokens=packed[-2],
