@@ -161,11 +161,12 @@ def test_dynamics_plot_shows_the_partial_rollout_panel(partial_run):
     assert drawn == {"partial/segments_per_completion", "partial/resumes_mean"}
 
 
-def segment_logps_match_saved_policies(trained, snapshots, model_dir, temperature, limit=12):
+def segment_logps_match_saved_policies(trained, snapshots, model_dir, temperature, limit=12, model=None):
     """For completions spanning several steps, recompute each segment's log-probs with the policy saved at that
     segment's version and compare with what was stored. Returns the versions checked and how far the NEWEST policy
-    of each completion is from the stored log-probs of its older segments (> 0: the segments really differ)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    of each completion is from the stored log-probs of its older segments (> 0: the segments really differ).
+    ``model``: a copy of the trained model to load the snapshots into (e.g. a peft model), else ``model_dir``'s."""
+    model = (model if model is not None else AutoModelForCausalLM.from_pretrained(model_dir)).eval()
     checked, gap = set(), 0.0
     for c in [c for c in trained if c.segments > 1][:limit]:
         ids = torch.tensor([c.prompt_ids + c.token_ids])
@@ -189,6 +190,27 @@ def test_each_segment_carries_the_logps_of_the_policy_that_produced_it(partial_r
     trainer, snapshots = partial_run
     checked, gap = segment_logps_match_saved_policies(trainer.trained, snapshots, tiny_model_dir, trainer.temperature)
     assert len(checked) >= 2 and gap > 1e-3
+
+
+def test_lora_segments_carry_the_logps_of_the_adapted_policy(tiny_model_dir, tmp_path):
+    """With a peft LoRA adapter, each segment's log-probs are those of base + adapter at that step (the snapshots
+    hold the adapter weights, which change every step)."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    snapshots = Snapshots()
+    trainer = RecordingTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=reverse_reward,
+        args=BAPOConfig(output_dir=str(tmp_path), **{**ARGS, "max_steps": 4, "learning_rate": 2e-2}),
+        train_dataset=make_reverse_dataset(256), processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+        peft_config=LoraConfig(**lora), callbacks=[snapshots],
+    )
+    trainer.train()
+    assert any("lora_B" in k for k in snapshots.policies[0])
+    checked, gap = segment_logps_match_saved_policies(trainer.trained, snapshots, None, trainer.temperature,
+                                                      model=get_peft_model(AutoModelForCausalLM.from_pretrained(
+                                                          tiny_model_dir), LoraConfig(**lora)))
+    assert len(checked) >= 2 and gap > 1e-3  # the adapter moved between segments, and each kept its own log-probs
 
 
 def test_trl_old_logps_are_the_stored_segment_logps(tiny_model_dir, tmp_path):
