@@ -32,6 +32,9 @@ from .numerics import sanitize_micro_batch
 from .rewards import name_errors
 from .partial_rollout import PartialRolloutPool
 from .replay import ReplayQueue, groups_to_replace, pad_and_stack, split_groups
+from .trl_seams import check_trl_seams
+
+check_trl_seams()  # a TRL that moved a private method we override fails here, loudly, not mid-training
 
 #: Names of the per-step metrics, stable so dashboards and the plot command can rely on them.
 BAPO_METRICS = (

@@ -1,0 +1,115 @@
+"""Every private TRL seam ``bapo_trl`` relies on, in one list, checked once when the trainer is imported.
+
+Why: ``BAPOTrainer`` reuses ``GRPOTrainer`` through ``super()`` and a few overrides of private methods and
+attributes (the window is installed through ``epsilon_low/high``, partial rollout answers TRL's old-log-prob
+forward, the CPU server swaps TRL's vLLM backend class...). A TRL release that renames or re-signs one of them would
+not fail loudly: an override of a method TRL no longer calls is silently dead. So each seam is listed here with what
+we expect of it, and :func:`check_trl_seams` refuses to go on, naming the seam and the TRL versions this release was
+tested with, instead of training with BAPO quietly switched off.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+
+#: The TRL versions CI tests this release with (setup.cfg pins ``trl>=1.16,<1.17`` to match).
+TESTED_TRL_VERSIONS = "1.16.x"
+
+
+@dataclass(frozen=True)
+class Seam:
+    """``module:qualname`` must exist; a callable must accept ``params`` (in that order, after ``self``) and its
+    source (or, for a class, its ``__init__``'s) must mention every string in ``mentions``."""
+
+    target: str
+    why: str
+    params: tuple[str, ...] = ()
+    mentions: tuple[str, ...] = ()
+
+
+GRPO = "trl.trainer.grpo_trainer:GRPOTrainer"
+SEAMS: tuple[Seam, ...] = (
+    Seam(f"{GRPO}._get_per_token_logps_and_entropies", "the policy forward that runs the search",
+         params=("model", "input_ids", "attention_mask", "logits_to_keep")),
+    Seam(f"{GRPO}._compute_loss", "TRL's loss clips with the window installed in epsilon_low/high",
+         params=("model", "inputs"), mentions=("self.epsilon_low", "self.epsilon_high",
+                                                "self._get_per_token_logps_and_entropies")),
+    Seam(f"{GRPO}.compute_loss", "arms the search with the micro-batch",
+         params=("model", "inputs", "return_outputs", "num_items_in_batch")),
+    Seam(f"{GRPO}._generate_and_score_completions", "replay and partial rollout wrap batch making",
+         params=("inputs",), mentions=("self._generate(", "old_per_token_logps",
+                                        "self._get_per_token_logps_and_entropies")),
+    Seam(f"{GRPO}._generate", "partial rollout serves finished completions through TRL's rollout_func hook",
+         params=("prompts",), mentions=("self.rollout_func(",)),
+    Seam(f"{GRPO}._generate_single_turn", "partial rollout continues completions with TRL's generation",
+         params=("prompt_ids", "images", "multimodal_fields", "num_generations")),
+    Seam(f"{GRPO}._tokenize_prompts", "partial rollout tokenizes the prompts it pools", params=("prompts",)),
+    Seam(f"{GRPO}._save_checkpoint", "per-rank replay / partial-rollout state joins the checkpoint",
+         params=("model", "trial")),
+    Seam(f"{GRPO}.log", "BAPO metrics are averaged by TRL, NaN values left out", params=("logs",),
+         mentions=("isnan",)),
+    Seam(f"{GRPO}.create_model_card", "the model card gets a BAPO section"),
+    Seam(GRPO, "attributes set by GRPOTrainer.__init__ that bapo_trl reads or replaces",
+         mentions=("self.epsilon_low", "self.epsilon_high", "self.rollout_func", "self.vllm_generation",
+                   "self.vllm_importance_sampling_correction", "self.eos_token_ids", "self._metrics",
+                   "self.reward_func_names", "self.num_generations", "self.use_vllm")),
+    Seam("trl.trainer.grpo_trainer:VLLMGeneration", "the CPU server swaps this name for its own backend"),
+    Seam("trl.generation.vllm_generation:VLLMGeneration", "vLLM backend: max_completion_length caps a round",
+         mentions=("self.max_completion_length", "self.server_timeout", "self.mode", "self.tensor_parallel_size")),
+    Seam("trl.generation.vllm_generation:VLLMGeneration._init_vllm", "CPU server: HTTP client instead of NCCL"),
+    Seam("trl.generation.vllm_generation:VLLMGeneration.sync_weights", "CPU server: weights through disk"),
+    Seam("trl.generation.vllm_generation:VLLMGeneration._iter_named_params", "CPU server gathers weights"),
+    Seam("trl.generation.vllm_client:VLLMClient._get", "request timeouts", params=("url",)),
+    Seam("trl.generation.vllm_client:VLLMClient._post", "request timeouts", params=("url",)),
+    Seam("trl.generation.vllm_client:is_vllm_available", "HTTP client without vllm installed"),
+    Seam("trl.trainer.utils:is_async_callable", "async reward functions keep their errors named"),
+    Seam("trl.models.utils:disable_gradient_checkpointing", "no-grad policy forwards outside the loss"),
+)
+
+
+def _resolve(target: str):
+    module_name, _, qualname = target.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def seam_problems(seams: tuple[Seam, ...] = SEAMS) -> list[str]:
+    """One line per seam that is missing or not what bapo_trl expects (empty: all present)."""
+    problems = []
+    for seam in seams:
+        try:
+            obj = _resolve(seam.target)
+        except (ImportError, AttributeError) as err:
+            problems.append(f"{seam.target} is missing ({type(err).__name__}: {err}); used for: {seam.why}")
+            continue
+        if seam.params:
+            names = [p for p in inspect.signature(obj).parameters if p != "self"]
+            if names[: len(seam.params)] != list(seam.params):
+                problems.append(f"{seam.target} takes {names}, expected it to start with {list(seam.params)}; "
+                                f"used for: {seam.why}")
+        if seam.mentions:
+            try:
+                source = inspect.getsource(obj.__init__ if inspect.isclass(obj) else obj)
+            except (OSError, TypeError):
+                source = ""
+            absent = [m for m in seam.mentions if m not in source]
+            if absent:
+                problems.append(f"{seam.target} no longer uses {absent}; used for: {seam.why}")
+    return problems
+
+
+def check_trl_seams(seams: tuple[Seam, ...] = SEAMS) -> None:
+    """Raise ``ImportError`` naming every broken seam and the TRL versions this release was tested with."""
+    problems = seam_problems(seams)
+    if problems:
+        import trl
+
+        raise ImportError(
+            f"bapo_trl was tested with TRL {TESTED_TRL_VERSIONS}, but the installed TRL {trl.__version__} changed "
+            "what BAPOTrainer builds on:\n  - " + "\n  - ".join(problems)
+            + f"\nInstall a tested TRL: pip install 'trl>=1.16,<1.17'."
+        )
