@@ -49,16 +49,17 @@ SHAPES = [(64, 256), (512, 512), (1024, 1024)]
 SUMMARY_SHAPE = (512, 512)
 
 
-def make_batch(batch: int, length: int, seed: int = 0):
+def make_batch(batch: int, length: int, seed: int = 0, device: str = "cpu"):
     """A stale batch where negatives dominate: ratios log-normal around 1, completions of random lengths (prefix
-    mask), per-row advantages mostly negative, so the share target 0.5 is never met."""
+    mask), per-row advantages mostly negative, so the share target 0.5 is never met. Made on CPU (the same data
+    whatever the device), then moved to ``device``."""
     gen = torch.Generator().manual_seed(seed)
     ratio = torch.exp(0.3 * torch.randn(batch, length, generator=gen))
     lengths = torch.randint(length // 8, length + 1, (batch,), generator=gen)
     mask = (torch.arange(length)[None, :] < lengths[:, None]).float()
     ratio = torch.where(mask == 0, torch.nan, ratio)  # padding holds garbage, as it may in a real batch
     advantages = torch.randn(batch, generator=gen) - 0.8
-    return ratio, advantages, mask
+    return ratio.to(device), advantages.to(device), mask.to(device)
 
 
 class CountingReduce:
@@ -106,11 +107,14 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def time_interleaved(fns: dict, rounds: int, calls: dict | None = None, warmup: int = 1) -> tuple[dict, dict]:
+def time_interleaved(fns: dict, rounds: int, calls: dict | None = None, warmup: int = 1,
+                     sync=None) -> tuple[dict, dict]:
     """Seconds per call for every function, taken in rounds (each round calls every function ``calls[name]``
     times, default once, alternating), and the mean number of page faults per call. Slow and fast contenders
-    share the same rounds, so background load drifting over time hits them alike."""
+    share the same rounds, so background load drifting over time hits them alike. ``sync`` (e.g.
+    ``torch.cuda.synchronize``) runs before and after each timed call, so a call's device work counts."""
     calls = calls or {}
+    sync = sync or (lambda: None)
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -121,9 +125,11 @@ def time_interleaved(fns: dict, rounds: int, calls: dict | None = None, warmup: 
             for name, fn in fns.items():
                 if i >= calls.get(name, 1):
                     continue
+                sync()
                 before = minor_faults()
                 start = time.perf_counter()
                 fn()
+                sync()
                 times[name].append(time.perf_counter() - start)
                 faults[name] += minor_faults() - before
     return times, {name: faults[name] / len(times[name]) for name in fns}
@@ -138,8 +144,9 @@ def load_baseline(path: str):
     return module.search_clip_bounds
 
 
-def bench_shape(batch: int, length: int, repeats: int, loop_repeats: int, baseline=None) -> dict:
-    ratio, advantages, mask = make_batch(batch, length)
+def bench_shape(batch: int, length: int, repeats: int, loop_repeats: int, baseline=None, device: str = "cpu") -> dict:
+    """Time ours, both loops and the floors on one (B, T) batch on ``device``; check that all choose alike."""
+    ratio, advantages, mask = make_batch(batch, length, device=device)
     counters = {"ours": CountingReduce(), "verl": CountingReduce(), "paper": CountingReduce()}
 
     def ours():
@@ -163,7 +170,8 @@ def bench_shape(batch: int, length: int, repeats: int, loop_repeats: int, baseli
         visited[name] = counters[name].calls
     per_round = -(-repeats // loop_repeats)  # fast contenders: several calls per round, loops one
     fast_calls = {name: per_round for name in fns if name not in ("verl", "paper")}
-    times, faults = time_interleaved(fns, rounds=loop_repeats, calls=fast_calls, warmup=1)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
+    times, faults = time_interleaved(fns, rounds=loop_repeats, calls=fast_calls, warmup=1, sync=sync)
 
     # the choice is the same as the loops' (both variants), so the timings compare equal work
     mine = {v: search_clip_bounds(ratio, advantages, mask, bapo_variant=v).as_floats() for v in ("paper", "verl")}

@@ -50,15 +50,18 @@ LABELS = {"_adapt_clip_window": "search + metrics", "_mix_in_replay": "replay mi
 class BlockTimer(TrainerCallback):
     """Time from the first step's start to the last step's end of a ``train()`` call (setup excluded)."""
 
-    def __init__(self):
+    def __init__(self, sync=None):
         self.first = self.last = None
         self.inside: dict[str, float] = {}  # seconds inside wrapped methods, over all timed blocks
+        self.sync = sync or (lambda: None)  # torch.cuda.synchronize on a GPU: a step's kernels end before its clock
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.first is None:
+            self.sync()
             self.first = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.sync()
         self.last = time.perf_counter()
 
     def pop(self) -> float:
@@ -66,26 +69,31 @@ class BlockTimer(TrainerCallback):
         return elapsed
 
 
-def common_args(output_dir: str, steps: int) -> dict:
+def common_args(output_dir: str, steps: int, device: str = "cpu", **overrides) -> dict:
+    """Training arguments shared by every trainer; ``device="cuda"`` trains in bf16 on the GPU, ``overrides``
+    replace any of them (batch shape, completion length, ...)."""
+    on_cpu = device == "cpu"
     return dict(
-        output_dir=output_dir, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
+        output_dir=output_dir, use_cpu=on_cpu, bf16=not on_cpu, gradient_checkpointing=False, report_to="none",
         save_strategy="no", logging_steps=1, disable_tqdm=True, seed=SEED, data_seed=SEED,
         per_device_train_batch_size=8, num_generations=4, steps_per_generation=4, max_completion_length=12,
         temperature=1.0, learning_rate=0.0, loss_type="dapo", max_steps=steps,
-    )
+    ) | overrides
 
 
-def build(kind: str, model_dir: str, output_dir: str, steps: int):
-    """One trainer: ``grpo``, ``bapo`` or ``replay``; each has its own copy of the same model."""
-    args = common_args(output_dir, steps)
+def build(kind: str, model_dir: str, output_dir: str, steps: int, device: str = "cpu", overrides=None,
+          bapo_extra=None):
+    """One trainer: ``grpo``, ``bapo`` or ``replay``; each has its own copy of the same model. ``overrides``
+    change the shared training arguments, ``bapo_extra`` adds BAPO settings (replay, partial rollout, ...)."""
+    args = common_args(output_dir, steps, device, **(overrides or {}))
     if kind == "grpo":
         config = GRPOConfig(**args)
         cls = GRPOTrainer
     else:
         extra = dict(replay_buffer_size=16, replay_ratio=0.25) if kind == "replay" else {}
-        config = BAPOConfig(**args, **extra)
+        config = BAPOConfig(**args, **extra, **(bapo_extra or {}))
         cls = BAPOTrainer
-    timer = BlockTimer()
+    timer = BlockTimer(torch.cuda.synchronize if device != "cpu" else None)
     trainer = cls(
         model=AutoModelForCausalLM.from_pretrained(model_dir),
         reward_funcs=reverse_reward,
@@ -118,6 +126,60 @@ def run_block(trainer, timer, round_index: int) -> float:
     return timer.pop()
 
 
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def resident_bytes(trainer) -> int:
+    """What a trainer itself holds on its device between steps: weights, buffers, optimizer state."""
+    model = trainer.model
+    held = tensor_bytes(model.parameters()) + tensor_bytes(model.buffers())
+    optimizer = getattr(trainer, "optimizer", None)
+    for state in (getattr(optimizer, "state", None) or {}).values():
+        held += tensor_bytes(state.values())
+    return held
+
+
+def measure(model_dir: str, kinds=("grpo", "bapo", "replay"), rounds: int = 12, steps: int = 8, device: str = "cpu",
+            overrides=None) -> dict:
+    """Build one trainer per kind on ``device``, run a warm-up block each, then ``rounds`` interleaved blocks of
+    ``steps`` steps (order rotating). Returns seconds per block (``times``), the completion tokens per logged step
+    of the last block (``tokens``), seconds inside BAPO's own methods (``inside``) and, on CUDA, each trainer's
+    peak memory in bytes (``peak``): what it holds itself (weights, optimizer state) plus the most its steps
+    allocated on top, so the other trainers resident on the same GPU do not count."""
+    cuda = device != "cpu"
+    peak = dict.fromkeys(kinds, 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainers = {kind: build(kind, model_dir, os.path.join(tmp, kind), steps, device, overrides)
+                    for kind in kinds}
+
+        def block(kind, round_index):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                own = resident_bytes(trainers[kind][0])
+            elapsed = run_block(*trainers[kind], round_index=round_index)
+            if cuda:
+                peak[kind] = max(peak[kind], own + torch.cuda.max_memory_allocated() - before)
+            return elapsed
+
+        for kind in kinds:  # warm-up block, not timed
+            block(kind, -1)
+            trainers[kind][1].inside.clear()
+        times = {kind: [] for kind in kinds}
+        for r in range(rounds):
+            order = kinds[r % len(kinds):] + kinds[: r % len(kinds)]
+            for kind in order:
+                times[kind].append(block(kind, r))
+        # the work done: completion tokens of the last block (equal for grpo and bapo when generation matches)
+        tokens = {kind: [h["num_tokens"] for h in trainers[kind][0].state.log_history if "num_tokens" in h]
+                  for kind in kinds}
+        inside = {kind: trainers[kind][1].inside for kind in kinds}
+        del trainers
+    return {"times": times, "tokens": tokens, "inside": inside, "peak": peak if cuda else None}
+
+
 def git_state() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
@@ -141,20 +203,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)  # measured several times faster than 2 threads for a model this small
     model_dir = build_tiny_model()
     kinds = ("grpo", "bapo", "replay")
-    with tempfile.TemporaryDirectory() as tmp:
-        trainers = {kind: build(kind, model_dir, os.path.join(tmp, kind), steps) for kind in kinds}
-        for kind in kinds:  # warm-up block, not timed
-            run_block(*trainers[kind], round_index=-1)
-            trainers[kind][1].inside.clear()
-        times = {kind: [] for kind in kinds}
-        for r in range(rounds):
-            order = kinds[r % 3:] + kinds[: r % 3]
-            for kind in order:
-                times[kind].append(run_block(*trainers[kind], round_index=r))
-        # the work done: completion tokens of the last block (equal for grpo and bapo when generation matches)
-        tokens = {kind: [h["num_tokens"] for h in trainers[kind][0].state.log_history if "num_tokens" in h]
-                  for kind in kinds}
-        inside = {kind: trainers[kind][1].inside for kind in kinds}
+    result = measure(model_dir, kinds, rounds, steps)
+    times, tokens, inside = result["times"], result["tokens"], result["inside"]
 
     bapo_ratios = [b / g for b, g in zip(times["bapo"], times["grpo"])]
     replay_ratios = [rp / b for rp, b in zip(times["replay"], times["bapo"])]

@@ -1,0 +1,460 @@
+"""The GPU check: everything of bapo_trl that can run on one GPU, in one command, with a summary table.
+
+Users run bapo_trl on GPUs; the machines that build and test it have none. When a GPU machine is at hand (one
+H100 or H200, no internet, CUDA PyTorch, transformers, accelerate and peft installed, but no trl, datasets or
+deepspeed), this script checks, on ``--device cuda``:
+
+1. **bound search** at 256k, 1M and 4M tokens: ours vs the plain loops (official-code port and paper Algorithm 1)
+   vs the one-candidate floor, same choice as the loops (``benchmarks/bound_search.py``'s ``bench_shape``);
+2. **no host sync**: the search (both variants x both modes) runs under ``torch.cuda.set_sync_debug_mode("error")``
+   and under :class:`HostSyncGuard`, which fails on any op that reads device values on the host (``.item()``,
+   ``.tolist()``, ``bool(tensor)``, ``nonzero``, boolean-mask indexing, host data copied to the device, ...);
+3. **BAPO vs TRL GRPO steps** in bf16 on a randomly initialised model of Qwen2.5-0.5B's shape (Llama
+   architecture, 24 layers, hidden 896, vocabulary 151,936: 494M parameters, built locally, no hub), same batch,
+   learning rate 0 so both do identical work: step-time ratio and peak-memory ratio
+   (``benchmarks/step_overhead.py``'s ``measure``; target: BAPO within 1% of GRPO);
+4. **DeepSpeed**: a 1-process ZeRO-3 launch of ``train_bapo.py`` (``accelerate_configs/deepspeed_zero3.yaml``),
+   and, on CUDA, a JIT build of DeepSpeed's FusedAdam op with the machine's nvcc, then one step of it;
+5. **replay queue** and **partial rollout**, a few BAPO steps each, on the device.
+
+On CPU (``--device cpu --quick``, in CI's slow tier so the script never rots) the same code runs small: 16k-token
+search, a 2-layer random model, the tiny default in the launch; no memory figures, no op build.
+
+On the GPU machine (Python 3.12, x86_64). Here, first, with internet::
+
+    bash scripts/gpu_wheels.sh            # trl, datasets, deepspeed, bapo_trl and their missing deps -> .gpu_wheels/
+
+then send the working tree with ``.gpu_wheels`` (ignored by git, under 64 MiB) and run there, from the repo root::
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu_site .gpu_wheels/*.whl
+    export PYTHONPATH=$PWD:/tmp/gpu_site HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+    python3 benchmarks/gpu_check.py --device cuda 2>&1 | tee gpu_check.log
+
+(``$PWD`` first: the checkout's ``bapo_trl`` is what gets checked; the wheel of it is there for installing without
+the checkout.) About 5-10 minutes on an H100, most of it DeepSpeed's op build and the step timing. ``--skip``
+leaves sections out (``search,steps,deepspeed,replay``).
+
+Output: one table row per check, then one machine-readable line::
+
+    device=<cpu|cuda> checks=<n> failed=<n> search_tokens=<n> speedup_vs_loop=<x> floor_ratio=<x> host_syncs=<n>
+    step_time_ratio=<bapo/grpo> peak_memory_ratio=<bapo/grpo or nan> zero3=<pass|fail|skip> replay=<...>
+    partial_rollout=<...>
+
+(all on one line). Exit code 1 if any check failed. Timings are reported, never judged: only wrong results
+(different choices than the loops, a host sync, a launch that did not run ZeRO-3, replay or partial rollout that
+did nothing) fail a check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmarks, also when imported by tests
+
+import torch  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import bound_search  # noqa: E402
+import step_overhead  # noqa: E402
+from bapo_trl import search_clip_bounds  # noqa: E402
+from bapo_trl.toy import build_tiny_model  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+#: (B, T) of the search: 256k, 1M, 4M tokens on CUDA; 16k on CPU with --quick (16k, 256k without).
+CUDA_SHAPES = [(512, 512), (1024, 1024), (2048, 2048)]
+CPU_SHAPES = [(64, 256), (512, 512)]
+#: Qwen2.5-0.5B's shape (Llama architecture: see bapo_trl.toy on qwen2 configs and this tokenizer): 494M parameters.
+GPU_MODEL = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096,
+                 rope_theta=1e6)
+#: The same builder on CPU, small: a vocabulary larger than the tokenizer's, as in the GPU model.
+CPU_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=2048, tie_word_embeddings=True, max_position_embeddings=256)
+#: The step comparison's batch on CUDA: 2 groups of 8 per micro-batch, completions of 128 tokens, stale data.
+GPU_STEP_ARGS = dict(per_device_train_batch_size=16, num_generations=8, steps_per_generation=4,
+                     max_completion_length=128)
+
+
+# -- host synchronisation -------------------------------------------------------------------------------------------
+
+
+class HostSyncError(RuntimeError):
+    pass
+
+
+#: aten ops that read device values on the host or whose output size depends on the data (a sync on CUDA).
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "unique", "_unique", "_unique2",
+            "unique_dim", "unique_consecutive", "repeat_interleave", "lift_fresh", "lift_fresh_copy", "equal"}
+#: Tensor methods that hand device values to Python.
+SYNC_METHODS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__"}
+
+
+class _SyncFunctions(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in SYNC_METHODS:
+            raise HostSyncError(f"host sync: Tensor.{name}()")
+        return func(*args, **(kwargs or {}))
+
+
+class _SyncOps(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name.split("::")[-1]
+        if name in SYNC_OPS:
+            why = "host data to the device" if "lift" in name else "reads device values or has a data-dependent size"
+            raise HostSyncError(f"host sync: aten.{name} ({why})")
+        if name in ("index", "index_put", "index_put_", "_index_put_impl_"):  # boolean-mask indexing: nonzero
+            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+            if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+                raise HostSyncError(f"host sync: aten.{name} with a boolean mask (data-dependent size)")
+        if name in ("_to_copy", "copy_"):
+            devices = {a.device for a in args if isinstance(a, torch.Tensor)}
+            if "device" in kwargs and kwargs["device"] is not None:
+                devices.add(torch.device(kwargs["device"]))
+            if len(devices) > 1:
+                raise HostSyncError(f"host sync: aten.{name} between {sorted(map(str, devices))}")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def host_sync_guard(device: str | torch.device = "cpu"):
+    """Fail on anything that would make the host wait for the device: on CUDA, PyTorch's own sync debug mode set to
+    ``"error"``; on every device, function- and dispatch-level hooks that refuse ``.item()``, ``.tolist()``,
+    ``bool(t)``, ``nonzero``, boolean-mask indexing, data-dependent shapes and copies between host and device. On
+    CPU nothing synchronises, so the hooks are what proves the code would not on CUDA."""
+    cuda = torch.device(device).type == "cuda"
+    previous = torch.cuda.get_sync_debug_mode() if cuda else None
+    with _SyncFunctions(), _SyncOps():
+        if cuda:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(previous)
+
+
+def check_no_host_sync(device: str, shape=(64, 256)) -> dict:
+    """Run the search for both variants and both modes under :func:`host_sync_guard`, after one unguarded call each
+    (the first call for a path on a device uploads the path's constants once; they are cached)."""
+    ratio, advantages, mask = bound_search.make_batch(*shape, seed=1, device=device)
+    combos = [(v, m) for v in ("paper", "verl") for m in ("value", "gradient")]
+    results, errors = {}, []
+    for variant, mode in combos:
+        search_clip_bounds(ratio, advantages, mask, bapo_variant=variant, positive_contribution_mode=mode)
+    for variant, mode in combos:
+        try:
+            with host_sync_guard(device):
+                result = search_clip_bounds(ratio, advantages, mask, bapo_variant=variant,
+                                            positive_contribution_mode=mode)
+            results[f"{variant}/{mode}"] = result.as_floats()  # read after the guard: ONE transfer
+        except (HostSyncError, RuntimeError) as err:  # CUDA's sync debug mode raises a RuntimeError
+            errors.append(f"{variant}/{mode}: {err}")
+    return {"searches": len(combos), "host_syncs": len(errors), "errors": errors, "results": results,
+            "guard": "dispatch/function hooks" + (" + torch.cuda.set_sync_debug_mode('error')"
+                                                  if torch.device(device).type == "cuda" else "")}
+
+
+# -- models ---------------------------------------------------------------------------------------------------------
+
+
+def build_random_model(output_dir: str, device: str = "cpu", dtype=torch.bfloat16, **shape) -> str:
+    """A randomly initialised Llama-architecture model of the given shape, saved with the embedded tokenizer.
+
+    The vocabulary may be larger than the tokenizer's (as a real model's shape needs): ids the tokenizer does not
+    know decode to nothing, so rewards see short strings, while training sees every sampled token.
+    """
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+    config = LlamaConfig(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=tokenizer.bos_token_id, **shape)
+    torch.manual_seed(0)
+    with torch.device(device):  # initialise where it is fast (the GPU for 0.5B)
+        model = LlamaForCausalLM(config)
+    model.to(dtype).save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    model.generation_config.save_pretrained(output_dir)
+    return output_dir
+
+
+# -- sections -------------------------------------------------------------------------------------------------------
+
+
+def section_search(device: str, quick: bool) -> list[dict]:
+    cuda = device == "cuda"
+    shapes = CUDA_SHAPES if cuda else (CPU_SHAPES[:1] if quick else CPU_SHAPES)
+    repeats, loop_repeats = (35, 7) if cuda else ((4, 2) if quick else (9, 3))
+    rows = []
+    for batch, length in shapes:
+        row = bound_search.bench_shape(batch, length, repeats, loop_repeats, device=device)
+        ms = row["ms"]
+        rows.append({
+            "check": f"bound search {batch}x{length} ({row['tokens'] // 1024}k tokens)",
+            "ok": row["agree"] and row["visited"]["ours"] == 1,
+            "detail": (f"ours {ms['ours']:.3f} ms; verl loop {ms['verl']:.2f} ms ({ms['verl'] / ms['ours']:.1f}x), "
+                       f"paper loop {ms['paper']:.2f} ms ({ms['paper'] / ms['ours']:.1f}x); floor {ms['floor']:.3f} "
+                       f"ms (ours/floor {ms['ours'] / ms['floor']:.2f}x; floor* {ms['floor_mul']:.3f} ms); "
+                       f"{row['visited']['verl']}/{row['visited']['paper']} candidates in the loops; "
+                       f"same choice as the loops: {row['agree']}"),
+            "tokens": row["tokens"], "speedup": ms["verl"] / ms["ours"], "floor_ratio": ms["ours"] / ms["floor"],
+        })
+    sync = check_no_host_sync(device)
+    rows.append({
+        "check": "bound search: no host sync",
+        "ok": sync["host_syncs"] == 0,
+        "detail": (f"{sync['searches']} searches (paper/verl x value/gradient), {sync['host_syncs']} with a host "
+                   f"sync; guard: {sync['guard']}" + ("; " + "; ".join(sync["errors"]) if sync["errors"] else "")),
+        "host_syncs": sync["host_syncs"],
+    })
+    return rows
+
+
+def section_steps(device: str, quick: bool, tmp: str) -> list[dict]:
+    cuda = device == "cuda"
+    start = time.perf_counter()
+    model_dir = build_random_model(os.path.join(tmp, "random-model"), device=device,
+                                   dtype=torch.bfloat16 if cuda else torch.float32,
+                                   **(GPU_MODEL if cuda else CPU_MODEL))
+    params = sum(p.numel() for p in _load_config_model(model_dir).parameters())
+    build_s = time.perf_counter() - start
+    rounds, steps = (6, 4) if cuda else ((2, 4) if quick else (4, 4))
+    result = step_overhead.measure(model_dir, ("grpo", "bapo"), rounds=rounds, steps=steps, device=device,
+                                   overrides=GPU_STEP_ARGS if cuda else None)
+    times = result["times"]
+    ratios = [b / g for b, g in zip(times["bapo"], times["grpo"])]
+    step_ratio = statistics.median(ratios)
+    ms = {k: 1e3 * statistics.median(t) / steps for k, t in times.items()}
+    tokens = result["tokens"]
+    same_work = tokens["grpo"] == tokens["bapo"]
+    peak = result["peak"]
+    memory_ratio = peak["bapo"] / peak["grpo"] if peak else math.nan
+    inside = 1e3 * sum(result["inside"]["bapo"].values()) / (rounds * steps)
+    args = step_overhead.common_args("", steps, device, **(GPU_STEP_ARGS if cuda else {}))
+    memory = (f"; peak memory grpo {peak['grpo'] / 2**30:.2f} GiB, bapo {peak['bapo'] / 2**30:.2f} GiB "
+              f"(bapo/grpo {memory_ratio:.4f})" if peak else "; peak memory: CUDA only")
+    return [{
+        "check": "BAPO vs GRPO training steps",
+        "ok": same_work,
+        "detail": (f"{params / 1e6:.1f}M-parameter random model ({'bf16' if cuda else 'fp32'}, built in "
+                   f"{build_s:.0f} s), batch {args['per_device_train_batch_size']} ({args['num_generations']} per "
+                   f"group), completions <= {args['max_completion_length']}, steps_per_generation "
+                   f"{args['steps_per_generation']}, lr 0; {rounds} interleaved rounds of {steps} steps: grpo "
+                   f"{ms['grpo']:.1f} ms/step, bapo {ms['bapo']:.1f} ms/step, paired bapo/grpo {step_ratio:.4f} "
+                   f"(per round {' '.join(f'{r:.3f}' for r in ratios)}; target <= 1.01: "
+                   f"{'met' if step_ratio <= 1.01 else 'not met'}); inside BAPO's own code {inside:.2f} ms/step"
+                   f"{memory}; same completion tokens: {same_work}"),
+        "step_ratio": step_ratio, "memory_ratio": memory_ratio,
+    }]
+
+
+def _load_config_model(model_dir: str):
+    """The model's parameters without its weights (meta device), to count them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+
+
+def section_deepspeed(device: str, tmp: str) -> list[dict]:
+    rows = [launch_zero3(device, os.path.join(tmp, "zero3"))]
+    if device == "cuda":
+        rows.append(build_deepspeed_op())
+    return rows
+
+
+def launch_zero3(device: str, out: str) -> dict:
+    """``accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml --num_processes 1 train_bapo.py``
+    on the embedded tiny default for a few steps; its launch record must say DeepSpeed, ZeRO-3, partitioned."""
+    cuda = device == "cuda"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO / "accelerate_configs" / "deepspeed_zero3.yaml"), "--num_processes", "1",
+           "--main_process_port", str(bound_search._free_port())]
+    cmd += [] if cuda else ["--mixed_precision", "no"]  # the yaml's bf16 is for GPUs
+    cmd += [str(REPO / "train_bapo.py"), "--max_steps", "4", "--per_device_train_batch_size", "8",
+            "--num_generations", "4", "--steps_per_generation", "2", "--max_completion_length", "8",
+            "--output_dir", out]
+    cmd += ["--use_cpu", "False", "--bf16", "True"] if cuda else []
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    seconds = time.perf_counter() - start
+    info_path = Path(out, "launch_info", "rank0.json")
+    if proc.returncode != 0 or not info_path.exists():
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        return {"check": "DeepSpeed ZeRO-3 launch of train_bapo.py", "ok": False,
+                "detail": f"exit {proc.returncode} after {seconds:.0f} s: ...{tail}"}
+    info = json.loads(info_path.read_text())
+    history = Path(out, "bapo_log_history.json")
+    logs = json.loads(history.read_text())["log_history"] if history.exists() else []
+    steps = [h for h in logs if "bapo/clip_high" in h]
+    ok = (info["distributed_type"] == "DEEPSPEED" and info["zero_stage"] == 3 and info["world_size"] == 1
+          and info["ds_partitioned_parameters"] > 0 and info["device"].startswith(device)
+          and len(steps) == 4 and "BAPO run summary" in proc.stdout)
+    return {"check": "DeepSpeed ZeRO-3 launch of train_bapo.py", "ok": ok,
+            "detail": (f"1 process on {info['device']}, {info['distributed_type']} stage {info['zero_stage']}, "
+                       f"{info['ds_partitioned_parameters']} partitioned parameters "
+                       f"({info.get('full_numel', 0)} elements), {len(steps)} BAPO steps logged, {seconds:.0f} s "
+                       "(launch included)")}
+
+
+def build_deepspeed_op() -> dict:
+    """JIT-build DeepSpeed's FusedAdam with the machine's nvcc, then take one step with it."""
+    start = time.perf_counter()
+    try:
+        from deepspeed.ops.adam import FusedAdam
+        from deepspeed.ops.op_builder import FusedAdamBuilder
+
+        FusedAdamBuilder().load()
+        build_s = time.perf_counter() - start
+        param = torch.nn.Parameter(torch.ones(4096, device="cuda"))
+        optimizer = FusedAdam([param], lr=0.1)
+        param.grad = torch.ones_like(param)
+        optimizer.step()
+        moved = bool((param.detach() < 1).all().item())
+        return {"check": "DeepSpeed op build (FusedAdam, nvcc)", "ok": moved,
+                "detail": f"built and loaded in {build_s:.0f} s; one step moved the weights: {moved}"}
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        return {"check": "DeepSpeed op build (FusedAdam, nvcc)", "ok": False,
+                "detail": f"{type(err).__name__}: {str(err)[-1500:]}"}
+
+
+def section_replay(device: str, tmp: str) -> list[dict]:
+    """A few BAPO steps with the replay queue, then with partial rollout, on the device (the tiny default)."""
+    model_dir = build_tiny_model()
+    runs = {
+        "replay queue": dict(steps=6, overrides=dict(steps_per_generation=1),
+                             bapo_extra=dict(replay_buffer_size=16, replay_ratio=0.5)),
+        "partial rollout": dict(steps=6, overrides=dict(steps_per_generation=1, max_completion_length=12),
+                                bapo_extra=dict(partial_rollout_budget=4, partial_rollout_max_resumes=2)),
+    }
+    rows = []
+    for name, run in runs.items():
+        trainer, _ = step_overhead.build("bapo", model_dir, os.path.join(tmp, name.replace(" ", "-")), run["steps"],
+                                         device, run["overrides"], run["bapo_extra"])
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        on = trainer.model.device.type
+
+        def most(key):  # a metric's largest value over the steps (None where a step had nothing to report)
+            return max((h.get(key) or 0.0 for h in logs), default=0.0)
+
+        if name == "replay queue":
+            fraction = most("replay/fraction")
+            ok = on == device and fraction > 0 and len(logs) == run["steps"]
+            detail = (f"{len(logs)} steps on {on}: queue up to {most('replay/size'):.0f} groups, replayed fraction "
+                      f"up to {fraction:.2f}, staleness up to {most('replay/staleness_max'):.0f} steps")
+        else:
+            segments = most("partial/segments_per_completion")
+            stale = most("partial/token_staleness_max")
+            ok = on == device and segments > 1 and len(logs) == run["steps"]
+            detail = (f"{len(logs)} steps on {on}: up to {segments:.2f} segments per scored completion, token "
+                      f"staleness up to {stale:.0f} steps")
+        rows.append({"check": name, "ok": ok, "detail": detail})
+        del trainer
+    return rows
+
+
+# -- report ---------------------------------------------------------------------------------------------------------
+
+
+def versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for name in ("torch", "transformers", "trl", "accelerate", "peft", "datasets", "deepspeed"):
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            found.append(f"{name} missing")
+    return ", ".join(found)
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        return f"{props.name}, {props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}"
+    return f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="smallest sizes and fewest repeats (for CPU CI)")
+    parser.add_argument("--skip", default="", help="comma-separated sections to leave out: search,steps,deepspeed,"
+                        "replay")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no GPU")
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # the shared 2-core boxes: one thread is fastest for these sizes
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    print(f"# gpu_check on {device_name(args.device)}; {versions()}; Python {platform.python_version()}; repo "
+          f"{step_overhead.git_state()}; {time.strftime('%Y-%m-%d %H:%M %Z')}", flush=True)
+
+    sections = {"search": lambda tmp: section_search(args.device, args.quick),
+                "steps": lambda tmp: section_steps(args.device, args.quick, tmp),
+                "deepspeed": lambda tmp: section_deepspeed(args.device, tmp),
+                "replay": lambda tmp: section_replay(args.device, tmp)}
+    rows, started = [], time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, run in sections.items():
+            if name in skip:
+                continue
+            start = time.perf_counter()
+            try:
+                new = run(tmp)
+            except Exception as err:  # noqa: BLE001 - one broken section must not hide the others' results
+                traceback.print_exc()
+                new = [{"check": name, "ok": False, "detail": f"{type(err).__name__}: {str(err)[-1500:]}"}]
+            for row in new:
+                row["section"] = name
+                print(f"# {'PASS' if row['ok'] else 'FAIL'} {row['check']}: {row['detail']}", flush=True)
+            print(f"# section {name}: {time.perf_counter() - start:.0f} s", flush=True)
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+            rows += new
+
+    print()
+    print(f"| check ({args.device}) | result | numbers |")
+    print("|---|---|---|")
+    for row in rows:
+        print(f"| {row['check']} | {'pass' if row['ok'] else 'FAIL'} | {row['detail']} |")
+    print()
+    print(f"# {len(rows)} checks, {sum(not r['ok'] for r in rows)} failed, {time.perf_counter() - started:.0f} s")
+
+    def pick(key, default=math.nan):
+        found = [r[key] for r in rows if key in r]
+        return found[-1] if found else default
+
+    def status(check):
+        found = [r for r in rows if r["check"] == check]
+        return ("pass" if found[0]["ok"] else "fail") if found else "skip"
+
+    failed = sum(not r["ok"] for r in rows)
+    print(f"device={args.device} checks={len(rows)} failed={failed} search_tokens={pick('tokens', 0)} "
+          f"speedup_vs_loop={pick('speedup'):.1f} floor_ratio={pick('floor_ratio'):.2f} "
+          f"host_syncs={pick('host_syncs', -1)} step_time_ratio={pick('step_ratio'):.4f} "
+          f"peak_memory_ratio={pick('memory_ratio'):.4f} zero3={status('DeepSpeed ZeRO-3 launch of train_bapo.py')} "
+          f"replay={status('replay queue')} partial_rollout={status('partial rollout')}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
