@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .clipping import MODES, VARIANTS, BAPOSettings, settings_errors
+from .clipping import MODES, VARIANTS, BAPOSettings, search_path, settings_errors
 from .replay import SAMPLING
 
 #: Loss types whose objective is the clipped surrogate ``min(r A, clip(r, c_low, c_high) A)`` that BAPO adapts.
@@ -170,14 +171,6 @@ class BAPOConfig(GRPOConfig):
             raise ValueError("Invalid BAPOConfig:\n  - " + "\n  - ".join(errors))
         if self.bapo_variant == "verl" and self.delta is None:
             self.delta = VERL_DUAL_CLIP
-        if self.bapo_variant == "paper" and self.ratio_lower_start + self.ratio_lower_step > self.ratio_lower_max + 1e-9:
-            if self.ratio_upper_max > self.ratio_upper_start:
-                warnings.warn(
-                    "BAPO: `ratio_lower_start` + `ratio_lower_step` exceeds `ratio_lower_max`, so the paper's search "
-                    "loop never runs and `c_high` stays at `ratio_upper_start`: the window is fixed at "
-                    f"[{self.ratio_lower_start}, {self.ratio_upper_start}].",
-                    stacklevel=2,
-                )
         super().__post_init__()
         local_batch = self.per_device_train_batch_size * self.steps_per_generation
         if (self.replay_enabled or self.partial_rollout_enabled) and local_batch % self.num_generations:
@@ -187,6 +180,85 @@ class BAPOConfig(GRPOConfig):
                 f"`steps_per_generation` ({local_batch}) must be a multiple of `num_generations` "
                 f"({self.num_generations})."
             )
+        # Settings that are valid one by one but under which something the user turned on can never act.
+        inert = self.inert_settings()
+        errors = [message for kind, message in inert if kind == "error"]
+        if errors:
+            raise ValueError("Invalid BAPOConfig:\n  - " + "\n  - ".join(errors))
+        for kind, message in inert:
+            if kind == "warning":
+                warnings.warn(f"BAPO: {message}", UserWarning, stacklevel=2)
+
+    @property
+    def updates_per_generation(self) -> int:
+        """Optimizer steps taken on one generation batch (TRL reuses it ``steps_per_generation x num_iterations``
+        micro-steps)."""
+        micro_steps = self.steps_per_generation * self.num_iterations
+        return max(1, -(-micro_steps // self.gradient_accumulation_steps))
+
+    @property
+    def replayed_groups_per_batch(self) -> int:
+        """Groups of each process's generation batch that ``replay_ratio`` replaces (the trainer's rounding)."""
+        groups = self.per_device_train_batch_size * self.steps_per_generation // self.num_generations
+        return round(self.replay_ratio * groups)
+
+    def inert_settings(self) -> list[tuple[str, str]]:
+        """``("error" | "warning", message)`` for every setting that can never act in this combination (the README
+        table "Settings that would do nothing"). Errors: a feature the user turned on would never act. Warnings: the
+        run is legitimate but a setting is useless in it."""
+        rows = []
+        upg = self.updates_per_generation
+        if self.replay_enabled:
+            # A group pushed at step s is first sampled at the next generation, s + upg, and counted at the last
+            # update that trains on that batch, s + 2 upg - 1: its age is at least 2 upg - 1.
+            youngest = 2 * upg - 1
+            if self.replay_max_staleness < youngest:
+                rows.append(("error", (
+                    f"`replay_max_staleness` ({self.replay_max_staleness}) is below the youngest age a replayed group "
+                    f"can have ({youngest} = 2 x {upg} updates per generation batch - 1, from steps_per_generation="
+                    f"{self.steps_per_generation}, num_iterations={self.num_iterations}, gradient_accumulation_steps="
+                    f"{self.gradient_accumulation_steps}): every stored group would be evicted before it is replayed. "
+                    f"Set `replay_max_staleness` >= {youngest}.")))
+            if self.replayed_groups_per_batch == 0 and not self.replay_fill_zero_std_groups:
+                groups = self.per_device_train_batch_size * self.steps_per_generation // self.num_generations
+                rows.append(("error", (
+                    f"`replay_ratio` ({self.replay_ratio}) x {groups} groups per generation batch on each process "
+                    "rounds to 0 replayed groups: nothing would ever be replayed. Raise `replay_ratio` to at least "
+                    f"{0.5 / groups + 1e-9:.3g} (or use `replay_fill_zero_std_groups=True`).")))
+            elif self.replay_buffer_size < self.replayed_groups_per_batch:
+                rows.append(("warning", (
+                    f"`replay_buffer_size` ({self.replay_buffer_size}) holds fewer groups than one batch replays "
+                    f"({self.replayed_groups_per_batch} = replay_ratio x groups per batch): `replay_ratio` is never "
+                    "reached.")))
+        on_policy = upg <= 1 and not (self.replay_enabled or self.partial_rollout_enabled)
+        if on_policy:
+            rows.append(("warning", (
+                f"the data is exactly on-policy (steps_per_generation x num_iterations = {self.steps_per_generation} x "
+                f"{self.num_iterations} <= gradient_accumulation_steps = {self.gradient_accumulation_steps}, no replay, "
+                "no partial rollout): every ratio is 1 and the bound search can never change the loss (BAPO equals "
+                "GRPO). Data becomes stale with steps_per_generation > gradient_accumulation_steps, num_iterations > 1, "
+                "replay_buffer_size/replay_ratio or partial_rollout_budget.")))
+        path = search_path(self.bapo_settings)
+        window = f"[{path.clip_low[0]}, {path.clip_high[0]}]"
+        if self.bapo_variant == "paper" and len(path.low_grid) == 1 and self.ratio_upper_max > self.ratio_upper_start:
+            rows.append(("warning", (
+                "`ratio_lower_start` + `ratio_lower_step` exceeds `ratio_lower_max`, so the paper's search loop never "
+                f"runs and `c_high` stays at `ratio_upper_start`: the window is fixed at {window}; "
+                "`ratio_upper_max` and `ratio_upper_step` have no effect.")))
+        if len(path) == 1:
+            moved = [f"{name}={getattr(self, name)!r}" for name, default in
+                     (("positive_contribution_target", 0.5), ("positive_contribution_mode", "value"))
+                     if getattr(self, name) != default]
+            if moved:
+                rows.append(("warning", (
+                    f"the search path has a single window {window}, so {', '.join(moved)} only matter(s) for a moving "
+                    "search and has no effect: widen `ratio_upper_max` / `ratio_lower_max` or drop the setting.")))
+        if self.epsilon != 0.2 or self.epsilon_high is not None:
+            rows.append(("warning", (
+                f"`epsilon` ({self.epsilon}) / `epsilon_high` ({self.epsilon_high}) are ignored: BAPO chooses the "
+                "window at every update; its range is `ratio_lower_start`..`ratio_lower_max` and "
+                "`ratio_upper_start`..`ratio_upper_max`.")))
+        return rows
 
     def bapo_errors(self) -> list[str]:
         """Every problem with the BAPO fields and their combination with the GRPO fields."""
@@ -267,7 +339,13 @@ class BAPOConfig(GRPOConfig):
         # The pool sets each round's length cap and tells a stopped completion from a capped one by its EOS tokens
         # (`stop_token_ids` / `eos_token_id` in generation_kwargs join them); other length or stop settings would
         # override the cap or stop on something it cannot see.
-        clashing = sorted(set(self.generation_kwargs or {}) & PARTIAL_ROLLOUT_CLASHING_KWARGS)
+        kwargs = self.generation_kwargs or {}
+        if isinstance(kwargs, str):  # from the command line: TrainingArguments parses the JSON only later
+            try:
+                kwargs = json.loads(kwargs)
+            except json.JSONDecodeError:
+                kwargs = {}  # TRL reports the malformed JSON itself
+        clashing = sorted(set(kwargs if isinstance(kwargs, dict) else {}) & PARTIAL_ROLLOUT_CLASHING_KWARGS)
         if clashing:
             errors.append(
                 f"`generation_kwargs` keys {clashing} cannot be used with `partial_rollout_budget` (it caps each "

@@ -80,7 +80,6 @@ PAPER_CITATION = """\
     eprint       = {arXiv:2510.18927}
 }"""
 
-
 def bapo_card_section(args: BAPOConfig, log_history: list[dict]) -> str:
     """Markdown: the BAPO settings of the run and the averages of its search, for the model card."""
     rows = [
@@ -112,11 +111,9 @@ def bapo_card_section(args: BAPOConfig, log_history: list[dict]) -> str:
         f"| setting | value |\n|---|---|\n{table}\n"
     )
 
-
 def right_pad(rows: list[list], width: int, fill, dtype: torch.dtype, device) -> torch.Tensor:
     """Per-completion lists as one ``(len(rows), width)`` tensor, each row cut or filled with ``fill`` to ``width``."""
     return torch.tensor([(list(r) + [fill] * width)[:width] for r in rows], dtype=dtype, device=device)
-
 
 class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode also without CUDA
     """GRPO with BAPO's adaptive clipping window (Xi et al., 2025).
@@ -364,11 +361,11 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         has_signal = [bool(g["advantages"].max() > g["advantages"].min()) for g in fresh]
 
         args = self.args
-        wanted = round(args.replay_ratio * len(fresh))
+        wanted = args.replayed_groups_per_batch  # round(replay_ratio x groups), checked against 0 in the config
         if args.replay_fill_zero_std_groups:
             wanted = max(wanted, has_signal.count(False))
         # Staleness is counted at the LAST update that trains on this batch, so no group trains past its limit.
-        last_update = step + self._updates_per_generation - 1
+        last_update = step + args.updates_per_generation - 1
         replayed = self.replay_queue.sample(min(wanted, len(fresh)), current_step=last_update)
         replaced = set(groups_to_replace(has_signal, len(replayed), args.replay_fill_zero_std_groups,
                                          self.replay_queue.generator))
@@ -384,13 +381,6 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         other["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
         self._log_replay(mixed, mask)
         return {**mixed, **other}  # a per-row tensor first: TRL sizes the batch by the first value
-
-    @property
-    def _updates_per_generation(self) -> int:
-        """Optimizer steps taken on one generation batch (TRL reuses it ``steps_per_generation x num_iterations``
-        micro-steps)."""
-        micro_steps = self.args.steps_per_generation * self.num_iterations
-        return max(1, -(-micro_steps // self.args.gradient_accumulation_steps))
 
     def _behavior_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)

@@ -83,6 +83,6 @@ def test_pinned_lower_bound_warns_that_upper_cannot_move():
         BAPOConfig(output_dir="unused", use_cpu=True, ratio_lower_start=0.8, ratio_lower_max=0.8)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        # a fully pinned window is a legitimate fixed-clipping baseline: no warning
+        # a fully pinned window is a legitimate fixed-clipping baseline (on stale data): no warning
         BAPOConfig(output_dir="unused", use_cpu=True, ratio_lower_start=0.8, ratio_lower_max=0.8,
-                   ratio_upper_start=1.2, ratio_upper_max=1.2)
+                   ratio_upper_start=1.2, ratio_upper_max=1.2, steps_per_generation=2)

@@ -1,0 +1,81 @@
+"""No setting that silently does nothing: each row of the README table "Settings that would do nothing", met as a
+user meets it, through train_bapo.py's own argument parsing (bapo_trl.script.parse_args, what the script runs)
+on top of the embedded default job, and one row through a real ``python train_bapo.py`` process."""
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from bapo_trl.script import parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: (flags, substrings of the one-line error): a feature the user turned on would never act.
+ERRORS = [
+    ("--replay_buffer_size 32 --replay_ratio 0.5 --replay_max_staleness 8",
+     ["`replay_max_staleness` (8) is below the youngest age", "Set `replay_max_staleness` >= 15"]),
+    ("--replay_buffer_size 8 --replay_ratio 0.01 --replay_max_staleness 64",
+     ["`replay_ratio` (0.01) x 32 groups", "rounds to 0 replayed groups"]),
+    ("--replay_buffer_size 8", ["`replay_buffer_size` is 8 but nothing is ever replayed"]),
+    ("--replay_ratio 0.5", ["needs a replay queue: set `replay_buffer_size` >= 1"]),
+    ("--partial_rollout_budget 12", ["`partial_rollout_budget` must be an integer in [1, max_completion_length)"]),
+    ("--delta 2.0", ["`delta` (2.0) must be >= `ratio_upper_max` (3.0)"]),
+    ("--partial_rollout_budget 4 --generation_kwargs {\"max_tokens\":8}",
+     ["`generation_kwargs` keys ['max_tokens'] cannot be used with `partial_rollout_budget`"]),
+]
+#: (flags, substring of the warning): legitimate but a setting is useless.
+WARNINGS = [
+    ("--steps_per_generation 1", "the data is exactly on-policy"),
+    ("--ratio_lower_start 0.8 --ratio_lower_max 0.8", "the paper's search loop never runs"),
+    ("--ratio_lower_start 0.8 --ratio_lower_max 0.8 --ratio_upper_max 1.2 --positive_contribution_target 0.4",
+     "single window [0.8, 1.2], so positive_contribution_target=0.4 only matter(s) for a moving search"),
+    ("--epsilon 0.3", "`epsilon` (0.3) / `epsilon_high` (None) are ignored"),
+    ("--replay_buffer_size 2 --replay_ratio 0.5 --replay_max_staleness 64", "`replay_ratio` is never reached"),
+]
+
+
+@pytest.mark.parametrize("flags,expected", ERRORS, ids=[e[0] for e in ERRORS])
+def test_setting_that_can_never_act_is_refused(flags, expected, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(flags.split())
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    for part in expected:
+        assert part in err
+
+
+@pytest.mark.parametrize("flags,expected", WARNINGS, ids=[w[0] for w in WARNINGS])
+def test_useless_setting_warns(flags, expected):
+    with pytest.warns(UserWarning) as record:
+        parse_args(flags.split())
+    assert any(expected in str(w.message) for w in record), [str(w.message) for w in record]
+
+
+def test_the_default_job_needs_no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        parse_args([])
+
+
+def test_the_table_has_the_rows_the_readme_promises():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Settings that would do nothing")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][1:]  # minus the header
+    assert len(rows) == len(ERRORS) + len(WARNINGS) >= 8
+
+
+@pytest.mark.slow
+def test_train_bapo_refuses_replay_that_would_evict_everything(tmp_path):
+    """The measured case: with the default steps_per_generation=8 this replay setting used to log replay/* metrics
+    while evicting every group before it could be replayed."""
+    proc = subprocess.run(
+        [sys.executable, "train_bapo.py", "--replay_buffer_size", "32", "--replay_ratio", "0.5",
+         "--replay_max_staleness", "8", "--output_dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2
+    assert "Set `replay_max_staleness` >= 15" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "checkpoint-1").exists()
