@@ -17,9 +17,9 @@ pytestmark = pytest.mark.slow
 NUMBER = r"-?\d+(?:\.\d+)?"
 
 
-def run_quick(script: str) -> str:
+def run_quick(script: str, *args: str) -> str:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--quick"], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--quick", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc.stdout.strip().splitlines()[-1]
@@ -42,3 +42,15 @@ def test_staleness_study_quick_prints_its_summary():
     last = run_quick("staleness_study.py")
     assert re.fullmatch(rf"runs=2 bapo_final_reward=({NUMBER}) fixed_final_reward=({NUMBER}) minutes=({NUMBER})",
                         last), last
+
+
+def test_gpu_check_cpu_quick_passes_every_check():
+    """The GPU check's CPU mode: 16k-token search (same choice as the loops, no host sync in 4 searches), BAPO vs
+    GRPO steps on the random model, a 1-process ZeRO-3 launch of train_bapo.py, replay and partial rollout."""
+    last = run_quick("gpu_check.py", "--device", "cpu")
+    match = re.fullmatch(
+        rf"device=cpu checks=(\d+) failed=0 search_tokens=16384 speedup_vs_loop=({NUMBER}) floor_ratio=({NUMBER}) "
+        rf"host_syncs=0 step_time_ratio=({NUMBER}) peak_memory_ratio=nan zero3=pass replay=pass partial_rollout=pass",
+        last)
+    assert match, last
+    assert int(match[1]) == 6 and float(match[2]) > 0 and float(match[4]) > 0
