@@ -35,6 +35,32 @@ def describe_launch(accelerator, model) -> dict:
     return info
 
 
+def launch_errors(training_args, environ=os.environ, cuda_available: bool | None = None) -> list[str]:
+    """Launch mistakes that would otherwise end in a wall of per-rank tracebacks, told as what to pass instead.
+
+    Read from the variables ``accelerate launch`` exports (``ACCELERATE_*``) before any model or process group is
+    built. Checked: a DeepSpeed config asking for bf16/fp16 mixed precision while the trainer runs without
+    ``--bf16``/``--fp16`` (DeepSpeed's "config values mismatch" on every rank; on a CPU-only machine, where the
+    embedded job runs in fp32, the fix is ``--mixed_precision no``).
+    """
+    errors = []
+    precision = environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    deepspeed = environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed and precision in ("bf16", "fp16") and not getattr(training_args, precision, False):
+        if cuda_available is None:
+            import torch
+
+            cuda_available = torch.cuda.is_available()
+        fix = ("add `--mixed_precision no` to `accelerate launch` (before train_bapo.py) and keep `--use_cpu`"
+               if not cuda_available else
+               f"pass `--{precision} True` to train_bapo.py, or `--mixed_precision no` to `accelerate launch`")
+        errors.append(
+            f"the accelerate config asks DeepSpeed for mixed_precision {precision} but train_bapo.py runs without "
+            f"`--{precision}`{' (a machine without CUDA)' if not cuda_available else ''}: {fix}."
+        )
+    return errors
+
+
 class LaunchInfoCallback(TrainerCallback):
     """Writes :func:`describe_launch` for every rank when training starts."""
 

@@ -128,10 +128,14 @@ class SetupError(SystemExit):
 def prepare(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args: ModelConfig):
     """Everything that can fail cheaply, before any model is built or loaded: rewards, data, the model path."""
     from .data import load_prompts
+    from .launch_info import launch_errors
     from .rewards import resolve_reward_funcs
 
     embedded = model_args.model_name_or_path is None
     try:
+        mistakes = launch_errors(training_args)
+        if mistakes:
+            raise ValueError(" ".join(mistakes))
         reward_names = script_args.reward_funcs or (["reverse"] if embedded else None)
         if not reward_names and not script_args.reward_model_name_or_path:
             raise ValueError("no reward: pass --reward_funcs NAME [NAME ...] or --reward_model_name_or_path.")

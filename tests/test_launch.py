@@ -6,10 +6,13 @@ two independent world-size-1 runs, or a ZeRO-3 run that did not partition the we
 """
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from launching import REPO, accelerate_launch
+from launching import REPO, accelerate_launch, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -105,3 +108,34 @@ def test_two_processes_zero3_with_partial_rollout(tmp_path):
     logs = [h for h in json.loads((checkpoint / "trainer_state.json").read_text())["log_history"] if "loss" in h]
     assert len(logs) == 4 and max(h["partial/segments_per_completion"] for h in logs) > 1
     assert max(h["partial/token_staleness_max"] for h in logs) >= 1
+
+
+@pytest.mark.slow
+def test_deepspeed_bf16_config_on_cpu_fails_with_one_actionable_line(tmp_path):
+    """The DeepSpeed configs ask for bf16; on this CPU machine, launched without `--mixed_precision no`, the job
+    used to end in DeepSpeed's "config values mismatch" on every rank. Now: one line saying what to pass."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO / "accelerate_configs" / "deepspeed_zero3.yaml"), "--num_processes", "1",
+           "--main_process_port", str(free_port()), "train_bapo.py", "--max_steps", "1", "--output_dir", str(tmp_path)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "error: the accelerate config asks DeepSpeed for mixed_precision bf16" in proc.stderr
+    assert "add `--mixed_precision no` to `accelerate launch`" in proc.stderr
+    # the only traceback left is torchrun's report that its child exited with 2; none from train_bapo.py's process
+    assert "config values mismatch" not in proc.stderr and 'File "/' + str(REPO) not in proc.stderr
+    assert "bapo_trl/" not in proc.stderr
+
+
+def test_launch_check_reads_accelerate_variables():
+    from bapo_trl.launch_info import launch_errors
+
+    class Args:
+        bf16, fp16 = False, False
+
+    ds_bf16 = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "bf16"}
+    assert "--mixed_precision no" in launch_errors(Args, ds_bf16, cuda_available=False)[0]
+    assert "`--bf16 True`" in launch_errors(Args, ds_bf16, cuda_available=True)[0]
+    Args.bf16 = True
+    assert launch_errors(Args, ds_bf16, cuda_available=True) == []
+    assert launch_errors(Args, {"ACCELERATE_MIXED_PRECISION": "bf16"}, cuda_available=False) == []  # no DeepSpeed
