@@ -10,6 +10,16 @@ def _mean(values):
     return sum(values) / len(values) if values else float("nan")
 
 
+def is_active(entry: dict) -> bool:
+    """Whether the search could act in this logged update (some window on its path changes the loss); logs
+    written before ``bapo/search_active`` existed count as active."""
+    return (entry.get("bapo/search_active") or 0.0) > 0 if "bapo/search_active" in entry else "bapo/clip_low" in entry
+
+
+def moved(entry: dict) -> float:
+    return float(is_active(entry) and (entry.get("bapo/search_steps") or 0) > 0)
+
+
 def generation_rows(log_history: list[dict]) -> list[dict]:
     """One row per generation: TRL logs ``reward`` on the step that generated a batch; the steps that train on
     the same batch follow it."""
@@ -23,9 +33,11 @@ def generation_rows(log_history: list[dict]) -> list[dict]:
     for row in rows:
         entries = row.pop("entries")
         row["last_step"] = entries[-1].get("step")
-        for key in ("bapo/clip_low", "bapo/clip_high", "bapo/positive_contribution", "bapo/target_met", "entropy"):
-            row[key] = _mean([e.get(key) for e in entries])
-        row["bounds_moved"] = _mean([float(e.get("bapo/search_steps", 0) > 0) for e in entries])
+        active = [e for e in entries if is_active(e)]  # the window only means something where it mattered
+        for key in ("bapo/clip_low", "bapo/clip_high", "bapo/positive_contribution", "bapo/target_met"):
+            row[key] = _mean([e.get(key) for e in active])
+        row["entropy"] = _mean([e.get("entropy") for e in entries])
+        row["bounds_moved"] = _mean([moved(e) for e in entries])
     return rows
 
 
@@ -50,16 +62,18 @@ def format_summary(log_history: list[dict], args=None, max_rows: int = 12) -> st
             f"{r['bounds_moved']:5.2f} {r['entropy']:7.3f}"
         )
     train = [e for e in log_history if "loss" in e]
+    active = [e for e in train if is_active(e)]
     quarter = max(1, len(rows) // 4)
     first = _mean([r["reward"] for r in rows[:quarter]])
     last = _mean([r["reward"] for r in rows[-quarter:]])
     lines.append(
         f"reward: {first:.3f} (first quarter of generations) -> {last:.3f} (last quarter); "
-        f"mean bounds [{_mean([e.get('bapo/clip_low') for e in train]):.3f}, "
-        f"{_mean([e.get('bapo/clip_high') for e in train]):.3f}]; "
-        f"positive share {_mean([e.get('bapo/positive_contribution_before') for e in train]):.3f} at the start "
-        f"bounds -> {_mean([e.get('bapo/positive_contribution') for e in train]):.3f} chosen"
+        f"search active (some window on the path changes the loss) in {100 * len(active) / len(train):.0f}% of "
+        f"updates; over those: mean bounds [{_mean([e.get('bapo/clip_low') for e in active]):.3f}, "
+        f"{_mean([e.get('bapo/clip_high') for e in active]):.3f}], "
+        f"positive share {_mean([e.get('bapo/positive_contribution_before') for e in active]):.3f} at the start "
+        f"bounds -> {_mean([e.get('bapo/positive_contribution') for e in active]):.3f} chosen"
         + (f" (target {args.positive_contribution_target})" if args is not None else "")
-        + f"; bounds moved in {100 * _mean([float(e.get('bapo/search_steps', 0) > 0) for e in train]):.0f}% of updates."
+        + f"; bounds moved in {100 * _mean([moved(e) for e in train]):.0f}% of updates."
     )
     return "\n".join(lines)

@@ -32,6 +32,7 @@ from .numerics import sanitize_micro_batch
 from .rewards import name_errors
 from .partial_rollout import PartialRolloutPool
 from .replay import ReplayQueue, groups_to_replace, pad_and_stack, split_groups
+from .summary import is_active
 from .trl_seams import check_trl_seams
 
 check_trl_seams()  # a TRL that moved a private method we override fails here, loudly, not mid-training
@@ -43,6 +44,7 @@ BAPO_METRICS = (
     "bapo/positive_contribution",
     "bapo/positive_contribution_before",
     "bapo/search_steps",
+    "bapo/search_active",
     "bapo/target_met",
     "bapo/search_exhausted",
     "bapo/positive_loss_share",
@@ -94,7 +96,10 @@ def bapo_card_section(args: BAPOConfig, log_history: list[dict]) -> str:
     if args.replay_enabled:
         rows.append(("replay", f"{args.replay_buffer_size} groups, ratio {args.replay_ratio}, "
                                f"max staleness {args.replay_max_staleness}, {args.replay_sampling} sampling"))
-    steps = [h for h in log_history if "bapo/clip_low" in h]
+    logged = [h for h in log_history if "bapo/clip_low" in h]
+    steps = [h for h in logged if is_active(h)]  # means over the updates where the window mattered
+    if logged:
+        rows.append(("updates where some window changed the loss", f"{100 * len(steps) / len(logged):.0f}%"))
     if steps:
         mean = lambda k: sum(h[k] for h in steps if h.get(k) is not None) / max(  # noqa: E731
             1, sum(h.get(k) is not None for h in steps))
@@ -103,10 +108,13 @@ def bapo_card_section(args: BAPOConfig, log_history: list[dict]) -> str:
             ("mean positive share (chosen bounds)", f"{mean('bapo/positive_contribution'):.3f}"),
             ("updates meeting the target", f"{100 * mean('bapo/target_met'):.0f}%"),
         ]
+    elif logged:
+        rows.append(("mean chosen window", "none: no update where the window could change the loss (on-policy data)"))
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     return (
-        "## BAPO\n\nTrained with BAPO (Balanced Policy Optimization with Adaptive Clipping, "
-        "[arXiv 2510.18927](https://arxiv.org/abs/2510.18927)) via `bapo_trl`: the PPO clipping window was "
+        "## BAPO\n\nTrained with BAPO (Balanced Policy Optimization with Adaptive Clipping, Xi et al., "
+        "[arXiv 2510.18927](https://arxiv.org/abs/2510.18927); not the 2026 \"Batch Adaptation Policy Optimization\") via "
+        "`bapo_trl`: the PPO clipping window was "
         "re-chosen at every update so that positive-advantage tokens keep a target share of the loss.\n\n"
         f"| setting | value |\n|---|---|\n{table}\n"
     )
@@ -542,8 +550,12 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             stale_max = torch.where(valid, staleness, 0.0).max() if staleness.numel() else 0
         else:
             stale_sum = stale_max = torch.zeros((), dtype=torch.float64, device=ratio.device)
+        # Tokens whose loss some window on the path would change: a positive above the smallest c_high, a negative
+        # below the largest c_low. None (every ratio 1, or all inside both): the search cannot act on this update.
+        path = self._search_path
+        sensitive = (positive & (ratio > path.clip_high[0])) | (negative & (ratio < max(path.clip_low)))
         counts = torch.stack(
-            [valid.sum(), positive.sum(), negative.sum(), low_clipped.sum(), high_clipped.sum()]
+            [valid.sum(), positive.sum(), negative.sum(), low_clipped.sum(), high_clipped.sum(), sensitive.sum()]
         ).to(torch.float64)
         extra = torch.stack([torch.as_tensor(stale_sum, dtype=torch.float64, device=ratio.device),
                              self._nonfinite_inputs.to(device=ratio.device, dtype=torch.float64)])
@@ -551,15 +563,20 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         counts = self._sum_over_processes(counts)
         stale_max = self._max_over_processes(torch.as_tensor(stale_max, dtype=torch.float64, device=ratio.device))
 
-        n, n_pos, n_neg, n_low, n_high, s_sum, nonfinite_inputs = counts.tolist()
+        n, n_pos, n_neg, n_low, n_high, n_sensitive, s_sum, nonfinite_inputs = counts.tolist()
         r = result.as_floats()
-        path_end = len(self._search_path) - 1
+        path_end = len(path) - 1
+        active = n_sensitive > 0
+        if not active:  # every window on the path gives the same loss: report the start window, not the path's end
+            r.update(clip_low=path.clip_low[0], clip_high=path.clip_high[0], steps=0,
+                     positive_contribution=r["positive_contribution_before"])
         values = {
             "bapo/clip_low": r["clip_low"],
             "bapo/clip_high": r["clip_high"],
             "bapo/positive_contribution": r["positive_contribution"],
             "bapo/positive_contribution_before": r["positive_contribution_before"],
             "bapo/search_steps": r["steps"],
+            "bapo/search_active": float(active),
             "bapo/target_met": r["target_met"],
             "bapo/search_exhausted": float(r["steps"] == path_end and not r["target_met"]),
             "bapo/positive_loss_share": r["value_share"],

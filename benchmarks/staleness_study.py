@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 
+from bapo_trl.summary import moved  # one definition of "the bounds moved"
+
 METHODS = {
     "fixed [0.8,1.2]": dict(ratio_lower_start=0.8, ratio_lower_max=0.8, ratio_upper_start=1.2, ratio_upper_max=1.2),
     "clip-higher [0.8,1.28]": dict(ratio_lower_start=0.8, ratio_lower_max=0.8, ratio_upper_start=1.28,
@@ -127,7 +129,7 @@ def summarize(run: dict) -> dict:
         "clip_frac_pos": _mean([e.get("bapo/clip_fraction_positive") for e in h]),
         "target_met": _mean([e.get("bapo/target_met") for e in h]),
         "exhausted": _mean([e.get("bapo/search_exhausted") for e in h]),
-        "moved": _mean([float(e.get("bapo/search_steps", 0) > 0) for e in h]),
+        "moved": _mean([moved(e) for e in h]),  # inactive updates (nothing on the path changes the loss) excluded
         "grad_norm_max": max((e.get("grad_norm", 0) for e in h), default=float("nan")),
     }
 
