@@ -9,31 +9,48 @@ Why each piece exists (TRL 1.16):
 * :class:`CPUServerSyncMixin` therefore lets TRL build :class:`CPUServerVLLMGeneration` (a ``VLLMGeneration``
   subclass) in place of ``VLLMGeneration`` while the trainer is constructed. On a CUDA device that subclass defers
   to TRL entirely (NCCL sync). Otherwise it connects with :class:`HTTPVLLMClient` (TRL's client without the vllm
-  import requirement, with request timeouts) and syncs weights with :class:`~.weight_sync.DiskWeightSync`.
-  Generation, the importance-sampling correction and the sync schedule stay TRL's code.
+  import requirement, every request bounded by ``vllm_server_timeout`` and never retried) and syncs weights with
+  :class:`~.weight_sync.DiskWeightSync`. Generation, the importance-sampling correction and the sync schedule stay
+  TRL's code.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
+from urllib.parse import urlparse
 
 import requests
 import trl.generation.vllm_client as _trl_vllm_client
 import trl.trainer.grpo_trainer as _trl_grpo_trainer
 from accelerate.utils import broadcast_object_list
+from requests.adapters import HTTPAdapter
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 
 from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError
 
-#: Generation requests may take much longer than a sync on a CPU server; they get at least this many seconds.
-MIN_GENERATION_TIMEOUT = 600.0
 _swap_lock = threading.RLock()
 
 
 class VLLMServerUnreachable(requests.ConnectionError, ConnectionError):
     """TRL's connection error with how to start a server here (catchable as either ``ConnectionError``)."""
+
+
+class VLLMServerTimeout(requests.Timeout, TimeoutError):
+    """The server accepted a request but did not answer within ``vllm_server_timeout`` (catchable as either)."""
+
+
+class _OnceAdapter(HTTPAdapter):
+    """Sends each request once (no retries) and bounds every request that names no timeout of its own."""
+
+    def __init__(self, timeout: float, **kwargs):
+        self.default_timeout = timeout
+        super().__init__(max_retries=0, **kwargs)
+
+    def send(self, request, timeout=None, **kwargs):
+        return super().send(request, timeout=self.default_timeout if timeout is None else timeout, **kwargs)
 
 
 @contextlib.contextmanager
@@ -50,23 +67,79 @@ def _patched(module, name: str, value):
 
 class HTTPVLLMClient(VLLMClient):
     """TRL's ``VLLMClient`` for a server in another environment: no ``import vllm`` needed (only the NCCL methods,
-    never called here, use vLLM), and every ``_get``/``_post`` has a timeout so a stalled server raises."""
+    never called here, use vLLM), and a stalled server is an error after one ``request_timeout``.
 
-    def __init__(self, *args, request_timeout: float = MIN_GENERATION_TIMEOUT, **kwargs):
-        self.request_timeout = request_timeout
+    TRL's session retries timed-out and failed requests, POST included (up to 5 times, with backoff), and some of its
+    calls set no timeout, so a stalled server would take about six timeouts to surface, or forever, and a generation
+    could be sent again. Here every request is sent once and bounded by ``request_timeout`` (the trainer passes
+    ``vllm_server_timeout``): a timeout raises :class:`VLLMServerTimeout` naming the endpoint and the timeout, a lost
+    connection raises :class:`VLLMServerUnreachable`.
+    """
+
+    def __init__(self, *args, request_timeout: float = 240.0, **kwargs):
+        self.request_timeout = float(request_timeout)
         if _trl_vllm_client.is_vllm_available():
             super().__init__(*args, **kwargs)
         else:  # the only vLLM use in __init__ is that availability check
             with _patched(_trl_vllm_client, "is_vllm_available", lambda *a, **k: True):
                 super().__init__(*args, **kwargs)
 
+    def _send_once(self) -> None:
+        """Replace the retrying adapters TRL mounted on ``self.session`` by ones that never retry (same pool size)."""
+        pool = _trl_vllm_client._DEFAULT_GENERATION_CONCURRENCY
+        for prefix in ("http://", "https://"):
+            self.session.mount(prefix, _OnceAdapter(self.request_timeout, pool_maxsize=pool))
+
+    def check_server(self, total_timeout: float = 0.0, retry_interval: float = 2.0):
+        """Wait up to ``total_timeout`` seconds for ``/health``; each probe is itself bounded (TRL's has no timeout,
+        so a server that accepts the connection and never answers would block it forever)."""
+        # TRL's __init__ builds its retrying session just before calling this: from here on, no request is retried.
+        self._send_once()
+        url = f"{self.base_url}/health"
+        deadline = time.monotonic() + total_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                response = self.session.get(url, timeout=max(min(self.request_timeout, remaining), 0.5))
+            except requests.RequestException as exc:
+                if time.monotonic() >= deadline:
+                    raise ConnectionError(
+                        f"The vLLM server can't be reached at {self.base_url} after {total_timeout} seconds "
+                        f"({type(exc).__name__})."
+                    ) from exc
+            else:
+                if response.status_code == 200:
+                    if "X-Forwarded-For" in response.headers:
+                        self.host = response.headers["X-Forwarded-For"]
+                    return
+                if time.monotonic() >= deadline:
+                    raise ConnectionError(f"The vLLM server at {self.base_url} is not healthy after {total_timeout} "
+                                          f"seconds (/health answered {response.status_code}).")
+            time.sleep(max(min(retry_interval, deadline - time.monotonic()), 0.0))
+
+    def _once(self, path: str, call):
+        """``call()``, with a timeout or a lost connection turned into an error naming the server and ``path``."""
+        try:
+            return call()
+        except requests.Timeout as exc:
+            raise VLLMServerTimeout(
+                f"The vLLM server at {self.base_url} did not answer {path} within {self.request_timeout:g} s "
+                "(vllm_server_timeout): it is stalled or overloaded. The request was not retried; raise "
+                "`vllm_server_timeout` if the server is only slow."
+            ) from exc
+        except requests.ConnectionError as exc:
+            raise VLLMServerUnreachable(
+                f"Lost the vLLM server at {self.base_url} during {path} ({type(exc).__name__}): {exc}"
+            ) from exc
+
     def _get(self, url: str, **kwargs) -> dict:
-        kwargs.setdefault("timeout", self.request_timeout)
-        return super()._get(url, **kwargs)
+        return self._once(urlparse(url).path, lambda: super(HTTPVLLMClient, self)._get(url, **kwargs))
 
     def _post(self, url: str, **kwargs) -> dict:
-        kwargs.setdefault("timeout", self.request_timeout)
-        return super()._post(url, **kwargs)
+        return self._once(urlparse(url).path, lambda: super(HTTPVLLMClient, self)._post(url, **kwargs))
+
+    def get_server_info(self) -> dict:
+        return self._once("/server_info", super().get_server_info)
 
     def reset_prefix_cache(self):
         self._post(f"{self.base_url}/reset_prefix_cache")  # vLLM >= 0.26 answers with JSON
@@ -90,7 +163,7 @@ class CPUServerVLLMGeneration(VLLMGeneration):
             try:
                 self.vllm_client = HTTPVLLMClient(
                     base_url=base_url, group_port=self.group_port, connection_timeout=self.server_timeout,
-                    request_timeout=max(self.server_timeout, MIN_GENERATION_TIMEOUT),
+                    request_timeout=self.server_timeout,
                 )
             except requests.ConnectionError as exc:
                 error = VLLMServerUnreachable(f"{exc} On a machine without CUDA, {SERVE_HINT}.")
