@@ -200,7 +200,7 @@ def build_random_model(output_dir: str, device: str = "cpu", dtype=torch.bfloat1
 def section_search(device: str, quick: bool) -> list[dict]:
     cuda = device == "cuda"
     shapes = CUDA_SHAPES if cuda else (CPU_SHAPES[:1] if quick else CPU_SHAPES)
-    repeats, loop_repeats = (35, 7) if cuda else ((4, 2) if quick else (9, 3))
+    repeats, loop_repeats = ((10, 2) if quick else (35, 7)) if cuda else ((4, 2) if quick else (9, 3))
     rows = []
     for batch, length in shapes:
         row = bound_search.bench_shape(batch, length, repeats, loop_repeats, device=device)
@@ -234,7 +234,7 @@ def section_steps(device: str, quick: bool, tmp: str) -> list[dict]:
                                    **(GPU_MODEL if cuda else CPU_MODEL))
     params = sum(p.numel() for p in _load_config_model(model_dir).parameters())
     build_s = time.perf_counter() - start
-    rounds, steps = (6, 4) if cuda else ((2, 4) if quick else (4, 4))
+    rounds, steps = ((2, 4) if quick else (6, 4)) if cuda else ((2, 4) if quick else (4, 4))
     result = step_overhead.measure(model_dir, ("grpo", "bapo"), rounds=rounds, steps=steps, device=device,
                                    overrides=GPU_STEP_ARGS if cuda else None)
     times = result["times"]
@@ -390,13 +390,15 @@ def device_name(device: str) -> str:
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         return f"{props.name}, {props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}"
-    return f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+    threads = torch.get_num_threads()
+    return f"CPU ({os.cpu_count()} cores, {threads} torch thread{'s' if threads > 1 else ''})"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help="smallest sizes and fewest repeats (for CPU CI)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewest repeats; on CPU also the smallest sizes (CI's slow tier)")
     parser.add_argument("--skip", default="", help="comma-separated sections to leave out: search,steps,deepspeed,"
                         "replay")
     args = parser.parse_args(argv)

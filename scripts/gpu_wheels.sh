@@ -8,6 +8,7 @@
 #   bash scripts/gpu_wheels.sh --list          # only print what it would fetch (name==version, how), no network
 #   bash scripts/gpu_wheels.sh --dest DIR      # somewhere else
 #   bash scripts/gpu_wheels.sh ... pyarrow==26.0.1   # extra binary wheels, e.g. where the machine's are too old
+#   GPU_PYTHON_VERSION=3.11 bash scripts/gpu_wheels.sh  # for another Python (a rehearsal on this machine)
 #
 # Versions are those of $PYTHON's environment (default: python), so the GPU machine runs what CI tests. Binary
 # wheels come from PyPI with `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform ...`;
@@ -20,6 +21,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON="${PYTHON:-python}"
+PY_VERSION="${GPU_PYTHON_VERSION:-3.12}"
+CP_TAG="cp${PY_VERSION/./}"
 DEST=".gpu_wheels"
 LIMIT_MIB=64
 LIST=0
@@ -71,8 +74,8 @@ fi
 
 mkdir -p "$DEST"
 rm -f "$DEST"/*.whl
-echo "downloading ${#BINARY_SPECS[@]} binary wheels for CPython 3.12, manylinux x86_64 ..."
-"$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+echo "downloading ${#BINARY_SPECS[@]} binary wheels for CPython $PY_VERSION, manylinux x86_64 ..."
+"$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
     --platform manylinux1_x86_64 --platform any -d "$DEST" "${BINARY_SPECS[@]}"
 echo "building ${SOURCE_SPECS[*]} from source (pure Python, ops built later by the GPU machine's nvcc) ..."
@@ -81,12 +84,12 @@ DS_BUILD_OPS=0 "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation --no-bin
 echo "building bapo_trl $SELF_VERSION from this checkout ..."
 "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$DEST" .
 
-"$PYTHON" - "$DEST" "$LIMIT_MIB" <<'EOF'
+"$PYTHON" - "$DEST" "$LIMIT_MIB" "$CP_TAG" <<'EOF'
 import subprocess, sys
 from pathlib import Path
-dest, limit = Path(sys.argv[1]), float(sys.argv[2])
+dest, limit, cp = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 wheels = sorted(dest.glob("*.whl"))
-bad = [w.name for w in wheels if not any(tag in w.name for tag in ("-none-any.whl", "cp312", "py312", "py3-none"))]
+bad = [w.name for w in wheels if not (w.name.endswith("-none-any.whl") or f"-{cp}-{cp}-manylinux" in w.name)]
 total = sum(w.stat().st_size for w in wheels)
 for w in wheels:
     print(f"{w.stat().st_size / 2**20:8.2f} MiB  {w.name}")
@@ -95,7 +98,7 @@ tree = sum(Path(f.decode()).stat().st_size for f in files if f and Path(f.decode
 print(f"{total / 2**20:8.2f} MiB  total, {len(wheels)} wheels in {dest}/; with the tracked working tree "
       f"({tree / 2**20:.2f} MiB): {(total + tree) / 2**20:.2f} of {limit:.0f} MiB")
 if bad:
-    sys.exit(f"gpu_wheels.sh: wheels not for CPython 3.12 / any platform: {bad}")
+    sys.exit(f"gpu_wheels.sh: wheels neither for {cp} manylinux x86_64 nor for any platform: {bad}")
 if total + tree > limit * 2**20:
     sys.exit(f"gpu_wheels.sh: over the {limit:.0f} MiB that can travel to the GPU machine")
 EOF
