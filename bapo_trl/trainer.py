@@ -28,7 +28,7 @@ from .checkpoints import mark_complete, resolve_resume
 from .clipping import SearchResult, search_clip_bounds, search_path
 from .config import BAPOConfig
 from .generation.cpu_server import CPUServerSyncMixin  # vLLM server mode on CPU (disk weight sync)
-from .numerics import sanitize_micro_batch
+from .numerics import mask_nonfinite_inputs, sanitize_after_forward
 from .rewards import name_errors
 from .partial_rollout import PartialRolloutPool
 from .replay import ReplayQueue, groups_to_replace, pad_and_stack, split_groups
@@ -144,7 +144,7 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             raise TypeError(f"BAPOTrainer needs `args` to be a BAPOConfig, got {type(args).__name__}.")
         self._bapo_settings = args.bapo_settings
         self._bapo_pending: dict[str, Any] | None = None
-        self._partial_behavior_logps: list | None = None  # armed while TRL scores finished partial rollouts
+        self._completions_awaiting_old_logps: list | None = None  # armed while TRL scores finished partial rollouts
         self.last_search: SearchResult | None = None
         super().__init__(model, reward_funcs, args=args, **kwargs)
         # A reward function that raises is named in the error (TRL keeps the callables in this list).
@@ -223,15 +223,15 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         generate_every = self.args.steps_per_generation * self.num_iterations
         trl_scores_old = self.args.gradient_accumulation_steps % generate_every != 0 or (
             self.use_vllm and self.vllm_importance_sampling_correction)  # TRL's own condition
-        self._partial_behavior_logps = completions if trl_scores_old else None
+        self._completions_awaiting_old_logps = completions if trl_scores_old else None
         saved_rollout_func, self.rollout_func = self.rollout_func, self._ready_rollout
         try:
             output = super()._generate_and_score_completions([row for g in ready for row in g.rows])
-            if self._partial_behavior_logps is not None:
+            if self._completions_awaiting_old_logps is not None:
                 raise RuntimeError("TRL did not compute old_per_token_logps where bapo_trl expected it to: the "
                                    "installed TRL's _generate_and_score_completions changed; please report it.")
         finally:
-            self.rollout_func, self._partial_ready, self._partial_behavior_logps = saved_rollout_func, None, None
+            self.rollout_func, self._partial_ready, self._completions_awaiting_old_logps = saved_rollout_func, None, None
         width, device = output["completion_ids"].size(1), output["completion_ids"].device
         output["old_per_token_logps"] = self._stored_logps(completions, width, device)
         versions = right_pad([c.versions for c in completions], width, step, torch.long, device)
@@ -478,6 +478,8 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
     # -- loss: arm the search, let TRL compute the loss with the chosen window ----------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # Before TRL binds its loss mask: real tokens with non-finite inputs leave the loss (needs no new log-probs).
+        self._nonfinite_inputs = mask_nonfinite_inputs(inputs, self.args.mask_nonfinite_tokens)
         self._bapo_pending = inputs
         try:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -485,9 +487,9 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             self._bapo_pending = None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        stored = self._partial_behavior_logps
+        stored = self._completions_awaiting_old_logps
         if stored is not None:  # TRL scoring finished partial rollouts: their tokens' own policies (see above)
-            self._partial_behavior_logps = None
+            self._completions_awaiting_old_logps = None
             return self._stored_logps(stored, logits_to_keep, input_ids.device), None, None
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
@@ -499,9 +501,8 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
 
     def _adapt_clip_window(self, per_token_logps: torch.Tensor, inputs: dict[str, Any]) -> None:
         """Run the search on this micro-batch (sums reduced over all processes) and install the window."""
-        self._nonfinite_inputs = sanitize_micro_batch(
-            inputs, per_token_logps, self.args.mask_nonfinite_tokens, self.args.max_log_ratio
-        )
+        self._nonfinite_inputs = self._nonfinite_inputs + sanitize_after_forward(
+            inputs, per_token_logps, self.args.max_log_ratio)
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]

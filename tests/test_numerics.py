@@ -108,3 +108,36 @@ def test_sanitize_masks_real_nonfinite_tokens_and_counts_them():
             "advantages": torch.tensor([1.0])}
     assert int(sanitize_micro_batch(keep, torch.zeros(1, 2), mask_nonfinite=False)) == 1
     assert keep["completion_mask"].tolist() == [[1, 1]]  # counted but not masked when switched off
+
+
+def _scripted_inputs(trainer, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tok = trainer.processing_class
+    prompts = tok(["123>", "45>", "6>", "789>"], return_tensors="pt", padding=True)
+    return {
+        "prompt_ids": prompts.input_ids,
+        "prompt_mask": prompts.attention_mask,
+        "completion_ids": torch.randint(6, len(tok), (4, 6), generator=gen),
+        "completion_mask": torch.ones(4, 6, dtype=torch.long),
+        "old_per_token_logps": -torch.rand(4, 6, generator=gen) * 3,
+        "ref_per_token_logps": -torch.rand(4, 6, generator=gen) * 3,
+        "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        "num_items_in_batch": torch.tensor(24.0),
+    }
+
+
+def test_a_real_token_with_a_nonfinite_input_leaves_the_loss(trainer):
+    """The loss itself (not the inputs dict): a real token whose behaviour log-prob is NaN contributes exactly what a
+    token masked out by hand contributes, nothing; it is not kept at a neutral ratio of 1 inside TRL's loss."""
+    poisoned, by_hand = _scripted_inputs(trainer), _scripted_inputs(trainer)
+    poisoned["old_per_token_logps"][1, 2] = math.nan
+    poisoned["ref_per_token_logps"][3, 4] = math.inf
+    by_hand["completion_mask"][1, 2] = 0
+    by_hand["completion_mask"][3, 4] = 0
+    with torch.no_grad():
+        loss_poisoned = trainer.compute_loss(trainer.model, poisoned)
+        loss_by_hand = trainer.compute_loss(trainer.model, by_hand)
+    assert torch.isfinite(loss_poisoned)
+    assert torch.allclose(loss_poisoned, loss_by_hand, atol=1e-6), (loss_poisoned, loss_by_hand)
+    with torch.no_grad():  # and the token does change the loss when it is finite: the comparison can fail
+        assert not torch.allclose(trainer.compute_loss(trainer.model, _scripted_inputs(trainer)), loss_by_hand)
