@@ -64,6 +64,9 @@ def load_model(path: str, dtype: str, device: str = "auto"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .models import resolve_model
+
+    path = resolve_model(path)  # a registry name (smollm2-135m-instruct) -> its converted local checkpoint
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
@@ -151,7 +154,8 @@ def evaluate(args) -> dict:
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bapo_trl.evaluate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="Model or checkpoint directory, hub id, or LoRA adapter directory.")
+    p.add_argument("--model", required=True, help="Model or checkpoint directory, hub id, LoRA adapter directory, or "
+                   "a bapo_trl.models registry name (smollm2-135m-instruct).")
     p.add_argument("--dataset", required=True, help="Local .jsonl/.json/.parquet/.csv file or hub dataset id.")
     p.add_argument("--dataset_config", default=None, help="Hub dataset config (GSM8K's 'main' is automatic).")
     p.add_argument("--split", default=None, help="Split (default: 'test', or 'train' if that is the only one).")

@@ -72,6 +72,9 @@ MATH_FORMATS: dict[str, dict] = {
     # opencompass/AIME2025 (configs AIME2025-I / AIME2025-II, split "test"). Not checked: the column names.
     "question_answer": dict(question="question", answer="answer", answer_from="text",
                             hub_ids=["opencompass/AIME2025"], config="AIME2025-I"),
+    # Prompts that are already chat messages (a conversation, few-shot turns included) + an "answer" column: kept as
+    # they are, no instruction added (bapo_trl.chat_arithmetic). A plain-text prompt gets the instruction as usual.
+    "chat": dict(question="prompt", answer="answer", answer_from="text", hub_ids=[], chat=True),
 }
 
 #: Familiar names for the formats above.
@@ -169,6 +172,9 @@ def to_math_prompts(dataset, fmt: str = "auto", dataset_name: str | None = None,
     make_prompt(" ", instruction_role)  # a bad role fails here, not inside datasets.map
 
     def convert(row):
+        if spec.get("chat") and isinstance(row[spec["question"]], list):
+            return {"prompt": [{"role": m["role"], "content": m["content"]} for m in row[spec["question"]]],
+                    "answer": extract(str(get_path(row, spec["answer"])))}
         problem = str(get_path(row, spec["question"]))
         for pattern in strip:
             problem = pattern.sub("", problem)

@@ -146,6 +146,13 @@ def prepare(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_a
         if not embedded:
             from transformers import AutoConfig
 
+            from .models import ModelSetupError, resolve_model
+
+            try:  # a registry name (smollm2-135m-instruct): converted once, then its cached local directory
+                model_args.model_name_or_path = resolve_model(model_args.model_name_or_path)
+            except ModelSetupError as err:
+                raise ValueError(f"--model_name_or_path {model_args.model_name_or_path!r}: {err}") from err
+
             try:
                 AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
             except (OSError, ValueError) as err:

