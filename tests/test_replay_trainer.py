@@ -129,13 +129,33 @@ def test_staleness_and_replay_metrics(replay_run):
     assert all(math.isfinite(h["loss"]) for h in logs)
 
 
+class StepsRun(TrainerCallback):
+    """Records the optimizer steps this trainer object ran itself (not the ones it loaded from a checkpoint)."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+
 def test_resume_restores_the_queue_and_continues_identically(tiny_model_dir, tmp_path):
+    import hashlib
+
     common = dict(max_steps=8, save_strategy="steps", save_steps=4, replay_sampling="uniform", seed=3,
                   learning_rate=1e-3, replay_max_staleness=6)
     full = build(BAPOTrainer, tiny_model_dir, tmp_path / "full", **common)
     full.train()
-    resumed = build(BAPOTrainer, tiny_model_dir, tmp_path / "resumed", **common)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-4"))
+    checkpoint = tmp_path / "full" / "checkpoint-4"
+    files = lambda: {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in checkpoint.iterdir()}  # noqa: E731
+    before = files()
+    steps_run = StepsRun()
+    resumed = build(BAPOTrainer, tiny_model_dir, tmp_path / "resumed", [steps_run], **common)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    # CPU runs are deterministic: a fresh run with the same seed would log the same history. This one started from
+    # the checkpoint: it ran steps 5-8 only, and left the checkpoint as it was.
+    assert steps_run.steps == [5, 6, 7, 8]
+    assert files() == before
     a, b = full.replay_queue, resumed.replay_queue
     assert len(a) == len(b) > 0
     for ga, gb in zip(a.groups, b.groups):
@@ -144,6 +164,7 @@ def test_resume_restores_the_queue_and_continues_identically(tiny_model_dir, tmp
             assert torch.allclose(ga[key].float(), gb[key].float(), atol=1e-6), key
     # the steps after the checkpoint log the same metrics
     after = lambda t: [h for h in t.state.log_history if "loss" in h and h["step"] > 4]  # noqa: E731
+    assert [h["step"] for h in after(full)] == [h["step"] for h in after(resumed)] == [5, 6, 7, 8]
     for ha, hb in zip(after(full), after(resumed)):
         for key in ("loss", "reward", "replay/size", "replay/fraction", "bapo/clip_high", "bapo/positive_contribution"):
             if key in ha:

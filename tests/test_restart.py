@@ -1,6 +1,10 @@
 """Nothing a user trained is lost: kill -9 after a checkpoint, resume, and the run continues exactly like one that
-was never interrupted (CPU, fixed seed, checkpoint on a generation boundary, replay on)."""
+was never interrupted (CPU, fixed seed, checkpoint on a generation boundary, replay on).
 
+CPU runs are deterministic, so a run that ignored the checkpoint and started over would log the same history: the
+test also checks that the resumed process ran only the steps after the checkpoint and left the checkpoint alone."""
+
+import hashlib
 import json
 import os
 import shutil
@@ -22,9 +26,15 @@ RUN = ["--max_steps", "24", "--save_strategy", "steps", "--save_steps", "8", "--
        "--disable_tqdm", "true", "--seed", "5"]
 
 
-def train(out, *extra, env):
-    return subprocess.Popen([sys.executable, str(REPO / "train_bapo.py"), *RUN, "--output_dir", str(out), *extra],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def train(out, *extra, env, logs):
+    """Start train_bapo.py; its stdout and stderr go to files (a pipe nobody reads can fill up and block the child)."""
+    with open(logs.with_suffix(".out"), "w") as stdout, open(logs.with_suffix(".err"), "w") as stderr:
+        return subprocess.Popen([sys.executable, str(REPO / "train_bapo.py"), *RUN, "--output_dir", str(out), *extra],
+                                env=env, stdout=stdout, stderr=stderr, text=True)
+
+
+def tail(logs):
+    return logs.with_suffix(".err").read_text()[-3000:]
 
 
 def history(out):
@@ -32,12 +42,24 @@ def history(out):
     return {h["step"]: h for h in state["log_history"] if "loss" in h}
 
 
+def steps_logged_by(logs):
+    """Training-step log lines the process printed itself (one per step: logging_steps=1)."""
+    return [line for line in logs.with_suffix(".out").read_text().splitlines() if line.startswith("{'loss'")]
+
+
+def fingerprint(folder):
+    """Name -> (size, mtime_ns, sha256) of every file in a checkpoint folder."""
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(folder.iterdir()) if p.is_file()}
+
+
 def test_kill_9_then_resume_continues_exactly(tmp_path):
     env = {**os.environ, "BAPO_TRL_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    reference = train(tmp_path / "reference", env=env)
-    assert reference.wait(timeout=600) == 0, reference.stderr.read()[-3000:]
+    reference = train(tmp_path / "reference", env=env, logs=tmp_path / "reference-log")
+    assert reference.wait(timeout=600) == 0, tail(tmp_path / "reference-log")
+    assert len(steps_logged_by(tmp_path / "reference-log")) == 24
 
-    victim = train(tmp_path / "victim", env=env)
+    victim = train(tmp_path / "victim", env=env, logs=tmp_path / "victim-log")
     marker = tmp_path / "victim" / "checkpoint-8" / "bapo_checkpoint_complete.json"
     deadline = time.time() + 600
     while not marker.exists():
@@ -58,11 +80,17 @@ def test_kill_9_then_resume_continues_exactly(tmp_path):
     for name in ("bapo_checkpoint_complete.json", "trainer_state.json", "optimizer.pt"):
         (partial / name).unlink(missing_ok=True)
 
-    resumed = train(tmp_path / "victim", "--resume_from_checkpoint", "latest", env=env)
-    assert resumed.wait(timeout=600) == 0, resumed.stderr.read()[-3000:]
+    before = fingerprint(tmp_path / "victim" / "checkpoint-8")
+
+    resumed = train(tmp_path / "victim", "--resume_from_checkpoint", "latest", env=env, logs=tmp_path / "resumed-log")
+    assert resumed.wait(timeout=600) == 0, tail(tmp_path / "resumed-log")
+
+    # It resumed: it ran steps 9-24 only (a fresh start would log 24 steps and rewrite checkpoint-8 at step 8).
+    assert len(steps_logged_by(tmp_path / "resumed-log")) == 16
+    assert fingerprint(tmp_path / "victim" / "checkpoint-8") == before
 
     ref, res = history(tmp_path / "reference"), history(tmp_path / "victim")
-    assert sorted(k for k in res if k > 8) == list(range(9, 25))
+    assert sorted(ref) == sorted(res) == list(range(1, 25))  # equal lengths before comparing step by step
     for step in range(9, 25):
         for key in ("loss", "grad_norm", "bapo/clip_low", "bapo/clip_high", "bapo/positive_contribution",
                     "replay/size", "replay/fraction", "reward"):
