@@ -37,7 +37,6 @@ class Completion:
 class Group:
     rows: list[dict]  # the dataset rows, one per completion (reward functions read their columns)
     completions: list[Completion]
-    created: int  # optimizer step at which the group entered the pool
 
     @property
     def finished(self) -> bool:
@@ -63,11 +62,12 @@ class PartialRolloutPool:
         self.budget, self.max_resumes, self.max_len = budget, max_resumes, max_completion_length
         self.eos = set(eos_token_ids)
         self.groups: list[Group] = []
+        self.extra_prompts_used = 0  # position in the trainer's own prompt order for topping up the pool
 
-    def add_groups(self, rows: list[dict], prompt_ids: list[list[int]], group_size: int, step: int) -> None:
+    def add_groups(self, rows: list[dict], prompt_ids: list[list[int]], group_size: int) -> None:
         for i in range(0, len(rows), group_size):
             completions = [Completion(list(p)) for p in prompt_ids[i : i + group_size]]
-            self.groups.append(Group(list(rows[i : i + group_size]), completions, step))
+            self.groups.append(Group(list(rows[i : i + group_size]), completions))
 
     def unfinished(self) -> list[Completion]:
         return [c for g in self.groups for c in g.completions if not c.finished]
@@ -136,9 +136,10 @@ class PartialRolloutPool:
     # -- checkpoints ----------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"groups": [{"rows": g.rows, "created": g.created, "completions": [vars(c).copy() for c in g.completions]}
-                           for g in self.groups]}
+        return {"groups": [{"rows": g.rows, "completions": [vars(c).copy() for c in g.completions]}
+                           for g in self.groups],
+                "extra_prompts_used": self.extra_prompts_used}
 
     def load_state_dict(self, state: dict) -> None:
-        self.groups = [Group(g["rows"], [Completion(**c) for c in g["completions"]], g["created"])
-                       for g in state["groups"]]
+        self.groups = [Group(g["rows"], [Completion(**c) for c in g["completions"]]) for g in state["groups"]]
+        self.extra_prompts_used = state.get("extra_prompts_used", 0)  # absent in checkpoints before it was saved

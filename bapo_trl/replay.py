@@ -13,6 +13,8 @@ learning signal and are not stored. The queue lives on CPU, bounded by ``capacit
 
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass, field
 
 import torch
@@ -133,7 +135,16 @@ class ReplayQueue:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.groups = [dict(g) for g in state["groups"]]
+        """Restore the groups, sampler state and totals. The CURRENT settings apply (a resumed run may change them on
+        purpose); a change is warned about, naming the fields, and the stored groups are trimmed to the new capacity
+        (oldest first) and re-checked for staleness at the next sample."""
+        changed = [f"{field}: {state[key]!r} in the checkpoint -> {getattr(self, key)!r} now"
+                   for key, field in (("capacity", "replay_buffer_size"), ("max_staleness", "replay_max_staleness"),
+                                      ("sampling", "replay_sampling")) if key in state and state[key] != getattr(self, key)]
+        if changed:
+            warnings.warn("Resuming the replay queue with changed settings (the current ones apply): "
+                          + "; ".join(changed) + ".", UserWarning, stacklevel=2)
+        self.groups = [dict(g) for g in state["groups"]][-self.capacity:]
         self.generator.set_state(state["generator"])
         self.stats = ReplayStats(totals=dict(state["totals"]))
 

@@ -254,18 +254,18 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
 
     def _add_to_pool(self, rows: list[dict]) -> None:
         prompt_ids, _, _ = self._tokenize_prompts([x["prompt"] for x in rows])
-        self.partial_rollout.add_groups(rows, prompt_ids, self.num_generations, self.state.global_step)
+        self.partial_rollout.add_groups(rows, prompt_ids, self.num_generations)
 
     def _extra_prompts(self, num_groups: int) -> list[dict]:
-        """Prompts beyond the dataloader's, to fill the pool (own seeded order, one per rank)."""
+        """Prompts beyond the dataloader's, to fill the pool: the train set in an order of this rank's own (seeded,
+        rebuilt identically on resume); the position in it is pool state, saved with the checkpoint."""
         if not hasattr(self, "_extra_prompt_order"):
             gen = torch.Generator().manual_seed(self.args.seed + 104729 * (1 + self.accelerator.process_index))
             self._extra_prompt_order = torch.randperm(len(self.train_dataset), generator=gen).tolist()
-            self._extra_prompt_next = 0
-        rows = []
+        pool, order, rows = self.partial_rollout, self._extra_prompt_order, []
         for _ in range(num_groups):
-            index = self._extra_prompt_order[self._extra_prompt_next % len(self._extra_prompt_order)]
-            self._extra_prompt_next += 1
+            index = order[pool.extra_prompts_used % len(order)]
+            pool.extra_prompts_used += 1
             rows += [dict(self.train_dataset[index]) for _ in range(self.num_generations)]
         return rows
 

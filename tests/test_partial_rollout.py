@@ -39,8 +39,8 @@ def scripted_score(prefixes, segments):
 def test_pool_grows_by_budget_finishes_and_pops_oldest_first():
     pool = PartialRolloutPool(budget=2, max_resumes=3, max_completion_length=20, eos_token_ids=[EOS])
     gen = scripted_generate({0: 1, 1: 5, 2: 3})
-    pool.add_groups([{"id": 0}, {"id": 1}], [[0], [1]], group_size=1, step=0)
-    pool.add_groups([{"id": 2}], [[2]], group_size=1, step=0)
+    pool.add_groups([{"id": 0}, {"id": 1}], [[0], [1]], group_size=1)
+    pool.add_groups([{"id": 2}], [[2]], group_size=1)
     pool.grow(gen, scripted_score, step=0)  # 0: [1, EOS] done; 1: [1, 2]; 2: [1, 2]
     assert pool.num_ready() == 1 and pool.end_step() == 2
     pool.grow(gen, scripted_score, step=1)  # 1: [1..4]; 2: [1, 2, 3, EOS] done
@@ -53,7 +53,7 @@ def test_pool_grows_by_budget_finishes_and_pops_oldest_first():
 def test_finish_completes_the_oldest_groups_and_overdue_completions():
     pool = PartialRolloutPool(budget=1, max_resumes=2, max_completion_length=6, eos_token_ids=[EOS])
     gen = scripted_generate({0: 9, 1: 4, 2: 4})
-    pool.add_groups([{"id": k} for k in range(3)], [[0], [1], [2]], group_size=1, step=0)
+    pool.add_groups([{"id": k} for k in range(3)], [[0], [1], [2]], group_size=1)
     pool.grow(gen, scripted_score, step=0)
     pool.finish(gen, scripted_score, step=0, num_groups=1)  # only group 0 is finished now
     first = pool.groups[0].completions[0]
@@ -75,7 +75,7 @@ def test_a_completion_that_stops_short_of_its_cap_is_finished_and_longer_answers
     def generate(prefixes, max_new):
         return [answers[p[0]] for p in prefixes], None
 
-    pool.add_groups([{"id": k} for k in range(3)], [[0], [1], [2]], group_size=1, step=0)
+    pool.add_groups([{"id": k} for k in range(3)], [[0], [1], [2]], group_size=1)
     pool.grow(generate, scripted_score, step=0)
     short, long, exact = (g.completions[0] for g in pool.groups)
     assert short.finished and short.token_ids == [7, 8]
@@ -84,7 +84,7 @@ def test_a_completion_that_stops_short_of_its_cap_is_finished_and_longer_answers
 
 def test_pool_state_round_trip():
     pool = PartialRolloutPool(budget=2, max_resumes=3, max_completion_length=20, eos_token_ids=[EOS])
-    pool.add_groups([{"id": 1}], [[1]], group_size=1, step=3)
+    pool.add_groups([{"id": 1}], [[1]], group_size=1)
     pool.grow(scripted_generate({1: 7}), scripted_score, step=3)
     other = PartialRolloutPool(budget=2, max_resumes=3, max_completion_length=20, eos_token_ids=[EOS])
     other.load_state_dict(copy.deepcopy(pool.state_dict()))
@@ -97,7 +97,7 @@ def test_stop_token_ids_from_generation_kwargs_end_completions(tiny_model_dir, t
     trainer = build(BAPOTrainer, tiny_model_dir, tmp_path, generation_kwargs={"eos_token_id": [1, 7]})
     assert {1, 7} <= set(trainer.partial_rollout.eos) and set(trainer.eos_token_ids) <= set(trainer.partial_rollout.eos)
     pool = PartialRolloutPool(budget=3, max_resumes=5, max_completion_length=20, eos_token_ids=trainer.partial_rollout.eos)
-    pool.add_groups([{"id": 0}], [[0]], group_size=1, step=0)
+    pool.add_groups([{"id": 0}], [[0]], group_size=1)
     pool.grow(lambda prefixes, n: ([[5, 6, 7]], None), scripted_score, step=0)  # stops on 7, exactly at the cap
     assert pool.groups[0].finished
 
@@ -239,10 +239,14 @@ def test_resume_keeps_carried_completions(tiny_model_dir, tmp_path):
     common = dict(max_steps=6, save_strategy="steps", save_steps=3)
     full = build(BAPOTrainer, tiny_model_dir, tmp_path / "full", **common)
     full.train()
-    resumed = build(BAPOTrainer, tiny_model_dir, tmp_path / "resumed", **common)
+    ran = Snapshots()  # records the steps this process really ran
+    resumed = build(BAPOTrainer, tiny_model_dir, tmp_path / "resumed", [ran], **common)
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
     a, b = full.partial_rollout.groups, resumed.partial_rollout.groups
     assert len(a) == len(b) > 0
+    # a resume, not a fresh run: it trained steps 4-6 only, and drew its top-up prompts where the full run was
+    assert sorted(ran.policies) == [3, 4, 5]
+    assert resumed.partial_rollout.extra_prompts_used == full.partial_rollout.extra_prompts_used > 0
     for ga, gb in zip(a, b):
         for ca, cb in zip(ga.completions, gb.completions):
             assert ca.token_ids == cb.token_ids and ca.versions == cb.versions

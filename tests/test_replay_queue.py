@@ -108,6 +108,18 @@ def test_state_round_trip_continues_identically(tmp_path):
     assert a.stats.totals == b.stats.totals
 
 
+def test_resume_with_changed_settings_applies_the_current_ones_and_says_so():
+    a = ReplayQueue(capacity=5, max_staleness=6, sampling="uniform", seed=3)
+    for v in range(5):
+        a.push(group(v))
+    b = ReplayQueue(capacity=2, max_staleness=9, sampling="uniform", seed=3)
+    with pytest.warns(UserWarning, match=r"replay_buffer_size: 5 in the checkpoint -> 2 now; "
+                                         r"replay_max_staleness: 6 in the checkpoint -> 9 now"):
+        b.load_state_dict(a.state_dict())
+    assert [int(g["policy_version"][0]) for g in b.groups] == [3, 4]  # trimmed to the new capacity, oldest out
+    assert (b.capacity, b.max_staleness) == (2, 9)
+
+
 def test_split_and_replace_helpers():
     batch = {"advantages": torch.arange(8.0), "x": torch.arange(16).view(8, 2)}
     groups = split_groups(batch, 4)
