@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bapo_trl import BAPOConfig, BAPOTrainer, search_clip_bounds
+from bapo_trl.clipping import BAPOSettings, search_path
 from bapo_trl.numerics import sanitize_micro_batch
 from bapo_trl.toy import make_reverse_dataset, reverse_reward
 
@@ -39,9 +40,12 @@ def hostile_batches(draw):
 def test_search_always_terminates_with_a_window_on_the_path(data, variant, mode):
     ratio, adv, mask = data
     res = search_clip_bounds(ratio, adv, mask, bapo_variant=variant, positive_contribution_mode=mode).as_floats()
-    assert 0.6 - 1e-9 <= res["clip_low"] <= 0.9 + 1e-9
-    assert 1.2 - 1e-9 <= res["clip_high"] <= 3.0 + 1e-9
-    assert 0 <= res["steps"] <= 51
+    path = search_path(BAPOSettings(bapo_variant=variant, positive_contribution_mode=mode))
+    steps = int(res["steps"])
+    assert res["steps"] == steps and 0 <= steps < len(path) == 52
+    # the window is the path's candidate number `steps`, not just some point of its bounding box
+    assert res["clip_low"] == pytest.approx(path.clip_low[steps], abs=1e-6)
+    assert res["clip_high"] == pytest.approx(path.clip_high[steps], abs=1e-6)
     assert math.isnan(res["positive_contribution"]) or 0.0 <= res["positive_contribution"] <= 1.0
     assert math.isfinite(res["num_tokens"]) and res["num_tokens"] <= int(mask.sum())
     if not mask.any():

@@ -106,10 +106,22 @@ def test_loss_uses_the_chosen_window(tiny_model_dir, tmp_path, variant):
     assert moved, "the scripted stale batches must make the search move"
 
 
-def test_verl_variant_dual_clips_negative_tokens():
-    args = BAPOConfig(output_dir="unused", use_cpu=True, bapo_variant="verl")
-    assert args.delta == 3.0
+def test_verl_variant_dual_clips_negative_tokens(tiny_model_dir, tmp_path):
+    """Negative-advantage tokens with a huge ratio: the paper variant lets their loss grow with the ratio, the verl
+    variant caps each at delta |A| = 3 |A| (the official code's dual clip)."""
+    assert BAPOConfig(output_dir="unused", use_cpu=True, bapo_variant="verl").delta == 3.0
     assert BAPOConfig(output_dir="unused", use_cpu=True).delta is None
+    losses = {}
+    for variant in ("paper", "verl"):
+        trainer = make_trainer(BAPOTrainer, BAPOConfig, tiny_model_dir, tmp_path / variant, bapo_variant=variant)
+        batch = stale_batch(trainer, seed=0, noise=0.0)
+        batch["old_per_token_logps"] = batch["old_per_token_logps"] - 5.0  # ratio e^5 ~ 148 on every token
+        batch["advantages"] = torch.tensor([-1.0, -1.5, -0.5, -0.8])  # all negative
+        losses[variant] = trainer.compute_loss(trainer.model, batch).item()
+        mask = batch["completion_mask"]
+    capped = (3.0 * batch["advantages"].abs()[:, None] * mask).sum() / mask.sum()  # every token at 3 |A|
+    assert losses["verl"] == pytest.approx(capped.item(), rel=1e-5)
+    assert losses["paper"] == pytest.approx(math.exp(5.0) * capped.item() / 3.0, rel=1e-3)  # uncapped: r |A|
 
 
 def test_training_moves_bounds_updates_weights_and_logs_every_metric(tiny_model_dir, tmp_path):
@@ -129,6 +141,10 @@ def test_training_moves_bounds_updates_weights_and_logs_every_metric(tiny_model_
             assert name in h, name
     # staleness grows within a generation: 0, 1, 2, 3 updates since sampling
     assert [h["bapo/staleness_max"] for h in logs[:4]] == [0, 1, 2, 3]
+    # the bounds moved: some update trained with a window other than the start window [0.6, 1.2]
+    moved = [h for h in logs if (h["bapo/clip_low"], h["bapo/clip_high"]) != (0.6, 1.2)]
+    assert moved and all(h["bapo/search_steps"] > 0 for h in moved), [(h["bapo/clip_low"], h["bapo/clip_high"])
+                                                                       for h in logs]
     # the window is only ever one of the path's candidates
     for h in logs:
         assert 0.6 - 1e-9 <= h["bapo/clip_low"] <= 0.9 + 1e-9
@@ -164,6 +180,18 @@ def test_kl_and_entropy_bonus_keep_working(tiny_model_dir, tmp_path):
     trainer.train()
     h = trainer.state.log_history[0]
     assert "kl" in h and math.isfinite(h["kl"]) and "bapo/clip_low" in h
+    assert h["entropy_coef"] == pytest.approx(0.01) and "policy_loss" in h  # TRL's entropy-bonus metrics
+
+
+def test_entropy_bonus_is_subtracted_from_the_bapo_loss(tiny_model_dir, tmp_path):
+    """loss(entropy_coef=c) = loss(entropy_coef=0) - c * mean token entropy, on the same stale batch and window."""
+    losses, entropy = {}, None
+    for coef in (0.0, 0.5):
+        trainer = make_trainer(BAPOTrainer, BAPOConfig, tiny_model_dir, tmp_path / str(coef), entropy_coef=coef)
+        losses[coef] = trainer.compute_loss(trainer.model, stale_batch(trainer, seed=1, noise=0.9)).item()
+        entropy = trainer._metrics["train"]["entropy"][-1]  # mean entropy over the real completion tokens
+    assert entropy > 0.1
+    assert losses[0.5] == pytest.approx(losses[0.0] - 0.5 * entropy, abs=1e-5)
 
 
 def test_wrong_args_type_is_refused(tiny_model_dir, tmp_path):
