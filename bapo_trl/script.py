@@ -142,6 +142,15 @@ def prepare(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_a
         reward_funcs = resolve_reward_funcs(reward_names or [])
         if script_args.reward_model_name_or_path:
             reward_funcs.append(script_args.reward_model_name_or_path)
+        if model_args.load_in_4bit or model_args.load_in_8bit:
+            import torch
+
+            flag = "--load_in_4bit" if model_args.load_in_4bit else "--load_in_8bit"
+            if embedded or not torch.cuda.is_available():
+                raise ValueError(f"`{flag}` quantizes the model with bitsandbytes, which needs a CUDA GPU and a model "
+                                 "of your own (--model_name_or_path): drop the flag here.")
+            if not model_args.use_peft:
+                raise ValueError(f"`{flag}` needs `--use_peft`: a quantized model is trained through LoRA adapters.")
         train_dataset, eval_dataset = load_prompts(script_args, training_args)
         if not embedded:
             from transformers import AutoConfig
@@ -167,7 +176,7 @@ def prepare(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_a
 
 def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args: ModelConfig):
     import torch
-    from trl import get_peft_config
+    from trl import get_peft_config, get_quantization_config
 
     from .launch_info import LaunchInfoCallback
     from .plot import PlotDynamicsCallback
@@ -201,6 +210,7 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         peft_config=get_peft_config(model_args),
+        quantization_config=get_quantization_config(model_args),  # --load_in_4bit / --load_in_8bit, as TRL's script
     )
     trainer.add_callback(LaunchInfoCallback(trainer))
     trainer.add_callback(PlotDynamicsCallback())  # output_dir/dynamics.png + bapo_log_history.json at the end
@@ -211,6 +221,8 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
     trainer.accelerator.wait_for_everyone()
+    if hasattr(trainer, "end"):  # transformers >= 5.18: finish the trackers, destroy the process group (TRL's script)
+        trainer.end()
     return trainer
 
 
@@ -223,6 +235,3 @@ def run(argv: list[str] | None = None, parser: TrlParser | None = None):
     except SetupError as err:
         parser.exit(2, f"{parser.prog}: error: {err.message}\n")
 
-
-def cli(argv: list[str] | None = None):
-    return run(argv)

@@ -18,6 +18,7 @@ DeepSpeed) is TRL's code, untouched.
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import torch
@@ -136,12 +137,16 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
     _paper = {"title": "BAPO: Stabilizing Off-Policy Reinforcement Learning for LLMs via Balanced Policy "
               "Optimization with Adaptive Clipping", "id": "2510.18927", "citation": PAPER_CITATION}
 
-    def __init__(self, model, reward_funcs, args: BAPOConfig | None = None, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: BAPOConfig | None = None, **kwargs):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = BAPOConfig(f"{name.split('/')[-1]}-BAPO")
         if not isinstance(args, BAPOConfig):
-            raise TypeError(f"BAPOTrainer needs `args` to be a BAPOConfig, got {type(args).__name__}.")
+            raise TypeError(
+                f"BAPOTrainer needs `args` to be a BAPOConfig, got {type(args).__name__}. BAPOConfig takes every "
+                "GRPOConfig field unchanged: replace `GRPOConfig(...)` by `BAPOConfig(...)` (from bapo_trl import "
+                "BAPOConfig); BAPO then adds its search settings with the paper's defaults (positive_contribution_"
+                "target=0.5, c_low 0.6..0.9, c_high 1.2..3.0) and ignores `epsilon`/`epsilon_high`.")
         self._bapo_settings = args.bapo_settings
         self._bapo_pending: dict[str, Any] | None = None
         self._completions_awaiting_old_logps: list | None = None  # armed while TRL scores finished partial rollouts
@@ -412,6 +417,18 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         metrics["replay/pushed"].append(pushed)
 
     # -- model card: TRL's card, plus what BAPO did --------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """TRL's save, then the model card (TRL's, with the BAPO section) beside the weights, full or adapter (PEFT
+        writes a placeholder README.md there; the card replaces it). Checkpoints get theirs from TRL."""
+        super().save_model(output_dir, _internal_call)
+        if _internal_call or not self.args.should_save:
+            return
+        target = output_dir or self.args.output_dir
+        self.create_model_card(model_name=os.path.basename(os.path.normpath(target)))
+        card = os.path.join(self.args.output_dir, "README.md")
+        if os.path.abspath(target) != os.path.abspath(self.args.output_dir) and os.path.exists(card):
+            shutil.copyfile(card, os.path.join(target, "README.md"))
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's generated card (tags, citation of the paper), extended with a BAPO section."""

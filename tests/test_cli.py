@@ -60,3 +60,49 @@ def test_local_jsonl_dataset_with_another_prompt_column(tmp_path):
         ["--dataset_name", str(data), "--prompt_column", "question", "--output_dir", str(tmp_path)])
     train, _ = load_prompts(script_args, training_args)
     assert train.column_names == ["prompt", "answer"] and train[0]["prompt"] == "000>"
+
+
+def _tiny_run(tmp_path, *flags):
+    from bapo_trl.script import run
+
+    out = tmp_path / "run"
+    run(["--max_steps", "2", "--per_device_train_batch_size", "16", "--steps_per_generation", "2",
+         "--output_dir", str(out), *flags], parser=make_parser())
+    return out
+
+
+@pytest.mark.parametrize("flags", [(), ("--use_peft", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj")],
+                         ids=["full", "lora"])
+def test_a_saved_run_carries_the_bapo_model_card(tmp_path, flags):
+    """TRL's card with the BAPO section beside the saved weights; with LoRA it replaces PEFT's placeholder card."""
+    out = _tiny_run(tmp_path, *flags)
+    card = (out / "README.md").read_text()
+    assert "## BAPO" in card and "2510.18927" in card and "More Information Needed" not in card
+    assert (out / ("adapter_config.json" if flags else "config.json")).exists()
+
+
+def test_a_single_dataset_file_is_not_used_as_its_own_eval_split(tmp_path, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "123>"}\n{"prompt": "456>"}\n')
+    with pytest.raises(SystemExit):
+        run(["--dataset_name", str(data), "--eval_strategy", "steps", "--output_dir", str(tmp_path)],
+            parser=make_parser())
+    err = capsys.readouterr().err
+    assert "is a single file, which holds only the training split" in err and "'test' split" in err
+
+
+def test_quantization_flags_without_a_gpu_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run(["--model_name_or_path", str(tmp_path), "--load_in_4bit", "--use_peft", "--reward_funcs", "reverse",
+             "--use_cpu", "--bf16", "False",
+             "--output_dir", str(tmp_path)], parser=make_parser())
+    assert "`--load_in_4bit` quantizes the model with bitsandbytes, which needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_grpo_config_gets_an_error_that_says_what_to_change(tiny_model_dir, tmp_path):
+    from trl import GRPOConfig
+
+    from bapo_trl import BAPOTrainer
+
+    with pytest.raises(TypeError, match=r"replace `GRPOConfig\(\.\.\.\)` by `BAPOConfig\(\.\.\.\)`"):
+        BAPOTrainer(model=tiny_model_dir, args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True))
