@@ -25,12 +25,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 
-Variant = Literal["paper", "verl"]
-Mode = Literal["value", "gradient"]
 
 VARIANTS = ("paper", "verl")
 MODES = ("value", "gradient")

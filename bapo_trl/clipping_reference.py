@@ -1,5 +1,8 @@
 """Plain, loop-by-loop versions of the bound search, kept as the ground truth for tests and benchmarks.
 
+Reference code: the trainer never imports it. It ships in the package only so that the tests, the benchmarks and a
+user checking the fast path on their own batches can import it (``from bapo_trl.clipping_reference import ...``).
+
 * :func:`paper_loop_search` is Algorithm 1 of the paper written as the paper writes it: a ``while`` loop that
   re-scores the batch for every candidate.
 * :func:`verl_loop_search` follows the official verl recipe's structure: a Python loop that, for every candidate,

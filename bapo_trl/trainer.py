@@ -8,7 +8,8 @@ log-prob function itself. So:
 1. ``compute_loss`` arms the search with the micro-batch;
 2. the first ``_get_per_token_logps_and_entropies`` call of that loss (the policy forward) runs the search on
    ``exp(logp - old_logp)`` and sets ``epsilon_low = 1 - c_low`` and ``epsilon_high = c_high - 1`` as 0-dim
-   tensors (no host sync);
+   tensors (the search itself makes no host sync; the ``bapo/*`` metrics then read their sums back to the host
+   once per micro-batch, as TRL's own metrics do);
 3. TRL's own loss then applies the chosen window, and its ``clip_ratio/*`` metrics use the chosen bounds.
 
 Every other GRPO feature (loss aggregation, KL, vLLM importance-sampling correction, entropy bonus, PEFT,

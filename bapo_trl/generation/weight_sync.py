@@ -89,17 +89,6 @@ class DiskWeightSync:
         body = {"method": method, "kwargs": kwargs, "timeout": self.timeout}
         return self._post("/collective_rpc", what, json=body)
 
-    def check(self) -> None:
-        """Raise :class:`WeightSyncError` unless the server answers ``/health``."""
-        import requests
-
-        try:
-            response = self.session.get(f"{self.base_url}/health", timeout=min(self.timeout, 30.0))
-        except requests.RequestException as exc:
-            raise WeightSyncError(f"cannot reach the vLLM server at {self.base_url}; {SERVE_HINT}.") from exc
-        if response.status_code != 200:
-            raise WeightSyncError(f"the vLLM server at {self.base_url} is not healthy ({response.status_code}).")
-
     # -- sync --------------------------------------------------------------------------------------------------
 
     def push(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> float:
