@@ -10,27 +10,30 @@ from bapo_trl.script import make_parser, run
 from launching import REPO
 
 CASES = [
-    (["--positive_contribution_target", "2"], "positive_contribution_target"),
-    (["--ratio_upper_start", "0.5"], "ratio_upper_start"),
-    (["--bapo_variant", "fast"], "bapo_variant"),
-    (["--loss_type", "cispo"], "loss_type"),
-    (["--replay_ratio", "0.5"], "replay_buffer_size"),
-    (["--replay_buffer_size", "8", "--replay_ratio", "1.5"], "replay_ratio"),
-    (["--reward_funcs", "no_such_reward"], "no_such_reward"),
-    (["--reward_funcs", "no_such_module.fn"], "no_such_module"),
-    (["--dataset_name", "/nonexistent/prompts.jsonl"], "does not exist"),
+    # (argv, fragments of the one error: for bad settings the field, the allowed range and the value given)
+    (["--positive_contribution_target", "2"], ("`positive_contribution_target`", "(0, 1)", "got 2.0")),
+    (["--ratio_upper_start", "0.5"], ("`ratio_upper_start`", "[1, 1e6)", "got 0.5")),
+    (["--bapo_variant", "fast"], ("bapo_variant", "'paper', 'verl'", "'fast'")),
+    (["--loss_type", "cispo"], ("`loss_type`", "('dapo', 'bnpo', 'grpo', 'dr_grpo')", "'cispo'")),
+    (["--replay_ratio", "0.5"], ("`replay_buffer_size`", ">= 1", "replay_ratio=0.5")),
+    (["--replay_buffer_size", "8", "--replay_ratio", "1.5"], ("`replay_ratio`", "[0, 1)", "got 1.5")),
+    (["--reward_funcs", "no_such_reward"], ("no_such_reward",)),
+    (["--reward_funcs", "no_such_module.fn"], ("no_such_module",)),
+    (["--dataset_name", "/nonexistent/prompts.jsonl"], ("does not exist",)),
     (["--model_name_or_path", "/nonexistent/model", "--reward_funcs", "reverse", "--use_cpu", "--bf16", "false"],
-     "cannot load model"),
+     ("cannot load model",)),
 ]
 
 
-@pytest.mark.parametrize("argv,fragment", CASES, ids=[c[1] for c in CASES])
-def test_bad_input_is_one_clear_error(argv, fragment, capsys, tmp_path):
+@pytest.mark.parametrize("argv,fragments", CASES, ids=[c[1][0].strip("`") for c in CASES])
+def test_bad_input_is_one_clear_error(argv, fragments, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         run(argv + ["--output_dir", str(tmp_path)], parser=make_parser())
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "error:" in err and fragment in err
+    assert "error:" in err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
     assert "Traceback" not in err and "usage:" not in err
 
 

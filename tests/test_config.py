@@ -1,4 +1,4 @@
-"""Every bad BAPO setting fails at construction with a message naming the field and the allowed range."""
+"""Every bad BAPO setting fails at construction with a message naming the field, the value and the allowed range."""
 
 import warnings
 
@@ -51,13 +51,24 @@ BAD = [
 ]
 
 
+def value_shown(value, message: str) -> bool:
+    """The bad value appears in the message (a dict of generation kwargs: one of its keys)."""
+    if isinstance(value, bool):
+        return True  # a flag: "must be False" names the only allowed value, so the bad one is implied
+    if isinstance(value, dict):
+        return any(repr(key) in message for key in value)
+    return str(value) in message or repr(value) in message
+
+
 @pytest.mark.parametrize("overrides,field,allowed", BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])
-def test_bad_value_names_field_and_range(overrides, field, allowed):
+def test_bad_value_names_field_value_and_range(overrides, field, allowed):
     with pytest.raises(ValueError) as err:
         BAPOConfig(output_dir="unused", use_cpu=True, **overrides)
     message = str(err.value)
     assert f"`{field}`" in message
     assert allowed in message
+    bad = {**overrides}.get(field, getattr(BAPOConfig, field, None))  # the offending value (or the default)
+    assert value_shown(bad, message), (bad, message)
 
 
 def test_all_errors_are_reported_together():
