@@ -36,6 +36,27 @@ def run(tiny_model_dir, tmp_path_factory):
     return out, trainer.state.log_history
 
 
+@pytest.fixture(scope="module")
+def replay_run(tiny_model_dir, tmp_path_factory):
+    """A real short replay run (half of every batch's groups from the queue after the first step)."""
+    from transformers import AutoTokenizer
+
+    from bapo_trl import BAPOConfig, BAPOTrainer
+    from bapo_trl.toy import make_reverse_dataset, reverse_reward
+
+    args = BAPOConfig(
+        output_dir=str(tmp_path_factory.mktemp("plot-replay")), use_cpu=True, bf16=False,
+        gradient_checkpointing=False, report_to="none", save_strategy="no", per_device_train_batch_size=16,
+        num_generations=4, max_completion_length=8, logging_steps=1, seed=0, steps_per_generation=1, max_steps=4,
+        learning_rate=5e-3, replay_buffer_size=16, replay_ratio=0.5,
+    )
+    trainer = BAPOTrainer(model=tiny_model_dir, reward_funcs=reverse_reward, args=args,
+                          train_dataset=make_reverse_dataset(64), processing_class=AutoTokenizer.from_pretrained(
+                              tiny_model_dir))
+    trainer.train()
+    return trainer.state.log_history
+
+
 def lines_by_metric(ax):
     groups = {}
     for line in ax.lines:
@@ -57,16 +78,23 @@ def test_figure_has_the_panels_labels_and_target(run):
     assert [ln.get_ydata()[0] for ln in targets] == [0.45]
 
 
-def test_two_runs_overlaid_and_replay_panel_when_logged(run):
+def test_two_runs_overlaid_and_replay_panel_when_logged(run, replay_run):
     _, history = run
-    replayed = [dict(h, **{"replay/fraction": 0.25}) if "reward" in h else h for h in history]
-    fig = plot_dynamics([history, replayed], labels=["fresh", "replay"])
+    fig = plot_dynamics([history, replay_run], labels=["fresh", "replay"])  # two real runs, one with replay
     assert fig.bapo_panels == CORE + ["replay_fraction"]
+    runs = {"fresh": history, "replay": replay_run}
     for name in CORE:
-        for metric, labels in lines_by_metric(fig.bapo_axes[name]).items():
-            assert labels == ["fresh", "replay"], (name, metric)
-    assert lines_by_metric(fig.bapo_axes["replay_fraction"]) == {"replay/fraction": ["replay"]}
+        for metric, labels in lines_by_metric(fig.bapo_axes[name]).items():  # one line per run that logged it
+            assert labels == [label for label, h in runs.items() if any(metric in row for row in h)], (name, metric)
+        assert len(fig.bapo_axes[name].lines) > 1
+    assert lines_by_metric(fig.bapo_axes["replay_fraction"]) == {"replay/fraction": ["replay"],
+                                                                 "replay/token_fraction": ["replay"]}
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["fresh", "replay"]
+    # the panel draws what the replay run logged, and that run really replayed
+    logged = [h["replay/fraction"] for h in replay_run if "replay/fraction" in h]
+    (line,) = [ln for ln in fig.bapo_axes["replay_fraction"].lines if ln.get_gid() == "replay/fraction"]
+    assert list(line.get_ydata()) == pytest.approx([100 * f for f in logged])  # drawn in percent
+    assert max(logged) > 0
 
 
 def test_run_directory_prefers_the_latest_history(run, tmp_path):
