@@ -32,11 +32,34 @@ CASES = {
                                  "--lora_target_modules", "q_proj", "v_proj", "--beta", "0.05"]),
     "zero3_offload": dict(config="deepspeed_zero3_offload.yaml", launch=[], kind="DEEPSPEED", stage=3),
     "zero3_json": dict(config="deepspeed_zero3_json.yaml", launch=[], kind="DEEPSPEED", stage=3),
+    # deepspeed_configs/zero2.json, through the JSON accelerate config with its file swapped (no yaml ships for it)
+    "zero2_json": dict(config="deepspeed_zero3_json.yaml", launch=[], kind="DEEPSPEED", stage=2,
+                       json="deepspeed_configs/zero2.json"),
 }
+DEEPSPEED_JSONS = REPO / "deepspeed_configs"
+
+
+def config_for(case, tmp_path):
+    """The accelerate config file of a case (a copy pointing at another DeepSpeed JSON when the case names one)."""
+    path = CONFIGS / case["config"]
+    if "json" not in case:
+        return path
+    text = path.read_text()
+    assert "deepspeed_configs/zero3.json" in text and "zero3_init_flag: true" in text
+    text = text.replace("deepspeed_configs/zero3.json", case["json"]).replace("zero3_init_flag: true",
+                                                                             "zero3_init_flag: false")
+    copy = tmp_path / f"accelerate-{os.path.basename(case['json'])}.yaml"
+    copy.write_text(text)
+    return copy
 
 
 def test_every_config_file_has_a_launch_test():
     assert {c["config"] for c in CASES.values()} | {"single_gpu.yaml"} == {p.name for p in CONFIGS.glob("*.yaml")}
+    used = {c["json"] for c in CASES.values() if "json" in c}
+    for case in CASES.values():
+        text = (CONFIGS / case["config"]).read_text()
+        used |= {f"deepspeed_configs/{p.name}" for p in DEEPSPEED_JSONS.glob("*.json") if p.name in text}
+    assert used == {f"deepspeed_configs/{p.name}" for p in DEEPSPEED_JSONS.glob("*.json")}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -45,7 +68,7 @@ def test_launch_is_really_distributed(name, tmp_path):
     out = tmp_path / "run"
     proc = accelerate_launch(
         TRAIN, *SHORT_RUN, "--output_dir", out, *case.get("args", []),
-        config_file=CONFIGS / case["config"], extra_launch=case["launch"], timeout=1200,
+        config_file=config_for(case, tmp_path), extra_launch=case["launch"], timeout=1200,
     )
     infos = [json.loads((out / "launch_info" / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank, info in enumerate(infos):
