@@ -134,3 +134,41 @@ def loop_search(ratio, advantages, mask, reduce_fn=None, **settings) -> dict:
     variant = settings.get("bapo_variant", "paper")
     fn = paper_loop_search if variant == "paper" else verl_loop_search
     return fn(ratio, advantages, mask, reduce_fn=reduce_fn, **settings)
+
+
+def entropy_clip_reference(logps, ratio, advantages, mask, clip_low: float, clip_high: float) -> dict[str, float]:
+    """:mod:`bapo_trl.entropy_clip`'s metrics for one batch, token by token from the definitions (Python floats)."""
+    from .entropy_clip import QUADRANTS
+
+    rows, cols = len(ratio), len(ratio[0])
+    tokens = []
+    for i in range(rows):
+        for j in range(cols):
+            a = advantages[i] if not isinstance(advantages[i], (list, tuple)) else advantages[i][j]
+            l, r = float(logps[i][j]), float(ratio[i][j])
+            if mask[i][j] and all(math.isfinite(x) for x in (l, r, float(a))):
+                tokens.append((l, r, float(a)))
+    out = {}
+    if not tokens:
+        return {**{f"entropy_clip/tokens_{q}": math.nan for q in QUADRANTS},
+                **{f"entropy_clip/clipped_{q}": math.nan for q in QUADRANTS},
+                "entropy_clip/predicted_change": math.nan, "entropy_clip/predicted_change_all": math.nan,
+                "entropy_clip/clip_effect": math.nan}
+    mean_l = sum(l for l, _, _ in tokens) / len(tokens)
+    for q in QUADRANTS:
+        sign, side = q.split("_")
+        members = [(l, r, a) for l, r, a in tokens
+                   if (a > 0 if sign == "pos" else a < 0) and ((l >= mean_l) == (side == "high"))]
+        clipped = [t for t in members if (t[2] > 0 and t[1] > clip_high) or (t[2] < 0 and t[1] < clip_low)]
+        out[f"entropy_clip/tokens_{q}"] = len(members) / len(tokens)
+        out[f"entropy_clip/clipped_{q}"] = len(clipped) / len(members) if members else math.nan
+
+    def neg_cov(ys):
+        my = sum(ys) / len(ys)
+        return -sum((l - mean_l) * (y - my) for (l, _, _), y in zip(tokens, ys)) / len(tokens)
+
+    kept = [0.0 if (a > 0 and r > clip_high) or (a < 0 and r < clip_low) else a for _, r, a in tokens]
+    out["entropy_clip/predicted_change"] = neg_cov(kept)
+    out["entropy_clip/predicted_change_all"] = neg_cov([a for _, _, a in tokens])
+    out["entropy_clip/clip_effect"] = out["entropy_clip/predicted_change"] - out["entropy_clip/predicted_change_all"]
+    return out

@@ -70,6 +70,20 @@ class BAPOConfig(GRPOConfig):
             Clamp of the log importance ratio, as in the official code, so ``exp`` never overflows. Must exceed
             ``log(ratio_upper_max)`` so it never interferes with the clipping window.
 
+        positive_contribution_is_weighted (`bool`, *optional*, defaults to `False`):
+            When TRL's vLLM importance-sampling correction reweights tokens (the batch carries
+            ``importance_sampling_ratio``), measure rho on the reweighted contributions ``A x w``, as TRL's loss
+            weights them. Off (the official code): the search sees unweighted contributions and the IS weights are
+            applied after it.
+        target_entropy (`float` or `None`, *optional*, defaults to `None`):
+            Experimental closed loop (:mod:`bapo_trl.target_controller`): after every update, raise
+            ``positive_contribution_target`` by ``target_adapt_rate`` while the policy entropy (all processes) is
+            below this value, lower it while above, within ``[target_min, target_max]``. Logged as
+            ``bapo/positive_contribution_target``; checkpointed. Off when `None`.
+        target_adapt_rate (`float`, *optional*, defaults to `0.005`), target_min (`float`, defaults to `0.3`),
+        target_max (`float`, defaults to `0.7`):
+            Step and range of the closed-loop target.
+
         > Stale-sample replay (the paper's "sample replay" off-policy setting)
 
         replay_buffer_size (`int`, *optional*, defaults to `0`):
@@ -138,6 +152,19 @@ class BAPOConfig(GRPOConfig):
     max_log_ratio: float = field(
         default=20.0, metadata={"help": "Clamp of the log importance ratio (official code: 20); > log(ratio_upper_max)."}
     )
+    positive_contribution_is_weighted: bool = field(
+        default=False,
+        metadata={"help": "Measure the positive share on contributions reweighted by TRL's vLLM importance-sampling "
+                  "correction (A x IS weight), as the loss weights them. Off: unweighted, as the official code."},
+    )
+    target_entropy: float | None = field(
+        default=None,
+        metadata={"help": "Experimental: move positive_contribution_target after every update toward this policy "
+                  "entropy (nats/token) by target_adapt_rate, within [target_min, target_max]. None = off."},
+    )
+    target_adapt_rate: float = field(default=0.005, metadata={"help": "Step of the closed-loop target, > 0."})
+    target_min: float = field(default=0.3, metadata={"help": "Lowest target the controller may set, in (0, 1)."})
+    target_max: float = field(default=0.7, metadata={"help": "Highest target the controller may set, in (0, 1)."})
     replay_buffer_size: int = field(
         default=0, metadata={"help": "Replay queue capacity in groups per process (0 = replay off)."}
     )
@@ -247,12 +274,17 @@ class BAPOConfig(GRPOConfig):
                 "`ratio_upper_max` and `ratio_upper_step` have no effect.")))
         if len(path) == 1:
             moved = [f"{name}={getattr(self, name)!r}" for name, default in
-                     (("positive_contribution_target", 0.5), ("positive_contribution_mode", "value"))
-                     if getattr(self, name) != default]
+                     (("positive_contribution_target", 0.5), ("positive_contribution_mode", "value"),
+                      ("target_entropy", None)) if getattr(self, name) != default]
             if moved:
                 rows.append(("warning", (
                     f"the search path has a single window {window}, so {', '.join(moved)} only matter(s) for a moving "
                     "search and has no effect: widen `ratio_upper_max` / `ratio_lower_max` or drop the setting.")))
+        if self.positive_contribution_is_weighted and not (self.use_vllm and self.vllm_importance_sampling_correction):
+            rows.append(("warning", (
+                "`positive_contribution_is_weighted` only acts on TRL's vLLM importance-sampling weights, and this run "
+                f"has none (use_vllm={self.use_vllm}, vllm_importance_sampling_correction="
+                f"{self.vllm_importance_sampling_correction}): the share is measured unweighted.")))
         if self.epsilon != 0.2 or self.epsilon_high is not None:
             rows.append(("warning", (
                 f"`epsilon` ({self.epsilon}) / `epsilon_high` ({self.epsilon_high}) are ignored: BAPO chooses the "
@@ -289,6 +321,18 @@ class BAPOConfig(GRPOConfig):
                 f"{math.log(self.ratio_upper_max) if isinstance(self.ratio_upper_max, (int, float)) and self.ratio_upper_max > 0 else 'n/a'}"
                 f", got {self.max_log_ratio!r}."
             )
+        if self.target_entropy is not None:
+            numbers = (self.target_entropy, self.target_adapt_rate, self.target_min, self.target_max)
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in numbers):
+                errors.append(f"`target_entropy`, `target_adapt_rate`, `target_min`, `target_max` must be finite "
+                              f"numbers, got {numbers}.")
+            elif not (self.target_entropy > 0 and self.target_adapt_rate > 0
+                      and 0 < self.target_min <= self.positive_contribution_target <= self.target_max < 1):
+                errors.append(
+                    "the closed-loop target needs `target_entropy` > 0, `target_adapt_rate` > 0 and 0 < `target_min` <= "
+                    f"`positive_contribution_target` <= `target_max` < 1; got target_entropy={self.target_entropy}, "
+                    f"target_adapt_rate={self.target_adapt_rate}, target_min={self.target_min}, "
+                    f"positive_contribution_target={self.positive_contribution_target}, target_max={self.target_max}.")
         errors += self._replay_errors()
         errors += self._partial_rollout_errors()
         return errors

@@ -71,6 +71,10 @@ PANELS = (
           (Series("A > 0, ratio above c_high", ("bapo/clip_fraction_high", "clip_ratio/high_mean")),
            Series("A < 0, ratio below c_low", ("bapo/clip_fraction_low", "clip_ratio/low_mean"), "--")),
           scale=100.0),
+    Panel("entropy_clip", "Entropy-Clip Rule: predicted entropy change (-Cov(log pi, A X))", "per unit lr",
+          (Series("kept tokens (chosen window)", ("entropy_clip/predicted_change",)),
+           Series("all tokens (no clipping)", ("entropy_clip/predicted_change_all",), ":"),
+           Series("clip effect", ("entropy_clip/clip_effect",), "--")), optional=True),
     Panel("staleness", "Staleness of the trained tokens", "optimizer steps since sampling",
           (Series("all tokens (mean)", ("bapo/staleness_mean",)),
            Series("replayed tokens (mean)", ("replay/staleness_mean",), "--")), optional=True),
@@ -376,6 +380,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(err))
     width, height = (fig.get_size_inches() * DPI).round().astype(int)
     print(f"wrote {args.output} ({width}x{height} px; panels: {', '.join(fig.bapo_panels)})")
+    from .entropy_clip import predicted_vs_realised
+
+    for label, run in zip(args.labels or args.runs, args.runs):
+        corr, pairs = predicted_vs_realised(load_run(run)["log_history"])
+        if pairs:
+            print(f"{label}: Entropy-Clip Rule, correlation of the predicted change with the realised change of "
+                  f"entropy over {pairs} logged steps: {corr:.3f}")
     return 0
 
 

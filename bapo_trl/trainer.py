@@ -18,6 +18,7 @@ DeepSpeed) is TRL's code, untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from typing import Any
@@ -29,11 +30,15 @@ from trl import GRPOTrainer
 from .checkpoints import mark_complete, resolve_resume
 from .clipping import SearchResult, search_clip_bounds, search_path
 from .config import BAPOConfig
+from .entropy_clip import METRICS as ENTROPY_CLIP_METRICS
+from .entropy_clip import NUM_SUMS as ENTROPY_CLIP_SUMS
+from .entropy_clip import entropy_clip_metrics, entropy_clip_sums
 from .generation.cpu_server import CPUServerSyncMixin  # vLLM server mode on CPU (disk weight sync)
 from .numerics import mask_nonfinite_inputs, sanitize_after_forward
 from .rewards import name_errors
 from .partial_rollout import PartialRolloutPool
 from .replay import ReplayQueue, groups_to_replace, pad_and_stack, split_groups
+from .target_controller import TargetController
 from .summary import is_active
 from .trl_seams import check_trl_seams
 
@@ -60,7 +65,8 @@ BAPO_METRICS = (
     "bapo/nonfinite_tokens",
     "bapo/staleness_mean",
     "bapo/staleness_max",
-)
+    "bapo/positive_contribution_target",
+) + ENTROPY_CLIP_METRICS
 #: Logged when the replay queue is on.
 REPLAY_METRICS = (
     "replay/size",
@@ -164,6 +170,10 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
                 args.partial_rollout_budget, args.partial_rollout_max_resumes, args.max_completion_length,
                 self._stop_token_ids(),
             )
+        self.target_controller: TargetController | None = None
+        if args.target_entropy is not None:
+            self.target_controller = TargetController(args.target_entropy, args.target_adapt_rate, args.target_min,
+                                                      args.target_max, args.positive_contribution_target)
         self.replay_queue: ReplayQueue | None = None
         if args.replay_enabled:
             self.replay_queue = ReplayQueue(
@@ -444,7 +454,8 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
 
     def _rank_states(self) -> dict[str, Any]:
         """Per-process state saved beside TRL's checkpoint files: file stem -> object with state_dict()."""
-        states = {"replay_queue": self.replay_queue, "partial_rollout": self.partial_rollout}
+        states = {"replay_queue": self.replay_queue, "partial_rollout": self.partial_rollout,
+                  "target_controller": self.target_controller}
         return {stem: obj for stem, obj in states.items() if obj is not None}
 
     def _rank_state_path(self, checkpoint_dir: str, stem: str) -> str:
@@ -492,6 +503,12 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
                     "without it (or by a run with a different number of processes)."
                 )
             obj.load_state_dict(torch.load(path, weights_only=False))
+        if self.target_controller is not None:
+            self._set_target(self.target_controller.value)
+
+    def _set_target(self, rho0: float) -> None:
+        """Install a new positive-share target (the closed-loop controller's) for the next searches."""
+        self._bapo_settings = dataclasses.replace(self._bapo_settings, positive_contribution_target=rho0)
 
     # -- loss: arm the search, let TRL compute the loss with the chosen window ----------------------------------
 
@@ -514,10 +531,11 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         )
         inputs, self._bapo_pending = self._bapo_pending, None  # only the policy forward of a loss call
         if inputs is not None:
-            self._adapt_clip_window(logps, inputs)
+            self._adapt_clip_window(logps, inputs, entropies)
         return logps, entropies, aux_loss
 
-    def _adapt_clip_window(self, per_token_logps: torch.Tensor, inputs: dict[str, Any]) -> None:
+    def _adapt_clip_window(self, per_token_logps: torch.Tensor, inputs: dict[str, Any],
+                           entropies: torch.Tensor | None = None) -> None:
         """Run the search on this micro-batch (sums reduced over all processes) and install the window."""
         self._nonfinite_inputs = self._nonfinite_inputs + sanitize_after_forward(
             inputs, per_token_logps, self.args.max_log_ratio)
@@ -529,6 +547,9 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         log_ratio = per_token_logps.detach() - old if old is not None else torch.zeros_like(per_token_logps)
         ratio = torch.exp(log_ratio)
         advantages = inputs["advantages"]
+        weights = inputs.get("importance_sampling_ratio")  # TRL's vLLM IS correction multiplies each token's loss
+        if self.args.positive_contribution_is_weighted and weights is not None:
+            advantages = (advantages[:, None] if advantages.dim() == 1 else advantages) * weights
         result = search_clip_bounds(
             ratio, advantages, mask, config=self._bapo_settings, reduce_fn=self._sum_over_processes
         )
@@ -536,7 +557,7 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         self.epsilon_low = (1.0 - result.clip_low).to(dtype)
         self.epsilon_high = (result.clip_high - 1.0).to(dtype)
         self.last_search = result
-        self._log_search(result, ratio, advantages, mask, inputs)
+        self._log_search(result, ratio, advantages, mask, inputs, per_token_logps, entropies)
 
     def _sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.accelerator.num_processes == 1:
@@ -551,7 +572,7 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
 
     # -- metrics ------------------------------------------------------------------------------------------------
 
-    def _log_search(self, result: SearchResult, ratio, advantages, mask, inputs) -> None:
+    def _log_search(self, result: SearchResult, ratio, advantages, mask, inputs, logps, entropies=None) -> None:
         mode = "train" if self.model.training else "eval"
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(1)
@@ -578,11 +599,17 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         ).to(torch.float64)
         extra = torch.stack([torch.as_tensor(stale_sum, dtype=torch.float64, device=ratio.device),
                              self._nonfinite_inputs.to(device=ratio.device, dtype=torch.float64)])
-        counts = torch.cat([counts, extra])
+        diagnostics = entropy_clip_sums(logps, ratio, advantages, mask, result.clip_low, result.clip_high)
+        entropy = (torch.zeros(2, dtype=torch.float64, device=ratio.device) if entropies is None else torch.stack(
+            [torch.where(valid, entropies.detach().double(), 0.0).sum(), valid.sum().double()]))
+        counts = torch.cat([counts, extra, diagnostics.to(ratio.device), entropy])  # one collective for all
         counts = self._sum_over_processes(counts)
         stale_max = self._max_over_processes(torch.as_tensor(stale_max, dtype=torch.float64, device=ratio.device))
 
-        n, n_pos, n_neg, n_low, n_high, n_sensitive, s_sum, nonfinite_inputs = counts.tolist()
+        counts = counts.tolist()
+        n, n_pos, n_neg, n_low, n_high, n_sensitive, s_sum, nonfinite_inputs = counts[:8]
+        diagnostics = entropy_clip_metrics(counts[8 : 8 + ENTROPY_CLIP_SUMS])
+        entropy_sum, entropy_tokens = counts[8 + ENTROPY_CLIP_SUMS :]
         r = result.as_floats()
         path_end = len(path) - 1
         active = n_sensitive > 0
@@ -610,8 +637,15 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             "bapo/staleness_mean": s_sum / max(n, 1.0),
             "bapo/staleness_max": float(stale_max),
         }
+        values.update(diagnostics)
+        values["bapo/positive_contribution_target"] = self._bapo_settings.positive_contribution_target
         for name, value in values.items():
             self._metrics[mode][name].append(value)
+        if self.target_controller is not None and mode == "train":
+            if entropies is None:
+                raise RuntimeError("target_entropy needs the policy entropy, but TRL's loss forward returned none.")
+            mean_entropy = entropy_sum / entropy_tokens if entropy_tokens else float("nan")
+            self._set_target(self.target_controller.update(mean_entropy))
         if "replayed" in inputs:
             self._log_split_by_origin(result, ratio, advantages, valid, inputs, mode)
 

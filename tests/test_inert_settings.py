@@ -35,6 +35,9 @@ WARNINGS = [
      "single window [0.8, 1.2], so positive_contribution_target=0.4 only matter(s) for a moving search"),
     ("--epsilon 0.3", "`epsilon` (0.3) / `epsilon_high` (None) are ignored"),
     ("--replay_buffer_size 2 --replay_ratio 0.5 --replay_max_staleness 64", "`replay_ratio` is never reached"),
+    ("--positive_contribution_is_weighted", "only acts on TRL's vLLM importance-sampling weights"),
+    ("--ratio_lower_start 0.8 --ratio_lower_max 0.8 --ratio_upper_max 1.2 --target_entropy 1.0",
+     "so target_entropy=1.0 only matter(s) for a moving search"),
 ]
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from bapo_trl.plot import DPI, LOG_HISTORY_NAME, PlotDynamicsCallback, load_run, plot_dynamics
 
-CORE = ["reward", "entropy", "clip_bounds", "positive_share", "clip_fractions", "staleness"]
+CORE = ["reward", "entropy", "clip_bounds", "positive_share", "clip_fractions", "entropy_clip", "staleness"]
 
 
 @pytest.fixture(scope="module")
