@@ -84,3 +84,21 @@ def test_async_rewards_are_awaited_and_logged(reward, name, tiny_model_dir, tmp_
     trainer.train()
     logs = [h for h in trainer.state.log_history if f"rewards/{name}/mean" in h]
     assert logs and all(h[f"rewards/{name}/mean"] == 0.25 for h in logs)
+
+
+def test_registry_names_of_trl_rewards_resolve_to_trl_and_score():
+    """The README's registry names for TRL's rewards: TRL's own functions, scoring a right and a wrong answer."""
+    import trl.rewards
+
+    names = ["accuracy_reward", "reasoning_accuracy_reward", "think_format_reward"]
+    funcs = resolve_reward_funcs(names)
+    assert funcs == [getattr(trl.rewards, name) for name in names]
+    accuracy, reasoning_accuracy, think_format = funcs
+    right = [{"role": "assistant", "content": "<think>2 + 2 = 4</think>The answer is $\\boxed{4}$."}]
+    wrong = [{"role": "assistant", "content": "The answer is $\\boxed{5}$."}]
+    solution = ["$4$", "$4$"]
+    assert accuracy([right, wrong], solution=solution) == [1.0, 0.0]
+    assert reasoning_accuracy([right, wrong], solution=solution)[0] == 1.0
+    assert think_format([right, wrong]) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="Unknown reward function 'accuracy'.*'accuracy_reward'"):
+        resolve_reward_funcs(["accuracy"])
