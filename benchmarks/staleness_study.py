@@ -53,7 +53,9 @@ COLLAPSE = 0.1  # final reward below this: the run collapsed
 KEPT = ("step", "loss", "grad_norm", "reward", "entropy", "bapo/clip_low", "bapo/clip_high",
         "bapo/positive_contribution", "bapo/positive_contribution_before", "bapo/clip_fraction_negative",
         "bapo/clip_fraction_positive", "bapo/target_met", "bapo/search_exhausted", "bapo/search_steps",
-        "bapo/staleness_mean", "replay/fraction")
+        "bapo/staleness_mean", "replay/fraction", "bapo/positive_contribution_target", "entropy_clip/predicted_change",
+        "entropy_clip/predicted_change_all", "entropy_clip/clip_effect", "entropy_clip/clipped_pos_low",
+        "entropy_clip/clipped_pos_high", "entropy_clip/clipped_neg_low", "entropy_clip/clipped_neg_high")
 
 
 def plan(quick: bool) -> list[dict]:
@@ -98,7 +100,7 @@ def run_one(spec: dict) -> dict:
             save_strategy="no", disable_tqdm=True, logging_steps=1, per_device_train_batch_size=32,
             num_generations=8, max_completion_length=12, temperature=1.0, lr_scheduler_type="constant",
             learning_rate=spec["lr"], seed=spec["seed"], max_steps=spec["steps"],
-            **METHODS[spec["method"]], **STALENESS[spec["staleness"]],
+            **spec.get("settings", METHODS.get(spec["method"], {})), **STALENESS[spec["staleness"]],
         )
         trainer = BAPOTrainer(model=model_dir, reward_funcs=reverse_reward, args=args,
                               train_dataset=make_reverse_dataset(8192, seed=spec["seed"]), processing_class=tokenizer)
