@@ -54,3 +54,10 @@ def test_gpu_check_cpu_quick_passes_every_check():
         last)
     assert match, last
     assert int(match[1]) == 6 and float(match[2]) > 0 and float(match[4]) > 0
+
+
+def test_entropy_clip_study_quick_prints_its_summary():
+    last = run_quick("entropy_clip_study.py")
+    assert re.fullmatch(rf"runs=2 best_adaptive=\S+ best_adaptive_reward_lr1e-3=({NUMBER}|nan) "
+                        rf"widest_reward_lr1e-3=({NUMBER}) best_adaptive_reward_lr2e-3=({NUMBER}|nan) "
+                        rf"widest_reward_lr2e-3=({NUMBER}|nan)", last), last
