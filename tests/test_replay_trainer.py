@@ -22,10 +22,10 @@ REPLAY = dict(
 class RecordingTrainer(BAPOTrainer):
     """Records, per loss call, the ratios and origin flags the search saw (a test probe, not a fake)."""
 
-    def _log_search(self, result, ratio, advantages, mask, inputs):
+    def _log_search(self, result, ratio, advantages, mask, inputs, *args):
         self.seen = getattr(self, "seen", [])
         self.seen.append((ratio.detach().clone(), inputs["replayed"].clone(), mask.clone()))
-        super()._log_search(result, ratio, advantages, mask, inputs)
+        super()._log_search(result, ratio, advantages, mask, inputs, *args)
 
 
 class SnapshotPolicies(TrainerCallback):
@@ -38,11 +38,11 @@ class SnapshotPolicies(TrainerCallback):
         self.policies[state.global_step] = copy.deepcopy(model.state_dict())
 
 
-def build(cls, model_dir, out, callbacks=(), **overrides):
+def build(cls, model_dir, out, callbacks=(), reward=reverse_reward, **overrides):
     args = BAPOConfig(output_dir=str(out), **{**REPLAY, **overrides})
     return cls(
         model=AutoModelForCausalLM.from_pretrained(model_dir),
-        reward_funcs=reverse_reward,
+        reward_funcs=reward,
         args=args,
         train_dataset=make_reverse_dataset(512, seed=0),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
@@ -178,3 +178,93 @@ def test_missing_queue_file_in_checkpoint_is_a_clear_error(tiny_model_dir, tmp_p
     second = build(BAPOTrainer, tiny_model_dir, tmp_path / "b", max_steps=4)
     with pytest.raises(FileNotFoundError, match="replay_queue_rank0.pt"):
         second.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+
+
+def flat_for_even_digits(prompts, completions, answer, completion_ids=None, **kwargs):
+    """The toy reward, but 0 for every completion of a prompt starting with an even digit: those groups have no
+    reward spread, so the batches always hold some groups without learning signal."""
+    scores = reverse_reward(completions, answer, completion_ids=completion_ids)
+    return [0.0 if str(p).lstrip()[:1] in "02468" else s for p, s in zip(prompts, scores)]
+
+
+class FillProbe(BAPOTrainer):
+    """Records, for each generation batch, the fresh groups without spread, what was asked of and given by the queue,
+    and the groups without spread that stayed in the trained batch (a probe around the real methods)."""
+
+    def _mix_in_replay(self, output, *args, **kwargs):
+        groups = output["advantages"].view(-1, self.num_generations)
+        flat_fresh = int((groups.max(1).values == groups.min(1).values).sum())
+        sample, asked = self.replay_queue.sample, []
+
+        def recording_sample(num_groups, current_step):
+            got = sample(num_groups, current_step)
+            asked.append((num_groups, len(got)))
+            return got
+
+        self.replay_queue.sample = recording_sample
+        try:
+            mixed = super()._mix_in_replay(output, *args, **kwargs)
+        finally:
+            self.replay_queue.sample = sample
+        adv, replayed = mixed["advantages"].view(-1, self.num_generations), mixed["replayed"].view(-1, self.num_generations)
+        flat_kept = int(((adv.max(1).values == adv.min(1).values) & ~replayed[:, 0]).sum())
+        self.fill_log = getattr(self, "fill_log", [])
+        self.fill_log.append(dict(flat_fresh=flat_fresh, asked=asked[0][0], given=asked[0][1], flat_kept=flat_kept,
+                                  rows=mixed["advantages"].numel()))
+        return mixed
+
+
+def test_fill_zero_std_groups_replaces_groups_without_spread_first(tiny_model_dir, tmp_path):
+    trainer = build(FillProbe, tiny_model_dir, tmp_path, reward=flat_for_even_digits, max_steps=6,
+                    save_strategy="no", replay_ratio=0.25, replay_fill_zero_std_groups=True, replay_max_staleness=4)
+    trainer.train()
+    log = trainer.fill_log
+    assert len(log) == 6 and all(b["rows"] == 16 for b in log)  # 4 groups per batch, always
+    for b in log:
+        assert b["asked"] == max(1, b["flat_fresh"])  # replay_ratio's 1 group, or one per group without spread
+        assert b["flat_kept"] == max(0, b["flat_fresh"] - b["given"])  # those are the first to give up their place
+    assert any(b["given"] >= 2 and b["flat_fresh"] >= 2 for b in log), log  # more than replay_ratio asks for
+    assert all(bool(g["advantages"].max() > g["advantages"].min()) for g in trainer.replay_queue.groups)
+
+
+def test_replay_staleness_is_counted_at_the_last_update_on_the_batch(tiny_model_dir, tmp_path):
+    """Each generation batch trains 2 updates: a group is sampled only if it is still within replay_max_staleness
+    at the second one, so no replayed token ever trains past the limit (it would reach 5 counted at the first)."""
+    trainer = build(BAPOTrainer, tiny_model_dir, tmp_path, max_steps=10, save_strategy="no", steps_per_generation=2,
+                    per_device_train_batch_size=8, replay_ratio=0.5, replay_max_staleness=4,
+                    replay_sampling="uniform")
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    ages = [h["replay/staleness_max"] for h in logs if h.get("replay/staleness_max") is not None]
+    assert ages and max(ages) == 3, ages  # pushed at s, replayed at s + 2 and s + 3; evicted before s + 4
+    assert all(h["bapo/staleness_max"] <= 4 for h in logs)
+
+
+class GenerationCounter(BAPOTrainer):
+    """Records how many prompts each generation call really generated for (a probe around TRL's _generate)."""
+
+    def _generate(self, prompts):
+        self.generated = getattr(self, "generated", []) + [len(prompts)]
+        return super()._generate(prompts)
+
+    def _mix_in_replay(self, output, appended=0):
+        mixed = super()._mix_in_replay(output, appended)
+        self.batch_rows = getattr(self, "batch_rows", []) + [mixed["completion_ids"].size(0)]
+        return mixed
+
+
+def test_replay_that_saves_generation_generates_only_the_fresh_share(tiny_model_dir, tmp_path):
+    """4 groups of 4 per batch, replay_ratio 0.5: once the queue holds 2 groups, each batch generates 2 groups (8
+    completions) and replays 2; the batch handed to training keeps its 16 rows. While the queue is short: full."""
+    trainer = build(GenerationCounter, tiny_model_dir, tmp_path, max_steps=8, save_strategy="no",
+                    replay_saves_generation=True)
+    trainer.train()
+    assert trainer.generated[0] == 16  # empty queue: full generation
+    assert 8 in trainer.generated and set(trainer.generated) <= {8, 16}
+    assert trainer.batch_rows == [16] * len(trainer.batch_rows)
+    saved = [h["replay/generation_saved"] for h in trainer.state.log_history if "replay/generation_saved" in h]
+    assert saved[0] == 0.0 and [g == 8 for g in trainer.generated] == [s == 0.5 for s in saved]
+    assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
+    baseline = build(GenerationCounter, tiny_model_dir, tmp_path / "full", max_steps=8, save_strategy="no")
+    baseline.train()
+    assert baseline.generated == [16] * 8  # without the option every batch is generated in full
