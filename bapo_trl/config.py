@@ -100,6 +100,12 @@ class BAPOConfig(GRPOConfig):
             Replace fresh groups whose rewards have no spread (no learning signal) by replayed groups first, and
             replace all of them even beyond `replay_ratio` when the queue has enough groups.
 
+        replay_saves_generation (`bool`, *optional*, defaults to `False`):
+            Generate only ``1 - replay_ratio`` of each generation batch's groups and add the replayed ones, so the
+            generated tokens per optimizer step drop by the replay share. While any process's queue holds fewer
+            replayable groups than one batch replays, the batch is generated in full (and replay replaces as usual).
+            Logged: ``replay/generation_saved`` (share of the batch not generated).
+
         > Partial rollout (the paper's other off-policy scenario)
 
         partial_rollout_budget (`int` or `None`, *optional*, defaults to `None`):
@@ -180,6 +186,11 @@ class BAPOConfig(GRPOConfig):
     )
     replay_fill_zero_std_groups: bool = field(
         default=False, metadata={"help": "Replace zero-reward-spread fresh groups by replayed groups first."}
+    )
+    replay_saves_generation: bool = field(
+        default=False,
+        metadata={"help": "Generate only the fresh share (1 - replay_ratio) of each batch's groups and fill the rest "
+                  "from the replay queue (full generation while any process's queue is too small)."},
     )
 
     partial_rollout_budget: int | None = field(
@@ -355,6 +366,14 @@ class BAPOConfig(GRPOConfig):
             errors.append(f"`replay_sampling` must be one of {SAMPLING}, got {self.replay_sampling!r}.")
         if errors:
             return errors
+        if self.replay_saves_generation and (size == 0 or self.partial_rollout_budget is not None
+                                             or self.replay_fill_zero_std_groups):
+            errors.append(
+                "`replay_saves_generation` needs a replay queue (`replay_buffer_size` >= 1, `replay_ratio` > 0) and "
+                "cannot be combined with `partial_rollout_budget` (which makes its own batches) or "
+                "`replay_fill_zero_std_groups` (nothing generated is replaced); got "
+                f"replay_buffer_size={size}, partial_rollout_budget={self.partial_rollout_budget}, "
+                f"replay_fill_zero_std_groups={self.replay_fill_zero_std_groups}.")
         if size == 0 and (ratio > 0 or self.replay_fill_zero_std_groups):
             errors.append(
                 "`replay_ratio` > 0 or `replay_fill_zero_std_groups` needs a replay queue: set `replay_buffer_size` "

@@ -76,6 +76,7 @@ REPLAY_METRICS = (
     "replay/staleness_max",
     "replay/evicted",
     "replay/pushed",
+    "replay/generation_saved",
     "bapo/positive_loss_share/fresh",
     "bapo/positive_loss_share/replayed",
     "bapo/clip_fraction/fresh",
@@ -194,17 +195,30 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
     # -- data: remember which policy version sampled each completion -------------------------------------------
 
     def _generate_and_score_completions(self, inputs):
+        saved = 0  # groups of this batch taken from the replay queue instead of being generated
         if self.partial_rollout is not None and self.model.training:
             output = self._score_finished_rollouts(inputs)
         else:
-            output = super()._generate_and_score_completions(inputs)
+            saved = self._groups_saved_by_replay(inputs)
+            output = super()._generate_and_score_completions(inputs[: len(inputs) - saved * self.num_generations])
             batch = output["completion_ids"].size(0)
             output["policy_version"] = torch.full(
                 (batch,), self.state.global_step, dtype=torch.long, device=output["completion_ids"].device
             )
         if self.replay_queue is not None and self.model.training:
-            output = self._mix_in_replay(output)
+            output = self._mix_in_replay(output, appended=saved)
         return output
+
+    def _groups_saved_by_replay(self, inputs) -> int:
+        """With ``replay_saves_generation``: how many groups of this batch to take from the queue instead of
+        generating them (the replay share), or 0 (full generation) while any process's queue holds fewer
+        replayable groups; decided on all processes together, so every rank generates the same amount."""
+        if self.replay_queue is None or not self.model.training or not self.args.replay_saves_generation:
+            return 0
+        wanted = self.args.replayed_groups_per_batch
+        self.replay_queue.evict_stale(self.state.global_step + self.args.updates_per_generation - 1)
+        fewest = -self._max_over_processes(torch.tensor(-float(len(self.replay_queue)), device=self.accelerator.device))
+        return wanted if fewest >= wanted else 0
 
     # -- partial rollout: grow completions by a budget per step, score the groups that finished ----------------
 
@@ -370,7 +384,9 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
 
     # -- replay: swap some fresh groups for stored ones, store the fresh ones ---------------------------------
 
-    def _mix_in_replay(self, output: dict[str, Any]) -> dict[str, Any]:
+    def _mix_in_replay(self, output: dict[str, Any], appended: int = 0) -> dict[str, Any]:
+        """Store the fresh groups and mix in replayed ones: ``appended`` groups added to a batch generated short by
+        that many (replay that saves generation), else ``replay_ratio`` of the fresh groups replaced."""
         rows = output["completion_ids"].size(0)
         per_row = {k: v for k, v in output.items() if torch.is_tensor(v) and v.dim() >= 1 and v.size(0) == rows}
         other = {k: v for k, v in output.items() if k not in per_row}
@@ -390,9 +406,12 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             wanted = max(wanted, has_signal.count(False))
         # Staleness is counted at the LAST update that trains on this batch, so no group trains past its limit.
         last_update = step + args.updates_per_generation - 1
-        replayed = self.replay_queue.sample(min(wanted, len(fresh)), current_step=last_update)
-        replaced = set(groups_to_replace(has_signal, len(replayed), args.replay_fill_zero_std_groups,
-                                         self.replay_queue.generator))
+        if appended:  # the queue holds them (checked on every process before generating)
+            replayed, replaced = self.replay_queue.sample(appended, current_step=last_update), set()
+        else:
+            replayed = self.replay_queue.sample(min(wanted, len(fresh)), current_step=last_update)
+            replaced = set(groups_to_replace(has_signal, len(replayed), args.replay_fill_zero_std_groups,
+                                             self.replay_queue.generator))
         for group in fresh:
             self.replay_queue.push(group)
         kept = [dict(g, replayed=torch.zeros(self.num_generations, dtype=torch.bool, device=device))
@@ -403,7 +422,7 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         mixed = pad_and_stack(kept + loaded, {"prompt_ids": pad_id, "completion_ids": pad_id})
         mask = mixed["completion_mask"] * mixed["tool_mask"] if "tool_mask" in mixed else mixed["completion_mask"]
         other["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
-        self._log_replay(mixed, mask)
+        self._log_replay(mixed, mask, appended)
         return {**mixed, **other}  # a per-row tensor first: TRL sizes the batch by the first value
 
     def _behavior_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -411,21 +430,23 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         return self._policy_logps(input_ids, attention_mask, batch["completion_ids"].size(1))
 
-    def _log_replay(self, mixed: dict[str, torch.Tensor], mask: torch.Tensor) -> None:
+    def _log_replay(self, mixed: dict[str, torch.Tensor], mask: torch.Tensor, appended: int = 0) -> None:
         counts = self.replay_queue.pop_stats()
         replayed = mixed["replayed"]
         local = torch.tensor(
             [len(self.replay_queue), float(replayed.sum()), float(replayed.numel()),
-             float((mask * replayed[:, None]).sum()), float(mask.sum()), counts["evicted"], counts["pushed"]],
+             float((mask * replayed[:, None]).sum()), float(mask.sum()), counts["evicted"], counts["pushed"],
+             float(appended * self.num_generations)],
             dtype=torch.float64, device=mask.device,
         )
-        size, n_rep, n_rows, tok_rep, tok_all, evicted, pushed = self._sum_over_processes(local).tolist()
+        size, n_rep, n_rows, tok_rep, tok_all, evicted, pushed, not_generated = self._sum_over_processes(local).tolist()
         metrics = self._metrics["train"]
         metrics["replay/size"].append(size)
         metrics["replay/fraction"].append(n_rep / max(n_rows, 1.0))
         metrics["replay/token_fraction"].append(tok_rep / max(tok_all, 1.0))
         metrics["replay/evicted"].append(evicted)
         metrics["replay/pushed"].append(pushed)
+        metrics["replay/generation_saved"].append(not_generated / max(n_rows, 1.0))  # share of the batch not generated
 
     # -- model card: TRL's card, plus what BAPO did --------------------------------------------------------------
 

@@ -26,6 +26,7 @@ ERRORS = [
     ("--delta 2.0", ["`delta` (2.0) must be >= `ratio_upper_max` (3.0)"]),
     ("--partial_rollout_budget 4 --generation_kwargs {\"max_tokens\":8}",
      ["`generation_kwargs` keys ['max_tokens'] cannot be used with `partial_rollout_budget`"]),
+    ("--replay_saves_generation", ["`replay_saves_generation` needs a replay queue"]),
 ]
 #: (flags, substring of the warning): legitimate but a setting is useless.
 WARNINGS = [
