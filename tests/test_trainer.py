@@ -209,3 +209,30 @@ def test_model_card_names_bapo_and_its_settings(tiny_model_dir, tmp_path):
     assert "mean chosen window" in card
     assert "bapo" in card.split("---")[1]  # TRL's front matter carries the tag
     assert "@article{xi2025bapo" in card  # the paper citation comes through TRL's own card template
+
+
+def test_num_iterations_makes_the_second_pass_off_policy_and_bapo_acts(tiny_model_dir, tmp_path, monkeypatch):
+    """num_iterations=2: each generation batch is trained twice; the first pass is on-policy (ratio 1), the second
+    comes after an optimizer step, so the ratio the search sees differs from 1 and the window can move."""
+    import bapo_trl.trainer as trainer_module
+
+    seen = []
+    search = trainer_module.search_clip_bounds
+
+    def recording_search(ratio, advantages, mask, **kwargs):  # a probe around the real search
+        result = search(ratio, advantages, mask, **kwargs)
+        real = mask.bool()
+        seen.append((float((ratio[real].double() - 1).abs().max()), result.as_floats()))
+        return result
+
+    monkeypatch.setattr(trainer_module, "search_clip_bounds", recording_search)
+    trainer = make_trainer(BAPOTrainer, BAPOConfig, tiny_model_dir, tmp_path, num_iterations=2, max_steps=8,
+                           learning_rate=5e-3, temperature=1.0)
+    trainer.train()
+    assert len(seen) == 8  # one search per update (one micro-batch each)
+    first, second = seen[0::2], seen[1::2]
+    assert all(gap < 1e-5 for gap, _ in first), [gap for gap, _ in first]
+    assert all(gap > 1e-3 for gap, _ in second), [gap for gap, _ in second]
+    assert any((r["clip_low"], r["clip_high"]) != (0.6, 1.2) for _, r in second)  # BAPO's window moved
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["bapo/staleness_max"] for h in logs] == [0, 1] * 4
