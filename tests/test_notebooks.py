@@ -1,7 +1,5 @@
 """Both notebooks run top to bottom on the tiny offline model, in a scratch directory, as a user would run them."""
 
-import time
-
 import pytest
 
 from launching import REPO
@@ -22,17 +20,17 @@ def test_notebook_runs_end_to_end(name, tmp_path, monkeypatch):
     notebook = nbformat.read(REPO / "notebooks" / name, as_version=4)
     assert not any(cell.get("outputs") for cell in notebook.cells), "commit notebooks with outputs cleared"
 
-    start = time.monotonic()
+    repo_outputs = REPO / "notebooks" / "outputs"  # a user's own runs may have left files there: compare, not require
+    before = {p: p.stat().st_mtime_ns for p in repo_outputs.rglob("*")} if repo_outputs.exists() else None
     NotebookClient(notebook, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()  # raises on any failing cell
-    elapsed = time.monotonic() - start
 
     images = [o for cell in notebook.cells for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
     assert images, "the dynamics plot is shown inline"
     outputs = tmp_path / "outputs"
-    assert outputs.is_dir() and not (REPO / "notebooks" / "outputs").exists()  # written to the working directory
+    assert outputs.is_dir()  # written to the working directory...
+    after = {p: p.stat().st_mtime_ns for p in repo_outputs.rglob("*")} if repo_outputs.exists() else None
+    assert after == before  # ...and nothing written under the repository's notebooks/
     if name == "bapo_quickstart.ipynb":
         adapter = next(outputs.glob("*/adapter"))
         assert (adapter / "adapter_model.safetensors").is_file() and (adapter.parent / "dynamics.png").is_file()
-    print(f"{name}: {elapsed:.0f} s")
-    assert elapsed < 300, f"{name} took {elapsed:.0f} s; it should stay a quick CPU walkthrough (~1 min)"
