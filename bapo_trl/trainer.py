@@ -30,9 +30,8 @@ from trl import GRPOTrainer
 from .checkpoints import mark_complete, resolve_resume
 from .clipping import SearchResult, search_clip_bounds, search_path
 from .config import BAPOConfig
-from .entropy_clip import METRICS as ENTROPY_CLIP_METRICS
-from .entropy_clip import NUM_SUMS as ENTROPY_CLIP_SUMS
-from .entropy_clip import entropy_clip_metrics, entropy_clip_sums
+from . import metrics
+from .metrics import origin_sums, origin_values, search_sums, search_values, token_staleness
 from .generation.cpu_server import CPUServerSyncMixin  # vLLM server mode on CPU (disk weight sync)
 from .numerics import mask_nonfinite_inputs, sanitize_after_forward
 from .rewards import name_errors
@@ -44,44 +43,10 @@ from .trl_seams import check_trl_seams
 
 check_trl_seams()  # a TRL that moved a private method we override fails here, loudly, not mid-training
 
-#: Names of the per-step metrics, stable so dashboards and the plot command can rely on them.
-BAPO_METRICS = (
-    "bapo/clip_low",
-    "bapo/clip_high",
-    "bapo/positive_contribution",
-    "bapo/positive_contribution_before",
-    "bapo/search_steps",
-    "bapo/search_active",
-    "bapo/target_met",
-    "bapo/search_exhausted",
-    "bapo/positive_loss_share",
-    "bapo/negative_loss_share",
-    "bapo/positive_gradient_share",
-    "bapo/clip_fraction_low",
-    "bapo/clip_fraction_high",
-    "bapo/clip_fraction_positive",
-    "bapo/clip_fraction_negative",
-    "bapo/positive_token_fraction",
-    "bapo/nonfinite_tokens",
-    "bapo/staleness_mean",
-    "bapo/staleness_max",
-    "bapo/positive_contribution_target",
-) + ENTROPY_CLIP_METRICS
+#: Names of the per-step metrics (registered in :mod:`bapo_trl.metrics`), stable for dashboards and the plot command.
+BAPO_METRICS = metrics.SEARCH + metrics.ENTROPY_CLIP
 #: Logged when the replay queue is on.
-REPLAY_METRICS = (
-    "replay/size",
-    "replay/fraction",
-    "replay/token_fraction",
-    "replay/staleness_mean",
-    "replay/staleness_max",
-    "replay/evicted",
-    "replay/pushed",
-    "replay/generation_saved",
-    "bapo/positive_loss_share/fresh",
-    "bapo/positive_loss_share/replayed",
-    "bapo/clip_fraction/fresh",
-    "bapo/clip_fraction/replayed",
-)
+REPLAY_METRICS = metrics.REPLAY
 
 PAPER_CITATION = """\
 @article{xi2025bapo,
@@ -594,106 +559,26 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
     # -- metrics ------------------------------------------------------------------------------------------------
 
     def _log_search(self, result: SearchResult, ratio, advantages, mask, inputs, logps, entropies=None) -> None:
+        """The update's metrics (:mod:`bapo_trl.metrics`): local sums, ONE collective (plus one for the maxima),
+        values under the registered names; then the closed-loop target, if on, takes its step."""
         mode = "train" if self.model.training else "eval"
-        if advantages.dim() == 1:
-            advantages = advantages.unsqueeze(1)
-        advantages = advantages.expand_as(ratio)
-        valid = (mask != 0) & torch.isfinite(ratio) & torch.isfinite(advantages)
-        positive, negative = valid & (advantages > 0), valid & (advantages < 0)
-        low_clipped = negative & (ratio < result.clip_low.to(ratio.dtype))
-        high_clipped = positive & (ratio > result.clip_high.to(ratio.dtype))
-        version = inputs.get("token_policy_version", inputs.get("policy_version"))
-        if version is not None:  # per token (partial rollout: segments differ) or per completion
-            staleness = (self.state.global_step - version).to(torch.float64)
-            if staleness.dim() == 1:
-                staleness = staleness[:, None].expand_as(ratio)
-            stale_sum = (staleness * valid).sum()
-            stale_max = torch.where(valid, staleness, 0.0).max() if staleness.numel() else 0
-        else:
-            stale_sum = stale_max = torch.zeros((), dtype=torch.float64, device=ratio.device)
-        # Tokens whose loss some window on the path would change: a positive above the smallest c_high, a negative
-        # below the largest c_low. None (every ratio 1, or all inside both): the search cannot act on this update.
-        path = self._search_path
-        sensitive = (positive & (ratio > path.clip_high[0])) | (negative & (ratio < max(path.clip_low)))
-        counts = torch.stack(
-            [valid.sum(), positive.sum(), negative.sum(), low_clipped.sum(), high_clipped.sum(), sensitive.sum()]
-        ).to(torch.float64)
-        extra = torch.stack([torch.as_tensor(stale_sum, dtype=torch.float64, device=ratio.device),
-                             self._nonfinite_inputs.to(device=ratio.device, dtype=torch.float64)])
-        diagnostics = entropy_clip_sums(logps, ratio, advantages, mask, result.clip_low, result.clip_high)
-        entropy = (torch.zeros(2, dtype=torch.float64, device=ratio.device) if entropies is None else torch.stack(
-            [torch.where(valid, entropies.detach().double(), 0.0).sum(), valid.sum().double()]))
-        counts = torch.cat([counts, extra, diagnostics.to(ratio.device), entropy])  # one collective for all
-        counts = self._sum_over_processes(counts)
-        stale_max = self._max_over_processes(torch.as_tensor(stale_max, dtype=torch.float64, device=ratio.device))
-
-        counts = counts.tolist()
-        n, n_pos, n_neg, n_low, n_high, n_sensitive, s_sum, nonfinite_inputs = counts[:8]
-        diagnostics = entropy_clip_metrics(counts[8 : 8 + ENTROPY_CLIP_SUMS])
-        entropy_sum, entropy_tokens = counts[8 + ENTROPY_CLIP_SUMS :]
-        r = result.as_floats()
-        path_end = len(path) - 1
-        active = n_sensitive > 0
-        if not active:  # every window on the path gives the same loss: report the start window, not the path's end
-            r.update(clip_low=path.clip_low[0], clip_high=path.clip_high[0], steps=0,
-                     positive_contribution=r["positive_contribution_before"])
-        values = {
-            "bapo/clip_low": r["clip_low"],
-            "bapo/clip_high": r["clip_high"],
-            "bapo/positive_contribution": r["positive_contribution"],
-            "bapo/positive_contribution_before": r["positive_contribution_before"],
-            "bapo/search_steps": r["steps"],
-            "bapo/search_active": float(active),
-            "bapo/target_met": r["target_met"],
-            "bapo/search_exhausted": float(r["steps"] == path_end and not r["target_met"]),
-            "bapo/positive_loss_share": r["value_share"],
-            "bapo/negative_loss_share": 1.0 - r["value_share"],
-            "bapo/positive_gradient_share": r["gradient_share"],
-            "bapo/clip_fraction_low": n_low / max(n, 1.0),
-            "bapo/clip_fraction_high": n_high / max(n, 1.0),
-            "bapo/clip_fraction_positive": n_high / n_pos if n_pos else float("nan"),
-            "bapo/clip_fraction_negative": n_low / n_neg if n_neg else float("nan"),
-            "bapo/positive_token_fraction": n_pos / max(n, 1.0),
-            "bapo/nonfinite_tokens": r["num_nonfinite"] + nonfinite_inputs,
-            "bapo/staleness_mean": s_sum / max(n, 1.0),
-            "bapo/staleness_max": float(stale_max),
-        }
-        values.update(diagnostics)
-        values["bapo/positive_contribution_target"] = self._bapo_settings.positive_contribution_target
+        step = self.state.global_step
+        sums, stale_max = search_sums(result, self._search_path, ratio, advantages, mask, logps, entropies,
+                                      token_staleness(inputs, step, ratio), self._nonfinite_inputs)
+        sums, stale_max = self._sum_over_processes(sums), self._max_over_processes(stale_max)
+        values, mean_entropy = search_values(sums.tolist(), result.as_floats(), self._search_path, float(stale_max),
+                                             self._bapo_settings.positive_contribution_target)
+        if "replayed" in inputs:  # fresh vs replayed tokens
+            staleness = (step - inputs["policy_version"]).double()[:, None].expand_as(ratio)
+            totals, rep_max = origin_sums(result, ratio, advantages, mask, inputs["replayed"], staleness)
+            totals, rep_max = self._sum_over_processes(totals), self._max_over_processes(rep_max)
+            values.update(origin_values(totals.tolist(), float(rep_max)))
         for name, value in values.items():
             self._metrics[mode][name].append(value)
         if self.target_controller is not None and mode == "train":
             if entropies is None:
                 raise RuntimeError("target_entropy needs the policy entropy, but TRL's loss forward returned none.")
-            mean_entropy = entropy_sum / entropy_tokens if entropy_tokens else float("nan")
             self._set_target(self.target_controller.update(mean_entropy))
-        if "replayed" in inputs:
-            self._log_split_by_origin(result, ratio, advantages, valid, inputs, mode)
-
-    def _log_split_by_origin(self, result, ratio, advantages, valid, inputs, mode) -> None:
-        """Positive share and clip fraction separately for fresh and replayed tokens, plus replay staleness."""
-        replayed = inputs["replayed"][:, None].expand_as(ratio)
-        c_low, c_high = result.clip_low.to(ratio.dtype), result.clip_high.to(ratio.dtype)
-        r = torch.where(valid, ratio, 1.0).double()
-        a = torch.where(valid, advantages, 0.0).double()
-        pos = torch.where(a > 0, torch.minimum(r, c_high.double()) * a, 0.0)
-        neg = torch.where(a < 0, torch.maximum(r, c_low.double()) * -a, 0.0)
-        clipped = ((a < 0) & (r < c_low)) | ((a > 0) & (r > c_high))
-        staleness = (self.state.global_step - inputs["policy_version"]).double()[:, None].expand_as(ratio)
-        sums = []
-        for part in (~replayed & valid, replayed & valid):
-            sums += [pos[part].sum(), neg[part].sum(), clipped[part].sum().double(), part.sum().double()]
-        rep = replayed & valid
-        sums.append((staleness * rep).sum())
-        totals = self._sum_over_processes(torch.stack(sums)).tolist()
-        stale_max = torch.where(rep, staleness, 0.0).max() if rep.numel() else torch.zeros((), dtype=torch.float64)
-        stale_max = self._max_over_processes(stale_max.to(ratio.device))
-        for name, (p, n, c, count) in (("fresh", totals[0:4]), ("replayed", totals[4:8])):
-            self._metrics[mode][f"bapo/positive_loss_share/{name}"].append(p / (p + n) if p + n > 0 else float("nan"))
-            self._metrics[mode][f"bapo/clip_fraction/{name}"].append(c / count if count else float("nan"))
-        n_rep = totals[7]
-        self._metrics[mode]["replay/staleness_mean"].append(totals[8] / n_rep if n_rep else float("nan"))
-        self._metrics[mode]["replay/staleness_max"].append(float(stale_max) if n_rep else float("nan"))
 
     @property
     def _search_path(self):

@@ -4,6 +4,8 @@ undefined on one micro-batch (NaN) does not turn the logged average NaN."""
 
 import math
 
+import pytest
+
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
@@ -53,3 +55,19 @@ def test_undefined_metric_on_one_micro_batch_does_not_turn_the_logged_mean_nan(t
     assert last["bapo/clip_fraction_positive"] == 0.25
     assert last["bapo/positive_loss_share/replayed"] is None  # nothing defined in the window: None, never NaN
     assert not any(isinstance(v, float) and math.isnan(v) for v in last.values())
+
+
+@pytest.mark.parametrize("extra,groups", [
+    (dict(replay_buffer_size=32, replay_ratio=0.5, replay_max_staleness=8), ("search", "entropy_clip", "replay")),
+    (dict(partial_rollout_budget=4), ("search", "entropy_clip", "partial")),
+], ids=["replay", "partial_rollout"])
+def test_every_logged_metric_is_registered_and_every_registered_one_logged(tiny_model_dir, tmp_path, extra, groups):
+    from bapo_trl.metrics import REGISTRY
+
+    trainer, _ = train(tiny_model_dir, tmp_path, max_steps=4, **extra)
+    logged = {k for h in trainer.state.log_history for k in h
+              if k.split("/")[0] in ("bapo", "replay", "partial", "entropy_clip")}
+    registered = {name for names in REGISTRY.values() for name in names}
+    assert logged <= registered, logged - registered
+    expected = {name for g in groups for name in REGISTRY[g]}
+    assert expected <= logged, expected - logged

@@ -1,0 +1,175 @@
+"""The per-update metrics, as pure functions: local sums -> (one collective, in the trainer) -> named values.
+
+Why this shape: every metric of an update must agree across processes, and a collective per metric would cost more
+than the search. So each function here returns the LOCAL sums of one micro-batch packed in one float64 vector; the
+trainer reduces it once over processes and turns it into values under the stable names registered below (the plot
+command, the notebooks, the run summary and the docs rely on them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .clipping import SearchPath
+from .entropy_clip import METRICS as ENTROPY_CLIP
+from .entropy_clip import NUM_SUMS as ENTROPY_CLIP_SUMS
+from .entropy_clip import entropy_clip_metrics, entropy_clip_sums
+
+#: Logged at every update.
+SEARCH = (
+    "bapo/clip_low",
+    "bapo/clip_high",
+    "bapo/positive_contribution",
+    "bapo/positive_contribution_before",
+    "bapo/search_steps",
+    "bapo/search_active",
+    "bapo/target_met",
+    "bapo/search_exhausted",
+    "bapo/positive_loss_share",
+    "bapo/negative_loss_share",
+    "bapo/positive_gradient_share",
+    "bapo/clip_fraction_low",
+    "bapo/clip_fraction_high",
+    "bapo/clip_fraction_positive",
+    "bapo/clip_fraction_negative",
+    "bapo/positive_token_fraction",
+    "bapo/nonfinite_tokens",
+    "bapo/staleness_mean",
+    "bapo/staleness_max",
+    "bapo/positive_contribution_target",
+)
+#: Logged when the replay queue is on (the first seven once per generation batch, the rest per update).
+REPLAY = (
+    "replay/size",
+    "replay/fraction",
+    "replay/token_fraction",
+    "replay/evicted",
+    "replay/pushed",
+    "replay/generation_saved",
+    "replay/staleness_mean",
+    "replay/staleness_max",
+    "bapo/positive_loss_share/fresh",
+    "bapo/positive_loss_share/replayed",
+    "bapo/clip_fraction/fresh",
+    "bapo/clip_fraction/replayed",
+)
+#: Logged once per generation batch when partial rollout is on.
+PARTIAL = (
+    "partial/carried",
+    "partial/resumes_mean",
+    "partial/segments_per_completion",
+    "partial/token_staleness_mean",
+    "partial/token_staleness_max",
+)
+#: Every metric name bapo_trl logs, by group.
+REGISTRY = {"search": SEARCH, "entropy_clip": ENTROPY_CLIP, "replay": REPLAY, "partial": PARTIAL}
+
+_COUNTS = 8  # valid, positive, negative, low-clipped, high-clipped, window-sensitive, staleness sum, non-finite
+
+
+def token_staleness(inputs: dict, step: int, like: torch.Tensor) -> torch.Tensor | None:
+    """Optimizer steps since each token was sampled (per token with partial rollout, else per completion), as
+    float64 shaped like ``like``; None when the batch carries no policy versions."""
+    version = inputs.get("token_policy_version", inputs.get("policy_version"))
+    if version is None:
+        return None
+    staleness = (step - version).to(torch.float64)
+    return (staleness[:, None] if staleness.dim() == 1 else staleness).expand_as(like)
+
+
+def search_sums(result, path: SearchPath, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                logps: torch.Tensor, entropies: torch.Tensor | None, staleness: torch.Tensor | None,
+                nonfinite_inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sums, local largest staleness)`` of one micro-batch for :func:`search_values`; ``advantages`` as the search
+    saw them (per row or per token)."""
+    device = ratio.device
+    advantages = (advantages[:, None] if advantages.dim() == 1 else advantages).expand_as(ratio)
+    valid = (mask != 0) & torch.isfinite(ratio) & torch.isfinite(advantages)
+    positive, negative = valid & (advantages > 0), valid & (advantages < 0)
+    low_clipped = negative & (ratio < result.clip_low.to(ratio.dtype))
+    high_clipped = positive & (ratio > result.clip_high.to(ratio.dtype))
+    # Tokens whose loss some window on the path would change: a positive above the smallest c_high, a negative
+    # below the largest c_low. None (every ratio 1, or all inside both): the search cannot act on this update.
+    sensitive = (positive & (ratio > path.clip_high[0])) | (negative & (ratio < max(path.clip_low)))
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    stale_sum = zero if staleness is None else (staleness * valid).sum()
+    stale_max = zero if staleness is None or not staleness.numel() else torch.where(valid, staleness, 0.0).max()
+    counts = torch.stack([valid.sum(), positive.sum(), negative.sum(), low_clipped.sum(), high_clipped.sum(),
+                          sensitive.sum()]).to(torch.float64)
+    entropy = zero.expand(2) if entropies is None else torch.stack(
+        [torch.where(valid, entropies.detach().double(), 0.0).sum(), valid.sum().double()])
+    sums = torch.cat([counts, torch.stack([stale_sum, nonfinite_inputs.to(device=device, dtype=torch.float64)]),
+                      entropy_clip_sums(logps, ratio, advantages, mask, result.clip_low, result.clip_high).to(device),
+                      entropy])
+    return sums, stale_max
+
+
+def search_values(sums: list[float], result: dict[str, float], path: SearchPath, stale_max: float,
+                  target: float) -> tuple[dict[str, float], float]:
+    """Named values from REDUCED :func:`search_sums` and the search result (``SearchResult.as_floats()``), plus the
+    mean policy entropy over the real tokens (NaN when unknown). An update on which no window of the path changes
+    the loss is reported with the start window and 0 steps (``bapo/search_active`` 0), not the path's end."""
+    n, n_pos, n_neg, n_low, n_high, n_sensitive, stale_sum, nonfinite_inputs = sums[:_COUNTS]
+    entropy_sum, entropy_tokens = sums[_COUNTS + ENTROPY_CLIP_SUMS :]
+    r = dict(result)
+    active = n_sensitive > 0
+    if not active:
+        r.update(clip_low=path.clip_low[0], clip_high=path.clip_high[0], steps=0,
+                 positive_contribution=r["positive_contribution_before"])
+    values = {
+        "bapo/clip_low": r["clip_low"],
+        "bapo/clip_high": r["clip_high"],
+        "bapo/positive_contribution": r["positive_contribution"],
+        "bapo/positive_contribution_before": r["positive_contribution_before"],
+        "bapo/search_steps": r["steps"],
+        "bapo/search_active": float(active),
+        "bapo/target_met": r["target_met"],
+        "bapo/search_exhausted": float(r["steps"] == len(path) - 1 and not r["target_met"]),
+        "bapo/positive_loss_share": r["value_share"],
+        "bapo/negative_loss_share": 1.0 - r["value_share"],
+        "bapo/positive_gradient_share": r["gradient_share"],
+        "bapo/clip_fraction_low": n_low / max(n, 1.0),
+        "bapo/clip_fraction_high": n_high / max(n, 1.0),
+        "bapo/clip_fraction_positive": n_high / n_pos if n_pos else float("nan"),
+        "bapo/clip_fraction_negative": n_low / n_neg if n_neg else float("nan"),
+        "bapo/positive_token_fraction": n_pos / max(n, 1.0),
+        "bapo/nonfinite_tokens": r["num_nonfinite"] + nonfinite_inputs,
+        "bapo/staleness_mean": stale_sum / max(n, 1.0),
+        "bapo/staleness_max": stale_max,
+        "bapo/positive_contribution_target": target,
+        **entropy_clip_metrics(sums[_COUNTS : _COUNTS + ENTROPY_CLIP_SUMS]),
+    }
+    return values, (entropy_sum / entropy_tokens if entropy_tokens else float("nan"))
+
+
+def origin_sums(result, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, replayed: torch.Tensor,
+                staleness: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sums, local largest replay staleness)``: value share and clip counts of fresh and of replayed tokens."""
+    advantages = (advantages[:, None] if advantages.dim() == 1 else advantages).expand_as(ratio)
+    valid = (mask != 0) & torch.isfinite(ratio) & torch.isfinite(advantages)
+    replayed = replayed[:, None].expand_as(ratio)
+    c_low, c_high = result.clip_low.to(ratio.dtype), result.clip_high.to(ratio.dtype)
+    r = torch.where(valid, ratio, 1.0).double()
+    a = torch.where(valid, advantages, 0.0).double()
+    pos = torch.where(a > 0, torch.minimum(r, c_high.double()) * a, 0.0)
+    neg = torch.where(a < 0, torch.maximum(r, c_low.double()) * -a, 0.0)
+    clipped = ((a < 0) & (r < c_low)) | ((a > 0) & (r > c_high))
+    sums = []
+    for part in (~replayed & valid, replayed & valid):
+        sums += [pos[part].sum(), neg[part].sum(), clipped[part].sum().double(), part.sum().double()]
+    rep = replayed & valid
+    sums.append((staleness * rep).sum())
+    stale_max = torch.where(rep, staleness, 0.0).max() if rep.numel() else torch.zeros((), dtype=torch.float64)
+    return torch.stack(sums), stale_max.to(ratio.device)
+
+
+def origin_values(totals: list[float], stale_max: float) -> dict[str, float]:
+    """Named values from REDUCED :func:`origin_sums`."""
+    values = {}
+    for name, (p, n, c, count) in (("fresh", totals[0:4]), ("replayed", totals[4:8])):
+        values[f"bapo/positive_loss_share/{name}"] = p / (p + n) if p + n > 0 else float("nan")
+        values[f"bapo/clip_fraction/{name}"] = c / count if count else float("nan")
+    n_rep = totals[7]
+    values["replay/staleness_mean"] = totals[8] / n_rep if n_rep else float("nan")
+    values["replay/staleness_max"] = stale_max if n_rep else float("nan")
+    return values
