@@ -97,6 +97,37 @@ def right_pad(rows: list[list], width: int, fill, dtype: torch.dtype, device) ->
     """Per-completion lists as one ``(len(rows), width)`` tensor, each row cut or filled with ``fill`` to ``width``."""
     return torch.tensor([(list(r) + [fill] * width)[:width] for r in rows], dtype=dtype, device=device)
 
+def _is_iterable_dataset(dataset) -> bool:
+    import datasets
+
+    return isinstance(dataset, (torch.utils.data.IterableDataset, datasets.IterableDataset))
+
+
+def _refuse_conflicts(args: BAPOConfig, kwargs: dict) -> None:
+    """Combinations of BAPO's rollout sources with GRPOTrainer arguments that cannot work, refused by name before
+    anything is loaded (they used to fail at the first step, or silently replace the user's function)."""
+    problems = []
+    dataset = kwargs.get("train_dataset")
+    if args.replay_enabled and (kwargs.get("tools") or kwargs.get("environment_factory")):
+        problems.append("replay (`replay_buffer_size` > 0) stores token batches and cannot hold tool-calling or "
+                        "environment rollouts (`tools` / `environment_factory`): switch one of them off.")
+    if args.replay_enabled and dataset is not None and "image" in (getattr(dataset, "column_names", None) or []):
+        problems.append("replay (`replay_buffer_size` > 0) does not support multimodal batches (the train_dataset "
+                        "has an `image` column): switch replay off.")
+    if args.partial_rollout_enabled and kwargs.get("rollout_func") is not None:
+        problems.append("partial rollout (`partial_rollout_budget`) serves finished completions through TRL's "
+                        "`rollout_func` hook and would replace yours: pass either `rollout_func` or "
+                        "`partial_rollout_budget`, not both.")
+    if args.partial_rollout_enabled and (kwargs.get("tools") or kwargs.get("environment_factory")):
+        problems.append("partial rollout (`partial_rollout_budget`) grows single-turn completions and cannot continue "
+                        "tool-calling or environment rollouts: switch one of them off.")
+    if args.partial_rollout_enabled and _is_iterable_dataset(dataset):
+        problems.append("partial rollout (`partial_rollout_budget`) tops up its pool by random access to the "
+                        f"train_dataset, which a {type(dataset).__name__} does not allow: use a map-style Dataset.")
+    if problems:
+        raise ValueError("Invalid BAPOTrainer arguments:\n  - " + "\n  - ".join(problems))
+
+
 class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode also without CUDA
     """GRPO with BAPO's adaptive clipping window (Xi et al., 2025).
 
@@ -120,6 +151,7 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
                 "GRPOConfig field unchanged: replace `GRPOConfig(...)` by `BAPOConfig(...)` (from bapo_trl import "
                 "BAPOConfig); BAPO then adds its search settings with the paper's defaults (positive_contribution_"
                 "target=0.5, c_low 0.6..0.9, c_high 1.2..3.0) and ignores `epsilon`/`epsilon_high`.")
+        _refuse_conflicts(args, kwargs)  # at construction, before TRL loads anything
         self._bapo_settings = args.bapo_settings
         self._bapo_pending: dict[str, Any] | None = None
         self._completions_awaiting_old_logps: list | None = None  # armed while TRL scores finished partial rollouts

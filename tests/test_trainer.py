@@ -1,6 +1,7 @@
 """BAPOTrainer on the tiny offline model: the loss is TRL's with the chosen window, training runs and logs."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -236,3 +237,22 @@ def test_num_iterations_makes_the_second_pass_off_policy_and_bapo_acts(tiny_mode
     assert any((r["clip_low"], r["clip_high"]) != (0.6, 1.2) for _, r in second)  # BAPO's window moved
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["bapo/staleness_max"] for h in logs] == [0, 1] * 4
+
+
+@pytest.mark.parametrize("settings,kwargs,message", [
+    (dict(partial_rollout_budget=3), dict(rollout_func=lambda prompts, trainer: {}),
+     "pass either `rollout_func` or `partial_rollout_budget`"),
+    (dict(partial_rollout_budget=3), dict(iterable=True), "which a IterableDataset does not allow"),
+    (dict(replay_buffer_size=8, replay_ratio=0.5, steps_per_generation=2), dict(tools=[len]),
+     "cannot hold tool-calling or environment rollouts"),
+    (dict(partial_rollout_budget=3), dict(tools=[len]), "cannot continue tool-calling or environment rollouts"),
+], ids=["rollout_func", "iterable_dataset", "replay_tools", "partial_tools"])
+def test_conflicting_arguments_are_refused_at_construction(tiny_model_dir, tmp_path, settings, kwargs, message):
+    """Before anything is loaded: the model path does not even have to be valid for the error to come first."""
+    dataset = make_reverse_dataset(32, seed=0)
+    if kwargs.pop("iterable", False):
+        dataset = dataset.to_iterable_dataset()
+    args = BAPOConfig(output_dir=str(tmp_path), **{**COMMON, **settings})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        BAPOTrainer(model=str(tmp_path / "no-model-here"), reward_funcs=reverse_reward, args=args,
+                    train_dataset=dataset, **kwargs)
