@@ -283,3 +283,33 @@ def test_zero3_two_processes_partial_rollout_through_the_server(smollm2_server, 
     assert len(diffs) == 2 and max(diffs) < IN_SYNC, diffs
     assert "converting" not in proc.stderr  # the ranks used the cached conversion
     assert re.search(r"'bapo/clip_high'", proc.stdout + proc.stderr)
+
+
+@pytest.mark.slow
+def test_quickstart_notebook_switched_to_smollm2(smollm2_dir, tmp_path, monkeypatch):
+    """The quickstart notebook with its SmolLM2 switch on (cut to 2 steps): the converted model, the chat task and
+    the math-verify reward go through the notebook's LoRA training, plots, sample reports and adapter reload."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    notebook = nbformat.read(REPO / "notebooks" / "bapo_quickstart.ipynb", as_version=4)
+    switched = 0
+    for cell in notebook.cells:
+        if "USE_SMOLLM2 = False" in cell.source:
+            cell.source = cell.source.replace("USE_SMOLLM2 = False", "USE_SMOLLM2 = True")
+            switched += 1
+        if "if USE_SMOLLM2:" in cell.source and "max_steps=6" in cell.source:
+            cell.source = cell.source.replace("max_steps=6", "max_steps=2")
+            switched += 1
+    assert switched == 2
+    NotebookClient(notebook, timeout=900, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    text = "\n".join(o.get("text", "") for c in notebook.cells for o in c.get("outputs", []))
+    assert "134,515,008 parameters; What is" in text  # the switch loaded SmolLM2 and the chat task
+    assert "the reloaded adapter gives the same completions" in text
+    adapter = next((tmp_path / "outputs").glob("*/adapter"))
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == smollm2_dir
+    history = json.loads((adapter.parent / "bapo_log_history.json").read_text())["log_history"]
+    assert [e["rewards/boxed_accuracy/mean"] for e in history if "rewards/boxed_accuracy/mean" in e]
