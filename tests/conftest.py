@@ -1,11 +1,19 @@
-"""Shared fixtures: the tiny offline model (built once per session), offline Hub, one torch thread."""
+"""Shared fixtures: the tiny offline model (built once per session), offline Hub, one torch thread, a cache of the
+project's own for tests, and a derandomised Hypothesis profile for CI."""
 
 import os
 
 import pytest
+from hypothesis import settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# CI runs the property tests with a fixed example sequence (a red build is reproducible, never a chance failure);
+# locally they stay random. The per-test @settings (max_examples, deadline, ...) still apply on top.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -21,3 +29,18 @@ def tiny_model_dir(tmp_path_factory):
     from bapo_trl.toy import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("toy") / "tiny"))
+
+
+@pytest.fixture(scope="session")
+def test_cache(tmp_path_factory):
+    """``$BAPO_TRL_CACHE`` for tests that run train_bapo.py on the embedded model: built here once per session,
+    never in the user's ``~/.cache/bapo_trl``."""
+    return tmp_path_factory.mktemp("bapo_trl_cache")
+
+
+@pytest.fixture
+def use_test_cache(test_cache, monkeypatch):
+    """Point ``$BAPO_TRL_CACHE`` (read by this process and inherited by the processes a test starts) at the test
+    cache. Modules that launch train_bapo.py use it: ``pytestmark = pytest.mark.usefixtures("use_test_cache")``."""
+    monkeypatch.setenv("BAPO_TRL_CACHE", str(test_cache))
+    return test_cache

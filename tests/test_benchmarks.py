@@ -12,7 +12,7 @@ import pytest
 
 from launching import REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("use_test_cache")]
 
 NUMBER = r"-?\d+(?:\.\d+)?"
 

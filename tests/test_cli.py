@@ -9,6 +9,8 @@ import pytest
 from bapo_trl.script import make_parser, run
 from launching import REPO
 
+pytestmark = pytest.mark.usefixtures("use_test_cache")  # train_bapo.py builds the embedded model there
+
 CASES = [
     # (argv, fragments of the one error: for bad settings the field, the allowed range and the value given)
     (["--positive_contribution_target", "2"], ("`positive_contribution_target`", "(0, 1)", "got 2.0")),

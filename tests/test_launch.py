@@ -14,7 +14,7 @@ import pytest
 
 from launching import REPO, accelerate_launch, free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("use_test_cache")]
 
 CONFIGS = REPO / "accelerate_configs"
 TRAIN = REPO / "train_bapo.py"

