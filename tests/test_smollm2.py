@@ -236,8 +236,8 @@ def test_full_finetuning_through_the_vllm_server_with_replay_then_evaluate(smoll
     # the LM-head refresh this is > 0.1 (tests/test_vllm_server.py); measured here ~1e-5 (float32 sampler noise).
     assert len(diffs) == 2 and max(diffs) < IN_SYNC, diffs
     assert logs[-1]["replay/fraction"] > 0 and logs[-1]["replay/staleness_max"] >= 1
-    before = evaluate("smollm2-135m-instruct", tmp_path / "before.json")
-    after = evaluate(out, tmp_path / "after.json")
+    before = evaluate("smollm2-135m-instruct", tmp_path / "before.json", num_problems=2, k=4)
+    after = evaluate(out, tmp_path / "after.json", num_problems=2, k=4)
     assert before["model"] == "smollm2-135m-instruct" and after["model"] == str(out)
 
 
