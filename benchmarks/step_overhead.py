@@ -17,6 +17,12 @@ in one process:
 
 Usage: ``python benchmarks/step_overhead.py [--quick] [--rounds N] [--steps N]``. The last line is
 ``bapo_overhead=<ratio-1> replay_overhead=<ratio-1>``.
+
+``--model smollm2-135m-instruct`` (a registry name of :mod:`bapo_trl.models`, or a model directory) measures GRPO
+against BAPO on that model instead, on the shipped chat arithmetic task with its math-verify reward (replay is left
+out to keep the run short), and adds each trainer's peak process memory (RSS high-water mark, reset before every
+block; both trainers stay resident, so compare the two, not the absolute values). The last line is then
+``model=<name> bapo_overhead=<ratio-1> own_code_share=<BAPO's own code / GRPO step>``.
 """
 
 from __future__ import annotations
@@ -82,7 +88,7 @@ def common_args(output_dir: str, steps: int, device: str = "cpu", **overrides) -
 
 
 def build(kind: str, model_dir: str, output_dir: str, steps: int, device: str = "cpu", overrides=None,
-          bapo_extra=None):
+          bapo_extra=None, task=None):
     """One trainer: ``grpo``, ``bapo`` or ``replay``; each has its own copy of the same model. ``overrides``
     change the shared training arguments, ``bapo_extra`` adds BAPO settings (replay, partial rollout, ...)."""
     args = common_args(output_dir, steps, device, **(overrides or {}))
@@ -94,11 +100,12 @@ def build(kind: str, model_dir: str, output_dir: str, steps: int, device: str = 
         config = BAPOConfig(**args, **extra, **(bapo_extra or {}))
         cls = BAPOTrainer
     timer = BlockTimer(torch.cuda.synchronize if device != "cpu" else None)
+    reward, dataset = task or (reverse_reward, make_reverse_dataset(64, seed=SEED))
     trainer = cls(
         model=AutoModelForCausalLM.from_pretrained(model_dir),
-        reward_funcs=reverse_reward,
+        reward_funcs=reward,
         args=config,
-        train_dataset=make_reverse_dataset(64, seed=SEED),
+        train_dataset=dataset,
         processing_class=AutoTokenizer.from_pretrained(model_dir),
         callbacks=[timer],
     )
@@ -140,17 +147,47 @@ def resident_bytes(trainer) -> int:
     return held
 
 
+def chat_arithmetic_task():
+    """The shipped chat arithmetic task (bapo_trl.chat_arithmetic) and its math-verify reward, for real models."""
+    from datasets import Dataset
+
+    from bapo_trl.chat_arithmetic import splits
+    from bapo_trl.math_rewards import boxed_accuracy
+
+    rows = splits()["train"]
+    return boxed_accuracy, Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+
+
+def _rss_high_water() -> int | None:
+    """This process's peak resident memory in bytes since the last reset (Linux), else None."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def _reset_rss_high_water() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
 def measure(model_dir: str, kinds=("grpo", "bapo", "replay"), rounds: int = 12, steps: int = 8, device: str = "cpu",
-            overrides=None) -> dict:
+            overrides=None, task=None) -> dict:
     """Build one trainer per kind on ``device``, run a warm-up block each, then ``rounds`` interleaved blocks of
     ``steps`` steps (order rotating). Returns seconds per block (``times``), the completion tokens per logged step
     of the last block (``tokens``), seconds inside BAPO's own methods (``inside``) and, on CUDA, each trainer's
     peak memory in bytes (``peak``): what it holds itself (weights, optimizer state) plus the most its steps
-    allocated on top, so the other trainers resident on the same GPU do not count."""
+    allocated on top, so the other trainers resident on the same GPU do not count. On CPU, ``rss_peak``: the
+    process's peak RSS in bytes during each trainer's blocks (all trainers resident; compare, do not add)."""
     cuda = device != "cpu"
     peak = dict.fromkeys(kinds, 0)
+    rss_peak = dict.fromkeys(kinds, 0)
     with tempfile.TemporaryDirectory() as tmp:
-        trainers = {kind: build(kind, model_dir, os.path.join(tmp, kind), steps, device, overrides)
+        trainers = {kind: build(kind, model_dir, os.path.join(tmp, kind), steps, device, overrides, task=task)
                     for kind in kinds}
 
         def block(kind, round_index):
@@ -159,9 +196,13 @@ def measure(model_dir: str, kinds=("grpo", "bapo", "replay"), rounds: int = 12, 
                 torch.cuda.reset_peak_memory_stats()
                 before = torch.cuda.memory_allocated()
                 own = resident_bytes(trainers[kind][0])
+            else:
+                _reset_rss_high_water()
             elapsed = run_block(*trainers[kind], round_index=round_index)
             if cuda:
                 peak[kind] = max(peak[kind], own + torch.cuda.max_memory_allocated() - before)
+            else:
+                rss_peak[kind] = max(rss_peak[kind], _rss_high_water() or 0)
             return elapsed
 
         for kind in kinds:  # warm-up block, not timed
@@ -177,7 +218,8 @@ def measure(model_dir: str, kinds=("grpo", "bapo", "replay"), rounds: int = 12, 
                   for kind in kinds}
         inside = {kind: trainers[kind][1].inside for kind in kinds}
         del trainers
-    return {"times": times, "tokens": tokens, "inside": inside, "peak": peak if cuda else None}
+    return {"times": times, "tokens": tokens, "inside": inside, "peak": peak if cuda else None,
+            "rss_peak": None if cuda else rss_peak}
 
 
 def git_state() -> str:
@@ -196,7 +238,11 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="3 rounds of 4 steps (< 1 minute)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 12; quick 3)")
     parser.add_argument("--steps", type=int, default=None, help="steps per block, a multiple of 4 (default 8)")
+    parser.add_argument("--model", default=None, help="a real model (bapo_trl.models registry name or directory): "
+                        "GRPO vs BAPO on the chat arithmetic task, with peak memory")
     args = parser.parse_args(argv)
+    if args.model:
+        return main_model(args)
     rounds = args.rounds or (3 if args.quick else 12)
     steps = args.steps or (4 if args.quick else 8)
 
@@ -237,6 +283,44 @@ def main(argv=None) -> None:
           f"{100 * (own['replay'] - own['bapo']) / median_ms['bapo']:.1f}% of a median BAPO step")
     print(f"bapo_overhead={statistics.median(bapo_ratios) - 1:.4f} "
           f"replay_overhead={statistics.median(replay_ratios) - 1:.4f}")
+
+
+def main_model(args) -> None:
+    """GRPO vs BAPO on a real model: step time, BAPO's own code per step, peak process memory."""
+    from bapo_trl.models import resolve_model
+
+    rounds = args.rounds or (2 if args.quick else 4)
+    steps = args.steps or 4
+    torch.set_num_threads(1)  # the machine's other core is left to the rest of the load (measured faster too)
+    model_dir = resolve_model(args.model)
+    kinds = ("grpo", "bapo")
+    shape = dict(max_completion_length=16)
+    result = measure(model_dir, kinds, rounds, steps, overrides=shape, task=chat_arithmetic_task())
+    times, inside, rss = result["times"], result["inside"], result["rss_peak"]
+    ratios = [b / g for b, g in zip(times["bapo"], times["grpo"])]
+    median_ms = {kind: statistics.median(1e3 * t / steps for t in times[kind]) for kind in kinds}
+    own_ms = 1e3 * sum(inside["bapo"].values()) / (rounds * steps)
+    cpu = platform.processor() or platform.machine()
+    print(f"# step overhead on {args.model} ({model_dir}): chat arithmetic task, batch 8 (2 groups of 4 per step), "
+          f"completions <= {shape['max_completion_length']} tokens, steps_per_generation=4, loss dapo, lr 0; "
+          f"{steps} steps per block, {rounds} interleaved rounds; {os.cpu_count()} cores ({cpu}), torch "
+          f"{torch.__version__}, 1 thread; repo {git_state()}; {time.strftime('%Y-%m-%d %H:%M %Z')}")
+    print()
+    print("| trainer | median s per step | min s per step | paired ratio, median over rounds "
+          "| ms per step inside BAPO's own code | peak process RSS (GiB) |")
+    print("|---|---|---|---|---|---|")
+    for kind in kinds:
+        per_step = [t / steps for t in times[kind]]
+        cell = f"bapo / grpo = {statistics.median(ratios):.3f}" if kind == "bapo" else "-"
+        own = f"{own_ms:.2f}" if kind == "bapo" else "-"
+        print(f"| {kind} | {statistics.median(per_step):.2f} | {min(per_step):.2f} | {cell} | {own} | "
+              f"{rss[kind] / 2**30:.2f} |")
+    print()
+    print(f"# per-round ratios bapo/grpo: {' '.join(f'{x:.3f}' for x in ratios)}")
+    print(f"# BAPO's own code: {own_ms:.2f} ms per step = {100 * own_ms / median_ms['grpo']:.3f}% of a median GRPO "
+          f"step ({median_ms['grpo'] / 1e3:.2f} s)")
+    print(f"model={args.model} bapo_overhead={statistics.median(ratios) - 1:.4f} "
+          f"own_code_share={own_ms / median_ms['grpo']:.5f}")
 
 
 if __name__ == "__main__":

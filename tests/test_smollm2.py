@@ -128,6 +128,20 @@ def test_train_bapo_and_evaluate_read_the_task_as_chat_prompts(tmp_path):
     assert [p["prompt"] for p in problems] == [r["prompt"] for r in splits()["test"][:3]]  # no instruction added
 
 
+def test_step_overhead_benchmark_takes_a_real_model():
+    """benchmarks/step_overhead.py --model: the real-model mode's task and flag (its numbers: docs/benchmarks.md)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("step_overhead", REPO / "benchmarks" / "step_overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    reward, dataset = bench.chat_arithmetic_task()
+    assert reward is boxed_accuracy and len(dataset) == len(splits()["train"])
+    assert set(dataset.column_names) == {"prompt", "answer"}
+    high_water = bench._rss_high_water()
+    assert high_water is None or high_water > 0
+
+
 # -- the real model (slow) -----------------------------------------------------------------------------------------------
 
 
