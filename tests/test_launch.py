@@ -162,3 +162,13 @@ def test_launch_check_reads_accelerate_variables():
     Args.bf16 = True
     assert launch_errors(Args, ds_bf16, cuda_available=True) == []
     assert launch_errors(Args, {"ACCELERATE_MIXED_PRECISION": "bf16"}, cuda_available=False) == []  # no DeepSpeed
+
+
+def test_the_embedded_model_built_by_rank_1_is_complete(tmp_path):
+    """Under an initialised process group transformers' save_pretrained writes on rank 0 only: a rank-1 build once
+    produced a 'complete' directory without config or weights (first multi-process launch on a fresh machine)."""
+    accelerate_launch(REPO / "tests" / "dist_scripts" / "build_on_rank1.py", tmp_path)
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["initialized"] and {"config.json", "model.safetensors"} <= set(seen["files"])
+        assert seen["parameters"] > 0

@@ -106,9 +106,20 @@ def build_tiny_model(output_dir: str | None = None, seed: int = 0, warm_start_st
     parent = os.path.dirname(os.path.abspath(output_dir))
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".building-", dir=parent)
-    model.save_pretrained(staging)
+    # Every rank of a launch may build it, but under an initialised process group transformers' save_pretrained
+    # writes weights and config on rank 0 only: a rank that won the rename race left a directory without them.
+    from safetensors.torch import save_model
+
+    model.config.architectures = [type(model).__name__]  # what save_pretrained would record
+    model.config.save_pretrained(staging)
+    save_model(model, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(staging)
     model.generation_config.save_pretrained(staging)
+    missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json") if
+               not os.path.exists(os.path.join(staging, f))]
+    if missing:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise RuntimeError(f"building the tiny model wrote no {missing} in {staging}")
     open(os.path.join(staging, MARKER), "w").close()
     if os.path.exists(output_dir):
         if os.path.exists(os.path.join(output_dir, MARKER)) and not force:
