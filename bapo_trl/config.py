@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .clipping import MODES, VARIANTS, BAPOSettings, search_path, settings_errors
-from .replay import SAMPLING
+from .rollout.queue import SAMPLING
 
 #: Loss types whose objective is the clipped surrogate ``min(r A, clip(r, c_low, c_high) A)`` that BAPO adapts.
 SUPPORTED_LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")

@@ -35,8 +35,7 @@ from .metrics import origin_sums, origin_values, search_sums, search_values, tok
 from .generation.cpu_server import CPUServerSyncMixin  # vLLM server mode on CPU (disk weight sync)
 from .numerics import mask_nonfinite_inputs, sanitize_after_forward
 from .rewards import name_errors
-from .partial_rollout import PartialRolloutPool
-from .replay import ReplayQueue, groups_to_replace, pad_and_stack, split_groups
+from .rollout import PartialRollout, ReplayMixer, ReplayQueue
 from .target_controller import TargetController
 from .summary import is_active
 from .trl_seams import check_trl_seams
@@ -92,10 +91,6 @@ def bapo_card_section(args: BAPOConfig, log_history: list[dict]) -> str:
         "re-chosen at every update so that positive-advantage tokens keep a target share of the loss.\n\n"
         f"| setting | value |\n|---|---|\n{table}\n"
     )
-
-def right_pad(rows: list[list], width: int, fill, dtype: torch.dtype, device) -> torch.Tensor:
-    """Per-completion lists as one ``(len(rows), width)`` tensor, each row cut or filled with ``fill`` to ``width``."""
-    return torch.tensor([(list(r) + [fill] * width)[:width] for r in rows], dtype=dtype, device=device)
 
 def _is_iterable_dataset(dataset) -> bool:
     import datasets
@@ -154,7 +149,6 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         _refuse_conflicts(args, kwargs)  # at construction, before TRL loads anything
         self._bapo_settings = args.bapo_settings
         self._bapo_pending: dict[str, Any] | None = None
-        self._completions_awaiting_old_logps: list | None = None  # armed while TRL scores finished partial rollouts
         self.last_search: SearchResult | None = None
         super().__init__(model, reward_funcs, args=args, **kwargs)
         # A reward function that raises is named in the error (TRL keeps the callables in this list).
@@ -162,208 +156,38 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             name_errors(f, n) if callable(f) and not isinstance(f, torch.nn.Module) else f
             for f, n in zip(self.reward_funcs, self.reward_func_names)
         ]
-        self.partial_rollout: PartialRolloutPool | None = None
-        if args.partial_rollout_enabled:
-            self.partial_rollout = PartialRolloutPool(
-                args.partial_rollout_budget, args.partial_rollout_max_resumes, args.max_completion_length,
-                self._stop_token_ids(),
-            )
+        self.partial_rollout = PartialRollout(self) if args.partial_rollout_enabled else None
+        self.replay = ReplayMixer(self) if args.replay_enabled else None
         self.target_controller: TargetController | None = None
         if args.target_entropy is not None:
             self.target_controller = TargetController(args.target_entropy, args.target_adapt_rate, args.target_min,
                                                       args.target_max, args.positive_contribution_target)
-        self.replay_queue: ReplayQueue | None = None
-        if args.replay_enabled:
-            self.replay_queue = ReplayQueue(
-                args.replay_buffer_size, args.replay_max_staleness, args.replay_sampling,
-                seed=args.seed + 7919 * self.accelerator.process_index,
-            )
 
-    def _stop_token_ids(self) -> list[int]:
-        """Every token id that ends a generation: TRL's EOS ids plus generation_kwargs' ``stop_token_ids`` (vLLM)
-        and ``eos_token_id`` (transformers); partial rollout needs them to tell a stopped completion from a capped one."""
-        ids = list(self.eos_token_ids)
-        kwargs = self.args.generation_kwargs or {}
-        for key in ("stop_token_ids", "eos_token_id"):
-            extra = kwargs.get(key)
-            ids += [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
-        return sorted(set(ids))
+    @property
+    def replay_queue(self) -> ReplayQueue | None:
+        """The replay source's queue (None without replay)."""
+        return None if self.replay is None else self.replay.queue
 
     # -- data: remember which policy version sampled each completion -------------------------------------------
 
     def _generate_and_score_completions(self, inputs):
+        """Where the batch comes from: partial rollout's finished groups, or TRL's generation (short by the groups
+        replay stands in for); then replay mixes in stored groups. Every batch carries its policy versions."""
+        training = self.model.training
+        score = super()._generate_and_score_completions
         saved = 0  # groups of this batch taken from the replay queue instead of being generated
-        if self.partial_rollout is not None and self.model.training:
-            output = self._score_finished_rollouts(inputs)
+        if self.partial_rollout is not None and training:
+            output = self.partial_rollout.next_batch(inputs, score)
         else:
-            saved = self._groups_saved_by_replay(inputs)
-            output = super()._generate_and_score_completions(inputs[: len(inputs) - saved * self.num_generations])
+            saved = self.replay.groups_saved(inputs) if self.replay is not None and training else 0
+            output = score(inputs[: len(inputs) - saved * self.num_generations])
             batch = output["completion_ids"].size(0)
             output["policy_version"] = torch.full(
                 (batch,), self.state.global_step, dtype=torch.long, device=output["completion_ids"].device
             )
-        if self.replay_queue is not None and self.model.training:
-            output = self._mix_in_replay(output, appended=saved)
+        if self.replay is not None and training:
+            output = self.replay.mix(output, appended=saved)
         return output
-
-    def _groups_saved_by_replay(self, inputs) -> int:
-        """With ``replay_saves_generation``: how many groups of this batch to take from the queue instead of
-        generating them (the replay share), or 0 (full generation) while any process's queue holds fewer
-        replayable groups; decided on all processes together, so every rank generates the same amount."""
-        if self.replay_queue is None or not self.model.training or not self.args.replay_saves_generation:
-            return 0
-        wanted = self.args.replayed_groups_per_batch
-        self.replay_queue.evict_stale(self.state.global_step + self.args.updates_per_generation - 1)
-        fewest = -self._max_over_processes(torch.tensor(-float(len(self.replay_queue)), device=self.accelerator.device))
-        return wanted if fewest >= wanted else 0
-
-    # -- partial rollout: grow completions by a budget per step, score the groups that finished ----------------
-
-    def _score_finished_rollouts(self, inputs: list[dict]) -> dict[str, Any]:
-        """One partial-rollout step: the new prompts join the pool (topped up from the train set to two steps'
-        worth of groups, so completions can stay in flight), every unfinished completion grows by one budget,
-        the oldest groups are finished if fewer than a batch are done, and TRL scores and batches the finished
-        groups through its own ``rollout_func`` hook. Each token keeps the log-prob and version of the policy
-        that produced it. Every rank makes the same two generate calls (ZeRO-3 gathers weights collectively)."""
-        pool, step = self.partial_rollout, self.state.global_step
-        groups_needed = len(inputs) // self.num_generations
-        self._add_to_pool(inputs)
-        while len(pool) < 2 * groups_needed:  # in flight: this step's batch and the next one
-            self._add_to_pool(self._extra_prompts(groups_needed))
-        if pool.grow(self._continue_completions, self._segment_logps, step) == 0:
-            self._join_empty_generation_round()
-        short = max(0, groups_needed - pool.num_ready())
-        if pool.finish(self._continue_completions, self._segment_logps, step, short) == 0:
-            self._join_empty_generation_round()
-        carried = pool.end_step()
-        ready = pool.pop_ready(groups_needed)
-        # Every rank must bring a full batch to TRL's gathers; checked on all ranks at once, so none waits forever.
-        fewest = -self._max_over_processes(torch.tensor(-float(len(ready)), device=self.accelerator.device))
-        if fewest < groups_needed:
-            raise RuntimeError(f"partial rollout: a process has {int(fewest)} finished groups for a batch of "
-                               f"{groups_needed} (this one: {len(ready)}); the finishing round left some unfinished.")
-        completions = [c for g in ready for c in g.completions]
-        self._partial_ready = completions
-        # TRL computes `old_per_token_logps` (and, with vLLM, its importance-sampling ratio against the sampler's
-        # log-probs) with one forward of the CURRENT policy. Those tokens came from older policies: answer that
-        # forward with the stored per-segment log-probs instead, so TRL's correction sees only sampler mismatch.
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        trl_scores_old = self.args.gradient_accumulation_steps % generate_every != 0 or (
-            self.use_vllm and self.vllm_importance_sampling_correction)  # TRL's own condition
-        self._completions_awaiting_old_logps = completions if trl_scores_old else None
-        saved_rollout_func, self.rollout_func = self.rollout_func, self._ready_rollout
-        try:
-            output = super()._generate_and_score_completions([row for g in ready for row in g.rows])
-            if self._completions_awaiting_old_logps is not None:
-                raise RuntimeError("TRL did not compute old_per_token_logps where bapo_trl expected it to: the "
-                                   "installed TRL's _generate_and_score_completions changed; please report it.")
-        finally:
-            self.rollout_func, self._partial_ready, self._completions_awaiting_old_logps = saved_rollout_func, None, None
-        width, device = output["completion_ids"].size(1), output["completion_ids"].device
-        output["old_per_token_logps"] = self._stored_logps(completions, width, device)
-        versions = right_pad([c.versions for c in completions], width, step, torch.long, device)
-        output["token_policy_version"] = versions
-        output["policy_version"] = versions.min(dim=1).values
-        ages = [step - v for c in completions for v in c.versions]  # per token, when its group is scored
-        stats = torch.tensor(
-            [carried, sum(c.resumes for c in completions), sum(c.segments for c in completions), len(completions),
-             sum(ages), len(ages)], dtype=torch.float64, device=device)
-        carried, resumes, segments, count, age_sum, tokens = self._sum_over_processes(stats).tolist()
-        oldest = torch.tensor(float(max(ages, default=0)), dtype=torch.float64, device=device)
-        oldest = self._max_over_processes(oldest)
-        metrics = self._metrics["train"]
-        metrics["partial/carried"].append(carried)
-        metrics["partial/resumes_mean"].append(resumes / max(count, 1.0))
-        metrics["partial/segments_per_completion"].append(segments / max(count, 1.0))
-        metrics["partial/token_staleness_mean"].append(age_sum / max(tokens, 1.0))
-        metrics["partial/token_staleness_max"].append(float(oldest))
-        return output
-
-    def _add_to_pool(self, rows: list[dict]) -> None:
-        prompt_ids, _, _ = self._tokenize_prompts([x["prompt"] for x in rows])
-        self.partial_rollout.add_groups(rows, prompt_ids, self.num_generations)
-
-    def _extra_prompts(self, num_groups: int) -> list[dict]:
-        """Prompts beyond the dataloader's, to fill the pool: the train set in an order of this rank's own (seeded,
-        rebuilt identically on resume); the position in it is pool state, saved with the checkpoint."""
-        if not hasattr(self, "_extra_prompt_order"):
-            gen = torch.Generator().manual_seed(self.args.seed + 104729 * (1 + self.accelerator.process_index))
-            self._extra_prompt_order = torch.randperm(len(self.train_dataset), generator=gen).tolist()
-        pool, order, rows = self.partial_rollout, self._extra_prompt_order, []
-        for _ in range(num_groups):
-            index = order[pool.extra_prompts_used % len(order)]
-            pool.extra_prompts_used += 1
-            rows += [dict(self.train_dataset[index]) for _ in range(self.num_generations)]
-        return rows
-
-    def _ready_rollout(self, prompts, trainer):
-        """TRL's ``rollout_func`` contract, serving the finished completions chosen above (no generation). The
-        log-probs are the sampler's (vLLM's, for TRL's importance-sampling correction), else the policy's."""
-        done = self._partial_ready
-        logprobs = [c.sampling_logps if len(c.sampling_logps) == len(c.token_ids) else c.logps for c in done]
-        return {"prompt_ids": [c.prompt_ids for c in done], "completion_ids": [c.token_ids for c in done],
-                "logprobs": logprobs}
-
-    @staticmethod
-    def _stored_logps(completions, width: int, device) -> torch.Tensor:
-        """Each token's behaviour log-prob (from the policy that generated it), right-padded to ``width``."""
-        return right_pad([c.logps for c in completions], width, 0.0, torch.float32, device)
-
-    def _continue_completions(self, prefixes: list[list[int]], max_new_tokens: int):
-        """TRL's own single-turn generation (transformers or vLLM), with the prefix = prompt + partial completion,
-        capped at ``max_new_tokens``. Returns the new tokens and the sampler's log-probs (vLLM) or None."""
-        if not self.use_vllm:
-            config = self.generation_config
-            saved = config.max_new_tokens
-            config.max_new_tokens = max_new_tokens
-            try:
-                return self._generate_single_turn(prefixes, None, {}, 1)[0], None
-            finally:
-                config.max_new_tokens = saved
-        count, cap, backend = len(prefixes), max_new_tokens, self.vllm_generation
-        if self.accelerator.num_processes > 1 and (backend.mode == "server" or backend.tensor_parallel_size > 1):
-            # One vLLM call serves several ranks: the request's max_tokens is rank 0's, and TRL hands each rank an
-            # equal slice of the answer. Agree on the largest cap (each rank cuts its answer back to its own) and
-            # pad every rank's prefixes to the largest share.
-            wanted = torch.tensor([[count, cap]], device=self.accelerator.device)
-            largest_share, max_new_tokens = self.accelerator.gather(wanted).max(dim=0).values.tolist()
-            prefixes = prefixes + [prefixes[0]] * (largest_share - count)
-        saved = backend.max_completion_length  # vLLM's max_tokens for this call
-        backend.max_completion_length = max_new_tokens
-        try:
-            completion_ids, logprobs = self._generate_single_turn(prefixes, None, {}, 1)
-        finally:
-            backend.max_completion_length = saved
-        completion_ids = [list(ids[:cap]) for ids in completion_ids[:count]]
-        return completion_ids, (None if logprobs is None else [list(lp[:cap]) for lp in logprobs[:count]])
-
-    def _join_empty_generation_round(self) -> None:
-        """A rank with nothing to grow still makes the generate call and the scoring forward: under ZeRO-3 both
-        gather the weights collectively, so every rank must make the same calls."""
-        any_prompt = self.partial_rollout.groups[0].completions[0].prompt_ids
-        self._continue_completions([any_prompt], 1)
-        self._segment_logps([any_prompt], [[]])  # nothing to score: makes the stand-in forward
-
-    def _segment_logps(self, prefixes: list[list[int]], segments: list[list[int]]) -> list[list[float]]:
-        """Log-probs of the newly generated tokens under the current policy, as the trainer computes them."""
-        if not any(segments):  # still one forward (on a stand-in token): ranks must make the same forwards
-            empty = [[] for _ in segments]
-            prefixes, segments = [prefixes[0][:-1] or prefixes[0]], [prefixes[0][-1:]]
-            self._segment_logps(prefixes, segments)
-            return empty
-        width = max(len(s) for s in segments)
-        total = max(len(p) for p in prefixes) + width
-        # prefixes left-padded, segments right-padded: the segment tokens then sit in the last `width` columns
-        ids = torch.full((len(prefixes), total), self._tokenizer.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(prefixes), total), dtype=torch.long)
-        start = total - width
-        for i, (p, s) in enumerate(zip(prefixes, segments)):
-            ids[i, start - len(p) : start + len(s)] = torch.tensor(p + s)
-            attention[i, start - len(p) : start + len(s)] = 1
-        device = self.accelerator.device
-        # ONE forward however many prefixes this rank has (ranks differ; ZeRO-3 needs equal forward counts)
-        logps = self._policy_logps(ids.to(device), attention.to(device), width, batch_size=len(prefixes))
-        return [logps[i, : len(s)].tolist() for i, s in enumerate(segments)]
 
     @torch.no_grad()
     def _policy_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
@@ -378,72 +202,6 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
                 batch_size=batch_size or self.args.per_device_train_batch_size,
             )
         return logps
-
-    # -- replay: swap some fresh groups for stored ones, store the fresh ones ---------------------------------
-
-    def _mix_in_replay(self, output: dict[str, Any], appended: int = 0) -> dict[str, Any]:
-        """Store the fresh groups and mix in replayed ones: ``appended`` groups added to a batch generated short by
-        that many (replay that saves generation), else ``replay_ratio`` of the fresh groups replaced."""
-        rows = output["completion_ids"].size(0)
-        per_row = {k: v for k, v in output.items() if torch.is_tensor(v) and v.dim() >= 1 and v.size(0) == rows}
-        other = {k: v for k, v in output.items() if k not in per_row}
-        unsupported = [k for k, v in other.items() if not (torch.is_tensor(v) and v.dim() == 0)]
-        if unsupported:
-            raise ValueError(f"Replay does not support batches with {unsupported} (multimodal or tool inputs).")
-        if "old_per_token_logps" not in per_row:  # on-policy batch: TRL skipped them, the queue needs them
-            per_row["old_per_token_logps"] = self._behavior_logps(per_row)
-        device = per_row["completion_ids"].device
-        step = self.state.global_step
-        fresh = split_groups(per_row, self.num_generations)
-        has_signal = [bool(g["advantages"].max() > g["advantages"].min()) for g in fresh]
-
-        args = self.args
-        wanted = args.replayed_groups_per_batch  # round(replay_ratio x groups), checked against 0 in the config
-        if args.replay_fill_zero_std_groups:
-            wanted = max(wanted, has_signal.count(False))
-        # Staleness is counted at the LAST update that trains on this batch, so no group trains past its limit.
-        last_update = step + args.updates_per_generation - 1
-        if appended:  # the queue holds them (checked on every process before generating)
-            replayed, replaced = self.replay_queue.sample(appended, current_step=last_update), set()
-        else:
-            replayed = self.replay_queue.sample(min(wanted, len(fresh)), current_step=last_update)
-            replaced = set(groups_to_replace(has_signal, len(replayed), args.replay_fill_zero_std_groups,
-                                             self.replay_queue.generator))
-        for group in fresh:
-            self.replay_queue.push(group)
-        kept = [dict(g, replayed=torch.zeros(self.num_generations, dtype=torch.bool, device=device))
-                for i, g in enumerate(fresh) if i not in replaced]
-        loaded = [dict({k: v.to(device) for k, v in g.items()},
-                       replayed=torch.ones(self.num_generations, dtype=torch.bool, device=device)) for g in replayed]
-        pad_id = self._tokenizer.pad_token_id  # TRL's tokenizer (also inside a processor)
-        mixed = pad_and_stack(kept + loaded, {"prompt_ids": pad_id, "completion_ids": pad_id})
-        mask = mixed["completion_mask"] * mixed["tool_mask"] if "tool_mask" in mixed else mixed["completion_mask"]
-        other["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
-        self._log_replay(mixed, mask, appended)
-        return {**mixed, **other}  # a per-row tensor first: TRL sizes the batch by the first value
-
-    def _behavior_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-        return self._policy_logps(input_ids, attention_mask, batch["completion_ids"].size(1))
-
-    def _log_replay(self, mixed: dict[str, torch.Tensor], mask: torch.Tensor, appended: int = 0) -> None:
-        counts = self.replay_queue.pop_stats()
-        replayed = mixed["replayed"]
-        local = torch.tensor(
-            [len(self.replay_queue), float(replayed.sum()), float(replayed.numel()),
-             float((mask * replayed[:, None]).sum()), float(mask.sum()), counts["evicted"], counts["pushed"],
-             float(appended * self.num_generations)],
-            dtype=torch.float64, device=mask.device,
-        )
-        size, n_rep, n_rows, tok_rep, tok_all, evicted, pushed, not_generated = self._sum_over_processes(local).tolist()
-        metrics = self._metrics["train"]
-        metrics["replay/size"].append(size)
-        metrics["replay/fraction"].append(n_rep / max(n_rows, 1.0))
-        metrics["replay/token_fraction"].append(tok_rep / max(tok_all, 1.0))
-        metrics["replay/evicted"].append(evicted)
-        metrics["replay/pushed"].append(pushed)
-        metrics["replay/generation_saved"].append(not_generated / max(n_rows, 1.0))  # share of the batch not generated
 
     # -- model card: TRL's card, plus what BAPO did --------------------------------------------------------------
 
@@ -472,7 +230,7 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
 
     def _rank_states(self) -> dict[str, Any]:
         """Per-process state saved beside TRL's checkpoint files: file stem -> object with state_dict()."""
-        states = {"replay_queue": self.replay_queue, "partial_rollout": self.partial_rollout,
+        states = {"replay_queue": self.replay, "partial_rollout": self.partial_rollout,
                   "target_controller": self.target_controller}
         return {stem: obj for stem, obj in states.items() if obj is not None}
 
@@ -540,10 +298,10 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             self._bapo_pending = None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        stored = self._completions_awaiting_old_logps
-        if stored is not None:  # TRL scoring finished partial rollouts: their tokens' own policies (see above)
-            self._completions_awaiting_old_logps = None
-            return self._stored_logps(stored, logits_to_keep, input_ids.device), None, None
+        if self.partial_rollout is not None:  # TRL scoring finished partial rollouts: their tokens' own policies
+            stored = self.partial_rollout.take_stored_logps(logits_to_keep, input_ids.device)
+            if stored is not None:
+                return stored, None, None
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )

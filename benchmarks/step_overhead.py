@@ -50,7 +50,7 @@ from bapo_trl.toy import build_tiny_model, make_reverse_dataset, reverse_reward 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 0
 #: BAPOTrainer methods timed from inside (what BAPO adds to a GRPO step, free of background noise).
-LABELS = {"_adapt_clip_window": "search + metrics", "_mix_in_replay": "replay mixing"}
+LABELS = {"_adapt_clip_window": "search + metrics", "mix": "replay mixing"}
 
 
 class BlockTimer(TrainerCallback):
@@ -112,7 +112,9 @@ def build(kind: str, model_dir: str, output_dir: str, steps: int, device: str = 
     trainer.remove_callback(PrinterCallback)  # no log dict printed per step
     if kind != "grpo":  # time spent inside BAPO's own code, a noise-free part of the overhead
         for name in LABELS:
-            setattr(trainer, name, timed(getattr(trainer, name), timer.inside, name))
+            owner = trainer.replay if name == "mix" else trainer  # replay mixing lives in the trainer's source
+            if owner is not None:
+                setattr(owner, name, timed(getattr(owner, name), timer.inside, name))
     return trainer, timer
 
 

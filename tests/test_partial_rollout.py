@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from bapo_trl import BAPOConfig, BAPOTrainer
-from bapo_trl.partial_rollout import PartialRolloutPool
+from bapo_trl.rollout import PartialRolloutPool
 from bapo_trl.toy import make_reverse_dataset, reverse_reward
 
 EOS = 99
@@ -95,8 +95,8 @@ def test_stop_token_ids_from_generation_kwargs_end_completions(tiny_model_dir, t
     """A stop token given through generation_kwargs ends a completion for the pool too (else a stop exactly at the
     cap would look like a capped completion and be grown past its end)."""
     trainer = build(BAPOTrainer, tiny_model_dir, tmp_path, generation_kwargs={"eos_token_id": [1, 7]})
-    assert {1, 7} <= set(trainer.partial_rollout.eos) and set(trainer.eos_token_ids) <= set(trainer.partial_rollout.eos)
-    pool = PartialRolloutPool(budget=3, max_resumes=5, max_completion_length=20, eos_token_ids=trainer.partial_rollout.eos)
+    assert {1, 7} <= set(trainer.partial_rollout.pool.eos) and set(trainer.eos_token_ids) <= set(trainer.partial_rollout.pool.eos)
+    pool = PartialRolloutPool(budget=3, max_resumes=5, max_completion_length=20, eos_token_ids=trainer.partial_rollout.pool.eos)
     pool.add_groups([{"id": 0}], [[0]], group_size=1)
     pool.grow(lambda prefixes, n: ([[5, 6, 7]], None), scripted_score, step=0)  # stops on 7, exactly at the cap
     assert pool.groups[0].finished
@@ -113,9 +113,16 @@ class Snapshots(TrainerCallback):
 class RecordingTrainer(BAPOTrainer):
     """Keeps every completion handed to TRL for scoring (a probe around the real hook, not a fake)."""
 
-    def _ready_rollout(self, prompts, trainer):
-        self.trained = getattr(self, "trained", []) + list(self._partial_ready)
-        return super()._ready_rollout(prompts, trainer)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trained, source = [], self.partial_rollout
+        serve = source.ready_rollout
+
+        def recording_ready_rollout(prompts, trainer):
+            self.trained += list(source.ready)
+            return serve(prompts, trainer)
+
+        source.ready_rollout = recording_ready_rollout
 
 
 ARGS = dict(use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", per_device_train_batch_size=16,
@@ -219,10 +226,16 @@ def test_trl_old_logps_are_the_stored_segment_logps(tiny_model_dir, tmp_path):
     batches = []
 
     class Probe(RecordingTrainer):
-        def _score_finished_rollouts(self, inputs):
-            output = super()._score_finished_rollouts(inputs)
-            batches.append((output, list(self.trained[-output["completion_ids"].size(0):])))
-            return output
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            next_batch = self.partial_rollout.next_batch
+
+            def recording_next_batch(inputs, score):
+                output = next_batch(inputs, score)
+                batches.append((output, list(self.trained[-output["completion_ids"].size(0):])))
+                return output
+
+            self.partial_rollout.next_batch = recording_next_batch
 
     trainer = build(Probe, tiny_model_dir, tmp_path, max_steps=4, save_strategy="no", steps_per_generation=2,
                     per_device_train_batch_size=8)
@@ -242,11 +255,11 @@ def test_resume_keeps_carried_completions(tiny_model_dir, tmp_path):
     ran = Snapshots()  # records the steps this process really ran
     resumed = build(BAPOTrainer, tiny_model_dir, tmp_path / "resumed", [ran], **common)
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
-    a, b = full.partial_rollout.groups, resumed.partial_rollout.groups
+    a, b = full.partial_rollout.pool.groups, resumed.partial_rollout.pool.groups
     assert len(a) == len(b) > 0
     # a resume, not a fresh run: it trained steps 4-6 only, and drew its top-up prompts where the full run was
     assert sorted(ran.policies) == [3, 4, 5]
-    assert resumed.partial_rollout.extra_prompts_used == full.partial_rollout.extra_prompts_used > 0
+    assert resumed.partial_rollout.pool.extra_prompts_used == full.partial_rollout.pool.extra_prompts_used > 0
     for ga, gb in zip(a, b):
         for ca, cb in zip(ga.completions, gb.completions):
             assert ca.token_ids == cb.token_ids and ca.versions == cb.versions

@@ -191,7 +191,11 @@ class FillProbe(BAPOTrainer):
     """Records, for each generation batch, the fresh groups without spread, what was asked of and given by the queue,
     and the groups without spread that stayed in the trained batch (a probe around the real methods)."""
 
-    def _mix_in_replay(self, output, *args, **kwargs):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._real_mix, self.replay.mix = self.replay.mix, self._recording_mix
+
+    def _recording_mix(self, output, *args, **kwargs):
         groups = output["advantages"].view(-1, self.num_generations)
         flat_fresh = int((groups.max(1).values == groups.min(1).values).sum())
         sample, asked = self.replay_queue.sample, []
@@ -203,7 +207,7 @@ class FillProbe(BAPOTrainer):
 
         self.replay_queue.sample = recording_sample
         try:
-            mixed = super()._mix_in_replay(output, *args, **kwargs)
+            mixed = self._real_mix(output, *args, **kwargs)
         finally:
             self.replay_queue.sample = sample
         adv, replayed = mixed["advantages"].view(-1, self.num_generations), mixed["replayed"].view(-1, self.num_generations)
@@ -247,10 +251,17 @@ class GenerationCounter(BAPOTrainer):
         self.generated = getattr(self, "generated", []) + [len(prompts)]
         return super()._generate(prompts)
 
-    def _mix_in_replay(self, output, appended=0):
-        mixed = super()._mix_in_replay(output, appended)
-        self.batch_rows = getattr(self, "batch_rows", []) + [mixed["completion_ids"].size(0)]
-        return mixed
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batch_rows, mix = [], self.replay.mix if self.replay is not None else None
+
+        def recording_mix(output, appended=0):
+            mixed = mix(output, appended)
+            self.batch_rows.append(mixed["completion_ids"].size(0))
+            return mixed
+
+        if mix is not None:
+            self.replay.mix = recording_mix
 
 
 def test_replay_that_saves_generation_generates_only_the_fresh_share(tiny_model_dir, tmp_path):
