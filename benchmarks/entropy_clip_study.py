@@ -23,7 +23,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import tempfile
 import time
