@@ -18,11 +18,19 @@ MARKER = "bapo_checkpoint_complete.json"
 _STEP = re.compile(r"^checkpoint-(\d+)$")
 
 
+def write_atomically(path: str, write) -> None:
+    """``write(tmp_path)`` then rename onto ``path``: a reader (or a resume after a crash) never sees half a file."""
+    tmp = path + ".tmp"
+    write(tmp)
+    os.replace(tmp, path)
+
+
 def mark_complete(folder: str, step: int) -> None:
-    tmp = os.path.join(folder, MARKER + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"global_step": step, "time": time.time()}, f)
-    os.replace(tmp, os.path.join(folder, MARKER))
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump({"global_step": step, "time": time.time()}, f)
+
+    write_atomically(os.path.join(folder, MARKER), write)
 
 
 def is_complete(folder: str) -> bool:

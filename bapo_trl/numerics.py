@@ -24,11 +24,14 @@ import torch
 LOGP_KEYS = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")
 
 
+def loss_mask(batch: dict) -> torch.Tensor:
+    """The tokens TRL's loss trains on: the completion mask, times the tool mask of tool-calling rollouts."""
+    mask = batch["completion_mask"]
+    return mask * batch["tool_mask"] if "tool_mask" in batch else mask
+
+
 def _real(inputs: dict) -> torch.Tensor:
-    real = inputs["completion_mask"] != 0
-    if "tool_mask" in inputs:
-        real = real & (inputs["tool_mask"] != 0)
-    return real
+    return loss_mask(inputs) != 0
 
 
 def _nonfinite_inputs(inputs: dict, shape: torch.Size) -> torch.Tensor:

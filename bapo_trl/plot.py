@@ -310,10 +310,13 @@ def write_log_history(path: str, state, args=None) -> None:
     data = {"global_step": state.global_step,
             "positive_contribution_target": getattr(args, "positive_contribution_target", None),
             "log_history": state.log_history}
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    from .checkpoints import write_atomically
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+
+    write_atomically(path, write)
 
 
 @functools.cache

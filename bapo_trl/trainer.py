@@ -27,13 +27,13 @@ import torch
 from transformers.trainer_utils import rotate_checkpoints
 from trl import GRPOTrainer
 
-from .checkpoints import mark_complete, resolve_resume
+from .checkpoints import mark_complete, resolve_resume, write_atomically
 from .clipping import SearchResult, search_clip_bounds, search_path
 from .config import BAPOConfig
 from . import metrics
 from .metrics import origin_sums, origin_values, search_sums, search_values, token_staleness
 from .generation.cpu_server import CPUServerSyncMixin  # vLLM server mode on CPU (disk weight sync)
-from .numerics import mask_nonfinite_inputs, sanitize_after_forward
+from .numerics import loss_mask, mask_nonfinite_inputs, sanitize_after_forward
 from .rewards import name_errors
 from .rollout import PartialRollout, ReplayMixer, ReplayQueue
 from .target_controller import TargetController
@@ -243,9 +243,8 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         for stem, obj in self._rank_states().items():
             os.makedirs(folder, exist_ok=True)
-            path = self._rank_state_path(folder, stem)
-            torch.save(obj.state_dict(), path + ".tmp")
-            os.replace(path + ".tmp", path)  # never a half-written state file
+            state = obj.state_dict()
+            write_atomically(self._rank_state_path(folder, stem), lambda tmp, state=state: torch.save(state, tmp))
         # Transformers rotates (save_total_limit) at the end of its own _save_checkpoint, before this checkpoint is
         # marked complete: a crash in between could leave no complete checkpoint. It does not rotate there; this
         # method rotates with transformers' own function once the new checkpoint counts.
@@ -315,9 +314,7 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         """Run the search on this micro-batch (sums reduced over all processes) and install the window."""
         self._nonfinite_inputs = self._nonfinite_inputs + sanitize_after_forward(
             inputs, per_token_logps, self.args.max_log_ratio)
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
+        mask = loss_mask(inputs)
         old = inputs.get("old_per_token_logps")
         # TRL skips old log-probs when the data is on-policy: the ratio is then exactly 1.
         log_ratio = per_token_logps.detach() - old if old is not None else torch.zeros_like(per_token_logps)

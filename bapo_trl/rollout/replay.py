@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..numerics import loss_mask
 from .queue import ReplayQueue, groups_to_replace, pad_and_stack, split_groups
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ class ReplayMixer:
                        replayed=torch.ones(group_size, dtype=torch.bool, device=device)) for g in replayed]
         pad_id = trainer._tokenizer.pad_token_id  # TRL's tokenizer (also inside a processor)
         mixed = pad_and_stack(kept + loaded, {"prompt_ids": pad_id, "completion_ids": pad_id})
-        mask = mixed["completion_mask"] * mixed["tool_mask"] if "tool_mask" in mixed else mixed["completion_mask"]
+        mask = loss_mask(mixed)
         other["num_items_in_batch"] = trainer.accelerator.gather(mask.sum()).sum()
         self._log(mixed, mask, appended)
         return {**mixed, **other}  # a per-row tensor first: TRL sizes the batch by the first value
