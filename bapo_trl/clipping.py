@@ -29,7 +29,6 @@ from typing import Callable
 
 import torch
 
-
 VARIANTS = ("paper", "verl")
 MODES = ("value", "gradient")
 

@@ -27,17 +27,17 @@ import torch
 from transformers.trainer_utils import rotate_checkpoints
 from trl import GRPOTrainer
 
+from . import metrics
 from .checkpoints import mark_complete, resolve_resume, write_atomically
 from .clipping import SearchResult, search_clip_bounds, search_path
 from .config import BAPOConfig
-from . import metrics
-from .metrics import origin_sums, origin_values, search_sums, search_values, token_staleness
 from .generation.cpu_server import CPUServerSyncMixin  # vLLM server mode on CPU (disk weight sync)
+from .metrics import origin_sums, origin_values, search_sums, search_values, token_staleness
 from .numerics import loss_mask, mask_nonfinite_inputs, sanitize_after_forward
 from .rewards import name_errors
 from .rollout import PartialRollout, ReplayMixer, ReplayQueue
-from .target_controller import TargetController
 from .summary import is_active
+from .target_controller import TargetController
 from .trl_seams import check_trl_seams
 
 check_trl_seams()  # a TRL that moved a private method we override fails here, loudly, not mid-training

@@ -111,5 +111,5 @@ def check_trl_seams(seams: tuple[Seam, ...] = SEAMS) -> None:
         raise ImportError(
             f"bapo_trl was tested with TRL {TESTED_TRL_VERSIONS}, but the installed TRL {trl.__version__} changed "
             "what BAPOTrainer builds on:\n  - " + "\n  - ".join(problems)
-            + f"\nInstall a tested TRL: pip install 'trl>=1.16,<1.17'."
+            + "\nInstall a tested TRL: pip install 'trl>=1.16,<1.17'."
         )

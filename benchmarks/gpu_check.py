@@ -65,12 +65,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmarks, also when imported by tests
 
+import bound_search  # noqa: E402
+import step_overhead  # noqa: E402
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-import bound_search  # noqa: E402
-import step_overhead  # noqa: E402
 from bapo_trl import search_clip_bounds  # noqa: E402
 from bapo_trl.toy import build_tiny_model  # noqa: E402
 

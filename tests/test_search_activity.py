@@ -5,7 +5,6 @@ undefined on one micro-batch (NaN) does not turn the logged average NaN."""
 import math
 
 import pytest
-
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bapo_trl import BAPOConfig, BAPOTrainer

@@ -14,7 +14,6 @@ learning signal and are not stored. The queue lives on CPU, bounded by ``capacit
 from __future__ import annotations
 
 import warnings
-
 from dataclasses import dataclass, field
 
 import torch
