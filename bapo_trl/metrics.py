@@ -173,3 +173,9 @@ def origin_values(totals: list[float], stale_max: float) -> dict[str, float]:
     values["replay/staleness_mean"] = totals[8] / n_rep if n_rep else float("nan")
     values["replay/staleness_max"] = stale_max if n_rep else float("nan")
     return values
+
+
+def is_active(entry: dict) -> bool:
+    """Whether the search could act in this logged update (some window on its path changes the loss); logs
+    written before ``bapo/search_active`` existed count as active."""
+    return (entry.get("bapo/search_active") or 0.0) > 0 if "bapo/search_active" in entry else "bapo/clip_low" in entry

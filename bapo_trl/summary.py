@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import math
 
+from .metrics import is_active
+
 
 def _mean(values):
     values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return sum(values) / len(values) if values else float("nan")
-
-
-def is_active(entry: dict) -> bool:
-    """Whether the search could act in this logged update (some window on its path changes the loss); logs
-    written before ``bapo/search_active`` existed count as active."""
-    return (entry.get("bapo/search_active") or 0.0) > 0 if "bapo/search_active" in entry else "bapo/clip_low" in entry
 
 
 def moved(entry: dict) -> float:

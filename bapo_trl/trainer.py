@@ -32,11 +32,10 @@ from .checkpoints import mark_complete, resolve_resume, write_atomically
 from .clipping import SearchResult, search_clip_bounds, search_path
 from .config import BAPOConfig
 from .generation.cpu_server import CPUServerSyncMixin  # vLLM server mode on CPU (disk weight sync)
-from .metrics import origin_sums, origin_values, search_sums, search_values, token_staleness
+from .metrics import is_active, origin_sums, origin_values, search_sums, search_values, token_staleness
 from .numerics import loss_mask, mask_nonfinite_inputs, sanitize_after_forward
-from .rewards import name_errors
+from .reward_errors import name_errors
 from .rollout import PartialRollout, ReplayMixer, ReplayQueue
-from .summary import is_active
 from .target_controller import TargetController
 from .trl_seams import check_trl_seams
 

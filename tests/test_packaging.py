@@ -16,6 +16,7 @@ import importlib
 import json
 import pkgutil
 import re
+import subprocess
 import sys
 from importlib.metadata import packages_distributions
 from pathlib import Path
@@ -151,3 +152,16 @@ def test_readme_names_each_extra_it_relies_on(extra):
     text = (ROOT / "README.md").read_text() + "".join(p.read_text() for p in (ROOT / "bapo_trl").rglob("*.py"))
     text += (ROOT / "Makefile").read_text()
     assert f"[{extra}]" in text or f".[{extra}" in text or f",{extra}]" in text
+
+
+def test_the_trainer_imports_nothing_from_the_command_line_or_the_recipes():
+    """Layers: the trainer and its core modules load without the CLI (script, data, reward registry, summary,
+    launch record, model registry) and without the math recipe or the toy task."""
+    code = ("import sys, bapo_trl.trainer; print(' '.join(sorted(m for m in sys.modules if m.startswith('bapo_trl.'))))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loaded = set(proc.stdout.split())
+    outer = {"bapo_trl.script", "bapo_trl.data", "bapo_trl.rewards", "bapo_trl.summary", "bapo_trl.launch_info",
+             "bapo_trl.models", "bapo_trl.evaluate", "bapo_trl.math_rewards", "bapo_trl.math_data", "bapo_trl.toy"}
+    assert loaded & outer == set()
+    assert "bapo_trl.trainer" in loaded
