@@ -69,3 +69,31 @@ def resolve_resume(resume, output_dir: str):
             f"is {latest_complete_checkpoint(os.path.dirname(os.path.abspath(resume)))!r}."
         )
     return resume
+
+
+def _rank_state_path(folder: str, stem: str, rank: int) -> str:
+    return os.path.join(folder, f"{stem}_rank{rank}.pt")
+
+
+def save_rank_states(folder: str, states: dict, rank: int) -> None:
+    """Per-process state beside TRL's checkpoint files (``stem -> object with state_dict()``), one file each."""
+    import torch
+
+    for stem, obj in states.items():
+        os.makedirs(folder, exist_ok=True)
+        state = obj.state_dict()
+        write_atomically(_rank_state_path(folder, stem, rank), lambda tmp, state=state: torch.save(state, tmp))
+
+
+def load_rank_states(folder: str, states: dict, rank: int) -> None:
+    """Restore what :func:`save_rank_states` wrote; a missing file is an error naming it (never a silent fresh start)."""
+    import torch
+
+    for stem, obj in states.items():
+        path = _rank_state_path(folder, stem, rank)
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"Resuming with {stem.replace('_', ' ')} on, but {path} is missing: the checkpoint was written "
+                "without it (or by a run with a different number of processes)."
+            )
+        obj.load_state_dict(torch.load(path, weights_only=False))

@@ -28,14 +28,15 @@ from transformers.trainer_utils import rotate_checkpoints
 from trl import GRPOTrainer
 
 from . import metrics
-from .checkpoints import mark_complete, resolve_resume, write_atomically
+from .checkpoints import load_rank_states, mark_complete, resolve_resume, save_rank_states
 from .clipping import SearchResult, search_clip_bounds, search_path
 from .config import BAPOConfig
 from .generation.cpu_server import CPUServerSyncMixin  # vLLM server mode on CPU (disk weight sync)
-from .metrics import is_active, origin_sums, origin_values, search_sums, search_values, token_staleness
+from .metrics import origin_sums, origin_values, search_sums, search_values, token_staleness
+from .model_card import PAPER_CITATION, bapo_card_section
 from .numerics import loss_mask, mask_nonfinite_inputs, sanitize_after_forward
 from .reward_errors import name_errors
-from .rollout import PartialRollout, ReplayMixer, ReplayQueue
+from .rollout import PartialRollout, ReplayMixer, ReplayQueue, check_rollout_arguments
 from .target_controller import TargetController
 from .trl_seams import check_trl_seams
 
@@ -45,82 +46,6 @@ check_trl_seams()  # a TRL that moved a private method we override fails here, l
 BAPO_METRICS = metrics.SEARCH + metrics.ENTROPY_CLIP
 #: Logged when the replay queue is on.
 REPLAY_METRICS = metrics.REPLAY
-
-PAPER_CITATION = """\
-@article{xi2025bapo,
-    title        = {{BAPO: Stabilizing Off-Policy Reinforcement Learning for LLMs via Balanced Policy Optimization with Adaptive Clipping}},
-    author       = {Zhiheng Xi and others},
-    year         = 2025,
-    eprint       = {arXiv:2510.18927}
-}"""
-
-def bapo_card_section(args: BAPOConfig, log_history: list[dict]) -> str:
-    """Markdown: the BAPO settings of the run and the averages of its search, for the model card."""
-    rows = [
-        ("variant", args.bapo_variant),
-        ("positive contribution (rho) measured as", args.positive_contribution_mode),
-        ("target share rho0", args.positive_contribution_target),
-        ("c_low range / step", f"[{args.ratio_lower_start}, {args.ratio_lower_max}] / {args.ratio_lower_step}"),
-        ("c_high range / step", f"[{args.ratio_upper_start}, {args.ratio_upper_max}] / {args.ratio_upper_step}"),
-        ("steps_per_generation / num_iterations", f"{args.steps_per_generation} / {args.num_iterations}"),
-        ("loss_type", args.loss_type),
-    ]
-    if args.replay_enabled:
-        rows.append(("replay", f"{args.replay_buffer_size} groups, ratio {args.replay_ratio}, "
-                               f"max staleness {args.replay_max_staleness}, {args.replay_sampling} sampling"))
-    logged = [h for h in log_history if "bapo/clip_low" in h]
-    steps = [h for h in logged if is_active(h)]  # means over the updates where the window mattered
-    if logged:
-        rows.append(("updates where some window changed the loss", f"{100 * len(steps) / len(logged):.0f}%"))
-    if steps:
-        mean = lambda k: sum(h[k] for h in steps if h.get(k) is not None) / max(  # noqa: E731
-            1, sum(h.get(k) is not None for h in steps))
-        rows += [
-            ("mean chosen window", f"[{mean('bapo/clip_low'):.3f}, {mean('bapo/clip_high'):.3f}]"),
-            ("mean positive share (chosen bounds)", f"{mean('bapo/positive_contribution'):.3f}"),
-            ("updates meeting the target", f"{100 * mean('bapo/target_met'):.0f}%"),
-        ]
-    elif logged:
-        rows.append(("mean chosen window", "none: no update where the window could change the loss (on-policy data)"))
-    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
-    return (
-        "## BAPO\n\nTrained with BAPO (Balanced Policy Optimization with Adaptive Clipping, Xi et al., "
-        "[arXiv 2510.18927](https://arxiv.org/abs/2510.18927); not the 2026 \"Batch Adaptation Policy Optimization\") via "
-        "`bapo_trl`: the PPO clipping window was "
-        "re-chosen at every update so that positive-advantage tokens keep a target share of the loss.\n\n"
-        f"| setting | value |\n|---|---|\n{table}\n"
-    )
-
-def _is_iterable_dataset(dataset) -> bool:
-    import datasets
-
-    return isinstance(dataset, (torch.utils.data.IterableDataset, datasets.IterableDataset))
-
-
-def _refuse_conflicts(args: BAPOConfig, kwargs: dict) -> None:
-    """Combinations of BAPO's rollout sources with GRPOTrainer arguments that cannot work, refused by name before
-    anything is loaded (they used to fail at the first step, or silently replace the user's function)."""
-    problems = []
-    dataset = kwargs.get("train_dataset")
-    if args.replay_enabled and (kwargs.get("tools") or kwargs.get("environment_factory")):
-        problems.append("replay (`replay_buffer_size` > 0) stores token batches and cannot hold tool-calling or "
-                        "environment rollouts (`tools` / `environment_factory`): switch one of them off.")
-    if args.replay_enabled and dataset is not None and "image" in (getattr(dataset, "column_names", None) or []):
-        problems.append("replay (`replay_buffer_size` > 0) does not support multimodal batches (the train_dataset "
-                        "has an `image` column): switch replay off.")
-    if args.partial_rollout_enabled and kwargs.get("rollout_func") is not None:
-        problems.append("partial rollout (`partial_rollout_budget`) serves finished completions through TRL's "
-                        "`rollout_func` hook and would replace yours: pass either `rollout_func` or "
-                        "`partial_rollout_budget`, not both.")
-    if args.partial_rollout_enabled and (kwargs.get("tools") or kwargs.get("environment_factory")):
-        problems.append("partial rollout (`partial_rollout_budget`) grows single-turn completions and cannot continue "
-                        "tool-calling or environment rollouts: switch one of them off.")
-    if args.partial_rollout_enabled and _is_iterable_dataset(dataset):
-        problems.append("partial rollout (`partial_rollout_budget`) tops up its pool by random access to the "
-                        f"train_dataset, which a {type(dataset).__name__} does not allow: use a map-style Dataset.")
-    if problems:
-        raise ValueError("Invalid BAPOTrainer arguments:\n  - " + "\n  - ".join(problems))
-
 
 class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode also without CUDA
     """GRPO with BAPO's adaptive clipping window (Xi et al., 2025).
@@ -145,7 +70,7 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
                 "GRPOConfig field unchanged: replace `GRPOConfig(...)` by `BAPOConfig(...)` (from bapo_trl import "
                 "BAPOConfig); BAPO then adds its search settings with the paper's defaults (positive_contribution_"
                 "target=0.5, c_low 0.6..0.9, c_high 1.2..3.0) and ignores `epsilon`/`epsilon_high`.")
-        _refuse_conflicts(args, kwargs)  # at construction, before TRL loads anything
+        check_rollout_arguments(args, kwargs)  # at construction, before TRL loads anything
         self._bapo_settings = args.bapo_settings
         self._bapo_pending: dict[str, Any] | None = None
         self.last_search: SearchResult | None = None
@@ -233,17 +158,11 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
                   "target_controller": self.target_controller}
         return {stem: obj for stem, obj in states.items() if obj is not None}
 
-    def _rank_state_path(self, checkpoint_dir: str, stem: str) -> str:
-        return os.path.join(checkpoint_dir, f"{stem}_rank{self.accelerator.process_index}.pt")
-
     def _save_checkpoint(self, model, trial):
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        for stem, obj in self._rank_states().items():
-            os.makedirs(folder, exist_ok=True)
-            state = obj.state_dict()
-            write_atomically(self._rank_state_path(folder, stem), lambda tmp, state=state: torch.save(state, tmp))
+        save_rank_states(folder, self._rank_states(), self.accelerator.process_index)
         # Transformers rotates (save_total_limit) at the end of its own _save_checkpoint, before this checkpoint is
         # marked complete: a crash in between could leave no complete checkpoint. It does not rotate there; this
         # method rotates with transformers' own function once the new checkpoint counts.
@@ -269,14 +188,7 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        for stem, obj in self._rank_states().items():
-            path = self._rank_state_path(checkpoint, stem)
-            if not os.path.exists(path):
-                raise FileNotFoundError(
-                    f"Resuming with {stem.replace('_', ' ')} on, but {path} is missing: the checkpoint was written "
-                    "without it (or by a run with a different number of processes)."
-                )
-            obj.load_state_dict(torch.load(path, weights_only=False))
+        load_rank_states(checkpoint, self._rank_states(), self.accelerator.process_index)
         if self.target_controller is not None:
             self._set_target(self.target_controller.value)
 

@@ -8,9 +8,9 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl.model_card import bapo_card_section
 from bapo_trl.summary import format_summary
 from bapo_trl.toy import make_reverse_dataset, reverse_reward
-from bapo_trl.trainer import bapo_card_section
 
 ARGS = dict(use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no",
             per_device_train_batch_size=16, num_generations=8, max_completion_length=10, logging_steps=1, seed=0,

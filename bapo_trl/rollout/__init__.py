@@ -17,4 +17,37 @@ from .pool import PartialRolloutPool
 from .queue import ReplayQueue
 from .replay import ReplayMixer
 
-__all__ = ["PartialRollout", "PartialRolloutPool", "ReplayMixer", "ReplayQueue"]
+__all__ = ["PartialRollout", "PartialRolloutPool", "ReplayMixer", "ReplayQueue", "check_rollout_arguments"]
+
+
+def _is_iterable_dataset(dataset) -> bool:
+    import datasets
+    import torch
+
+    return isinstance(dataset, (torch.utils.data.IterableDataset, datasets.IterableDataset))
+
+
+def check_rollout_arguments(args, kwargs: dict) -> None:
+    """Combinations of BAPO's rollout sources with GRPOTrainer arguments that cannot work, refused by name before
+    anything is loaded (they used to fail at the first step, or silently replace the user's function)."""
+    problems = []
+    dataset = kwargs.get("train_dataset")
+    if args.replay_enabled and (kwargs.get("tools") or kwargs.get("environment_factory")):
+        problems.append("replay (`replay_buffer_size` > 0) stores token batches and cannot hold tool-calling or "
+                        "environment rollouts (`tools` / `environment_factory`): switch one of them off.")
+    if args.replay_enabled and dataset is not None and "image" in (getattr(dataset, "column_names", None) or []):
+        problems.append("replay (`replay_buffer_size` > 0) does not support multimodal batches (the train_dataset "
+                        "has an `image` column): switch replay off.")
+    if args.partial_rollout_enabled and kwargs.get("rollout_func") is not None:
+        problems.append("partial rollout (`partial_rollout_budget`) serves finished completions through TRL's "
+                        "`rollout_func` hook and would replace yours: pass either `rollout_func` or "
+                        "`partial_rollout_budget`, not both.")
+    if args.partial_rollout_enabled and (kwargs.get("tools") or kwargs.get("environment_factory")):
+        problems.append("partial rollout (`partial_rollout_budget`) grows single-turn completions and cannot continue "
+                        "tool-calling or environment rollouts: switch one of them off.")
+    if args.partial_rollout_enabled and _is_iterable_dataset(dataset):
+        problems.append("partial rollout (`partial_rollout_budget`) tops up its pool by random access to the "
+                        f"train_dataset, which a {type(dataset).__name__} does not allow: use a map-style Dataset.")
+    if problems:
+        raise ValueError("Invalid BAPOTrainer arguments:\n  - " + "\n  - ".join(problems))
+

@@ -1,0 +1,55 @@
+"""The BAPO section of the model card: the run's settings and what its search did, appended to TRL's card.
+
+It names the method once, plainly: BAPO here is Balanced Policy Optimization with Adaptive Clipping (Xi et al.,
+arXiv 2510.18927), not the 2026 "Batch Adaptation Policy Optimization".
+"""
+
+from __future__ import annotations
+
+from .config import BAPOConfig
+from .metrics import is_active
+
+PAPER_CITATION = """\
+@article{xi2025bapo,
+    title        = {{BAPO: Stabilizing Off-Policy Reinforcement Learning for LLMs via Balanced Policy Optimization with Adaptive Clipping}},
+    author       = {Zhiheng Xi and others},
+    year         = 2025,
+    eprint       = {arXiv:2510.18927}
+}"""
+
+def bapo_card_section(args: BAPOConfig, log_history: list[dict]) -> str:
+    """Markdown: the BAPO settings of the run and the averages of its search, for the model card."""
+    rows = [
+        ("variant", args.bapo_variant),
+        ("positive contribution (rho) measured as", args.positive_contribution_mode),
+        ("target share rho0", args.positive_contribution_target),
+        ("c_low range / step", f"[{args.ratio_lower_start}, {args.ratio_lower_max}] / {args.ratio_lower_step}"),
+        ("c_high range / step", f"[{args.ratio_upper_start}, {args.ratio_upper_max}] / {args.ratio_upper_step}"),
+        ("steps_per_generation / num_iterations", f"{args.steps_per_generation} / {args.num_iterations}"),
+        ("loss_type", args.loss_type),
+    ]
+    if args.replay_enabled:
+        rows.append(("replay", f"{args.replay_buffer_size} groups, ratio {args.replay_ratio}, "
+                               f"max staleness {args.replay_max_staleness}, {args.replay_sampling} sampling"))
+    logged = [h for h in log_history if "bapo/clip_low" in h]
+    steps = [h for h in logged if is_active(h)]  # means over the updates where the window mattered
+    if logged:
+        rows.append(("updates where some window changed the loss", f"{100 * len(steps) / len(logged):.0f}%"))
+    if steps:
+        mean = lambda k: sum(h[k] for h in steps if h.get(k) is not None) / max(  # noqa: E731
+            1, sum(h.get(k) is not None for h in steps))
+        rows += [
+            ("mean chosen window", f"[{mean('bapo/clip_low'):.3f}, {mean('bapo/clip_high'):.3f}]"),
+            ("mean positive share (chosen bounds)", f"{mean('bapo/positive_contribution'):.3f}"),
+            ("updates meeting the target", f"{100 * mean('bapo/target_met'):.0f}%"),
+        ]
+    elif logged:
+        rows.append(("mean chosen window", "none: no update where the window could change the loss (on-policy data)"))
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    return (
+        "## BAPO\n\nTrained with BAPO (Balanced Policy Optimization with Adaptive Clipping, Xi et al., "
+        "[arXiv 2510.18927](https://arxiv.org/abs/2510.18927); not the 2026 \"Batch Adaptation Policy Optimization\") via "
+        "`bapo_trl`: the PPO clipping window was "
+        "re-chosen at every update so that positive-advantage tokens keep a target share of the loss.\n\n"
+        f"| setting | value |\n|---|---|\n{table}\n"
+    )
