@@ -219,7 +219,7 @@ def measure(model_dir: str, kinds=("grpo", "bapo", "replay"), rounds: int = 12, 
         tokens = {kind: [h["num_tokens"] for h in trainers[kind][0].state.log_history if "num_tokens" in h]
                   for kind in kinds}
         inside = {kind: trainers[kind][1].inside for kind in kinds}
-        del trainers
+        trainers.clear()  # free the models before the next measurement
     return {"times": times, "tokens": tokens, "inside": inside, "peak": peak if cuda else None,
             "rss_peak": None if cuda else rss_peak}
 
