@@ -47,3 +47,14 @@ def test_training_commands_parse(command):
         argv += ["--bf16", "false", "--use_cpu", "true"]
     script_args, training_args, model_args = parse_args(argv, parser=make_parser())
     assert training_args.output_dir
+
+
+def test_the_layout_table_names_every_module_of_the_package():
+    """README's 'Project layout' table stays true: every module and subpackage of bapo_trl appears in it."""
+    section = README.split("## Project layout")[1].split("\n## ")[0]
+    package = REPO / "bapo_trl"
+    for path in sorted(package.iterdir()):
+        if path.name.startswith("_") or path.name == "__pycache__":
+            continue
+        name = f"bapo_trl/{path.name}" + ("/" if path.is_dir() else "")
+        assert f"`{name}`" in section, f"{name} is missing from README's Project layout"
