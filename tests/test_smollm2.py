@@ -300,8 +300,6 @@ def test_zero3_two_processes_partial_rollout_through_the_server(smollm2_server, 
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("BAPO_TEST_SMOLLM2_NOTEBOOK") != "1",
-                    reason="opt-in (BAPO_TEST_SMOLLM2_NOTEBOOK=1): 2-5 min, beyond the slow tier's budget for SmolLM2")
 def test_quickstart_notebook_switched_to_smollm2(smollm2_dir, tmp_path, monkeypatch):
     """The quickstart notebook with its SmolLM2 switch on (cut to 2 steps): the converted model, the chat task and
     the math-verify reward go through the notebook's LoRA training, plots, sample reports and adapter reload.
