@@ -225,7 +225,7 @@ def test_zero3_two_processes_with_the_server(tiny_server, tiny_model_dir, tmp_pa
     """`accelerate launch` ZeRO-3 on 2 processes + the server: parameters are gathered for each sync, rank 0 pushes
     them, and the log-probs still agree (measured ~15-25 s, so the 2 cores allow it). train_bapo.py's default model
     is the same tiny model the server was started with."""
-    from launching import REPO, accelerate_launch
+    from launching import REPO, accelerate_launch, assert_zero3_partitioned
 
     reset_server_weights(tiny_server.url, tiny_model_dir)
     out = tmp_path / "run"
@@ -237,10 +237,7 @@ def test_zero3_two_processes_with_the_server(tiny_server, tiny_model_dir, tmp_pa
         config_file=REPO / "accelerate_configs" / "deepspeed_zero3.yaml", extra_launch=["--mixed_precision", "no"],
         timeout=1200,
     )
-    for rank in (0, 1):
-        info = json.loads((out / "launch_info" / f"rank{rank}.json").read_text())
-        assert info["world_size"] == 2 and info["distributed_type"] == "DEEPSPEED" and info["zero_stage"] == 3
-        assert info["ds_partitioned_parameters"] > 0 and info["local_shard_numel"] < info["full_numel"]
+    assert_zero3_partitioned(out)
     diffs = [float(x) for x in re.findall(rf"'{LOGP_DIFF}': '([^']+)'", proc.stdout + proc.stderr)]
     assert len(diffs) == 2 and max(diffs) < IN_SYNC, diffs
 
