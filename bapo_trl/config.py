@@ -235,10 +235,14 @@ class BAPOConfig(GRPOConfig):
         return max(1, -(-micro_steps // self.gradient_accumulation_steps))
 
     @property
+    def groups_per_batch(self) -> int:
+        """Prompt groups in each process's generation batch."""
+        return self.per_device_train_batch_size * self.steps_per_generation // self.num_generations
+
+    @property
     def replayed_groups_per_batch(self) -> int:
         """Groups of each process's generation batch that ``replay_ratio`` replaces (the trainer's rounding)."""
-        groups = self.per_device_train_batch_size * self.steps_per_generation // self.num_generations
-        return round(self.replay_ratio * groups)
+        return round(self.replay_ratio * self.groups_per_batch)
 
     def inert_settings(self) -> list[tuple[str, str]]:
         """``("error" | "warning", message)`` for every setting that can never act in this combination (the README
@@ -258,7 +262,7 @@ class BAPOConfig(GRPOConfig):
                     f"{self.gradient_accumulation_steps}): every stored group would be evicted before it is replayed. "
                     f"Set `replay_max_staleness` >= {youngest}.")))
             if self.replayed_groups_per_batch == 0 and not self.replay_fill_zero_std_groups:
-                groups = self.per_device_train_batch_size * self.steps_per_generation // self.num_generations
+                groups = self.groups_per_batch
                 rows.append(("error", (
                     f"`replay_ratio` ({self.replay_ratio}) x {groups} groups per generation batch on each process "
                     "rounds to 0 replayed groups: nothing would ever be replayed. Raise `replay_ratio` to at least "

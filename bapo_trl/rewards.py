@@ -9,6 +9,7 @@ import sys
 from typing import Callable
 
 from .math_rewards import SOFT_OVERLONG  # names only: a plain dict, nothing heavy is imported
+from .reward_errors import RewardFunctionError, name_errors  # noqa: F401  (re-exported with the registry)
 
 
 def _reverse():
@@ -78,5 +79,3 @@ def resolve_reward_funcs(names: list[str]) -> list[Callable]:
         funcs.append(getattr(module, attr))
     return funcs
 
-
-from .reward_errors import RewardFunctionError, name_errors  # noqa: E402,F401  (re-exported: the registry's errors)
