@@ -61,8 +61,22 @@ PARTIAL = (
     "partial/token_staleness_mean",
     "partial/token_staleness_max",
 )
+#: Staleness buckets (optimizer steps since the token was sampled) of the per-age split.
+AGE_BUCKETS = ("0", "1", "2", "3+")
+#: Logged when async generation is on: the first seven once per generation batch (main process), the rest per update.
+ASYNC = (
+    "async/wait_seconds",
+    "async/generate_seconds",
+    "async/push_seconds",
+    "async/overlap_fraction",
+    "async/queue_depth",
+    "async/staleness_mean",
+    "async/staleness_max",
+    *(f"bapo/{what}/age_{age}" for age in AGE_BUCKETS
+      for what in ("positive_loss_share", "clip_fraction", "token_fraction")),
+)
 #: Every metric name bapo_trl logs, by group.
-REGISTRY = {"search": SEARCH, "entropy_clip": ENTROPY_CLIP, "replay": REPLAY, "partial": PARTIAL}
+REGISTRY = {"search": SEARCH, "entropy_clip": ENTROPY_CLIP, "replay": REPLAY, "partial": PARTIAL, "async": ASYNC}
 
 _COUNTS = 8  # valid, positive, negative, low-clipped, high-clipped, window-sensitive, staleness sum, non-finite
 
@@ -142,12 +156,12 @@ def search_values(sums: list[float], result: dict[str, float], path: SearchPath,
     return values, (entropy_sum / entropy_tokens if entropy_tokens else float("nan"))
 
 
-def origin_sums(result, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, replayed: torch.Tensor,
-                staleness: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sums, local largest replay staleness)``: value share and clip counts of fresh and of replayed tokens."""
+def _share_sums(result, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """For every token subset in ``parts``: positive and negative value sums at the chosen window, clipped tokens,
+    tokens (all over the valid tokens); and the valid mask."""
     advantages = (advantages[:, None] if advantages.dim() == 1 else advantages).expand_as(ratio)
     valid = (mask != 0) & torch.isfinite(ratio) & torch.isfinite(advantages)
-    replayed = replayed[:, None].expand_as(ratio)
     c_low, c_high = result.clip_low.to(ratio.dtype), result.clip_high.to(ratio.dtype)
     r = torch.where(valid, ratio, 1.0).double()
     a = torch.where(valid, advantages, 0.0).double()
@@ -155,8 +169,22 @@ def origin_sums(result, ratio: torch.Tensor, advantages: torch.Tensor, mask: tor
     neg = torch.where(a < 0, torch.maximum(r, c_low.double()) * -a, 0.0)
     clipped = ((a < 0) & (r < c_low)) | ((a > 0) & (r > c_high))
     sums = []
-    for part in (~replayed & valid, replayed & valid):
+    for part in parts:
+        part = part & valid
         sums += [pos[part].sum(), neg[part].sum(), clipped[part].sum().double(), part.sum().double()]
+    return sums, valid
+
+
+def _share_values(p: float, n: float, clipped: float, count: float) -> tuple[float, float]:
+    """(positive value share, clip fraction) of one subset's reduced sums; NaN where it has no tokens."""
+    return (p / (p + n) if p + n > 0 else float("nan")), (clipped / count if count else float("nan"))
+
+
+def origin_sums(result, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, replayed: torch.Tensor,
+                staleness: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sums, local largest replay staleness)``: value share and clip counts of fresh and of replayed tokens."""
+    replayed = replayed[:, None].expand_as(ratio)
+    sums, valid = _share_sums(result, ratio, advantages, mask, [~replayed, replayed])
     rep = replayed & valid
     sums.append((staleness * rep).sum())
     stale_max = torch.where(rep, staleness, 0.0).max() if rep.numel() else torch.zeros((), dtype=torch.float64)
@@ -166,12 +194,32 @@ def origin_sums(result, ratio: torch.Tensor, advantages: torch.Tensor, mask: tor
 def origin_values(totals: list[float], stale_max: float) -> dict[str, float]:
     """Named values from REDUCED :func:`origin_sums`."""
     values = {}
-    for name, (p, n, c, count) in (("fresh", totals[0:4]), ("replayed", totals[4:8])):
-        values[f"bapo/positive_loss_share/{name}"] = p / (p + n) if p + n > 0 else float("nan")
-        values[f"bapo/clip_fraction/{name}"] = c / count if count else float("nan")
+    for name, sums in (("fresh", totals[0:4]), ("replayed", totals[4:8])):
+        values[f"bapo/positive_loss_share/{name}"], values[f"bapo/clip_fraction/{name}"] = _share_values(*sums)
     n_rep = totals[7]
     values["replay/staleness_mean"] = totals[8] / n_rep if n_rep else float("nan")
     values["replay/staleness_max"] = stale_max if n_rep else float("nan")
+    return values
+
+
+def age_sums(result, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+             staleness: torch.Tensor) -> torch.Tensor:
+    """Value share and clip counts of the tokens of each staleness bucket (:data:`AGE_BUCKETS`; ``staleness`` per
+    token, shaped like ``ratio``)."""
+    parts = [staleness == age for age in range(len(AGE_BUCKETS) - 1)] + [staleness >= len(AGE_BUCKETS) - 1]
+    sums, _ = _share_sums(result, ratio, advantages, mask, parts)
+    return torch.stack(sums)
+
+
+def age_values(totals: list[float]) -> dict[str, float]:
+    """Named values from REDUCED :func:`age_sums`: per bucket, positive share, clip fraction and share of tokens."""
+    values, tokens = {}, sum(totals[3::4])
+    for i, age in enumerate(AGE_BUCKETS):
+        p, n, clipped, count = totals[4 * i : 4 * i + 4]
+        share, clip = _share_values(p, n, clipped, count)
+        values[f"bapo/positive_loss_share/age_{age}"] = share
+        values[f"bapo/clip_fraction/age_{age}"] = clip
+        values[f"bapo/token_fraction/age_{age}"] = count / tokens if tokens else float("nan")
     return values
 
 

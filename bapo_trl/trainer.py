@@ -32,11 +32,18 @@ from .checkpoints import load_rank_states, mark_complete, resolve_resume, save_r
 from .clipping import SearchResult, search_clip_bounds, search_path
 from .config import BAPOConfig
 from .generation.cpu_server import CPUServerSyncMixin  # vLLM server mode on CPU (disk weight sync)
-from .metrics import origin_sums, origin_values, search_sums, search_values, token_staleness
+from .metrics import age_sums, age_values, origin_sums, origin_values, search_sums, search_values, token_staleness
 from .model_card import PAPER_CITATION, bapo_card_section
 from .numerics import loss_mask, mask_nonfinite_inputs, sanitize_after_forward
 from .reward_errors import name_errors
-from .rollout import PartialRollout, ReplayMixer, ReplayQueue, check_rollout_arguments
+from .rollout import (
+    AsyncGeneration,
+    CompletionServer,
+    PartialRollout,
+    ReplayMixer,
+    ReplayQueue,
+    check_rollout_arguments,
+)
 from .target_controller import TargetController
 from .trl_seams import check_trl_seams
 
@@ -80,7 +87,9 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             name_errors(f, n) if callable(f) and not isinstance(f, torch.nn.Module) else f
             for f, n in zip(self.reward_funcs, self.reward_func_names)
         ]
+        self.completion_server = CompletionServer(self)  # serves completions generated outside TRL's generate call
         self.partial_rollout = PartialRollout(self) if args.partial_rollout_enabled else None
+        self.async_generation = AsyncGeneration(self) if args.async_generation else None
         self.replay = ReplayMixer(self) if args.replay_enabled else None
         self.target_controller: TargetController | None = None
         if args.target_entropy is not None:
@@ -95,13 +104,19 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
     # -- data: remember which policy version sampled each completion -------------------------------------------
 
     def _generate_and_score_completions(self, inputs):
-        """Where the batch comes from: partial rollout's finished groups, or TRL's generation (short by the groups
-        replay stands in for); then replay mixes in stored groups. Every batch carries its policy versions."""
+        """Where the batch comes from: partial rollout's finished groups, the async producer's next batch, or TRL's
+        generation (short by the groups replay stands in for); then replay mixes in stored groups. Every batch
+        carries its policy versions."""
         training = self.model.training
         score = super()._generate_and_score_completions
         saved = 0  # groups of this batch taken from the replay queue instead of being generated
+        if self.async_generation is not None and not training:  # evaluation: TRL's generation, producer held
+            with self.async_generation.generation_paused():
+                return score(inputs)
         if self.partial_rollout is not None and training:
             output = self.partial_rollout.next_batch(inputs, score)
+        elif self.async_generation is not None:
+            output = self.async_generation.next_batch(inputs, score)
         else:
             saved = self.replay.groups_saved(inputs) if self.replay is not None and training else 0
             output = score(inputs[: len(inputs) - saved * self.num_generations])
@@ -155,7 +170,7 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
     def _rank_states(self) -> dict[str, Any]:
         """Per-process state saved beside TRL's checkpoint files: file stem -> object with state_dict()."""
         states = {"replay_queue": self.replay, "partial_rollout": self.partial_rollout,
-                  "target_controller": self.target_controller}
+                  "async_generation": self.async_generation, "target_controller": self.target_controller}
         return {stem: obj for stem, obj in states.items() if obj is not None}
 
     def _save_checkpoint(self, model, trial):
@@ -181,8 +196,12 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """``resume_from_checkpoint=True`` (or ``"latest"``) resumes from the newest COMPLETE checkpoint."""
         resume = resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        return super().train(resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
-                             **kwargs)
+        try:
+            return super().train(resume_from_checkpoint=resume, trial=trial,
+                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        finally:
+            if self.async_generation is not None:  # the producer thread ends with the run
+                self.async_generation.close()
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -208,10 +227,10 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             self._bapo_pending = None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        if self.partial_rollout is not None:  # TRL scoring finished partial rollouts: their tokens' own policies
-            stored = self.partial_rollout.take_stored_logps(logits_to_keep, input_ids.device)
-            if stored is not None:
-                return stored, None, None
+        # TRL scoring completions generated elsewhere (partial rollout, async): their tokens' own policies
+        stored = self.completion_server.take_stored_logps(logits_to_keep, input_ids.device)
+        if stored is not None:
+            return stored, None, None
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
@@ -261,8 +280,9 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
         values under the registered names; then the closed-loop target, if on, takes its step."""
         mode = "train" if self.model.training else "eval"
         step = self.state.global_step
+        staleness = token_staleness(inputs, step, ratio)
         sums, stale_max = search_sums(result, self._search_path, ratio, advantages, mask, logps, entropies,
-                                      token_staleness(inputs, step, ratio), self._nonfinite_inputs)
+                                      staleness, self._nonfinite_inputs)
         sums, stale_max = self._sum_over_processes(sums), self._max_over_processes(stale_max)
         values, mean_entropy = search_values(sums.tolist(), result.as_floats(), self._search_path, float(stale_max),
                                              self._bapo_settings.positive_contribution_target)
@@ -271,6 +291,9 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             totals, rep_max = origin_sums(result, ratio, advantages, mask, inputs["replayed"], staleness)
             totals, rep_max = self._sum_over_processes(totals), self._max_over_processes(rep_max)
             values.update(origin_values(totals.tolist(), float(rep_max)))
+        if self.async_generation is not None and staleness is not None and mode == "train":  # share by token age
+            values.update(age_values(self._sum_over_processes(age_sums(result, ratio, advantages, mask,
+                                                                       staleness)).tolist()))
         for name, value in values.items():
             self._metrics[mode][name].append(value)
         if self.target_controller is not None and mode == "train":

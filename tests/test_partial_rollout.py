@@ -115,14 +115,14 @@ class RecordingTrainer(BAPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.trained, source = [], self.partial_rollout
-        serve = source.ready_rollout
+        self.trained, source, server = [], self.partial_rollout, self.completion_server
+        serve = server.rollout
 
-        def recording_ready_rollout(prompts, trainer):
+        def recording_rollout(prompts, trainer):
             self.trained += list(source.ready)
             return serve(prompts, trainer)
 
-        source.ready_rollout = recording_ready_rollout
+        server.rollout = recording_rollout
 
 
 ARGS = dict(use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", per_device_train_batch_size=16,

@@ -14,14 +14,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .pool import PartialRolloutPool
+from .serving import ReadyCompletions, right_pad
 
 if TYPE_CHECKING:
     from ..trainer import BAPOTrainer
-
-
-def right_pad(rows: list[list], width: int, fill, dtype: torch.dtype, device) -> torch.Tensor:
-    """Per-completion lists as one ``(len(rows), width)`` tensor, each row cut or filled with ``fill`` to ``width``."""
-    return torch.tensor([(list(r) + [fill] * width)[:width] for r in rows], dtype=dtype, device=device)
 
 
 def stop_token_ids(trainer: BAPOTrainer) -> list[int]:
@@ -43,8 +39,7 @@ class PartialRollout:
         self.trainer = trainer
         self.pool = PartialRolloutPool(args.partial_rollout_budget, args.partial_rollout_max_resumes,
                                        args.max_completion_length, stop_token_ids(trainer))
-        self.ready: list | None = None  # the completions TRL is scoring, served by `ready_rollout`
-        self.awaiting_old_logps: list | None = None  # armed while TRL computes its old-logp forward
+        self.ready: list | None = None  # the finished completions TRL is scoring
 
     def state_dict(self) -> dict:
         return self.pool.state_dict()
@@ -54,7 +49,7 @@ class PartialRollout:
 
     def next_batch(self, inputs: list[dict], score) -> dict[str, Any]:
         """One partial-rollout step (see module doc). ``score`` is TRL's ``_generate_and_score_completions``,
-        called on the finished groups' rows with ``rollout_func`` pointed at :meth:`ready_rollout`."""
+        called on the finished groups' rows through the trainer's :class:`~.serving.CompletionServer`."""
         trainer, pool, step = self.trainer, self.pool, self.trainer.state.global_step
         groups_needed = len(inputs) // trainer.num_generations
         self._add_to_pool(inputs)
@@ -74,48 +69,23 @@ class PartialRollout:
                                f"{groups_needed} (this one: {len(ready)}); the finishing round left some unfinished.")
         completions = [c for g in ready for c in g.completions]
         self.ready = completions
-        # TRL computes `old_per_token_logps` (and, with vLLM, its importance-sampling ratio against the sampler's
-        # log-probs) with one forward of the CURRENT policy. Those tokens came from older policies: answer that
-        # forward with the stored per-segment log-probs instead (trainer hook: `take_stored_logps`), so TRL's
-        # correction sees only sampler mismatch.
-        args = trainer.args
-        generate_every = args.steps_per_generation * trainer.num_iterations
-        trl_scores_old = args.gradient_accumulation_steps % generate_every != 0 or (
-            trainer.use_vllm and trainer.vllm_importance_sampling_correction)  # TRL's own condition
-        self.awaiting_old_logps = completions if trl_scores_old else None
-        saved_rollout_func, trainer.rollout_func = trainer.rollout_func, self.ready_rollout
+        # The sampler's log-probs (vLLM's, for TRL's importance-sampling correction), else the policy's; the
+        # behaviour log-probs are each segment's policy's, so TRL's correction sees only sampler mismatch.
+        ready_completions = ReadyCompletions(
+            prompt_ids=[c.prompt_ids for c in completions], completion_ids=[c.token_ids for c in completions],
+            sampling_logps=[c.sampling_logps if len(c.sampling_logps) == len(c.token_ids) else c.logps
+                            for c in completions],
+            behaviour_logps=[c.logps for c in completions])
         try:
-            output = score([row for g in ready for row in g.rows])
-            if self.awaiting_old_logps is not None:
-                raise RuntimeError("TRL did not compute old_per_token_logps where bapo_trl expected it to: the "
-                                   "installed TRL's _generate_and_score_completions changed; please report it.")
+            output = trainer.completion_server.score(score, [row for g in ready for row in g.rows], ready_completions)
         finally:
-            trainer.rollout_func, self.ready, self.awaiting_old_logps = saved_rollout_func, None, None
+            self.ready = None
         width, device = output["completion_ids"].size(1), output["completion_ids"].device
-        output["old_per_token_logps"] = self.stored_logps(completions, width, device)
         versions = right_pad([c.versions for c in completions], width, step, torch.long, device)
         output["token_policy_version"] = versions
         output["policy_version"] = versions.min(dim=1).values
         self._log(completions, carried, step, device)
         return output
-
-    def take_stored_logps(self, width: int, device) -> torch.Tensor | None:
-        """The stored behaviour log-probs for TRL's old-logp forward, once (None when not armed)."""
-        completions, self.awaiting_old_logps = self.awaiting_old_logps, None
-        return None if completions is None else self.stored_logps(completions, width, device)
-
-    def ready_rollout(self, prompts, trainer):
-        """TRL's ``rollout_func`` contract, serving the finished completions chosen above (no generation). The
-        log-probs are the sampler's (vLLM's, for TRL's importance-sampling correction), else the policy's."""
-        done = self.ready
-        logprobs = [c.sampling_logps if len(c.sampling_logps) == len(c.token_ids) else c.logps for c in done]
-        return {"prompt_ids": [c.prompt_ids for c in done], "completion_ids": [c.token_ids for c in done],
-                "logprobs": logprobs}
-
-    @staticmethod
-    def stored_logps(completions, width: int, device) -> torch.Tensor:
-        """Each token's behaviour log-prob (from the policy that generated it), right-padded to ``width``."""
-        return right_pad([c.logps for c in completions], width, 0.0, torch.float32, device)
 
     def continue_completions(self, prefixes: list[list[int]], max_new_tokens: int):
         """TRL's own single-turn generation (transformers or vLLM), with the prefix = prompt + partial completion,
