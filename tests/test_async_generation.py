@@ -1,0 +1,377 @@
+"""Async generation: the vLLM server generates the next batches while the trainer trains (issue 17).
+
+Fast tier: the prompt stream, the producer's pacing and push ordering (a scripted generator in place of the server,
+named as such), configuration and argument errors, and a stalled server (the fake stalling server of
+test_vllm_server). Slow tier: the real vLLM CPU server: overlap, staleness bounded by K, behaviour log-probs equal to
+a recomputation with the saved sampling policy, resume without loss or duplication, LoRA, and ZeRO-3 on 2 processes
+through train_bapo.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import threading
+import time
+
+import pytest
+import torch
+from test_vllm_server import (  # noqa: F401  (fixtures)
+    FakeStallingServer,
+    reset_server_weights,
+    start_server,
+    tiny_server,
+    train_with_server,
+    vllm_cpu_venv,
+)
+from transformers import AutoModelForCausalLM, TrainerCallback
+from trl.trainer.utils import RepeatSampler
+
+from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl.rollout.async_generation import AsyncGeneration, Producer, PromptStream, _Work
+
+pytestmark = pytest.mark.usefixtures("use_test_cache")
+
+# -- the prompt stream -------------------------------------------------------------------------------------------
+
+
+def test_prompt_stream_draws_as_trls_repeat_sampler_and_resumes_where_it_stopped():
+    stream = PromptStream(num_rows=10, num_generations=2, batch_rows=6, shuffle=True, seed=3)
+    batches = [stream.next() for _ in range(7)]  # 3 batches of 3 prompts per epoch: 7 spans three epochs
+    reference = RepeatSampler(range(10), mini_repeat_count=2, batch_size=3, shuffle=True, seed=3)
+    expected = [i for _ in range(3) for i in list(reference)[:9 * 2]]  # each epoch drops the incomplete last chunk
+    assert [i for b in batches for i in b] == expected[: 7 * 6]
+    assert all(b[0::2] == b[1::2] for b in batches)  # a group's copies side by side
+    resumed = PromptStream(num_rows=10, num_generations=2, batch_rows=6, shuffle=True, seed=3)
+    resumed.skip_to(4)
+    assert [resumed.next() for _ in range(3)] == batches[4:]
+
+
+def test_prompt_stream_refuses_a_batch_of_partial_groups():
+    with pytest.raises(ValueError, match="whole groups of 4"):
+        PromptStream(num_rows=10, num_generations=4, batch_rows=6, shuffle=False, seed=0)
+
+
+# -- the producer (a scripted generator in place of the server) --------------------------------------------------
+
+
+class ScriptedGenerator:
+    """Stands in for the server's generate request (a scripted fake): returns one token per completion, can be held
+    mid-request, records when each request ran."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.release.set()
+        self.started = threading.Event()
+        self.calls = []
+
+    def __call__(self, prompt_ids):
+        self.started.set()
+        self.calls.append(("start", time.perf_counter()))
+        assert self.release.wait(30)
+        self.calls.append(("end", time.perf_counter()))
+        return {"prompt_ids": prompt_ids, "completion_ids": [[7] for _ in prompt_ids for _ in range(2)],
+                "logps": [[-0.5] for _ in prompt_ids for _ in range(2)]}
+
+
+def test_a_push_waits_for_the_request_in_flight_and_later_batches_carry_its_version():
+    generate = ScriptedGenerator()
+    producer = Producer(generate, num_generations=2, request_timeout=10)
+    try:
+        generate.release.clear()
+        producer.submit(_Work(0, [0, 0], [[1]]))
+        assert generate.started.wait(10)
+        pushed = []
+
+        def push():
+            with producer.between_requests():
+                pushed.append(time.perf_counter())
+                producer.version = 5
+
+        pusher = threading.Thread(target=push)
+        pusher.start()
+        time.sleep(0.2)
+        assert not pushed  # the request in flight holds the push back ...
+        generate.release.set()
+        pusher.join(10)
+        assert pushed and pushed[0] >= generate.calls[1][1]  # ... until it has ended
+        producer.submit(_Work(1, [1, 1], [[2]]))
+        first, _ = producer.take(0)
+        second, _ = producer.take(1)
+        assert (first.version, second.version) == (0, 5)  # batch 0 on the old weights, batch 1 on the pushed ones
+        assert second.prompt_ids == [[2], [2]] and second.rows == [1, 1]
+    finally:
+        producer.close()
+
+
+def test_a_failed_request_is_raised_where_the_trainer_takes_the_batch():
+    def broken(prompt_ids):
+        raise ConnectionError("server went away")
+
+    producer = Producer(broken, num_generations=1, request_timeout=10)
+    producer.submit(_Work(0, [0], [[1]]))
+    with pytest.raises(ConnectionError, match="server went away"):
+        producer.take(0)
+    producer.close()
+
+
+# -- configuration ------------------------------------------------------------------------------------------------
+
+BASE = dict(output_dir="unused", use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=8,
+            num_generations=4)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(async_generation=True), r"`async_generation` needs a vLLM server .*use_vllm=False"),
+    (dict(async_generation=True, use_vllm=True, vllm_mode="colocate"), r"vllm_mode='colocate'"),
+    (dict(max_staleness=0), r"`max_staleness` must be an integer >= 1 .*got 0"),
+    (dict(async_generation=True, use_vllm=True, vllm_mode="server", partial_rollout_budget=2,
+          max_completion_length=8), r"cannot be combined with `partial_rollout_budget`"),
+])
+def test_async_settings_are_checked_before_anything_is_built(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        BAPOConfig(**{**BASE, **overrides})
+
+
+def test_max_staleness_without_async_warns_that_it_does_nothing():
+    with pytest.warns(UserWarning, match=r"`max_staleness` \(3\) only paces async generation"):
+        BAPOConfig(**BASE, max_staleness=3, steps_per_generation=2)
+
+
+def test_a_users_rollout_func_is_refused_with_async_generation():
+    from bapo_trl.rollout import check_rollout_arguments
+
+    args = BAPOConfig(**BASE, async_generation=True, use_vllm=True, vllm_mode="server")
+    with pytest.raises(ValueError, match="async generation .*would replace yours"):
+        check_rollout_arguments(args, {"rollout_func": lambda prompts, trainer: {}})
+
+
+def test_a_stalled_server_is_an_error_naming_the_timeout(tiny_model_dir, tmp_path, monkeypatch):
+    """The producer's request to a server that never answers surfaces in the trainer as the client's timeout error,
+    sent once."""
+    from bapo_trl.generation.cpu_server import VLLMServerTimeout
+
+    monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
+    server = FakeStallingServer()
+    try:
+        with pytest.raises(VLLMServerTimeout, match=r"did not answer /v1/completions within 2 s"):
+            train_with_server(tiny_model_dir, tmp_path / "out", server.url, vllm_server_timeout=2,
+                              async_generation=True)
+    finally:
+        server.close()
+    assert server.requests["POST", "/collective_rpc"] >= 1  # the weights were pushed before the first request
+    assert server.requests["POST", "/v1/completions"] == 1
+
+
+# -- the real server ------------------------------------------------------------------------------------------------
+
+
+class Snapshots(TrainerCallback):
+    """The policy at the start of every optimizer step (the weights a push at that step sends) and when each step
+    ended."""
+
+    def __init__(self):
+        self.policies, self.step_ends = {}, {}
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self.policies[state.global_step] = copy.deepcopy(model.state_dict())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_ends[state.global_step - 1] = time.perf_counter()  # the step that trained on batch global_step-1
+
+
+class AsyncProbe:
+    """Wraps the real source's methods (a probe, not a fake): records each batch handed to the trainer and when each
+    server request started."""
+
+    def __init__(self, trainer):
+        source: AsyncGeneration = trainer.async_generation
+        self.batches, self.requests = [], {}
+        next_batch, generate = source.next_batch, source._generate
+
+        def recording_next_batch(inputs, score):
+            output = next_batch(inputs, score)
+            self.batches.append({k: (v.clone() if torch.is_tensor(v) else v) for k, v in output.items()})
+            return output
+
+        def recording_generate(prompt_ids):
+            self.requests[len(self.requests)] = time.perf_counter()  # requests run in batch order
+            return generate(prompt_ids)
+
+        source.next_batch, source._generate = recording_next_batch, recording_generate
+
+
+class ProbedTrainer(BAPOTrainer):
+    """BAPOTrainer with an :class:`AsyncProbe` on its source; ``resume_from`` and ``peft_config`` set on the class."""
+
+    resume_from = None
+    peft = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs, **({"peft_config": self.peft} if self.peft is not None else {}))
+        self.probe = AsyncProbe(self)
+
+    def train(self, *args, **kwargs):
+        return super().train(resume_from_checkpoint=self.resume_from)
+
+
+def async_run(model_dir, out, server_url, callbacks=(), resume_from=None, peft=None, **overrides):
+    trainer_cls = type("Probed", (ProbedTrainer,), {"resume_from": resume_from, "peft": peft})
+    settings = dict(async_generation=True, steps_per_generation=1, learning_rate=5e-3, max_steps=6)
+    trainer = train_with_server(model_dir, out, server_url, trainer_cls=trainer_cls, callbacks=callbacks,
+                                **{**settings, **overrides})
+    return trainer, trainer.probe
+
+
+def sequence_logps(model, prompt_ids, completion_ids, temperature):
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1] / temperature
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion_ids)[:, None]).squeeze(-1)
+
+
+def completions_of(batch):
+    """(prompt ids, completion ids, behaviour log-probs) of every completion of a recorded batch."""
+    for i in range(batch["completion_ids"].size(0)):
+        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
+        length = int(batch["completion_mask"][i].sum())
+        yield prompt, batch["completion_ids"][i][:length].tolist(), batch["old_per_token_logps"][i][:length]
+
+
+@pytest.fixture(scope="module")
+def async_k1(tiny_server, tiny_model_dir, tmp_path_factory):
+    reset_server_weights(tiny_server.url, tiny_model_dir)
+    snapshots = Snapshots()
+    trainer, probe = async_run(tiny_model_dir, tmp_path_factory.mktemp("async") / "out", tiny_server.url,
+                               callbacks=[snapshots])
+    return trainer, probe, snapshots
+
+
+@pytest.mark.slow
+def test_generation_of_the_next_batch_overlaps_training_on_this_one(async_k1):
+    trainer, probe, snapshots = async_k1
+    assert len(probe.batches) == 6
+    # K=1: request b+1 is sent while the step on batch b is still training
+    overlapped = [b for b in range(5) if probe.requests[b + 1] < snapshots.step_ends[b]]
+    assert len(overlapped) >= 4, (probe.requests, snapshots.step_ends)
+    logs = [h for h in trainer.state.log_history if "async/wait_seconds" in h]
+    assert len(logs) == 6
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+
+
+@pytest.mark.slow
+def test_staleness_never_exceeds_max_staleness(async_k1):
+    trainer, probe, _ = async_k1
+    versions = [int(b["policy_version"][0]) for b in probe.batches]
+    assert versions[0] == 0
+    ages = [step - v for step, v in enumerate(versions)]  # one optimizer step per generation batch here
+    assert max(ages) <= 1 and ages[1:] == [1] * 5  # K=1, and generation always ran one batch ahead
+    logs = [h for h in trainer.state.log_history if "async/staleness_max" in h]
+    assert max(h["async/staleness_max"] for h in logs) == 1 and max(h["bapo/staleness_max"] for h in logs) == 1
+    assert all(h["bapo/token_fraction/age_1"] == 1 for h in logs[1:])
+
+
+@pytest.mark.slow
+def test_behaviour_logps_are_those_of_the_saved_sampling_policy(async_k1, tiny_model_dir):
+    """Each batch's old_per_token_logps equal a recomputation with the policy of the version the batch carries
+    (saved at that step), and differ from the current policy's: the staleness reaches BAPO."""
+    trainer, probe, snapshots = async_k1
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    checked, gap = 0, 0.0
+    for step, batch in enumerate(probe.batches[1:], start=1):
+        version = int(batch["policy_version"][0])
+        for prompt, completion, behaviour in list(completions_of(batch))[:4]:
+            model.load_state_dict(snapshots.policies[version])
+            sampling = sequence_logps(model, prompt, completion, trainer.temperature)
+            assert torch.allclose(sampling, behaviour, atol=1e-3), (version, sampling, behaviour)
+            model.load_state_dict(snapshots.policies[step])
+            gap = max(gap, float((sequence_logps(model, prompt, completion, trainer.temperature) - behaviour)
+                                 .abs().max()))
+            checked += 1
+    print(f"largest current-policy gap: {gap:.3f}")
+    assert checked >= 16 and gap > 1e-2
+
+
+@pytest.mark.slow
+def test_every_async_metric_is_registered_and_logged(async_k1):
+    from bapo_trl.metrics import REGISTRY
+
+    trainer, _, _ = async_k1
+    logged = {k for h in trainer.state.log_history for k in h if k.startswith(("async/", "bapo/"))}
+    registered = {name for names in REGISTRY.values() for name in names}
+    assert logged <= registered, logged - registered
+    assert set(REGISTRY["async"]) <= logged, set(REGISTRY["async"]) - logged
+
+
+@pytest.mark.slow
+def test_k2_runs_up_to_two_batches_ahead_and_no_further(tiny_server, tiny_model_dir, tmp_path):
+    reset_server_weights(tiny_server.url, tiny_model_dir)
+    snapshots = Snapshots()
+    trainer, probe = async_run(tiny_model_dir, tmp_path, tiny_server.url, callbacks=[snapshots], max_staleness=2)
+    ages = [step - int(b["policy_version"][0]) for step, b in enumerate(probe.batches)]
+    assert max(ages) <= 2, ages
+    # Pacing: request b+2 is queued when the step on batch b begins (after step b-1 ended), never earlier ...
+    for b in range(1, len(probe.batches) - 2):
+        assert probe.requests[b + 2] > snapshots.step_ends[b - 1]
+    # ... and it does run while batch b trains (impossible at K=1, where b+2 waits for the step on b+1)
+    ahead = [b for b in range(len(probe.batches) - 2) if probe.requests[b + 2] < snapshots.step_ends[b]]
+    assert ahead, (probe.requests, snapshots.step_ends)
+
+
+@pytest.mark.slow
+def test_resume_trains_the_remaining_batches_once(tiny_server, tiny_model_dir, tmp_path):
+    """A run checkpointed after 2 of 4 batches resumes with batches 3 and 4 of the same prompt stream (what was in
+    flight at the checkpoint is generated again): the union of prompts equals the uninterrupted run's."""
+    reset_server_weights(tiny_server.url, tiny_model_dir)
+    out = tmp_path / "out"
+    full, full_probe = async_run(tiny_model_dir, out, tiny_server.url, max_steps=4, save_strategy="steps",
+                                 save_steps=2)
+    state = torch.load(out / "checkpoint-2" / "async_generation_rank0.pt", weights_only=False)
+    assert state == {"batches_handed": 2}
+    _, probe = async_run(tiny_model_dir, out, tiny_server.url, max_steps=4, resume_from=str(out / "checkpoint-2"))
+    assert len(probe.batches) == 2  # only the two batches after the checkpoint
+
+    def prompts(batch):
+        return [tuple(p) for p, _, _ in completions_of(batch)]
+
+    assert [prompts(b) for b in probe.batches] == [prompts(b) for b in full_probe.batches[2:]]
+
+
+@pytest.mark.slow
+def test_lora_with_async_generation(tiny_server, tiny_model_dir, tmp_path):
+    """LoRA: the merged weights are pushed, and the behaviour log-probs still match the server's sampling policy
+    (TRL's sampler comparison is 0 by construction, so the staleness metrics and a finite loss are what is checked;
+    the push of merged weights is TRL's own code)."""
+    from peft import LoraConfig
+
+    reset_server_weights(tiny_server.url, tiny_model_dir)
+    trainer, probe = async_run(tiny_model_dir, tmp_path, tiny_server.url, max_steps=4,
+                               peft=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    assert len(probe.batches) == 4
+    logs = [h for h in trainer.state.log_history if "async/staleness_max" in h]
+    assert [h["async/staleness_max"] for h in logs] == [0, 1, 1, 1]
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+
+
+@pytest.mark.slow
+def test_zero3_two_processes_async_from_train_bapo(tiny_server, tiny_model_dir, tmp_path):
+    """`accelerate launch` ZeRO-3 on 2 processes: every rank takes part in each push (gathering is collective), rank
+    0's producer alone talks to the server, and each rank trains its slice of the shared batch."""
+    from launching import REPO, accelerate_launch, assert_zero3_partitioned
+
+    reset_server_weights(tiny_server.url, tiny_model_dir)
+    out = tmp_path / "run"
+    proc = accelerate_launch(
+        REPO / "train_bapo.py", "--max_steps", "4",
+        "--per_device_train_batch_size", "8", "--num_generations", "4", "--steps_per_generation", "1",
+        "--max_completion_length", "8", "--logging_steps", "1", "--output_dir", out,
+        "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", tiny_server.url,
+        "--async_generation", "--max_staleness", "1",
+        config_file=REPO / "accelerate_configs" / "deepspeed_zero3.yaml", extra_launch=["--mixed_precision", "no"],
+        timeout=1200,
+    )
+    assert_zero3_partitioned(out)
+    text = proc.stdout + proc.stderr
+    staleness = [float(x) for x in re.findall(r"'async/staleness_max': '([^']+)'", text)]
+    assert staleness == [0, 1, 1, 1], staleness
+    assert len(re.findall(r"'loss': '([^']+)'", text)) == 4
