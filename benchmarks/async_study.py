@@ -1,0 +1,155 @@
+"""Does BAPO keep async training stable, and what does async buy in wall-clock? The staleness study's task with
+generation in the real vLLM CPU server, synchronous (K=0) and async with K = 1, 2, 4 batches ahead.
+
+Methods: fixed [0.8, 1.2], the widest fixed window BAPO can reach [0.9, 3.0], BAPO (paper) and BAPO (official-code
+variant), from ``staleness_study.METHODS``. Every run: the embedded model and reversal task, batch 32 x 8
+generations, ``steps_per_generation=4`` (so a batch is also reused within its generation round), constant lr
+2e-3, the server pinned to core 1 and the trainer to core 0 (one torch thread); runs one after another against one
+server (each run pushes its own initial weights before generating). Reported per (K, method): final reward (mean
+of the last 5 generation rounds = 20 steps), held-out accuracy, wall-clock of the run, and the seconds until the
+mean reward of 3 consecutive generation rounds first reached 0.5.
+
+    python benchmarks/async_study.py            # the study (about 20 minutes on 2 cores), writes docs/
+    python benchmarks/async_study.py --quick    # two short runs (CI), writes to a temp dir
+
+The last line is ``runs=N k1_speedup=<sync wall-clock / K=1 wall-clock, BAPO paper> bapo_k4_reward=..
+fixed_k4_reward=..``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from async_overlap import TRAINER_CORE, Server  # noqa: E402
+from staleness_study import METHODS  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+STUDIED = ("fixed [0.8,1.2]", "widest fixed [0.9,3.0]", "BAPO paper", "BAPO verl")
+KEPT = ("step", "loss", "grad_norm", "reward", "entropy", "bapo/clip_low", "bapo/clip_high", "bapo/staleness_max",
+        "bapo/positive_contribution", "async/wait_seconds", "async/staleness_max")
+
+
+def plan(quick: bool) -> list[dict]:
+    if quick:
+        return [dict(method="BAPO paper", k=k, seed=0, steps=8) for k in (0, 1)]
+    return [dict(method=m, k=k, seed=s, steps=120) for k in (0, 1, 2, 4) for m in STUDIED for s in range(2)]
+
+
+def run_one(spec: dict, model_dir: str, server: Server) -> dict:
+    import torch
+    from transformers import AutoTokenizer, TrainerCallback
+
+    from bapo_trl import BAPOConfig, BAPOTrainer
+    from bapo_trl.toy import evaluate_accuracy, make_reverse_dataset, reverse_reward
+
+    torch.set_num_threads(1)
+    times = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append(time.perf_counter())
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    asynchronous = dict(async_generation=True, max_staleness=spec["k"]) if spec["k"] else {}
+    with tempfile.TemporaryDirectory() as out:
+        args = BAPOConfig(
+            output_dir=out, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
+            save_strategy="no", disable_tqdm=True, logging_steps=1, per_device_train_batch_size=32,
+            num_generations=8, max_completion_length=12, temperature=1.0, lr_scheduler_type="constant",
+            learning_rate=2e-3, seed=spec["seed"], max_steps=spec["steps"], steps_per_generation=4,
+            use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, vllm_server_timeout=120,
+            **METHODS[spec["method"]], **asynchronous)
+        trainer = BAPOTrainer(model=model_dir, reward_funcs=reverse_reward, args=args, processing_class=tokenizer,
+                              train_dataset=make_reverse_dataset(8192, seed=spec["seed"]), callbacks=[Clock()])
+        start = time.perf_counter()
+        trainer.train()
+        accuracy = evaluate_accuracy(trainer.model, tokenizer, make_reverse_dataset(200, seed=1, split="test"))
+    history = [{k: v for k, v in h.items() if k in KEPT} for h in trainer.state.log_history if "loss" in h]
+    # the reward is logged on the steps that generate (every steps_per_generation-th)
+    rewarded = [(i, h["reward"]) for i, h in enumerate(history) if "reward" in h]
+    rewards = [r for _, r in rewarded]
+    window = 3  # generation rounds (12 steps)
+    smoothed = [statistics.mean(rewards[max(0, j - window + 1) : j + 1]) for j in range(len(rewards))]
+    reached = next((times[rewarded[j][0]] - start for j, r in enumerate(smoothed) if r >= 0.5 and j >= window - 1),
+                   None)
+    return {**spec, "history": history, "heldout_accuracy": accuracy, "seconds": times[-1] - start,
+            "final_reward": statistics.mean(rewards[-5:]), "seconds_to_0.5": reached,
+            "max_staleness_seen": max(h.get("bapo/staleness_max", 0) for h in history)}
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| K | method | final reward | held-out accuracy | wall-clock (s) | s to reward 0.5 | max staleness |",
+             "|---|---|---|---|---|---|---|"]
+    for k in sorted({r["k"] for r in results}):
+        for method in STUDIED:
+            rs = [r for r in results if r["k"] == k and r["method"] == method]
+            if not rs:
+                continue
+
+            def col(key, fmt):
+                values = [r[key] for r in rs if r[key] is not None]
+                if not values:
+                    return "never"
+                text = " / ".join(fmt.format(v) for v in values)
+                return text + ("" if len(values) == len(rs) else f" ({len(rs) - len(values)} never)")
+
+            lines.append(f"| {k or 'sync'} | {method} | {col('final_reward', '{:.2f}')} | "
+                         f"{col('heldout_accuracy', '{:.2f}')} | {col('seconds', '{:.0f}')} | "
+                         f"{col('seconds_to_0.5', '{:.0f}')} | {max(r['max_staleness_seen'] for r in rs):.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None, help="results directory (default: docs/, or a temp dir with --quick)")
+    opts = parser.parse_args()
+    from bapo_trl.toy import build_tiny_model
+
+    os.sched_setaffinity(0, {TRAINER_CORE})
+    out = Path(opts.out or (tempfile.mkdtemp() if opts.quick else REPO / "docs"))
+    model_dir = build_tiny_model()
+    runs = plan(opts.quick)
+    started = time.time()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        server = Server(model_dir, Path(tmp) / "server.log")
+        try:
+            for i, spec in enumerate(runs):
+                results.append(run_one(spec, model_dir, server))
+                r = results[-1]
+                print(f"[{i + 1}/{len(runs)}] K={r['k']} {r['method']} seed {r['seed']}: final reward "
+                      f"{r['final_reward']:.2f}, {r['seconds']:.0f} s", flush=True)
+        finally:
+            server.stop()
+    minutes = (time.time() - started) / 60
+    text = table(results)
+    print(text)
+    with gzip.open(out / "async_runs.json.gz", "wt") as f:
+        json.dump(results, f)
+    (out / "async_study_table.md").write_text(text + f"\n\n{len(runs)} runs, {minutes:.1f} min.\n")
+
+    def mean_of(k, method, key):
+        values = [r[key] for r in results if r["k"] == k and r["method"] == method and r[key] is not None]
+        return statistics.mean(values) if values else float("nan")
+
+    top = max(r["k"] for r in results)
+    fixed = mean_of(top, "fixed [0.8,1.2]", "final_reward")
+    print(f"runs={len(results)} k1_speedup={mean_of(0, 'BAPO paper', 'seconds') / mean_of(1, 'BAPO paper', 'seconds'):.3f} "
+          f"bapo_k{top}_reward={mean_of(top, 'BAPO paper', 'final_reward'):.3f} fixed_k{top}_reward={fixed:.3f}")
+
+
+if __name__ == "__main__":
+    main()
