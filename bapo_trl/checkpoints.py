@@ -97,3 +97,46 @@ def load_rank_states(folder: str, states: dict, rank: int) -> None:
                 "without it (or by a run with a different number of processes)."
             )
         obj.load_state_dict(torch.load(path, weights_only=False))
+
+
+class CheckpointMixin:
+    """Trainer overrides (put before ``GRPOTrainer`` in the bases): per-rank rollout state joins each checkpoint,
+    the completeness marker is written last, rotation waits for it, and ``resume_from_checkpoint=True`` takes the
+    newest complete checkpoint. The trainer provides ``_rank_states()`` (file stem -> object with ``state_dict``),
+    ``_after_state_load()`` and ``_end_of_training()``."""
+
+    def _save_checkpoint(self, model, trial):
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        save_rank_states(folder, self._rank_states(), self.accelerator.process_index)
+        # Transformers rotates (save_total_limit) at the end of its own _save_checkpoint, before this checkpoint is
+        # marked complete: a crash in between could leave no complete checkpoint. It does not rotate there; this
+        # method rotates with transformers' own function once the new checkpoint counts.
+        save_total_limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = save_total_limit
+        self.accelerator.wait_for_everyone()  # every rank's share is on disk before the checkpoint counts
+        if self.args.should_save:
+            mark_complete(folder, self.state.global_step)
+            rotate_checkpoints(output_dir=self._get_output_dir(trial=trial), save_total_limit=save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """``resume_from_checkpoint=True`` (or ``"latest"``) resumes from the newest COMPLETE checkpoint."""
+        resume = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        try:
+            return super().train(resume_from_checkpoint=resume, trial=trial,
+                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        finally:
+            self._end_of_training()
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        load_rank_states(checkpoint, self._rank_states(), self.accelerator.process_index)
+        self._after_state_load()

@@ -6,6 +6,9 @@ arXiv 2510.18927), not the 2026 "Batch Adaptation Policy Optimization".
 
 from __future__ import annotations
 
+import os
+import shutil
+
 from .config import BAPOConfig
 from .metrics import is_active
 
@@ -53,3 +56,29 @@ def bapo_card_section(args: BAPOConfig, log_history: list[dict]) -> str:
         "re-chosen at every update so that positive-advantage tokens keep a target share of the loss.\n\n"
         f"| setting | value |\n|---|---|\n{table}\n"
     )
+
+
+class ModelCardMixin:
+    """Trainer overrides (before ``GRPOTrainer`` in the bases): every saved model, full or adapter, carries TRL's
+    card with the BAPO section."""
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """TRL's save, then the model card (TRL's, with the BAPO section) beside the weights, full or adapter (PEFT
+        writes a placeholder README.md there; the card replaces it). Checkpoints get theirs from TRL."""
+        super().save_model(output_dir, _internal_call)
+        if _internal_call or not self.args.should_save:
+            return
+        target = output_dir or self.args.output_dir
+        self.create_model_card(model_name=os.path.basename(os.path.normpath(target)))
+        card = os.path.join(self.args.output_dir, "README.md")
+        if os.path.abspath(target) != os.path.abspath(self.args.output_dir) and os.path.exists(card):
+            shutil.copyfile(card, os.path.join(target, "README.md"))
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's generated card (tags, citation of the paper), extended with a BAPO section."""
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        path = os.path.join(self.args.output_dir, "README.md")
+        if not self.is_world_process_zero() or not os.path.exists(path):
+            return
+        with open(path, "a") as f:
+            f.write("\n" + bapo_card_section(self.args, self.state.log_history))

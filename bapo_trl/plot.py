@@ -84,6 +84,15 @@ PANELS = (
     Panel("partial_rollout", "Partial rollout: how the scored completions were generated", "per scored completion",
           (Series("segments (policy versions)", ("partial/segments_per_completion",)),
            Series("resumes (steps carried)", ("partial/resumes_mean",), "--")), optional=True),
+    Panel("async_time", "Async generation: where each generation batch's time went", "seconds per batch",
+          (Series("server generating", ("async/generate_seconds",)),
+           Series("trainer waiting for it", ("async/wait_seconds",), "--"),
+           Series("weight push", ("async/push_seconds",), ":")), optional=True),
+    Panel("async_age", "Async generation: positive share by token age", "share of the loss",
+          (Series("age 0", ("bapo/positive_loss_share/age_0",)),
+           Series("age 1", ("bapo/positive_loss_share/age_1",), "--"),
+           Series("age 2", ("bapo/positive_loss_share/age_2",), "-."),
+           Series("age 3+", ("bapo/positive_loss_share/age_3+",), ":")), optional=True),
 )
 
 

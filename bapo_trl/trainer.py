@@ -19,21 +19,18 @@ DeepSpeed) is TRL's code, untouched.
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 from typing import Any
 
 import torch
-from transformers.trainer_utils import rotate_checkpoints
 from trl import GRPOTrainer
 
 from . import metrics
-from .checkpoints import load_rank_states, mark_complete, resolve_resume, save_rank_states
+from .checkpoints import CheckpointMixin
 from .clipping import SearchResult, search_clip_bounds, search_path
 from .config import BAPOConfig
 from .generation.cpu_server import CPUServerSyncMixin  # vLLM server mode on CPU (disk weight sync)
 from .metrics import age_sums, age_values, origin_sums, origin_values, search_sums, search_values, token_staleness
-from .model_card import PAPER_CITATION, bapo_card_section
+from .model_card import PAPER_CITATION, ModelCardMixin
 from .numerics import loss_mask, mask_nonfinite_inputs, sanitize_after_forward
 from .reward_errors import name_errors
 from .rollout import (
@@ -54,8 +51,12 @@ BAPO_METRICS = metrics.SEARCH + metrics.ENTROPY_CLIP
 #: Logged when the replay queue is on.
 REPLAY_METRICS = metrics.REPLAY
 
-class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode also without CUDA
+class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrainer):
     """GRPO with BAPO's adaptive clipping window (Xi et al., 2025).
+
+    Mixins (each beside the code it uses): vLLM server mode without CUDA (``generation/cpu_server.py``),
+    complete-or-ignored checkpoints with per-rank rollout state (``checkpoints.py``), TRL's model card with a BAPO
+    section (``model_card.py``).
 
     Takes exactly :class:`trl.GRPOTrainer`'s arguments, with ``args`` a :class:`BAPOConfig`. On on-policy
     micro-batches the ratio is exactly 1 and BAPO changes nothing; it acts on stale data
@@ -142,74 +143,19 @@ class BAPOTrainer(CPUServerSyncMixin, GRPOTrainer):  # mixin: vLLM server mode a
             )
         return logps
 
-    # -- model card: TRL's card, plus what BAPO did --------------------------------------------------------------
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """TRL's save, then the model card (TRL's, with the BAPO section) beside the weights, full or adapter (PEFT
-        writes a placeholder README.md there; the card replaces it). Checkpoints get theirs from TRL."""
-        super().save_model(output_dir, _internal_call)
-        if _internal_call or not self.args.should_save:
-            return
-        target = output_dir or self.args.output_dir
-        self.create_model_card(model_name=os.path.basename(os.path.normpath(target)))
-        card = os.path.join(self.args.output_dir, "README.md")
-        if os.path.abspath(target) != os.path.abspath(self.args.output_dir) and os.path.exists(card):
-            shutil.copyfile(card, os.path.join(target, "README.md"))
-
-    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """TRL's generated card (tags, citation of the paper), extended with a BAPO section."""
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
-        path = os.path.join(self.args.output_dir, "README.md")
-        if not self.is_world_process_zero() or not os.path.exists(path):
-            return
-        with open(path, "a") as f:
-            f.write("\n" + bapo_card_section(self.args, self.state.log_history))
-
-    # -- checkpoints: the queue is saved and restored with the rest of the trainer state -------------------------
-
     def _rank_states(self) -> dict[str, Any]:
-        """Per-process state saved beside TRL's checkpoint files: file stem -> object with state_dict()."""
+        """Per-process state saved beside TRL's checkpoint files (:class:`~.checkpoints.CheckpointMixin`)."""
         states = {"replay_queue": self.replay, "partial_rollout": self.partial_rollout,
                   "async_generation": self.async_generation, "target_controller": self.target_controller}
         return {stem: obj for stem, obj in states.items() if obj is not None}
 
-    def _save_checkpoint(self, model, trial):
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        save_rank_states(folder, self._rank_states(), self.accelerator.process_index)
-        # Transformers rotates (save_total_limit) at the end of its own _save_checkpoint, before this checkpoint is
-        # marked complete: a crash in between could leave no complete checkpoint. It does not rotate there; this
-        # method rotates with transformers' own function once the new checkpoint counts.
-        save_total_limit = self.args.save_total_limit
-        self.args.save_total_limit = None
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit = save_total_limit
-        self.accelerator.wait_for_everyone()  # every rank's share is on disk before the checkpoint counts
-        if self.args.should_save:
-            mark_complete(folder, self.state.global_step)
-            rotate_checkpoints(output_dir=self._get_output_dir(trial=trial), save_total_limit=save_total_limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
-
-    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """``resume_from_checkpoint=True`` (or ``"latest"``) resumes from the newest COMPLETE checkpoint."""
-        resume = resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        try:
-            return super().train(resume_from_checkpoint=resume, trial=trial,
-                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
-        finally:
-            if self.async_generation is not None:  # the producer thread ends with the run
-                self.async_generation.close()
-
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None:
-            return
-        load_rank_states(checkpoint, self._rank_states(), self.accelerator.process_index)
+    def _after_state_load(self) -> None:
         if self.target_controller is not None:
             self._set_target(self.target_controller.value)
+
+    def _end_of_training(self) -> None:
+        if self.async_generation is not None:  # the producer thread ends with the run
+            self.async_generation.close()
 
     def _set_target(self, rho0: float) -> None:
         """Install a new positive-share target (the closed-loop controller's) for the next searches."""

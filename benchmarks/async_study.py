@@ -4,7 +4,7 @@ generation in the real vLLM CPU server, synchronous (K=0) and async with K = 1, 
 Methods: fixed [0.8, 1.2], the widest fixed window BAPO can reach [0.9, 3.0], BAPO (paper) and BAPO (official-code
 variant), from ``staleness_study.METHODS``. Every run: the embedded model and reversal task, batch 32 x 8
 generations, ``steps_per_generation=4`` (so a batch is also reused within its generation round), constant lr
-2e-3, the server pinned to core 1 and the trainer to core 0 (one torch thread); runs one after another against one
+2e-3 (``--lr``), the server pinned to core 1 and the trainer to core 0 (one torch thread); runs one after another against one
 server (each run pushes its own initial weights before generating). Reported per (K, method): final reward (mean
 of the last 5 generation rounds = 20 steps), held-out accuracy, wall-clock of the run, and the seconds until the
 mean reward of 3 consecutive generation rounds first reached 0.5.
@@ -41,10 +41,10 @@ KEPT = ("step", "loss", "grad_norm", "reward", "entropy", "bapo/clip_low", "bapo
         "bapo/positive_contribution", "async/wait_seconds", "async/staleness_max")
 
 
-def plan(quick: bool) -> list[dict]:
+def plan(quick: bool, lr: float) -> list[dict]:
     if quick:
-        return [dict(method="BAPO paper", k=k, seed=0, steps=8) for k in (0, 1)]
-    return [dict(method=m, k=k, seed=s, steps=120) for k in (0, 1, 2, 4) for m in STUDIED for s in range(2)]
+        return [dict(method="BAPO paper", k=k, seed=0, steps=8, lr=lr) for k in (0, 1)]
+    return [dict(method=m, k=k, seed=s, steps=120, lr=lr) for k in (0, 1, 2, 4) for m in STUDIED for s in range(2)]
 
 
 def run_one(spec: dict, model_dir: str, server: Server) -> dict:
@@ -68,7 +68,7 @@ def run_one(spec: dict, model_dir: str, server: Server) -> dict:
             output_dir=out, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
             save_strategy="no", disable_tqdm=True, logging_steps=1, per_device_train_batch_size=32,
             num_generations=8, max_completion_length=12, temperature=1.0, lr_scheduler_type="constant",
-            learning_rate=2e-3, seed=spec["seed"], max_steps=spec["steps"], steps_per_generation=4,
+            learning_rate=spec["lr"], seed=spec["seed"], max_steps=spec["steps"], steps_per_generation=4,
             use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, vllm_server_timeout=120,
             **METHODS[spec["method"]], **asynchronous)
         trainer = BAPOTrainer(model=model_dir, reward_funcs=reverse_reward, args=args, processing_class=tokenizer,
@@ -115,13 +115,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None, help="results directory (default: docs/, or a temp dir with --quick)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="constant learning rate (the study ran 2e-3 and 1e-3)")
     opts = parser.parse_args()
     from bapo_trl.toy import build_tiny_model
 
     os.sched_setaffinity(0, {TRAINER_CORE})
     out = Path(opts.out or (tempfile.mkdtemp() if opts.quick else REPO / "docs"))
     model_dir = build_tiny_model()
-    runs = plan(opts.quick)
+    runs = plan(opts.quick, opts.lr)
     started = time.time()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,9 +138,10 @@ def main() -> None:
     minutes = (time.time() - started) / 60
     text = table(results)
     print(text)
-    with gzip.open(out / "async_runs.json.gz", "wt") as f:
+    tag = f"lr{opts.lr:g}"
+    with gzip.open(out / f"async_runs_{tag}.json.gz", "wt") as f:
         json.dump(results, f)
-    (out / "async_study_table.md").write_text(text + f"\n\n{len(runs)} runs, {minutes:.1f} min.\n")
+    (out / f"async_study_table_{tag}.md").write_text(text + f"\n\n{len(runs)} runs, {minutes:.1f} min.\n")
 
     def mean_of(k, method, key):
         values = [r[key] for r in results if r["k"] == k and r["method"] == method and r[key] is not None]

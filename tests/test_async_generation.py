@@ -375,3 +375,17 @@ def test_zero3_two_processes_async_from_train_bapo(tiny_server, tiny_model_dir, 
     staleness = [float(x) for x in re.findall(r"'async/staleness_max': '([^']+)'", text)]
     assert staleness == [0, 1, 1, 1], staleness
     assert len(re.findall(r"'loss': '([^']+)'", text)) == 4
+
+
+@pytest.mark.slow
+def test_dynamics_plot_draws_the_async_panels_from_a_real_async_run(async_k1):
+    from bapo_trl.plot import plot_dynamics
+
+    trainer, _, _ = async_k1
+    history = trainer.state.log_history
+    fig = plot_dynamics(history, smooth=1)
+    assert {"async_time", "async_age"} <= set(fig.bapo_panels)
+    drawn = {ln.get_gid(): ln for ln in fig.bapo_axes["async_time"].lines}
+    logged = [h["async/generate_seconds"] for h in history if "async/generate_seconds" in h]
+    assert list(drawn["async/generate_seconds"].get_ydata()) == pytest.approx(logged)
+    assert "async_time" not in plot_dynamics([{"reward": 0.5, "step": 1}], smooth=1).bapo_panels

@@ -6,7 +6,7 @@ import os
 import pytest
 from transformers import AutoTokenizer
 
-import bapo_trl.trainer as trainer_module
+import bapo_trl.checkpoints as checkpoints_module
 from bapo_trl import BAPOConfig, BAPOTrainer
 from bapo_trl.checkpoints import MARKER, is_complete, latest_complete_checkpoint, mark_complete, resolve_resume
 from bapo_trl.toy import make_reverse_dataset, reverse_reward
@@ -26,14 +26,14 @@ class Crash(Exception):
 
 
 def test_a_crash_before_the_new_checkpoint_counts_keeps_the_last_complete_one(tiny_model_dir, tmp_path, monkeypatch):
-    real_mark = trainer_module.mark_complete
+    real_mark = checkpoints_module.mark_complete
 
     def mark_then_crash_on_step_2(folder, step):
         if step == 2:
             raise Crash  # the new checkpoint is written but not marked complete
         real_mark(folder, step)
 
-    monkeypatch.setattr(trainer_module, "mark_complete", mark_then_crash_on_step_2)
+    monkeypatch.setattr(checkpoints_module, "mark_complete", mark_then_crash_on_step_2)
     trainer = build(tiny_model_dir, tmp_path, max_steps=2)  # save_total_limit=1: room for one checkpoint only
     with pytest.raises(Crash):
         trainer.train()
