@@ -389,3 +389,28 @@ def test_dynamics_plot_draws_the_async_panels_from_a_real_async_run(async_k1):
     logged = [h["async/generate_seconds"] for h in history if "async/generate_seconds" in h]
     assert list(drawn["async/generate_seconds"].get_ydata()) == pytest.approx(logged)
     assert "async_time" not in plot_dynamics([{"reward": 0.5, "step": 1}], smooth=1).bapo_panels
+
+
+@pytest.mark.slow
+def test_evaluation_during_async_training_holds_the_producer_and_records_its_push(tiny_server, tiny_model_dir,
+                                                                                  tmp_path):
+    """Evaluation generates through TRL's own path with the producer held; TRL's push of the current weights is
+    recorded, so the batches generated after it carry that version (never an older one: staleness stays <= K)."""
+    from bapo_trl.toy import make_reverse_dataset
+
+    reset_server_weights(tiny_server.url, tiny_model_dir)
+
+    class WithEval(ProbedTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, eval_dataset=make_reverse_dataset(8, seed=5), **kwargs)
+
+    trainer = train_with_server(tiny_model_dir, tmp_path, tiny_server.url, trainer_cls=WithEval,
+                                async_generation=True, steps_per_generation=1, learning_rate=5e-3, max_steps=5,
+                                eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8)
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert len(evals) >= 2 and all(torch.isfinite(torch.tensor(h["eval_loss"])) for h in evals)
+    versions = [int(b["policy_version"][0]) for b in trainer.probe.batches]
+    assert len(versions) == 5 and all(0 <= step - v <= 1 for step, v in enumerate(versions)), versions
+    # one push per distinct policy: an evaluation's push is recorded, so the batch at that step does not push again
+    pushed_steps = set(range(5)) | {h["step"] for h in evals}
+    assert trainer.vllm_generation.disk_sync.num_syncs == len(pushed_steps), pushed_steps
