@@ -68,6 +68,11 @@ def test_async_overlap_quick_prints_its_summary(vllm_cpu_venv):
     assert float(match[6]) == float(match[5]) / 2  # replay_ratio 0.5 of the groups taken from the queue
 
 
+def test_async_study_quick_prints_its_summary(vllm_cpu_venv):
+    last = run_quick("async_study.py")
+    assert re.fullmatch(rf"runs=2 k1_speedup=({NUMBER}) bapo_k1_reward=({NUMBER}) fixed_k1_reward=nan", last), last
+
+
 def test_entropy_clip_study_quick_prints_its_summary():
     last = run_quick("entropy_clip_study.py")
     assert re.fullmatch(rf"runs=2 best_adaptive=\S+ best_adaptive_reward_lr1e-3=({NUMBER}|nan) "
