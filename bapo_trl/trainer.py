@@ -35,6 +35,7 @@ from .numerics import loss_mask, mask_nonfinite_inputs, sanitize_after_forward
 from .reward_errors import name_errors
 from .rollout import (
     AsyncGeneration,
+    AsyncPartialRollout,
     CompletionServer,
     PartialRollout,
     ReplayMixer,
@@ -89,8 +90,11 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
             for f, n in zip(self.reward_funcs, self.reward_func_names)
         ]
         self.completion_server = CompletionServer(self)  # serves completions generated outside TRL's generate call
-        self.partial_rollout = PartialRollout(self) if args.partial_rollout_enabled else None
-        self.async_generation = AsyncGeneration(self) if args.async_generation else None
+        self.partial_rollout = PartialRollout(self) if args.partial_rollout_enabled and not args.async_generation \
+            else None
+        self.async_generation = None
+        if args.async_generation:
+            self.async_generation = (AsyncPartialRollout if args.partial_rollout_enabled else AsyncGeneration)(self)
         self.replay = ReplayMixer(self) if args.replay_enabled else None
         self.target_controller: TargetController | None = None
         if args.target_entropy is not None:

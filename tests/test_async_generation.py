@@ -65,21 +65,21 @@ class ScriptedGenerator:
         self.started = threading.Event()
         self.calls = []
 
-    def __call__(self, prompt_ids):
+    def __call__(self, work):
         self.started.set()
         self.calls.append(("start", time.perf_counter()))
         assert self.release.wait(30)
         self.calls.append(("end", time.perf_counter()))
-        return {"prompt_ids": prompt_ids, "completion_ids": [[7] for _ in prompt_ids for _ in range(2)],
-                "logps": [[-0.5] for _ in prompt_ids for _ in range(2)]}
+        return {"completion_ids": [[7] for _ in work.prompts for _ in range(work.n)],
+                "logps": [[-0.5] for _ in work.prompts for _ in range(work.n)]}
 
 
 def test_a_push_waits_for_the_request_in_flight_and_later_batches_carry_its_version():
     generate = ScriptedGenerator()
-    producer = Producer(generate, num_generations=2, request_timeout=10)
+    producer = Producer(generate, request_timeout=10)
     try:
         generate.release.clear()
-        producer.submit(_Work(0, [0, 0], [[1]]))
+        producer.submit(_Work(0, [[1]], n=2, max_tokens=4, context=[0, 0]))
         assert generate.started.wait(10)
         pushed = []
 
@@ -95,21 +95,21 @@ def test_a_push_waits_for_the_request_in_flight_and_later_batches_carry_its_vers
         generate.release.set()
         pusher.join(10)
         assert pushed and pushed[0] >= generate.calls[1][1]  # ... until it has ended
-        producer.submit(_Work(1, [1, 1], [[2]]))
+        producer.submit(_Work(1, [[2]], n=2, max_tokens=4, context=[1, 1]))
         first, _ = producer.take(0)
         second, _ = producer.take(1)
         assert (first.version, second.version) == (0, 5)  # batch 0 on the old weights, batch 1 on the pushed ones
-        assert second.prompt_ids == [[2], [2]] and second.rows == [1, 1]
+        assert second.prompt_ids == [[2], [2]] and second.work.context == [1, 1]
     finally:
         producer.close()
 
 
 def test_a_failed_request_is_raised_where_the_trainer_takes_the_batch():
-    def broken(prompt_ids):
+    def broken(work):
         raise ConnectionError("server went away")
 
-    producer = Producer(broken, num_generations=1, request_timeout=10)
-    producer.submit(_Work(0, [0], [[1]]))
+    producer = Producer(broken, request_timeout=10)
+    producer.submit(_Work(0, [[1]], n=1, max_tokens=4))
     with pytest.raises(ConnectionError, match="server went away"):
         producer.take(0)
     producer.close()
@@ -126,7 +126,10 @@ BASE = dict(output_dir="unused", use_cpu=True, bf16=False, report_to="none", per
     (dict(async_generation=True, use_vllm=True, vllm_mode="colocate"), r"vllm_mode='colocate'"),
     (dict(max_staleness=0), r"`max_staleness` must be an integer >= 1 .*got 0"),
     (dict(async_generation=True, use_vllm=True, vllm_mode="server", partial_rollout_budget=2,
-          max_completion_length=8), r"cannot be combined with `partial_rollout_budget`"),
+          max_completion_length=8, max_staleness=2), r"`max_staleness` must be 1, got 2"),
+    (dict(async_generation=True, use_vllm=True, vllm_mode="server", replay_buffer_size=8, replay_ratio=0.5,
+          replay_saves_generation=True, steps_per_generation=2),
+     r"cannot be combined with `replay_saves_generation`"),
 ])
 def test_async_settings_are_checked_before_anything_is_built(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -194,9 +197,9 @@ class AsyncProbe:
             self.batches.append({k: (v.clone() if torch.is_tensor(v) else v) for k, v in output.items()})
             return output
 
-        def recording_generate(prompt_ids):
+        def recording_generate(work):
             self.requests[len(self.requests)] = time.perf_counter()  # requests run in batch order
-            return generate(prompt_ids)
+            return generate(work)
 
         source.next_batch, source._generate = recording_next_batch, recording_generate
 
@@ -354,17 +357,21 @@ def test_lora_with_async_generation(tiny_server, tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_zero3_two_processes_async_from_train_bapo(tiny_server, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial_rollout"])
+def test_zero3_two_processes_async_from_train_bapo(tiny_server, tiny_model_dir, tmp_path, partial):
     """`accelerate launch` ZeRO-3 on 2 processes: every rank takes part in each push (gathering is collective), rank
-    0's producer alone talks to the server, and each rank trains its slice of the shared batch."""
+    0's producer alone talks to the server, and each rank trains its slice of the shared batch (with partial rollout:
+    of the finished groups of rank 0's pool)."""
     from launching import REPO, accelerate_launch, assert_zero3_partitioned
 
     reset_server_weights(tiny_server.url, tiny_model_dir)
     out = tmp_path / "run"
+    extra = ["--partial_rollout_budget", "3", "--max_completion_length", "10"] if partial else \
+        ["--max_completion_length", "8"]
     proc = accelerate_launch(
         REPO / "train_bapo.py", "--max_steps", "4",
         "--per_device_train_batch_size", "8", "--num_generations", "4", "--steps_per_generation", "1",
-        "--max_completion_length", "8", "--logging_steps", "1", "--output_dir", out,
+        "--logging_steps", "1", "--output_dir", out, *extra,
         "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", tiny_server.url,
         "--async_generation", "--max_staleness", "1",
         config_file=REPO / "accelerate_configs" / "deepspeed_zero3.yaml", extra_launch=["--mixed_precision", "no"],
@@ -373,7 +380,12 @@ def test_zero3_two_processes_async_from_train_bapo(tiny_server, tiny_model_dir, 
     assert_zero3_partitioned(out)
     text = proc.stdout + proc.stderr
     staleness = [float(x) for x in re.findall(r"'async/staleness_max': '([^']+)'", text)]
-    assert staleness == [0, 1, 1, 1], staleness
+    assert len(staleness) == 4 and staleness[0] == 0 and min(staleness[1:]) >= 1, staleness
+    if not partial:
+        assert staleness == [0, 1, 1, 1], staleness
+    else:
+        segments = [float(x) for x in re.findall(r"'partial/segments_per_completion': '([^']+)'", text)]
+        assert len(segments) == 4 and max(segments) > 1, segments
     assert len(re.findall(r"'loss': '([^']+)'", text)) == 4
 
 
@@ -414,3 +426,38 @@ def test_evaluation_during_async_training_holds_the_producer_and_records_its_pus
     # one push per distinct policy: an evaluation's push is recorded, so the batch at that step does not push again
     pushed_steps = set(range(5)) | {h["step"] for h in evals}
     assert trainer.vllm_generation.disk_sync.num_syncs == len(pushed_steps), pushed_steps
+
+
+@pytest.mark.slow
+def test_partial_rollout_grows_completions_across_async_rounds(tiny_server, tiny_model_dir, tmp_path):
+    """Each round the server grows the unfinished completions by the budget while the trainer trains; completions
+    span several rounds and policies, and every token's behaviour log-prob is that of the policy of its version
+    (recomputed with the saved policy), which the newest policy no longer matches."""
+    reset_server_weights(tiny_server.url, tiny_model_dir)
+    snapshots = Snapshots()
+    trainer, probe = async_run(tiny_model_dir, tmp_path, tiny_server.url, callbacks=[snapshots], max_steps=6,
+                               partial_rollout_budget=3, partial_rollout_max_resumes=3, max_completion_length=10,
+                               per_device_train_batch_size=16, seed=1)
+    logs = [h for h in trainer.state.log_history if "partial/segments_per_completion" in h]
+    assert len(logs) == 6 and max(h["partial/segments_per_completion"] for h in logs) > 1.5
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    checked, gap = set(), 0.0
+    for step, batch in enumerate(probe.batches):
+        for i, (prompt, completion, behaviour) in enumerate(completions_of(batch)):
+            versions = batch["token_policy_version"][i][: len(completion)]
+            if len(set(versions.tolist())) < 2:
+                continue
+            assert int(versions.max()) < step + 1 and step - int(versions.min()) <= 4  # <= max_resumes + 1 rounds
+            for version in set(versions.tolist()):
+                model.load_state_dict(snapshots.policies[version])
+                logps = sequence_logps(model, prompt, completion, trainer.temperature)
+                at = versions == version
+                assert torch.allclose(logps[at], behaviour[at], atol=1e-3), (step, version)
+                checked.add(version)
+            model.load_state_dict(snapshots.policies[step])
+            older = versions < step
+            newest = sequence_logps(model, prompt, completion, trainer.temperature)
+            gap = max(gap, float((newest[older] - behaviour[older]).abs().max()))
+    print(f"versions checked: {sorted(checked)}; largest newest-policy gap on older segments: {gap:.3f}")
+    assert len(checked) >= 2 and gap > 1e-2

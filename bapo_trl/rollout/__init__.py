@@ -10,19 +10,20 @@ process). Completions generated outside TRL's generate call reach TRL's scoring 
 * :class:`PartialRollout` (``partial.py``, over the pool in ``pool.py``): completions grow by a token budget per
   step and are trained once their group has finished;
 * :class:`AsyncGeneration` (``async_generation.py``): a producer thread has the vLLM server generate the next
-  batches (up to ``max_staleness`` ahead) while the trainer trains;
+  batches (up to ``max_staleness`` ahead) while the trainer trains; :class:`AsyncPartialRollout` grows partial
+  rollouts there, one round ahead;
 * :class:`ReplayMixer` (``replay.py``, over the queue in ``queue.py``): past groups with their behaviour log-probs
   replace (or, with ``replay_saves_generation``, stand in for) part of each fresh batch.
 """
 
-from .async_generation import AsyncGeneration
+from .async_generation import AsyncGeneration, AsyncPartialRollout
 from .partial import PartialRollout
 from .pool import PartialRolloutPool
 from .queue import ReplayQueue
 from .replay import ReplayMixer
 from .serving import CompletionServer
 
-__all__ = ["AsyncGeneration", "CompletionServer", "PartialRollout", "PartialRolloutPool", "ReplayMixer", "ReplayQueue", "check_rollout_arguments"]
+__all__ = ["AsyncGeneration", "AsyncPartialRollout", "CompletionServer", "PartialRollout", "PartialRolloutPool", "ReplayMixer", "ReplayQueue", "check_rollout_arguments"]
 
 
 def _is_iterable_dataset(dataset) -> bool:

@@ -95,18 +95,29 @@ class PartialRolloutPool:
     def _extend(self, todo: list[Completion], generate: GenerateFn, score: ScoreFn, step: int, max_new: int):
         if not todo:
             return
-        prefixes = [c.prompt_ids + c.token_ids for c in todo]
-        rooms = [self.max_len - len(c.token_ids) for c in todo]
-        new_tokens, sampled = generate(prefixes, min(max_new, max(rooms)))
-        caps = [min(max_new, room) for room in rooms]
-        new_tokens = [self._cut_at_eos(t)[:cap] for t, cap in zip(new_tokens, caps)]
-        new_logps = score(prefixes, new_tokens)
-        for i, (c, tokens, logps) in enumerate(zip(todo, new_tokens, new_logps)):
+        prefixes, caps = self.request(todo, max_new)
+        new_tokens, sampled = generate(prefixes, max(caps))
+        new_tokens = [t[:cap] for t, cap in zip(new_tokens, caps)]
+        self.apply(todo, caps, new_tokens, score(prefixes, [self._cut_at_eos(t) for t in new_tokens]), sampled, step)
+
+    def request(self, todo: list[Completion], max_new: int | list[int]) -> tuple[list[list[int]], list[int]]:
+        """The prefixes (prompt + tokens so far) to continue, and each one's cap: ``max_new`` (one for all, or one
+        each) bounded by the room left before ``max_completion_length``."""
+        caps = [max_new] * len(todo) if isinstance(max_new, int) else list(max_new)
+        caps = [min(cap, self.max_len - len(c.token_ids)) for c, cap in zip(todo, caps)]
+        return [c.prompt_ids + c.token_ids for c in todo], caps
+
+    def apply(self, todo: list[Completion], caps: list[int], new_tokens: list[list[int]],
+              logps: list[list[float]], sampled: list[list[float]] | None, version: int) -> None:
+        """Append one round's tokens (cut at EOS and at each cap), their behaviour log-probs, the sampler's and the
+        policy version; a completion that got fewer tokens than its cap stopped by itself and is finished."""
+        for i, (c, tokens) in enumerate(zip(todo, new_tokens)):
+            tokens = self._cut_at_eos(tokens)[: caps[i]]
             c.token_ids += tokens
-            c.logps += [float(x) for x in logps]
+            c.logps += [float(x) for x in logps[i][: len(tokens)]]
             if sampled is not None:  # vLLM reports None for a token it could not score: kept as NaN, like TRL
                 c.sampling_logps += [float("nan") if x is None else float(x) for x in sampled[i][: len(tokens)]]
-            c.versions += [step] * len(tokens)
+            c.versions += [version] * len(tokens)
             # Fewer tokens than the cap: the generator stopped by itself (EOS, or a stop token of its own config)
             c.finished = len(tokens) < caps[i] or tokens[-1] in self.eos or len(c.token_ids) >= self.max_len
 
