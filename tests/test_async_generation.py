@@ -125,6 +125,7 @@ BASE = dict(output_dir="unused", use_cpu=True, bf16=False, report_to="none", per
     (dict(async_generation=True), r"`async_generation` needs a vLLM server .*use_vllm=False"),
     (dict(async_generation=True, use_vllm=True, vllm_mode="colocate"), r"vllm_mode='colocate'"),
     (dict(max_staleness=0), r"`max_staleness` must be an integer >= 1 .*got 0"),
+    (dict(weight_sync_steps=0), r"`weight_sync_steps` must be an integer >= 1 .*got 0"),
     (dict(async_generation=True, use_vllm=True, vllm_mode="server", partial_rollout_budget=2,
           max_completion_length=8, max_staleness=2), r"`max_staleness` must be 1, got 2"),
     (dict(async_generation=True, use_vllm=True, vllm_mode="server", replay_buffer_size=8, replay_ratio=0.5,
@@ -136,9 +137,10 @@ def test_async_settings_are_checked_before_anything_is_built(overrides, message)
         BAPOConfig(**{**BASE, **overrides})
 
 
-def test_max_staleness_without_async_warns_that_it_does_nothing():
-    with pytest.warns(UserWarning, match=r"`max_staleness` \(3\) only paces async generation"):
-        BAPOConfig(**BASE, max_staleness=3, steps_per_generation=2)
+@pytest.mark.parametrize("name", ["max_staleness", "weight_sync_steps"])
+def test_async_settings_without_async_warn_that_they_do_nothing(name):
+    with pytest.warns(UserWarning, match=rf"`{name}` \(3\) only acts on async generation"):
+        BAPOConfig(**BASE, **{name: 3}, steps_per_generation=2)
 
 
 def test_a_users_rollout_func_is_refused_with_async_generation():
@@ -489,3 +491,12 @@ def test_partial_rollout_resume_continues_the_saved_pool(tiny_server, tiny_model
     assert prompts(resumed.batches[:1]) <= in_flight
     assert len(after & in_flight) > len(after) // 2
     assert not after & prompts(full.batches[:2])  # nothing trained twice
+
+
+@pytest.mark.slow
+def test_weight_sync_steps_pushes_every_nth_step(tiny_server, tiny_model_dir, tmp_path):
+    reset_server_weights(tiny_server.url, tiny_model_dir)
+    trainer, probe = async_run(tiny_model_dir, tmp_path, tiny_server.url, max_steps=6, weight_sync_steps=2)
+    assert trainer.vllm_generation.disk_sync.num_syncs == 3  # at steps 0, 2 and 4
+    versions = [int(b["policy_version"][0]) for b in probe.batches]
+    assert set(versions) <= {0, 2, 4} and max(step - v for step, v in enumerate(versions)) == 2, versions

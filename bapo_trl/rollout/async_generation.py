@@ -257,11 +257,12 @@ class AsyncGeneration:
         return output
 
     def push_weights(self) -> float:
-        """TRL's weight sync, on every process, once per optimizer step, between two producer requests. Returns
-        the seconds it took (waiting for a request in flight included); 0 when the policy has not moved."""
+        """TRL's weight sync, on every process, between two producer requests, when the policy has moved by
+        ``weight_sync_steps`` optimizer steps since the last push. Returns the seconds it took (waiting for a request
+        in flight included); 0 when nothing was pushed."""
         trainer = self.trainer
         step = trainer.state.global_step
-        if step == self.pushed_step:
+        if self.pushed_step is not None and step - self.pushed_step < trainer.args.weight_sync_steps:
             return 0.0
         start = time.perf_counter()
         hold = self.producer.between_requests() if self.producer is not None else contextlib.nullcontext()
