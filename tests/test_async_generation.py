@@ -500,3 +500,26 @@ def test_weight_sync_steps_pushes_every_nth_step(tiny_server, tiny_model_dir, tm
     assert trainer.vllm_generation.disk_sync.num_syncs == 3  # at steps 0, 2 and 4
     versions = [int(b["policy_version"][0]) for b in probe.batches]
     assert set(versions) <= {0, 2, 4} and max(step - v for step, v in enumerate(versions)) == 2, versions
+
+
+@pytest.mark.slow
+def test_a_stalled_server_ends_every_process_of_a_two_process_run(tiny_model_dir, tmp_path):
+    """2 processes against the fake stalling server: rank 0's producer times out, and the error reaches rank 1
+    through the hand-over broadcast, so the launch ends with both errors instead of rank 1 waiting forever."""
+    from launching import REPO, accelerate_launch
+
+    server = FakeStallingServer()
+    try:
+        with pytest.raises(AssertionError) as failed:
+            accelerate_launch(
+                REPO / "train_bapo.py", "--max_steps", "2", "--per_device_train_batch_size", "8",
+                "--num_generations", "4", "--max_completion_length", "8", "--output_dir", tmp_path / "run",
+                "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", server.url,
+                "--vllm_server_timeout", "3", "--async_generation", timeout=600,
+                env={"BAPO_VLLM_WEIGHTS_DIR": str(tmp_path)})
+    finally:
+        server.close()
+    text = str(failed.value)
+    assert "did not answer /v1/completions within 3 s" in text
+    assert "async generation failed on the main process: VLLMServerTimeout" in text  # rank 1's error
+    assert server.requests["POST", "/v1/completions"] == 1
