@@ -7,7 +7,7 @@
 Every BAPOConfig / GRPOConfig / ModelConfig field is a flag; ``--config recipe.yaml`` works as in TRL.
 """
 
-from bapo_trl.script import main, make_parser, parse_args, run  # noqa: F401  (main/make_parser: TRL's pattern)
+from bapo_trl.cli.train import main, make_parser, parse_args, run  # noqa: F401  (main/make_parser: TRL's pattern)
 
 if __name__ == "__main__":
     run(parser=make_parser())

@@ -1,6 +1,6 @@
 """Reward functions that raise are named in the error: the trainer wraps every callable reward with this.
 
-Core, not command line: the trainer needs it whatever the rewards are (the registry in :mod:`bapo_trl.rewards`
+Core, not command line: the trainer needs it whatever the rewards are (the registry in :mod:`bapo_trl.cli.rewards`
 serves ``train_bapo.py`` only).
 """
 

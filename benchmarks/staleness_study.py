@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from bapo_trl.summary import moved  # one definition of "the bounds moved"
+from bapo_trl.cli.summary import moved  # one definition of "the bounds moved"
 
 METHODS = {
     "fixed [0.8,1.2]": dict(ratio_lower_start=0.8, ratio_lower_max=0.8, ratio_upper_start=1.2, ratio_upper_max=1.2),

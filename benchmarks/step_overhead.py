@@ -150,11 +150,11 @@ def resident_bytes(trainer) -> int:
 
 
 def chat_arithmetic_task():
-    """The shipped chat arithmetic task (bapo_trl.chat_arithmetic) and its math-verify reward, for real models."""
+    """The shipped chat arithmetic task (bapo_trl.math_recipe.chat_arithmetic) and its math-verify reward, for real models."""
     from datasets import Dataset
 
-    from bapo_trl.chat_arithmetic import splits
-    from bapo_trl.math_rewards import boxed_accuracy
+    from bapo_trl.math_recipe.chat_arithmetic import splits
+    from bapo_trl.math_recipe.rewards import boxed_accuracy
 
     rows = splits()["train"]
     return boxed_accuracy, Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from bapo_trl.script import make_parser, run
+from bapo_trl.cli.train import make_parser, run
 from launching import REPO
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")  # train_bapo.py builds the embedded model there
@@ -56,8 +56,8 @@ def test_a_real_process_prints_no_traceback(tmp_path):
 
 
 def test_local_jsonl_dataset_with_another_prompt_column(tmp_path):
-    from bapo_trl.data import load_prompts
-    from bapo_trl.script import parse_args
+    from bapo_trl.cli.data import load_prompts
+    from bapo_trl.cli.train import parse_args
 
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps({"question": f"{i:03d}>", "answer": f"{i:03d}"[::-1]}) for i in range(8)))
@@ -68,7 +68,7 @@ def test_local_jsonl_dataset_with_another_prompt_column(tmp_path):
 
 
 def _tiny_run(tmp_path, *flags):
-    from bapo_trl.script import run
+    from bapo_trl.cli.train import run
 
     out = tmp_path / "run"
     run(["--max_steps", "2", "--per_device_train_batch_size", "16", "--steps_per_generation", "2",

@@ -5,8 +5,8 @@ import json
 import pytest
 from datasets import Dataset
 
-from bapo_trl.data import FILE_FORMATS, load_prompts
-from bapo_trl.script import parse_args
+from bapo_trl.cli.data import FILE_FORMATS, load_prompts
+from bapo_trl.cli.train import parse_args
 
 ROWS = [{"question": f"{i:03d}>", "answer": f"{i:03d}"[::-1]} for i in range(6)]
 

@@ -1,5 +1,5 @@
 """No setting that silently does nothing: each row of the README table "Settings that would do nothing", met as a
-user meets it, through train_bapo.py's own argument parsing (bapo_trl.script.parse_args, what the script runs)
+user meets it, through train_bapo.py's own argument parsing (bapo_trl.cli.train.parse_args, what the script runs)
 on top of the embedded default job, and one row through a real ``python train_bapo.py`` process."""
 
 import os
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bapo_trl.script import parse_args
+from bapo_trl.cli.train import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 

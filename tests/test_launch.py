@@ -151,7 +151,7 @@ def test_deepspeed_bf16_config_on_cpu_fails_with_one_actionable_line(tmp_path):
 
 
 def test_launch_check_reads_accelerate_variables():
-    from bapo_trl.launch_info import launch_errors
+    from bapo_trl.cli.launch_info import launch_errors
 
     class Args:
         bf16, fp16 = False, False

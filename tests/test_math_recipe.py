@@ -10,11 +10,11 @@ import pytest
 import yaml
 from datasets import Dataset
 
-from bapo_trl import evaluate as math_eval
-from bapo_trl.math_data import SYSTEM_PROMPT, resolve_format, to_math_prompts
-from bapo_trl.math_rewards import SOFT_OVERLONG, boxed_accuracy, boxed_format_reward
-from bapo_trl.rewards import resolve_reward_funcs
-from bapo_trl.script import parse_args, prepare
+from bapo_trl.cli.rewards import resolve_reward_funcs
+from bapo_trl.cli.train import parse_args, prepare
+from bapo_trl.math_recipe import evaluate as math_eval
+from bapo_trl.math_recipe.data import SYSTEM_PROMPT, resolve_format, to_math_prompts
+from bapo_trl.math_recipe.rewards import SOFT_OVERLONG, boxed_accuracy, boxed_format_reward
 from launching import REPO
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")  # train_bapo.py builds the embedded model there
@@ -247,7 +247,7 @@ def test_cpu_recipe_trains_two_steps(tmp_path):
     assert (out / "model.safetensors").exists()
     assert "rewards/boxed_accuracy/mean" in proc.stdout + proc.stderr and "BAPO run summary" in proc.stdout
     # the evaluation command on the training checkpoint, as a user would run it
-    proc = subprocess.run([sys.executable, "-m", "bapo_trl.evaluate", "--model", str(out / "checkpoint-2"),
+    proc = subprocess.run([sys.executable, "-m", "bapo_trl.math_recipe.evaluate", "--model", str(out / "checkpoint-2"),
                            "--dataset", "tests/data/math_problems.jsonl", "--k", "2", "--num_problems", "2",
                            "--max_new_tokens", "8", "--output", str(out / "eval.json")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -161,7 +161,6 @@ def test_the_trainer_imports_nothing_from_the_command_line_or_the_recipes():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     loaded = set(proc.stdout.split())
-    outer = {"bapo_trl.script", "bapo_trl.data", "bapo_trl.rewards", "bapo_trl.summary", "bapo_trl.launch_info",
-             "bapo_trl.models", "bapo_trl.evaluate", "bapo_trl.math_rewards", "bapo_trl.math_data", "bapo_trl.toy"}
-    assert loaded & outer == set()
+    outer = {m for m in loaded if m.split(".")[1] in ("cli", "math_recipe", "toy")}
+    assert outer | (loaded & {"bapo_trl.models"}) == set()
     assert "bapo_trl.trainer" in loaded

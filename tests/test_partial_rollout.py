@@ -270,7 +270,7 @@ def test_partial_rollout_from_train_bapo(tmp_path, monkeypatch):
     """The flags work end to end from the script (embedded model and task)."""
     import json
 
-    from bapo_trl.script import make_parser, run
+    from bapo_trl.cli.train import make_parser, run
 
     monkeypatch.setenv("BAPO_TRL_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"

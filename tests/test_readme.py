@@ -39,7 +39,7 @@ def test_search_example_prints_the_documented_window():
 
 @pytest.mark.parametrize("command", list(commands()))
 def test_training_commands_parse(command):
-    from bapo_trl.script import make_parser, parse_args
+    from bapo_trl.cli.train import make_parser, parse_args
 
     argv = shlex.split(command)
     argv = argv[argv.index("train_bapo.py") + 1 :]

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
-from bapo_trl.rewards import RewardFunctionError, resolve_reward_funcs
+from bapo_trl.cli.rewards import RewardFunctionError, resolve_reward_funcs
 from bapo_trl.toy import make_reverse_dataset, reverse_reward
 
 

@@ -8,8 +8,8 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl.cli.summary import format_summary
 from bapo_trl.model_card import bapo_card_section
-from bapo_trl.summary import format_summary
 from bapo_trl.toy import make_reverse_dataset, reverse_reward
 
 ARGS = dict(use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no",

@@ -2,7 +2,7 @@
 
 Fast tier: the registry, the error paths (no wheel, a wrong file, no gguf package) and the shipped task. Slow tier:
 the real conversion, and the converted model through every path (train_bapo.py full fine-tuning and LoRA on stale
-data, bapo_trl.evaluate, the vLLM CPU server with weight sync, ZeRO-3 on 2 processes, partial rollout, replay). The
+data, bapo_trl.math_recipe.evaluate, the vLLM CPU server with weight sync, ZeRO-3 on 2 processes, partial rollout, replay). The
 real-model runs are kept to 2-3 steps of 4 prompts x 4 samples x 16 tokens (each costs 15-40 s on 2 shared cores).
 """
 
@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from bapo_trl import models
-from bapo_trl.chat_arithmetic import splits
-from bapo_trl.math_rewards import boxed_accuracy
+from bapo_trl.math_recipe.chat_arithmetic import splits
+from bapo_trl.math_recipe.rewards import boxed_accuracy
 from launching import REPO, assert_zero3_partitioned
 
 DATA = REPO / "tests" / "data"
@@ -80,7 +80,7 @@ def test_the_cli_lists_the_registry_and_reports_errors(tmp_path, capsys, monkeyp
 
 
 def test_train_bapo_reports_an_unpreparable_model_as_one_line(tmp_path, monkeypatch):
-    from bapo_trl.script import SetupError, parse_args, prepare
+    from bapo_trl.cli.train import SetupError, parse_args, prepare
 
     monkeypatch.setenv("BAPO_TRL_CACHE", str(tmp_path))
     monkeypatch.setenv(models.SMOLLM2.env_var, str(tmp_path / "missing.gguf"))
@@ -116,8 +116,8 @@ def test_the_task_is_scored_by_math_verify():
 
 
 def test_train_bapo_and_evaluate_read_the_task_as_chat_prompts(tmp_path):
-    from bapo_trl.evaluate import load_problems
-    from bapo_trl.script import parse_args, prepare
+    from bapo_trl.cli.train import parse_args, prepare
+    from bapo_trl.math_recipe.evaluate import load_problems
 
     for argv in (["--dataset_name", str(TRAIN)], ["--dataset_name", str(TRAIN), "--math_dataset_format", "auto"]):
         script_args, training_args, model_args = parse_args(
@@ -217,7 +217,7 @@ def assert_bapo_acted(logs, steps):
 
 
 def evaluate(model, output, num_problems=3, k=4):
-    proc = subprocess.run([sys.executable, "-m", "bapo_trl.evaluate", "--model", str(model), "--dataset", str(TEST),
+    proc = subprocess.run([sys.executable, "-m", "bapo_trl.math_recipe.evaluate", "--model", str(model), "--dataset", str(TEST),
                            "--k", str(k), "--num_problems", str(num_problems), "--max_new_tokens", "16",
                            "--temperature", "1.0", "--threads", "1", "--output", str(output)],
                           cwd=REPO, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600)
@@ -236,7 +236,7 @@ def smollm2_server(start_server, smollm2_dir):  # noqa: F811  (start_server: the
 def test_full_finetuning_through_the_vllm_server_with_replay_then_evaluate(smollm2_server, smollm2_dir, tmp_path):
     """train_bapo.py, full fine-tuning, generation in the vLLM CPU server (weights synced before each generation;
     SmolLM2 ties its embeddings, so the server must re-pack its LM head after each sync), replay of stale groups,
-    then bapo_trl.evaluate before and after. 3 steps: generation at steps 1 and 3, step 2 stale, step 3 half
+    then bapo_trl.math_recipe.evaluate before and after. 3 steps: generation at steps 1 and 3, step 2 stale, step 3 half
     replayed."""
     tokens_before = smollm2_server.generated_tokens()
     out = tmp_path / "run"
@@ -258,7 +258,7 @@ def test_full_finetuning_through_the_vllm_server_with_replay_then_evaluate(smoll
 @pytest.mark.slow
 def test_lora_on_stale_data_with_transformers_generation(smollm2_dir, tmp_path):
     """train_bapo.py with LoRA (generation by transformers in the trainer): 3 steps on one generation, the last two
-    stale; the adapter is saved and bapo_trl.evaluate merges it onto the converted base model."""
+    stale; the adapter is saved and bapo_trl.math_recipe.evaluate merges it onto the converted base model."""
     out = tmp_path / "lora"
     train_bapo(out, "--max_steps", "3", "--steps_per_generation", "3", "--use_peft", "--lora_r", "16", "--lora_alpha", "32",
                "--lora_target_modules", "q_proj", "v_proj", "--learning_rate", "2e-3")

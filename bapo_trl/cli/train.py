@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, TrlParser
 
-from .config import BAPOConfig
+from ..config import BAPOConfig
 
 #: Training settings of the embedded default job (applied only when no model is given; flags still override).
 EMBEDDED_DEFAULTS = dict(
@@ -44,7 +44,7 @@ class BAPOScriptArguments(ScriptArguments):
 
     Args:
         reward_funcs (`list[str]`, *optional*):
-            Reward functions by registry name (see :data:`bapo_trl.rewards.REWARD_FUNCS`) or dotted import path
+            Reward functions by registry name (see :data:`bapo_trl.cli.rewards.REWARD_FUNCS`) or dotted import path
             (``my_pkg.rewards.my_reward``). Defaults to ``reverse`` with the embedded task.
         reward_model_name_or_path (`str`, *optional*):
             A reward model (sequence classifier) to add to the reward functions.
@@ -58,7 +58,7 @@ class BAPOScriptArguments(ScriptArguments):
             2 threads on a 2-core machine for a model this small).
         math_dataset_format (`str`, *optional*):
             Map a math dataset to ``prompt`` (chat messages asking for a ``\\boxed{}`` answer) and ``answer``
-            columns (see :mod:`bapo_trl.math_data`): ``auto`` (known dataset ids, then the columns present) or a
+            columns (see :mod:`bapo_trl.math_recipe.data`): ``auto`` (known dataset ids, then the columns present) or a
             format name (``gsm8k``, ``math``, ``dapo``, ``skywork``, ``problem_answer``...). ``prompt_column`` is
             then not used. Off by default.
         math_instruction_role (`str`, defaults to `"system"`):
@@ -81,7 +81,7 @@ class BAPOScriptArguments(ScriptArguments):
     math_dataset_format: str | None = field(
         default=None,
         metadata={"help": "Math dataset -> prompt (boxed-answer instruction) + answer columns: 'auto' or a format "
-                  "name (gsm8k, math, dapo, skywork, problem_answer, ...; see bapo_trl.math_data). Off by default."},
+                  "name (gsm8k, math, dapo, skywork, problem_answer, ...; see bapo_trl.math_recipe.data). Off by default."},
     )
     math_instruction_role: str = field(
         default="system",
@@ -155,7 +155,7 @@ def prepare(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_a
         if not embedded:
             from transformers import AutoConfig
 
-            from .models import ModelSetupError, resolve_model
+            from ..models import ModelSetupError, resolve_model
 
             try:  # a registry name (smollm2-135m-instruct): converted once, then its cached local directory
                 model_args.model_name_or_path = resolve_model(model_args.model_name_or_path)
@@ -178,10 +178,10 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
     import torch
     from trl import get_peft_config, get_quantization_config
 
+    from ..plot import PlotDynamicsCallback
+    from ..trainer import BAPOTrainer
     from .launch_info import LaunchInfoCallback
-    from .plot import PlotDynamicsCallback
     from .summary import format_summary
-    from .trainer import BAPOTrainer
 
     embedded = model_args.model_name_or_path is None
     threads = script_args.torch_threads or (1 if embedded else None)
@@ -190,7 +190,7 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
     reward_funcs, train_dataset, eval_dataset = prepare(script_args, training_args, model_args)
 
     if embedded:
-        from .toy import build_tiny_model
+        from ..toy import build_tiny_model
 
         model_path = build_tiny_model()
     else:

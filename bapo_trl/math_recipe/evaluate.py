@@ -1,6 +1,6 @@
 """avg@k / pass@k of a model or checkpoint on a math dataset, scored with the training reward.
 
-    python -m bapo_trl.evaluate --model outputs/run/checkpoint-200 --dataset HuggingFaceH4/aime_2024 --k 16 \\
+    python -m bapo_trl.math_recipe.evaluate --model outputs/run/checkpoint-200 --dataset HuggingFaceH4/aime_2024 --k 16 \\
         --max_new_tokens 8192 --temperature 0.6 --output aime24.json
 
 The paper reports AIME as avg@16: the mean correctness over 16 samples per problem. pass@j (at least one of j
@@ -45,8 +45,8 @@ def summarize(correct_counts: list[int], k: int) -> dict:
 def load_problems(dataset: str, config: str | None, split: str | None, fmt: str, instruction_role: str,
                   num_problems: int | None):
     """The dataset mapped to ``prompt``/``answer``; without ``split``: ``test``, else the only split there is."""
-    from .data import _load
-    from .math_data import default_config, to_math_prompts
+    from ..cli.data import _load
+    from .data import default_config, to_math_prompts
 
     config = config or default_config(dataset)
     try:
@@ -64,7 +64,7 @@ def load_model(path: str, dtype: str, device: str = "auto"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .models import resolve_model
+    from ..models import resolve_model
 
     path = resolve_model(path)  # a registry name (smollm2-135m-instruct) -> its converted local checkpoint
     if device == "auto":
@@ -111,7 +111,7 @@ def evaluate(args) -> dict:
     import torch
     from tqdm.auto import tqdm
 
-    from .rewards import resolve_reward_funcs
+    from ..cli.rewards import resolve_reward_funcs
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -153,13 +153,13 @@ def evaluate(args) -> dict:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bapo_trl.evaluate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bapo_trl.math_recipe.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Model or checkpoint directory, hub id, LoRA adapter directory, or "
                    "a bapo_trl.models registry name (smollm2-135m-instruct).")
     p.add_argument("--dataset", required=True, help="Local .jsonl/.json/.parquet/.csv file or hub dataset id.")
     p.add_argument("--dataset_config", default=None, help="Hub dataset config (GSM8K's 'main' is automatic).")
     p.add_argument("--split", default=None, help="Split (default: 'test', or 'train' if that is the only one).")
-    p.add_argument("--math_dataset_format", default="auto", help="Math format (bapo_trl.math_data); default auto.")
+    p.add_argument("--math_dataset_format", default="auto", help="Math format (bapo_trl.math_recipe.data); default auto.")
     p.add_argument("--math_instruction_role", default="system", choices=["system", "user"])
     p.add_argument("--k", type=int, default=16, help="Samples per problem (the paper: 16).")
     p.add_argument("--num_problems", type=int, default=None, help="Only the first N problems.")

@@ -2,7 +2,7 @@ r"""Math rewards for the reasoning recipe: boxed-answer correctness, a reasoning
 
 What TRL already has is reused: correctness is decided by :func:`trl.rewards.accuracy_reward` (math-verify), the
 length penalty is :func:`trl.rewards.get_soft_overlong_punishment`. What is added is only what the math datasets of
-:mod:`bapo_trl.math_data` need and TRL does not do:
+:mod:`bapo_trl.math_recipe.data` need and TRL does not do:
 
 * the reference is the ``answer`` column (TRL reads ``solution``), written as a plain number, a fraction or LaTeX,
   with or without ``\boxed{}`` or ``$...$``. A bare LaTeX reference such as ``3\sqrt{2}`` or ``2^{10}`` is parsed

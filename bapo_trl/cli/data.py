@@ -46,7 +46,7 @@ def load_prompts(script_args, training_args):
     """``(train, eval)`` datasets; eval only when ``eval_strategy`` is not ``"no"``."""
     wants_eval = str(getattr(training_args.eval_strategy, "value", training_args.eval_strategy)) != "no"
     if script_args.dataset_name is None:
-        from .toy import make_reverse_dataset
+        from ..toy import make_reverse_dataset
 
         train = make_reverse_dataset(script_args.num_train_prompts, seed=training_args.seed)
         evaluation = make_reverse_dataset(64, seed=training_args.seed, split="test") if wants_eval else None
@@ -62,7 +62,7 @@ def _prompts(script_args, split: str):
     math_format = getattr(script_args, "math_dataset_format", None)
     if not math_format:
         return prepare_prompts(_load(name, config, split, script_args.dataset_train_split), script_args.prompt_column)
-    from .math_data import default_config, to_math_prompts
+    from ..math_recipe.data import default_config, to_math_prompts
 
     dataset = _load(name, config or default_config(name), split, script_args.dataset_train_split)
     return to_math_prompts(dataset, math_format, dataset_name=name,

@@ -8,12 +8,12 @@ import os
 import sys
 from typing import Callable
 
-from .math_rewards import SOFT_OVERLONG  # names only: a plain dict, nothing heavy is imported
-from .reward_errors import RewardFunctionError, name_errors  # noqa: F401  (re-exported with the registry)
+from ..math_recipe.rewards import SOFT_OVERLONG  # names only: a plain dict, nothing heavy is imported
+from ..reward_errors import RewardFunctionError, name_errors  # noqa: F401  (re-exported with the registry)
 
 
 def _reverse():
-    from .toy import reverse_reward
+    from ..toy import reverse_reward
 
     return reverse_reward
 
@@ -31,7 +31,7 @@ def _math(name: str, needs_math_verify: bool = False):
     """Loader of a math-recipe reward; one missing dependency is a setup error, not a crash mid-training."""
 
     def load():
-        from . import math_rewards
+        from ..math_recipe import rewards as math_rewards
 
         if needs_math_verify and importlib.util.find_spec("math_verify") is None:
             raise ValueError(f"reward {name!r} needs math-verify: pip install 'bapo_trl[math]'.")
@@ -48,7 +48,7 @@ REWARD_FUNCS: dict[str, Callable[[], Callable]] = {
     "accuracy_reward": _trl("accuracy_reward"),
     "reasoning_accuracy_reward": _trl("reasoning_accuracy_reward"),
     "think_format_reward": _trl("think_format_reward"),
-    # math recipe (bapo_trl.math_rewards): reads the `answer` column of bapo_trl.math_data
+    # math recipe (bapo_trl.math_recipe.rewards): reads the `answer` column of bapo_trl.math_recipe.data
     "boxed_accuracy": _math("boxed_accuracy", needs_math_verify=True),
     "boxed_format_reward": _math("boxed_format_reward"),
     **{name: _math(name) for name in SOFT_OVERLONG},  # DAPO's soft overlong penalty, one per length budget
