@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .clipping import MODES, VARIANTS, BAPOSettings, search_path, settings_errors
-from .rollout.queue import SAMPLING
+from .rollout.queue import SAMPLING, queue_settings_errors
 
 #: Loss types whose objective is the clipped surrogate ``min(r A, clip(r, c_low, c_high) A)`` that BAPO adapts.
 SUPPORTED_LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")
@@ -413,16 +413,10 @@ class BAPOConfig(GRPOConfig):
         return isinstance(value, int) and not isinstance(value, bool)
 
     def _replay_errors(self) -> list[str]:
-        errors = []
-        size, ratio, staleness = self.replay_buffer_size, self.replay_ratio, self.replay_max_staleness
-        if not self._is_whole(size) or size < 0:
-            errors.append(f"`replay_buffer_size` must be an integer >= 0 (0 = off), got {size!r}.")
+        size, ratio = self.replay_buffer_size, self.replay_ratio
+        errors = queue_settings_errors(size, self.replay_max_staleness, self.replay_sampling)
         if not isinstance(ratio, (int, float)) or not 0.0 <= ratio < 1.0:
             errors.append(f"`replay_ratio` must be in [0, 1), got {ratio!r}.")
-        if not self._is_whole(staleness) or staleness < 1:
-            errors.append(f"`replay_max_staleness` must be an integer >= 1, got {staleness!r}.")
-        if self.replay_sampling not in SAMPLING:
-            errors.append(f"`replay_sampling` must be one of {SAMPLING}, got {self.replay_sampling!r}.")
         if errors:
             return errors
         if self.replay_saves_generation and (size == 0 or self.partial_rollout_budget is not None

@@ -34,6 +34,25 @@ class ReplayStats:
     totals: dict = field(default_factory=lambda: {"pushed": 0, "evicted": 0, "sampled": 0})
 
 
+def _is_whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def queue_settings_errors(size, max_staleness, sampling, off_allowed: bool = True) -> list[str]:
+    """The one check of the queue's settings (``BAPOConfig`` and the queue itself use it): the field, the allowed
+    range and the value. ``off_allowed``: a size of 0 means replay off (the config); a queue needs >= 1."""
+    errors = []
+    low = 0 if off_allowed else 1
+    if not _is_whole(size) or size < low:
+        errors.append(f"`replay_buffer_size` must be an integer >= {low}{' (0 = off)' if off_allowed else ''}, "
+                      f"got {size!r}.")
+    if not _is_whole(max_staleness) or max_staleness < 1:
+        errors.append(f"`replay_max_staleness` must be an integer >= 1, got {max_staleness!r}.")
+    if sampling not in SAMPLING:
+        errors.append(f"`replay_sampling` must be one of {SAMPLING}, got {sampling!r}.")
+    return errors
+
+
 class ReplayQueue:
     """Bounded queue of GRPO groups on CPU.
 
@@ -47,12 +66,9 @@ class ReplayQueue:
     """
 
     def __init__(self, capacity: int, max_staleness: int, sampling: str = "uniform", seed: int = 0):
-        if capacity < 1:
-            raise ValueError(f"`replay_buffer_size` must be >= 1 for a queue, got {capacity}.")
-        if max_staleness < 1:
-            raise ValueError(f"`replay_max_staleness` must be >= 1, got {max_staleness}.")
-        if sampling not in SAMPLING:
-            raise ValueError(f"`replay_sampling` must be one of {SAMPLING}, got {sampling!r}.")
+        errors = queue_settings_errors(capacity, max_staleness, sampling, off_allowed=False)
+        if errors:
+            raise ValueError(" ".join(errors))
         self.capacity, self.max_staleness, self.sampling = capacity, max_staleness, sampling
         self.groups: list[dict[str, torch.Tensor]] = []
         self.generator = torch.Generator().manual_seed(seed)
