@@ -12,11 +12,16 @@ Why each piece exists (TRL 1.16):
   import requirement, every request bounded by ``vllm_server_timeout`` and never retried) and syncs weights with
   :class:`~.weight_sync.DiskWeightSync`. Generation, the importance-sampling correction and the sync schedule stay
   TRL's code.
+* In colocate mode without CUDA, TRL's per-tensor ``load_weights`` fails on CPUs where vLLM re-packs its linear
+  layers (AMX): the in-process engine reloads a safetensors directory instead (``reload_weights``), as the server.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import tempfile
 import threading
 import time
 from urllib.parse import urlparse
@@ -154,6 +159,14 @@ class CPUServerVLLMGeneration(VLLMGeneration):
     def uses_disk_sync(self) -> bool:
         return self.mode == "server" and self.accelerator.device.type != "cuda"
 
+    @property
+    def uses_colocate_reload(self) -> bool:
+        """Colocate mode without CUDA: TRL loads each tensor through the layers' ``weight_loader``, which vLLM's CPU
+        backend drops from layers it re-packs for its GEMM kernels (seen on AMX CPUs: ``'Parameter' object has no
+        attribute 'weight_loader'``). The in-process engine reloads a safetensors directory instead, as the server
+        does."""
+        return self.mode == "colocate" and self.accelerator.device.type != "cuda"
+
     def _init_vllm(self):
         if not self.uses_disk_sync:
             return super()._init_vllm()  # CUDA (NCCL) or colocate: TRL's code, unchanged
@@ -180,6 +193,8 @@ class CPUServerVLLMGeneration(VLLMGeneration):
         self.accelerator.wait_for_everyone()
 
     def sync_weights(self):
+        if self.uses_colocate_reload:
+            return self._reload_colocated()
         if not self.uses_disk_sync:
             return super().sync_weights()
         main = self.accelerator.is_main_process
@@ -195,6 +210,22 @@ class CPUServerVLLMGeneration(VLLMGeneration):
                 error = exc
         self._raise_everywhere(error)
 
+    def _reload_colocated(self) -> None:
+        """Every process: gather the weights (collective under ZeRO-3), write them, and have this process's engine
+        reload them (``reload_weights``, which re-packs the layers), refresh a tied head, reset the prefix cache."""
+        from safetensors.torch import save_file
+
+        state = {name: param.detach().to("cpu", copy=True).contiguous() for name, param in self._iter_named_params()}
+        root = os.environ.get("BAPO_VLLM_WEIGHTS_DIR") or tempfile.gettempdir()
+        directory = tempfile.mkdtemp(prefix=f"bapo-vllm-colocate-rank{self.accelerator.process_index}-", dir=root)
+        try:
+            save_file(state, os.path.join(directory, "model.safetensors"))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": directory})
+            self.llm.collective_rpc(refresh_output_layers)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        self.llm.reset_prefix_cache()
+
     def _raise_everywhere(self, error: Exception | None) -> None:
         """An error on the main process is raised on every process, so no rank waits forever in a collective."""
         if self.accelerator.num_processes > 1:
@@ -207,11 +238,20 @@ class CPUServerVLLMGeneration(VLLMGeneration):
             raise error
 
 
+def refresh_output_layers(worker) -> int:
+    """Run inside a vLLM worker (``LLM.collective_rpc``): the worker extension's refresh of tied vocabulary layers."""
+    from .vllm_worker.bapo_vllm_worker import BAPOWorkerExtension
+
+    return BAPOWorkerExtension.bapo_refresh_output_layers(worker)
+
+
 class CPUServerSyncMixin:
-    """Put before ``GRPOTrainer`` in the bases: in vLLM server mode, TRL builds :class:`CPUServerVLLMGeneration`."""
+    """Put before ``GRPOTrainer`` in the bases: with vLLM (server, or colocate without CUDA), TRL builds
+    :class:`CPUServerVLLMGeneration`, which defers to TRL's own backend wherever TRL's path works."""
 
     def __init__(self, model, reward_funcs, args=None, **kwargs):
-        if args is not None and getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server":
+        if args is not None and getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) in (
+                "server", "colocate"):
             with _patched(_trl_grpo_trainer, "VLLMGeneration", CPUServerVLLMGeneration):
                 super().__init__(model, reward_funcs, args=args, **kwargs)
         else:
