@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from trl.trainer.utils import RepeatSampler
 
 from bapo_trl import BAPOConfig, BAPOTrainer
-from bapo_trl.rollout.async_generation import AsyncGeneration, Producer, PromptStream, _Work
+from bapo_trl.rollout.async_generation import AsyncGeneration, Producer, PromptStream, Work
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")
 
@@ -79,7 +79,7 @@ def test_a_push_waits_for_the_request_in_flight_and_later_batches_carry_its_vers
     producer = Producer(generate, request_timeout=10)
     try:
         generate.release.clear()
-        producer.submit(_Work(0, [[1]], n=2, max_tokens=4, context=[0, 0]))
+        producer.submit(Work(0, [[1]], n=2, max_tokens=4, context=[0, 0]))
         assert generate.started.wait(10)
         pushed = []
 
@@ -95,7 +95,7 @@ def test_a_push_waits_for_the_request_in_flight_and_later_batches_carry_its_vers
         generate.release.set()
         pusher.join(10)
         assert pushed and pushed[0] >= generate.calls[1][1]  # ... until it has ended
-        producer.submit(_Work(1, [[2]], n=2, max_tokens=4, context=[1, 1]))
+        producer.submit(Work(1, [[2]], n=2, max_tokens=4, context=[1, 1]))
         first, _ = producer.take(0)
         second, _ = producer.take(1)
         assert (first.version, second.version) == (0, 5)  # batch 0 on the old weights, batch 1 on the pushed ones
@@ -109,7 +109,7 @@ def test_a_failed_request_is_raised_where_the_trainer_takes_the_batch():
         raise ConnectionError("server went away")
 
     producer = Producer(broken, request_timeout=10)
-    producer.submit(_Work(0, [[1]], n=1, max_tokens=4))
+    producer.submit(Work(0, [[1]], n=1, max_tokens=4))
     with pytest.raises(ConnectionError, match="server went away"):
         producer.take(0)
     producer.close()

@@ -37,7 +37,7 @@ import contextlib
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -48,6 +48,7 @@ from .serving import ReadyCompletions, right_pad
 
 if TYPE_CHECKING:
     from ..trainer import BAPOTrainer
+
 
 class PromptStream:
     """Global generation batches of dataset indices, in the order TRL's ``RepeatSampler`` draws them (same seed:
@@ -79,7 +80,7 @@ class PromptStream:
 
 
 @dataclass
-class _Work:
+class Work:
     """One request: ``n`` completions of every prompt (token ids), at most ``max_tokens`` each; ``context`` is the
     caller's (dataset rows, or the completions a round continues)."""
 
@@ -94,12 +95,11 @@ class _Work:
 class GeneratedBatch:
     """What the server returned for one piece of work (one entry per completion, prompt-major)."""
 
-    work: _Work
+    work: Work
     completion_ids: list[list[int]]
     logps: list[list[float]]  # the sampler's log-prob of each token
     version: int  # optimizer step of the weights the server held
     seconds: float  # time of the generate request
-    metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def prompt_ids(self) -> list[list[int]]:
@@ -122,10 +122,10 @@ class Producer:
     """The generation thread of the main process: takes queued work in order, sends one request per batch, keeps
     the results until the trainer takes them. A weight push runs between two requests (:meth:`between_requests`)."""
 
-    def __init__(self, generate: Callable[[_Work], dict], request_timeout: float):
+    def __init__(self, generate: Callable[[Work], dict], request_timeout: float):
         self.generate, self.request_timeout = generate, request_timeout
         self.version = 0  # optimizer step of the weights on the server (set under the lock by the pusher)
-        self.work: queue.Queue[_Work | None] = queue.Queue()
+        self.work: queue.Queue[Work | None] = queue.Queue()
         self.ready: dict[int, GeneratedBatch] = {}
         self.error: BaseException | None = None
         self.condition = threading.Condition()
@@ -135,7 +135,7 @@ class Producer:
         self._thread = threading.Thread(target=self._run, name="bapo-async-generation", daemon=True)
         self._thread.start()
 
-    def submit(self, work: _Work) -> None:
+    def submit(self, work: Work) -> None:
         self.work.put(work)
 
     @contextlib.contextmanager
@@ -320,11 +320,11 @@ class AsyncGeneration:
             rows = self.stream.next()
             firsts = rows[:: trainer.num_generations]
             prompt_ids, _, _ = trainer._tokenize_prompts([trainer.train_dataset[i]["prompt"] for i in firsts])
-            self.producer.submit(_Work(self.submitted, [list(p) for p in prompt_ids], trainer.num_generations,
+            self.producer.submit(Work(self.submitted, [list(p) for p in prompt_ids], trainer.num_generations,
                                        trainer.vllm_generation.max_completion_length, context=rows))
             self.submitted += 1
 
-    def _generate(self, work: _Work) -> dict:
+    def _generate(self, work: Work) -> dict:
         """One request (the producer thread): ``work.n`` completions of every prompt, TRL's sampling settings."""
         backend = self.trainer.vllm_generation
         output = backend.vllm_client.generate(
@@ -410,7 +410,7 @@ class AsyncPartialRollout(AsyncGeneration):
         todo = [c for g in oldest for c in g.completions if not c.finished]
         if todo:  # too few finished groups: generate the oldest unfinished ones to the end, now
             prefixes, caps = pool.request(todo, pool.max_len)
-            self.producer.submit(_Work(("finish", self.handed), prefixes, 1, max(caps), context=(todo, caps)))
+            self.producer.submit(Work(("finish", self.handed), prefixes, 1, max(caps), context=(todo, caps)))
             batch, extra_wait = self.producer.take(("finish", self.handed))
             pool.apply(todo, caps, batch.completion_ids, batch.logps, batch.logps, batch.version)
             waited, seconds = waited + extra_wait, seconds + batch.seconds
@@ -445,5 +445,5 @@ class AsyncPartialRollout(AsyncGeneration):
         todo = pool.unfinished()
         wanted = [pool.budget if c.resumes < pool.max_resumes else pool.max_len for c in todo]
         prefixes, caps = pool.request(todo, wanted)
-        self.producer.submit(_Work(("round", index), prefixes, 1, max(caps), context=(todo, caps)))
+        self.producer.submit(Work(("round", index), prefixes, 1, max(caps), context=(todo, caps)))
         self.round_submitted = index
