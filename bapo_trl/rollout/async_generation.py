@@ -2,7 +2,7 @@
 
 Why: generation is most of an RL step. With ``async_generation=True`` (vLLM server mode) a producer thread on the
 main process sends batch t+1 (up to t+K, ``max_staleness`` = K) to the server while every process trains on batch
-t. BAPO's adaptive window is what keeps training on that stale data stable.
+t. BAPO's adaptive window is meant to keep training on that stale data stable.
 
 How it stays correct:
 
