@@ -223,6 +223,26 @@ def age_values(totals: list[float]) -> dict[str, float]:
     return values
 
 
+def partial_sums(completions, carried: int, step: int) -> tuple[list[float], float]:
+    """``(sums, local largest token age)`` of the completions a partial-rollout batch scores (ages at ``step``)."""
+    ages = [step - v for c in completions for v in c.versions]
+    sums = [float(carried), float(sum(c.resumes for c in completions)), float(sum(c.segments for c in completions)),
+            float(len(completions)), float(sum(ages)), float(len(ages))]
+    return sums, float(max(ages, default=0))
+
+
+def partial_values(sums: list[float], oldest: float) -> dict[str, float]:
+    """The ``partial/*`` values from (reduced) :func:`partial_sums`."""
+    carried, resumes, segments, count, age_sum, tokens = sums
+    return {
+        "partial/carried": carried,
+        "partial/resumes_mean": resumes / max(count, 1.0),
+        "partial/segments_per_completion": segments / max(count, 1.0),
+        "partial/token_staleness_mean": age_sum / max(tokens, 1.0),
+        "partial/token_staleness_max": oldest,
+    }
+
+
 def is_active(entry: dict) -> bool:
     """Whether the search could act in this logged update (some window on its path changes the loss); logs
     written before ``bapo/search_active`` existed count as active."""

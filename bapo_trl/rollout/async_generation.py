@@ -44,6 +44,7 @@ import torch
 from accelerate.utils import broadcast_object_list
 from trl.trainer.utils import RepeatSampler
 
+from ..metrics import partial_sums, partial_values
 from .serving import ReadyCompletions, right_pad
 
 if TYPE_CHECKING:
@@ -420,15 +421,7 @@ class AsyncPartialRollout(AsyncGeneration):
         completions = [c for g in groups for c in g.completions]
         versions = [list(c.versions) for c in completions]
         metrics = self._batch_metrics(versions, seconds, waited, push_seconds)
-        step = trainer.state.global_step
-        ages = [step - v for row in versions for v in row] or [0]
-        metrics.update({
-            "partial/carried": float(carried),
-            "partial/resumes_mean": sum(c.resumes for c in completions) / len(completions),
-            "partial/segments_per_completion": sum(c.segments for c in completions) / len(completions),
-            "partial/token_staleness_mean": sum(ages) / len(ages),
-            "partial/token_staleness_max": float(max(ages)),
-        })
+        metrics.update(partial_values(*partial_sums(completions, carried, trainer.state.global_step)))  # global
         return Handover(rows=[row for g in groups for row in g.rows], prompt_ids=[c.prompt_ids for c in completions],
                         completion_ids=[list(c.token_ids) for c in completions],
                         logps=[list(c.logps) for c in completions], versions=versions, metrics=metrics)

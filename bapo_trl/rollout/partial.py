@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..metrics import partial_sums, partial_values
 from .pool import PartialRolloutPool
 from .serving import ReadyCompletions, right_pad
 
@@ -165,16 +166,8 @@ class PartialRollout:
 
     def _log(self, completions, carried: int, step: int, device) -> None:
         trainer = self.trainer
-        ages = [step - v for c in completions for v in c.versions]  # per token, when its group is scored
-        stats = torch.tensor(
-            [carried, sum(c.resumes for c in completions), sum(c.segments for c in completions), len(completions),
-             sum(ages), len(ages)], dtype=torch.float64, device=device)
-        carried, resumes, segments, count, age_sum, tokens = trainer._sum_over_processes(stats).tolist()
-        oldest = torch.tensor(float(max(ages, default=0)), dtype=torch.float64, device=device)
-        oldest = trainer._max_over_processes(oldest)
-        metrics = trainer._metrics["train"]
-        metrics["partial/carried"].append(carried)
-        metrics["partial/resumes_mean"].append(resumes / max(count, 1.0))
-        metrics["partial/segments_per_completion"].append(segments / max(count, 1.0))
-        metrics["partial/token_staleness_mean"].append(age_sum / max(tokens, 1.0))
-        metrics["partial/token_staleness_max"].append(float(oldest))
+        sums, oldest = partial_sums(completions, carried, step)  # this process's; reduced over all of them here
+        sums = trainer._sum_over_processes(torch.tensor(sums, dtype=torch.float64, device=device)).tolist()
+        oldest = float(trainer._max_over_processes(torch.tensor(oldest, dtype=torch.float64, device=device)))
+        for name, value in partial_values(sums, oldest).items():
+            trainer._metrics["train"][name].append(value)
