@@ -19,9 +19,7 @@ Why each piece exists (TRL 1.16):
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import tempfile
 import threading
 import time
 from urllib.parse import urlparse
@@ -34,7 +32,7 @@ from requests.adapters import HTTPAdapter
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 
-from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError
+from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError, write_weights
 
 _swap_lock = threading.RLock()
 
@@ -213,13 +211,9 @@ class CPUServerVLLMGeneration(VLLMGeneration):
     def _reload_colocated(self) -> None:
         """Every process: gather the weights (collective under ZeRO-3), write them, and have this process's engine
         reload them (``reload_weights``, which re-packs the layers), refresh a tied head, reset the prefix cache."""
-        from safetensors.torch import save_file
-
-        state = {name: param.detach().to("cpu", copy=True).contiguous() for name, param in self._iter_named_params()}
-        root = os.environ.get("BAPO_VLLM_WEIGHTS_DIR") or tempfile.gettempdir()
-        directory = tempfile.mkdtemp(prefix=f"bapo-vllm-colocate-rank{self.accelerator.process_index}-", dir=root)
+        directory = write_weights(self._iter_named_params(), None,
+                                  f"bapo-vllm-colocate-rank{self.accelerator.process_index}-")
         try:
-            save_file(state, os.path.join(directory, "model.safetensors"))
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": directory})
             self.llm.collective_rpc(refresh_output_layers)
         finally:

@@ -28,6 +28,24 @@ class WeightSyncError(RuntimeError):
     """The vLLM server could not be reached, or did not load the new weights."""
 
 
+def write_weights(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], root: str | None,
+                  prefix: str) -> str:
+    """Write ``tensors`` (checkpoint names) as ``model.safetensors`` in a new directory under ``root`` (default
+    ``$BAPO_VLLM_WEIGHTS_DIR`` or the temp dir), for vLLM's ``reload_weights``; returns the directory."""
+    from safetensors.torch import save_file
+
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    # Own, contiguous CPU copies: safetensors refuses views and shared storage.
+    state = {name: t.detach().to("cpu").contiguous().clone() for name, t in items}
+    directory = tempfile.mkdtemp(prefix=prefix, dir=root or os.environ.get("BAPO_VLLM_WEIGHTS_DIR") or None)
+    try:
+        save_file(state, os.path.join(directory, "model.safetensors"))
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return directory
+
+
 def _remove_all(paths: list[str]) -> None:
     while paths:
         shutil.rmtree(paths.pop(), ignore_errors=True)
@@ -96,16 +114,10 @@ class DiskWeightSync:
 
         Returns the seconds the sync took. On failure the new directory is removed and the error raised.
         """
-        from safetensors.torch import save_file
-
         start = time.perf_counter()
-        items = tensors.items() if isinstance(tensors, Mapping) else tensors
-        # Own, contiguous CPU copies: safetensors refuses views and shared storage.
-        state = {name: t.detach().to("cpu").contiguous().clone() for name, t in items}
-        directory = tempfile.mkdtemp(prefix="bapo-vllm-weights-", dir=self.root)
+        directory = write_weights(tensors, self.root, "bapo-vllm-weights-")
         self._dirs.append(directory)
         try:
-            save_file(state, os.path.join(directory, "model.safetensors"))
             self._rpc("reload_weights", "weight sync failed", weights_path=directory)
             if self.refresh_output_layers:
                 try:
