@@ -384,6 +384,7 @@ def search_clip_bounds(
     *,
     reduce_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     config: BAPOSettings | None = None,
+    sums_fn: Callable | None = None,
     **settings,
 ) -> SearchResult:
     """Choose ``(c_low, c_high)`` for one update with BAPO's bound search.
@@ -396,6 +397,8 @@ def search_clip_bounds(
         reduce_fn: sums a float64 vector over processes (e.g. ``lambda t: accelerator.reduce(t, "sum")``). Called
             exactly once, by every rank, even with an empty batch, so ranks always agree on the bounds.
         config: a ready :class:`BAPOSettings` (the trainer passes its own); keyword ``settings`` override it.
+        sums_fn: the share's per-grid sums (the loss type's, :mod:`bapo_trl.loss_types`); default
+            :func:`grid_sums`, the clipped surrogate's.
         **settings: :class:`BAPOSettings` fields (``positive_contribution_target``, ``ratio_lower_start``, ...).
 
     Returns:
@@ -413,7 +416,7 @@ def search_clip_bounds(
             f"{tuple(advantages.shape)}."
         )
     path = search_path(config)
-    packed = grid_sums(ratio, advantages, mask, path)
+    packed = (sums_fn or grid_sums)(ratio, advantages, mask, path)
     if reduce_fn is not None:
         packed = reduce_fn(packed)
     return choose_bounds(packed, path, config)

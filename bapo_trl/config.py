@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -10,20 +9,13 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .clipping import MODES, VARIANTS, BAPOSettings, search_path, settings_errors
-from .rollout.queue import SAMPLING, queue_settings_errors
+from .loss_types import SUPPORTED_LOSS_TYPES
+from .rollout_settings import SAMPLING, rollout_errors
 
-#: Loss types whose objective is the clipped surrogate ``min(r A, clip(r, c_low, c_high) A)`` that BAPO adapts.
-SUPPORTED_LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")
 #: The official code caps the loss of negative-advantage tokens at ``3.0 * |A|`` (dual clip); in TRL that is the
 #: two-sided clipping ``delta``, identical as long as ``c_high <= delta``.
 VERL_DUAL_CLIP = 3.0
 
-
-#: Length and stop settings of vLLM / transformers generation that partial rollout cannot honour.
-PARTIAL_ROLLOUT_CLASHING_KWARGS = frozenset({
-    "max_tokens", "min_tokens", "stop", "ignore_eos", "include_stop_str_in_output",  # vLLM SamplingParams
-    "max_new_tokens", "min_new_tokens", "max_length", "min_length", "stop_strings",  # transformers GenerationConfig
-})
 
 @dataclass
 class BAPOConfig(GRPOConfig):
@@ -131,6 +123,14 @@ class BAPOConfig(GRPOConfig):
         weight_sync_steps (`int`, *optional*, defaults to `1`):
             Async generation: push the weights to the server at most every this many optimizer steps (>= 1). Larger
             values save pushes (each gathers the full model) and make the data staler by up to that many steps.
+
+        > Where batches come from
+
+        rollout_source (`str`, *optional*, defaults to `"auto"`):
+            `"auto"`: TRL's own generation, or the source the settings above turn on (partial rollout, async
+            generation, both). Any other value names a source registered with
+            :func:`bapo_trl.rollout.register_source` (one file and one registration line; see
+            ``bapo_trl/rollout/contract.py``). Replay, when on, wraps whichever source is chosen.
     """
 
     positive_contribution_target: float = field(
@@ -228,6 +228,11 @@ class BAPOConfig(GRPOConfig):
     )
     weight_sync_steps: int = field(
         default=1, metadata={"help": "Async generation: push the weights at most every this many optimizer steps, >= 1."}
+    )
+    rollout_source: str = field(
+        default="auto",
+        metadata={"help": "Where batches come from: 'auto' (TRL's generation, or partial rollout / async generation "
+                  "as configured) or the name of a registered rollout source. Replay wraps it when on."},
     )
 
     def __post_init__(self):
@@ -380,93 +385,7 @@ class BAPOConfig(GRPOConfig):
                     f"`positive_contribution_target` <= `target_max` < 1; got target_entropy={self.target_entropy}, "
                     f"target_adapt_rate={self.target_adapt_rate}, target_min={self.target_min}, "
                     f"positive_contribution_target={self.positive_contribution_target}, target_max={self.target_max}.")
-        errors += self._replay_errors()
-        errors += self._partial_rollout_errors()
-        errors += self._async_errors()
-        return errors
-
-    def _async_errors(self) -> list[str]:
-        errors = []
-        if not self._is_whole(self.max_staleness) or self.max_staleness < 1:
-            errors.append(f"`max_staleness` must be an integer >= 1 (generation batches ahead), got "
-                          f"{self.max_staleness!r}.")
-        if not self._is_whole(self.weight_sync_steps) or self.weight_sync_steps < 1:
-            errors.append(f"`weight_sync_steps` must be an integer >= 1 (optimizer steps between weight pushes), got "
-                          f"{self.weight_sync_steps!r}.")
-        if not self.async_generation:
-            return errors
-        if not (self.use_vllm and self.vllm_mode == "server"):
-            errors.append("`async_generation` needs a vLLM server to generate in (`use_vllm=True`, "
-                          f"`vllm_mode='server'`); got use_vllm={self.use_vllm}, vllm_mode={self.vllm_mode!r}.")
-        if self.replay_saves_generation:
-            errors.append("`async_generation` cannot be combined with `replay_saves_generation` yet (both decide "
-                          "what is generated each step).")
-        if self.partial_rollout_budget is not None and self.max_staleness != 1:
-            errors.append("`async_generation` with `partial_rollout_budget` runs exactly one round ahead (each round "
-                          f"continues the previous one's completions): `max_staleness` must be 1, got "
-                          f"{self.max_staleness!r}.")
-        return errors
-
-    @staticmethod
-    def _is_whole(value) -> bool:
-        """An int that is not a bool (``True`` is an int in Python, and no count here means ``True``)."""
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    def _replay_errors(self) -> list[str]:
-        size, ratio = self.replay_buffer_size, self.replay_ratio
-        errors = queue_settings_errors(size, self.replay_max_staleness, self.replay_sampling)
-        if not isinstance(ratio, (int, float)) or not 0.0 <= ratio < 1.0:
-            errors.append(f"`replay_ratio` must be in [0, 1), got {ratio!r}.")
-        if errors:
-            return errors
-        if self.replay_saves_generation and (size == 0 or self.partial_rollout_budget is not None
-                                             or self.replay_fill_zero_std_groups):
-            errors.append(
-                "`replay_saves_generation` needs a replay queue (`replay_buffer_size` >= 1, `replay_ratio` > 0) and "
-                "cannot be combined with `partial_rollout_budget` (which makes its own batches) or "
-                "`replay_fill_zero_std_groups` (nothing generated is replaced); got "
-                f"replay_buffer_size={size}, partial_rollout_budget={self.partial_rollout_budget}, "
-                f"replay_fill_zero_std_groups={self.replay_fill_zero_std_groups}.")
-        if size == 0 and (ratio > 0 or self.replay_fill_zero_std_groups):
-            errors.append(
-                "`replay_ratio` > 0 or `replay_fill_zero_std_groups` needs a replay queue: set `replay_buffer_size` "
-                f">= 1 (got replay_buffer_size=0, replay_ratio={ratio}, "
-                f"replay_fill_zero_std_groups={self.replay_fill_zero_std_groups})."
-            )
-        if size > 0 and ratio == 0 and not self.replay_fill_zero_std_groups:
-            errors.append(
-                f"`replay_buffer_size` is {size} but nothing is ever replayed: set `replay_ratio` in (0, 1) or "
-                "`replay_fill_zero_std_groups=True`."
-            )
-        return errors
-
-    def _partial_rollout_errors(self) -> list[str]:
-        budget, resumes = self.partial_rollout_budget, self.partial_rollout_max_resumes
-        if budget is None:
-            return []
-        errors = []
-        if not self._is_whole(budget) or not 1 <= budget < self.max_completion_length:
-            errors.append(
-                f"`partial_rollout_budget` must be an integer in [1, max_completion_length) = "
-                f"[1, {self.max_completion_length}), or None to switch partial rollout off; got {budget!r}."
-            )
-        if not self._is_whole(resumes) or resumes < 1:
-            errors.append(f"`partial_rollout_max_resumes` must be an integer >= 1, got {resumes!r}.")
-        # The pool sets each round's length cap and tells a stopped completion from a capped one by its EOS tokens
-        # (`stop_token_ids` / `eos_token_id` in generation_kwargs join them); other length or stop settings would
-        # override the cap or stop on something it cannot see.
-        kwargs = self.generation_kwargs or {}
-        if isinstance(kwargs, str):  # from the command line: TrainingArguments parses the JSON only later
-            try:
-                kwargs = json.loads(kwargs)
-            except json.JSONDecodeError:
-                kwargs = {}  # TRL reports the malformed JSON itself
-        clashing = sorted(set(kwargs if isinstance(kwargs, dict) else {}) & PARTIAL_ROLLOUT_CLASHING_KWARGS)
-        if clashing:
-            errors.append(
-                f"`generation_kwargs` keys {clashing} cannot be used with `partial_rollout_budget` (it caps each "
-                "round itself and recognises stops by EOS token ids only); use `stop_token_ids` / `eos_token_id`.")
-        return errors
+        return errors + rollout_errors(self)
 
     @property
     def partial_rollout_enabled(self) -> bool:

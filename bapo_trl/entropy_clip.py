@@ -27,9 +27,11 @@ change of TRL's ``entropy`` metric to the next one (reported by ``python -m bapo
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
+
+from .loss_types import surrogate_clipped
 
 QUADRANTS = ("pos_high", "pos_low", "neg_high", "neg_low")
 #: Layout of the sums vector: per quadrant (tokens, clipped), then n, sum l, sum AX, sum l*AX, sum A, sum l*A.
@@ -40,10 +42,12 @@ METRICS = tuple(f"entropy_clip/tokens_{q}" for q in QUADRANTS) + tuple(
 
 
 def entropy_clip_sums(logps: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                      clip_low: torch.Tensor | float, clip_high: torch.Tensor | float) -> torch.Tensor:
+                      clip_low: torch.Tensor | float, clip_high: torch.Tensor | float,
+                      clipped: Callable = surrogate_clipped) -> torch.Tensor:
     """Local float64 sums (length :data:`NUM_SUMS`) for one micro-batch. ``logps``/``ratio``/``mask``: ``(B, T)``;
     ``advantages``: ``(B,)``, ``(B, 1)`` or ``(B, T)``. Tokens off the mask, or with a non-finite log-prob, ratio or
-    advantage, are left out (NaN on padding is harmless)."""
+    advantage, are left out (NaN on padding is harmless). ``clipped``: the loss type's clip flags
+    (:mod:`bapo_trl.loss_types`)."""
     logps, ratio = logps.detach().double(), ratio.detach().double()
     adv = advantages.detach().double()
     adv = (adv[:, None] if adv.dim() == 1 else adv).expand_as(ratio)
@@ -54,7 +58,8 @@ def entropy_clip_sums(logps: torch.Tensor, ratio: torch.Tensor, advantages: torc
     n = valid.sum().double()
     threshold = l.sum() / n.clamp_min(1.0)  # log of the geometric-mean probability of this micro-batch
     high = l >= threshold
-    kept = ~(((a > 0) & (r > clip_high)) | ((a < 0) & (r < clip_low)))  # tokens that keep a gradient
+    clipped_low, clipped_high = clipped(r, a, clip_low, clip_high)
+    kept = ~(clipped_low | clipped_high)  # tokens that keep a gradient
     quadrant_sums = []
     for sign in (a > 0, a < 0):
         for side in (high, ~high):

@@ -8,12 +8,17 @@ command, the notebooks, the run summary and the docs rely on them).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .clipping import SearchPath
 from .entropy_clip import METRICS as ENTROPY_CLIP
 from .entropy_clip import NUM_SUMS as ENTROPY_CLIP_SUMS
 from .entropy_clip import entropy_clip_metrics, entropy_clip_sums
+from .loss_types import CLIPPED_SURROGATE, LossType
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 #: Logged at every update.
 SEARCH = (
@@ -93,15 +98,16 @@ def token_staleness(inputs: dict, step: int, like: torch.Tensor) -> torch.Tensor
 
 def search_sums(result, path: SearchPath, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 logps: torch.Tensor, entropies: torch.Tensor | None, staleness: torch.Tensor | None,
-                nonfinite_inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                nonfinite_inputs: torch.Tensor, loss: LossType = CLIPPED_SURROGATE) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sums, local largest staleness)`` of one micro-batch for :func:`search_values`; ``advantages`` as the search
-    saw them (per row or per token)."""
+    saw them (per row or per token); ``loss`` says which tokens the chosen window clips."""
     device = ratio.device
     advantages = (advantages[:, None] if advantages.dim() == 1 else advantages).expand_as(ratio)
     valid = (mask != 0) & torch.isfinite(ratio) & torch.isfinite(advantages)
     positive, negative = valid & (advantages > 0), valid & (advantages < 0)
-    low_clipped = negative & (ratio < result.clip_low.to(ratio.dtype))
-    high_clipped = positive & (ratio > result.clip_high.to(ratio.dtype))
+    low_clipped, high_clipped = loss.clipped(ratio, advantages, result.clip_low.to(ratio.dtype),
+                                             result.clip_high.to(ratio.dtype))
+    low_clipped, high_clipped = low_clipped & valid, high_clipped & valid
     # Tokens whose loss some window on the path would change: a positive above the smallest c_high, a negative
     # below the largest c_low. None (every ratio 1, or all inside both): the search cannot act on this update.
     sensitive = (positive & (ratio > path.clip_high[0])) | (negative & (ratio < max(path.clip_low)))
@@ -113,7 +119,8 @@ def search_sums(result, path: SearchPath, ratio: torch.Tensor, advantages: torch
     entropy = zero.expand(2) if entropies is None else torch.stack(
         [torch.where(valid, entropies.detach().double(), 0.0).sum(), valid.sum().double()])
     sums = torch.cat([counts, torch.stack([stale_sum, nonfinite_inputs.to(device=device, dtype=torch.float64)]),
-                      entropy_clip_sums(logps, ratio, advantages, mask, result.clip_low, result.clip_high).to(device),
+                      entropy_clip_sums(logps, ratio, advantages, mask, result.clip_low, result.clip_high,
+                                        loss.clipped).to(device),
                       entropy])
     return sums, stale_max
 
@@ -157,7 +164,7 @@ def search_values(sums: list[float], result: dict[str, float], path: SearchPath,
 
 
 def _share_sums(result, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+                parts: list[torch.Tensor], loss: LossType = CLIPPED_SURROGATE) -> tuple[list[torch.Tensor], torch.Tensor]:
     """For every token subset in ``parts``: positive and negative value sums at the chosen window, clipped tokens,
     tokens (all over the valid tokens); and the valid mask."""
     advantages = (advantages[:, None] if advantages.dim() == 1 else advantages).expand_as(ratio)
@@ -167,7 +174,8 @@ def _share_sums(result, ratio: torch.Tensor, advantages: torch.Tensor, mask: tor
     a = torch.where(valid, advantages, 0.0).double()
     pos = torch.where(a > 0, torch.minimum(r, c_high.double()) * a, 0.0)
     neg = torch.where(a < 0, torch.maximum(r, c_low.double()) * -a, 0.0)
-    clipped = ((a < 0) & (r < c_low)) | ((a > 0) & (r > c_high))
+    low, high = loss.clipped(r, a, c_low.double(), c_high.double())
+    clipped = low | high
     sums = []
     for part in parts:
         part = part & valid
@@ -181,10 +189,10 @@ def _share_values(p: float, n: float, clipped: float, count: float) -> tuple[flo
 
 
 def origin_sums(result, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, replayed: torch.Tensor,
-                staleness: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                staleness: torch.Tensor, loss: LossType = CLIPPED_SURROGATE) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sums, local largest replay staleness)``: value share and clip counts of fresh and of replayed tokens."""
     replayed = replayed[:, None].expand_as(ratio)
-    sums, valid = _share_sums(result, ratio, advantages, mask, [~replayed, replayed])
+    sums, valid = _share_sums(result, ratio, advantages, mask, [~replayed, replayed], loss)
     rep = replayed & valid
     sums.append((staleness * rep).sum())
     stale_max = torch.where(rep, staleness, 0.0).max() if rep.numel() else torch.zeros((), dtype=torch.float64)
@@ -203,11 +211,11 @@ def origin_values(totals: list[float], stale_max: float) -> dict[str, float]:
 
 
 def age_sums(result, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-             staleness: torch.Tensor) -> torch.Tensor:
+             staleness: torch.Tensor, loss: LossType = CLIPPED_SURROGATE) -> torch.Tensor:
     """Value share and clip counts of the tokens of each staleness bucket (:data:`AGE_BUCKETS`; ``staleness`` per
     token, shaped like ``ratio``)."""
     parts = [staleness == age for age in range(len(AGE_BUCKETS) - 1)] + [staleness >= len(AGE_BUCKETS) - 1]
-    sums, _ = _share_sums(result, ratio, advantages, mask, parts)
+    sums, _ = _share_sums(result, ratio, advantages, mask, parts, loss)
     return torch.stack(sums)
 
 
@@ -241,6 +249,69 @@ def partial_values(sums: list[float], oldest: float) -> dict[str, float]:
         "partial/token_staleness_mean": age_sum / max(tokens, 1.0),
         "partial/token_staleness_max": oldest,
     }
+
+
+def replay_sums(queue_size: int, replayed: torch.Tensor, mask: torch.Tensor, counts: dict[str, float],
+                not_generated_rows: int) -> torch.Tensor:
+    """Local sums of one mixed batch for :func:`replay_values`: queue size, replayed and all rows, replayed and all
+    tokens, evicted and pushed groups (``counts`` of ``ReplayQueue.pop_stats``), rows not generated."""
+    return torch.tensor(
+        [queue_size, float(replayed.sum()), float(replayed.numel()), float((mask * replayed[:, None]).sum()),
+         float(mask.sum()), counts["evicted"], counts["pushed"], float(not_generated_rows)],
+        dtype=torch.float64, device=mask.device)
+
+
+def replay_values(sums: list[float]) -> dict[str, float]:
+    """The per-batch ``replay/*`` values from REDUCED :func:`replay_sums`."""
+    size, n_rep, n_rows, tok_rep, tok_all, evicted, pushed, not_generated = sums
+    return {
+        "replay/size": size,
+        "replay/fraction": n_rep / max(n_rows, 1.0),
+        "replay/token_fraction": tok_rep / max(tok_all, 1.0),
+        "replay/evicted": evicted,
+        "replay/pushed": pushed,
+        "replay/generation_saved": not_generated / max(n_rows, 1.0),  # share of the batch not generated
+    }
+
+
+def async_values(versions: list[list[int]], step: int, generate_seconds: float, waited: float,
+                 push_seconds: float, queue_depth: int) -> dict[str, float]:
+    """The per-batch ``async/*`` values of one global batch (per-token policy versions) handed at ``step``."""
+    ages = [step - v for row in versions for v in row] or [0]
+    return {
+        "async/wait_seconds": waited,
+        "async/generate_seconds": generate_seconds,
+        "async/push_seconds": push_seconds,
+        # share of this batch's generation hidden behind training (1: the trainer never waited for it)
+        "async/overlap_fraction": (min(max(1.0 - waited / generate_seconds, 0.0), 1.0) if generate_seconds
+                                   else 1.0),
+        "async/queue_depth": float(queue_depth),
+        "async/staleness_mean": sum(ages) / len(ages),
+        "async/staleness_max": float(max(ages)),
+    }
+
+
+def update_values(result, path: SearchPath, loss: LossType, ratio: torch.Tensor, advantages: torch.Tensor,
+                  mask: torch.Tensor, inputs: dict, logps: torch.Tensor, entropies: torch.Tensor | None, step: int,
+                  nonfinite_inputs: torch.Tensor, target: float, sum_over_processes: Reduce,
+                  max_over_processes: Reduce, by_age: bool) -> tuple[dict[str, float], float]:
+    """Every value an update logs (search, Entropy-Clip; fresh vs replayed tokens when the batch holds replayed
+    rows; the share by token age when ``by_age``), with the fewest collectives: one sum and one max per group.
+    Returns the values and the mean policy entropy (NaN when unknown)."""
+    staleness = token_staleness(inputs, step, ratio)
+    sums, stale_max = search_sums(result, path, ratio, advantages, mask, logps, entropies, staleness,
+                                  nonfinite_inputs, loss)
+    sums, stale_max = sum_over_processes(sums), max_over_processes(stale_max)
+    values, mean_entropy = search_values(sums.tolist(), result.as_floats(), path, float(stale_max), target)
+    if "replayed" in inputs:  # fresh vs replayed tokens
+        replay_staleness = (step - inputs["policy_version"]).double()[:, None].expand_as(ratio)
+        totals, rep_max = origin_sums(result, ratio, advantages, mask, inputs["replayed"], replay_staleness, loss)
+        totals, rep_max = sum_over_processes(totals), max_over_processes(rep_max)
+        values.update(origin_values(totals.tolist(), float(rep_max)))
+    if by_age and staleness is not None:
+        values.update(age_values(sum_over_processes(age_sums(result, ratio, advantages, mask, staleness,
+                                                             loss)).tolist()))
+    return values, mean_entropy
 
 
 def is_active(entry: dict) -> bool:

@@ -1,19 +1,16 @@
 """``BAPOTrainer``: TRL's ``GRPOTrainer`` whose clipping window is re-chosen by BAPO's search at every loss call.
 
-How it plugs in without copying TRL's loss: TRL's ``_compute_loss`` clips with
-``clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)`` and reports ``clip_ratio/*`` against the same two
-attributes. Between computing the policy log-probs and clipping it calls nothing we could hook, except the
-log-prob function itself. So:
+Two overrides carry the method; everything else is TRL's code or lives in its own module:
 
-1. ``compute_loss`` arms the search with the micro-batch;
-2. the first ``_get_per_token_logps_and_entropies`` call of that loss (the policy forward) runs the search on
-   ``exp(logp - old_logp)`` and sets ``epsilon_low = 1 - c_low`` and ``epsilon_high = c_high - 1`` as 0-dim
-   tensors (the search itself makes no host sync; the ``bapo/*`` metrics then read their sums back to the host
-   once per micro-batch, as TRL's own metrics do);
-3. TRL's own loss then applies the chosen window, and its ``clip_ratio/*`` metrics use the chosen bounds.
-
-Every other GRPO feature (loss aggregation, KL, vLLM importance-sampling correction, entropy bonus, PEFT,
-DeepSpeed) is TRL's code, untouched.
+* **the dispatcher** (``_generate_and_score_completions``): the batch comes from the run's rollout source
+  (:mod:`bapo_trl.rollout`: TRL's generation, partial rollout, async generation, replay around any of them), built
+  once from the config over a narrow port; the trainer knows nothing of how a source works;
+* **the loss hook**: TRL's ``_compute_loss`` clips with ``clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)``
+  and calls nothing we could hook between the policy forward and the clip, except the log-prob function itself. So
+  ``compute_loss`` arms the search with the micro-batch, the first ``_get_per_token_logps_and_entropies`` of that
+  loss (the policy forward) runs the search on ``exp(logp - old_logp)`` and installs the window through the loss
+  type's row (:mod:`bapo_trl.loss_types`), and TRL's own loss and ``clip_ratio/*`` metrics use it. The search makes
+  no host sync; the ``bapo/*`` metrics read their sums back once per micro-batch, as TRL's own metrics do.
 """
 
 from __future__ import annotations
@@ -29,19 +26,13 @@ from .checkpoints import CheckpointMixin
 from .clipping import SearchResult, search_clip_bounds, search_path
 from .config import BAPOConfig
 from .generation.cpu_server import CPUServerSyncMixin  # vLLM server mode on CPU (disk weight sync)
-from .metrics import age_sums, age_values, origin_sums, origin_values, search_sums, search_values, token_staleness
+from .loss_types import LOSS_TYPES
 from .model_card import PAPER_CITATION, ModelCardMixin
 from .numerics import loss_mask, mask_nonfinite_inputs, sanitize_after_forward
 from .reward_errors import name_errors
-from .rollout import (
-    AsyncGeneration,
-    AsyncPartialRollout,
-    CompletionServer,
-    PartialRollout,
-    ReplayMixer,
-    ReplayQueue,
-    check_rollout_arguments,
-)
+from .rollout.contract import parts, stamp_policy_version
+from .rollout.port import TRLPort
+from .rollout.registry import build_source, check_source_arguments
 from .target_controller import TargetController
 from .trl_seams import check_trl_seams
 
@@ -51,6 +42,7 @@ check_trl_seams()  # a TRL that moved a private method we override fails here, l
 BAPO_METRICS = metrics.SEARCH + metrics.ENTROPY_CLIP
 #: Logged when the replay queue is on.
 REPLAY_METRICS = metrics.REPLAY
+
 
 class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrainer):
     """GRPO with BAPO's adaptive clipping window (Xi et al., 2025).
@@ -79,9 +71,11 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
                 "GRPOConfig field unchanged: replace `GRPOConfig(...)` by `BAPOConfig(...)` (from bapo_trl import "
                 "BAPOConfig); BAPO then adds its search settings with the paper's defaults (positive_contribution_"
                 "target=0.5, c_low 0.6..0.9, c_high 1.2..3.0) and ignores `epsilon`/`epsilon_high`.")
-        check_rollout_arguments(args, kwargs)  # at construction, before TRL loads anything
+        check_source_arguments(args, kwargs)  # at construction, before TRL loads anything
         self._bapo_settings = args.bapo_settings
         self._bapo_pending: dict[str, Any] | None = None
+        self.port = TRLPort(self)  # the rollout sources' only way into TRL (its log-prob answers are needed below)
+        self.loss = LOSS_TYPES[args.loss_type]
         self.last_search: SearchResult | None = None
         super().__init__(model, reward_funcs, args=args, **kwargs)
         # A reward function that raises is named in the error (TRL keeps the callables in this list).
@@ -89,77 +83,39 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
             name_errors(f, n) if callable(f) and not isinstance(f, torch.nn.Module) else f
             for f, n in zip(self.reward_funcs, self.reward_func_names)
         ]
-        self.completion_server = CompletionServer(self)  # serves completions generated outside TRL's generate call
-        self.partial_rollout = PartialRollout(self) if args.partial_rollout_enabled and not args.async_generation \
-            else None
-        self.async_generation = None
-        if args.async_generation:
-            self.async_generation = (AsyncPartialRollout if args.partial_rollout_enabled else AsyncGeneration)(self)
-        self.replay = ReplayMixer(self) if args.replay_enabled else None
+        self.rollout_source = build_source(self.port)
         self.target_controller: TargetController | None = None
         if args.target_entropy is not None:
             self.target_controller = TargetController(args.target_entropy, args.target_adapt_rate, args.target_min,
                                                       args.target_max, args.positive_contribution_target)
 
     @property
-    def replay_queue(self) -> ReplayQueue | None:
+    def replay_queue(self):
         """The replay source's queue (None without replay)."""
-        return None if self.replay is None else self.replay.queue
+        return next((p.queue for p in parts(self.rollout_source) if p.state_name == "replay_queue"), None)
 
-    # -- data: remember which policy version sampled each completion -------------------------------------------
+    # -- data: every batch from the rollout source, stamped with the policy versions that sampled it -----------
 
     def _generate_and_score_completions(self, inputs):
-        """Where the batch comes from: partial rollout's finished groups, the async producer's next batch, or TRL's
-        generation (short by the groups replay stands in for); then replay mixes in stored groups. Every batch
-        carries its policy versions."""
-        training = self.model.training
         score = super()._generate_and_score_completions
-        saved = 0  # groups of this batch taken from the replay queue instead of being generated
-        if self.async_generation is not None and not training:  # evaluation: TRL's generation, producer held
-            with self.async_generation.generation_paused():
-                return score(inputs)
-        if self.partial_rollout is not None and training:
-            output = self.partial_rollout.next_batch(inputs, score)
-        elif self.async_generation is not None:
-            output = self.async_generation.next_batch(inputs, score)
-        else:
-            saved = self.replay.groups_saved(inputs) if self.replay is not None and training else 0
-            output = score(inputs[: len(inputs) - saved * self.num_generations])
-            batch = output["completion_ids"].size(0)
-            output["policy_version"] = torch.full(
-                (batch,), self.state.global_step, dtype=torch.long, device=output["completion_ids"].device
-            )
-        if self.replay is not None and training:
-            output = self.replay.mix(output, appended=saved)
-        return output
-
-    @torch.no_grad()
-    def _policy_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                      batch_size: int | None = None):
-        """Current-policy log-probs of the last ``logits_to_keep`` tokens, outside the loss (no gradient, no
-        checkpointing, no search: nothing arms it here)."""
-        from trl.models.utils import disable_gradient_checkpointing
-
-        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            logps, _, _ = self._get_per_token_logps_and_entropies(
-                self.model, input_ids, attention_mask, logits_to_keep,
-                batch_size=batch_size or self.args.per_device_train_batch_size,
-            )
-        return logps
+        if self.model.training:
+            return self.rollout_source.next_batch(inputs, score)
+        with self.rollout_source.paused():  # evaluation: TRL's own generation, background generation held
+            return stamp_policy_version(score(inputs), self.state.global_step)
 
     def _rank_states(self) -> dict[str, Any]:
         """Per-process state saved beside TRL's checkpoint files (:class:`~.checkpoints.CheckpointMixin`)."""
-        states = {"replay_queue": self.replay, "partial_rollout": self.partial_rollout,
-                  "async_generation": self.async_generation, "target_controller": self.target_controller}
-        return {stem: obj for stem, obj in states.items() if obj is not None}
+        states = {p.state_name: p for p in parts(self.rollout_source) if p.state_name is not None}
+        if self.target_controller is not None:
+            states["target_controller"] = self.target_controller
+        return states
 
     def _after_state_load(self) -> None:
         if self.target_controller is not None:
             self._set_target(self.target_controller.value)
 
     def _end_of_training(self) -> None:
-        if self.async_generation is not None:  # the producer thread ends with the run
-            self.async_generation.close()
+        self.rollout_source.close()  # background generation ends with the run
 
     def _set_target(self, rho0: float) -> None:
         """Install a new positive-share target (the closed-loop controller's) for the next searches."""
@@ -178,7 +134,7 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         # TRL scoring completions generated elsewhere (partial rollout, async): their tokens' own policies
-        stored = self.completion_server.take_stored_logps(logits_to_keep, input_ids.device)
+        stored = self.port.take_stored_logps(logits_to_keep, input_ids.device)
         if stored is not None:
             return stored, None, None
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
@@ -203,54 +159,24 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
         weights = inputs.get("importance_sampling_ratio")  # TRL's vLLM IS correction multiplies each token's loss
         if self.args.positive_contribution_is_weighted and weights is not None:
             advantages = (advantages[:, None] if advantages.dim() == 1 else advantages) * weights
-        result = search_clip_bounds(
-            ratio, advantages, mask, config=self._bapo_settings, reduce_fn=self._sum_over_processes
-        )
-        dtype = per_token_logps.dtype
-        self.epsilon_low = (1.0 - result.clip_low).to(dtype)
-        self.epsilon_high = (result.clip_high - 1.0).to(dtype)
+        result = search_clip_bounds(ratio, advantages, mask, config=self._bapo_settings,
+                                    reduce_fn=self.port.sum_over_processes, sums_fn=self.loss.grid_sums)
+        for name, value in self.loss.to_trl(result.clip_low, result.clip_high).items():
+            setattr(self, name, value.to(per_token_logps.dtype))
         self.last_search = result
         self._log_search(result, ratio, advantages, mask, inputs, per_token_logps, entropies)
 
-    def _sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.accelerator.num_processes == 1:
-            return tensor
-        return self.accelerator.reduce(tensor, reduction="sum")
-
-    def _max_over_processes(self, value: torch.Tensor) -> torch.Tensor:
-        """The largest 0-dim ``value`` over all processes."""
-        if self.accelerator.num_processes == 1:
-            return value
-        return self.accelerator.gather(value[None]).max()
-
-    # -- metrics ------------------------------------------------------------------------------------------------
-
     def _log_search(self, result: SearchResult, ratio, advantages, mask, inputs, logps, entropies=None) -> None:
-        """The update's metrics (:mod:`bapo_trl.metrics`): local sums, ONE collective (plus one for the maxima),
-        values under the registered names; then the closed-loop target, if on, takes its step."""
+        """The update's metrics (:func:`bapo_trl.metrics.update_values`); then the closed-loop target, if on, takes
+        its step."""
         mode = "train" if self.model.training else "eval"
-        step = self.state.global_step
-        staleness = token_staleness(inputs, step, ratio)
-        sums, stale_max = search_sums(result, self._search_path, ratio, advantages, mask, logps, entropies,
-                                      staleness, self._nonfinite_inputs)
-        sums, stale_max = self._sum_over_processes(sums), self._max_over_processes(stale_max)
-        values, mean_entropy = search_values(sums.tolist(), result.as_floats(), self._search_path, float(stale_max),
-                                             self._bapo_settings.positive_contribution_target)
-        if "replayed" in inputs:  # fresh vs replayed tokens
-            staleness = (step - inputs["policy_version"]).double()[:, None].expand_as(ratio)
-            totals, rep_max = origin_sums(result, ratio, advantages, mask, inputs["replayed"], staleness)
-            totals, rep_max = self._sum_over_processes(totals), self._max_over_processes(rep_max)
-            values.update(origin_values(totals.tolist(), float(rep_max)))
-        if self.async_generation is not None and staleness is not None and mode == "train":  # share by token age
-            values.update(age_values(self._sum_over_processes(age_sums(result, ratio, advantages, mask,
-                                                                       staleness)).tolist()))
-        for name, value in values.items():
-            self._metrics[mode][name].append(value)
+        values, mean_entropy = metrics.update_values(
+            result, search_path(self._bapo_settings), self.loss, ratio, advantages, mask, inputs, logps, entropies,
+            self.state.global_step, self._nonfinite_inputs, self._bapo_settings.positive_contribution_target,
+            self.port.sum_over_processes, self.port.max_over_processes,
+            by_age=self.args.async_generation and mode == "train")
+        self.port.log_metrics(values, mode)
         if self.target_controller is not None and mode == "train":
             if entropies is None:
                 raise RuntimeError("target_entropy needs the policy entropy, but TRL's loss forward returned none.")
             self._set_target(self.target_controller.update(mean_entropy))
-
-    @property
-    def _search_path(self):
-        return search_path(self._bapo_settings)

@@ -112,8 +112,8 @@ def build(kind: str, model_dir: str, output_dir: str, steps: int, device: str = 
     trainer.remove_callback(PrinterCallback)  # no log dict printed per step
     if kind != "grpo":  # time spent inside BAPO's own code, a noise-free part of the overhead
         for name in LABELS:
-            owner = trainer.replay if name == "mix" else trainer  # replay mixing lives in the trainer's source
-            if owner is not None:
+            owner = trainer.rollout_source if name == "mix" else trainer  # replay mixing: the replay source
+            if hasattr(owner, name):
                 setattr(owner, name, timed(getattr(owner, name), timer.inside, name))
     return trainer, timer
 

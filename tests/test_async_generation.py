@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from probes import source_of
 from test_vllm_server import (  # noqa: F401  (fixtures)
     FakeStallingServer,
     reset_server_weights,
@@ -28,7 +29,8 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from trl.trainer.utils import RepeatSampler
 
 from bapo_trl import BAPOConfig, BAPOTrainer
-from bapo_trl.rollout.async_generation import AsyncGeneration, Producer, PromptStream, Work
+from bapo_trl.rollout.async_generation import AsyncGeneration
+from bapo_trl.rollout.producer import Producer, PromptStream, Work
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")
 
@@ -144,11 +146,11 @@ def test_async_settings_without_async_warn_that_they_do_nothing(name):
 
 
 def test_a_users_rollout_func_is_refused_with_async_generation():
-    from bapo_trl.rollout import check_rollout_arguments
+    from bapo_trl.rollout import check_source_arguments
 
     args = BAPOConfig(**BASE, async_generation=True, use_vllm=True, vllm_mode="server")
     with pytest.raises(ValueError, match="async generation .*would replace yours"):
-        check_rollout_arguments(args, {"rollout_func": lambda prompts, trainer: {}})
+        check_source_arguments(args, {"rollout_func": lambda prompts, trainer: {}})
 
 
 def test_a_stalled_server_is_an_error_naming_the_timeout(tiny_model_dir, tmp_path, monkeypatch):
@@ -190,7 +192,7 @@ class AsyncProbe:
     server request started."""
 
     def __init__(self, trainer):
-        source: AsyncGeneration = trainer.async_generation
+        source: AsyncGeneration = source_of(trainer, AsyncGeneration)
         self.batches, self.requests = [], {}
         next_batch, generate = source.next_batch, source._generate
 

@@ -110,7 +110,7 @@ def test_is_weighted_share_balances_what_the_loss_weights(tiny_model_dir, tmp_pa
                   "completion_ids": completions, "completion_mask": torch.ones(4, 6),
                   "advantages": torch.tensor([1.0, 1.0, -1.0, -1.0]), "num_items_in_batch": torch.tensor(24.0)}
         with torch.no_grad():
-            logps, _, _ = trainer._policy_logps(torch.cat([prompts.input_ids, completions], 1),
+            logps, _, _ = trainer.port.policy_logps(torch.cat([prompts.input_ids, completions], 1),
                                                 torch.cat([prompts.attention_mask, torch.ones(4, 6)], 1), 6), None, None
         # positives at ratio ~2 (share 0.55 at the start window, unweighted), negatives on-policy
         inputs["old_per_token_logps"] = logps - torch.tensor([[0.7] * 6, [0.7] * 6, [0.0] * 6, [0.0] * 6])

@@ -5,10 +5,11 @@ import math
 
 import pytest
 import torch
+from probes import source_of
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from bapo_trl import BAPOConfig, BAPOTrainer
-from bapo_trl.rollout import PartialRolloutPool
+from bapo_trl.rollout import PartialRollout, PartialRolloutPool
 from bapo_trl.toy import make_reverse_dataset, reverse_reward
 
 EOS = 99
@@ -95,8 +96,8 @@ def test_stop_token_ids_from_generation_kwargs_end_completions(tiny_model_dir, t
     """A stop token given through generation_kwargs ends a completion for the pool too (else a stop exactly at the
     cap would look like a capped completion and be grown past its end)."""
     trainer = build(BAPOTrainer, tiny_model_dir, tmp_path, generation_kwargs={"eos_token_id": [1, 7]})
-    assert {1, 7} <= set(trainer.partial_rollout.pool.eos) and set(trainer.eos_token_ids) <= set(trainer.partial_rollout.pool.eos)
-    pool = PartialRolloutPool(budget=3, max_resumes=5, max_completion_length=20, eos_token_ids=trainer.partial_rollout.pool.eos)
+    assert {1, 7} <= set(source_of(trainer, PartialRollout).pool.eos) and set(trainer.eos_token_ids) <= set(source_of(trainer, PartialRollout).pool.eos)
+    pool = PartialRolloutPool(budget=3, max_resumes=5, max_completion_length=20, eos_token_ids=source_of(trainer, PartialRollout).pool.eos)
     pool.add_groups([{"id": 0}], [[0]], group_size=1)
     pool.grow(lambda prefixes, n: ([[5, 6, 7]], None), scripted_score, step=0)  # stops on 7, exactly at the cap
     assert pool.groups[0].finished
@@ -115,14 +116,15 @@ class RecordingTrainer(BAPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.trained, source, server = [], self.partial_rollout, self.completion_server
-        serve = server.rollout
+        self.trained, pool = [], source_of(self, PartialRollout).pool
+        pop_ready = pool.pop_ready
 
-        def recording_rollout(prompts, trainer):
-            self.trained += list(source.ready)
-            return serve(prompts, trainer)
+        def recording_pop_ready(num_groups):  # the groups handed to TRL for scoring, in order
+            groups = pop_ready(num_groups)
+            self.trained += [c for g in groups for c in g.completions]
+            return groups
 
-        server.rollout = recording_rollout
+        pool.pop_ready = recording_pop_ready
 
 
 ARGS = dict(use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", per_device_train_batch_size=16,
@@ -228,14 +230,15 @@ def test_trl_old_logps_are_the_stored_segment_logps(tiny_model_dir, tmp_path):
     class Probe(RecordingTrainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            next_batch = self.partial_rollout.next_batch
+            source = source_of(self, PartialRollout)
+            next_batch = source.next_batch
 
             def recording_next_batch(inputs, score):
                 output = next_batch(inputs, score)
                 batches.append((output, list(self.trained[-output["completion_ids"].size(0):])))
                 return output
 
-            self.partial_rollout.next_batch = recording_next_batch
+            source.next_batch = recording_next_batch
 
     trainer = build(Probe, tiny_model_dir, tmp_path, max_steps=4, save_strategy="no", steps_per_generation=2,
                     per_device_train_batch_size=8)
@@ -255,11 +258,11 @@ def test_resume_keeps_carried_completions(tiny_model_dir, tmp_path):
     ran = Snapshots()  # records the steps this process really ran
     resumed = build(BAPOTrainer, tiny_model_dir, tmp_path / "resumed", [ran], **common)
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
-    a, b = full.partial_rollout.pool.groups, resumed.partial_rollout.pool.groups
+    a, b = source_of(full, PartialRollout).pool.groups, source_of(resumed, PartialRollout).pool.groups
     assert len(a) == len(b) > 0
     # a resume, not a fresh run: it trained steps 4-6 only, and drew its top-up prompts where the full run was
     assert sorted(ran.policies) == [3, 4, 5]
-    assert resumed.partial_rollout.pool.extra_prompts_used == full.partial_rollout.pool.extra_prompts_used > 0
+    assert source_of(resumed, PartialRollout).pool.extra_prompts_used == source_of(full, PartialRollout).pool.extra_prompts_used > 0
     for ga, gb in zip(a, b):
         for ca, cb in zip(ga.completions, gb.completions):
             assert ca.token_ids == cb.token_ids and ca.versions == cb.versions

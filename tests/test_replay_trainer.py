@@ -5,9 +5,11 @@ import math
 
 import pytest
 import torch
+from probes import source_of
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl.rollout import ReplaySource
 from bapo_trl.toy import make_reverse_dataset, reverse_reward
 from bapo_trl.trainer import REPLAY_METRICS
 
@@ -193,7 +195,8 @@ class FillProbe(BAPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._real_mix, self.replay.mix = self.replay.mix, self._recording_mix
+        replay = source_of(self, ReplaySource)
+        self._real_mix, replay.mix = replay.mix, self._recording_mix
 
     def _recording_mix(self, output, *args, **kwargs):
         groups = output["advantages"].view(-1, self.num_generations)
@@ -253,7 +256,8 @@ class GenerationCounter(BAPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.batch_rows, mix = [], self.replay.mix if self.replay is not None else None
+        replay = source_of(self, ReplaySource)
+        self.batch_rows, mix = [], replay.mix if replay is not None else None
 
         def recording_mix(output, appended=0):
             mixed = mix(output, appended)
@@ -261,7 +265,7 @@ class GenerationCounter(BAPOTrainer):
             return mixed
 
         if mix is not None:
-            self.replay.mix = recording_mix
+            replay.mix = recording_mix
 
 
 def test_replay_that_saves_generation_generates_only_the_fresh_share(tiny_model_dir, tmp_path):

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-SAMPLING = ("uniform", "recent", "advantage")
+from ..rollout_settings import queue_settings_errors
+
 #: Keys padded on the LEFT (prompts are left-aligned against the completion in TRL).
 LEFT_PADDED = ("prompt_ids", "prompt_mask")
 
@@ -32,25 +33,6 @@ class ReplayStats:
     evicted_capacity: int = 0
     sampled: int = 0
     totals: dict = field(default_factory=lambda: {"pushed": 0, "evicted": 0, "sampled": 0})
-
-
-def _is_whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def queue_settings_errors(size, max_staleness, sampling, off_allowed: bool = True) -> list[str]:
-    """The one check of the queue's settings (``BAPOConfig`` and the queue itself use it): the field, the allowed
-    range and the value. ``off_allowed``: a size of 0 means replay off (the config); a queue needs >= 1."""
-    errors = []
-    low = 0 if off_allowed else 1
-    if not _is_whole(size) or size < low:
-        errors.append(f"`replay_buffer_size` must be an integer >= {low}{' (0 = off)' if off_allowed else ''}, "
-                      f"got {size!r}.")
-    if not _is_whole(max_staleness) or max_staleness < 1:
-        errors.append(f"`replay_max_staleness` must be an integer >= 1, got {max_staleness!r}.")
-    if sampling not in SAMPLING:
-        errors.append(f"`replay_sampling` must be one of {SAMPLING}, got {sampling!r}.")
-    return errors
 
 
 class ReplayQueue:

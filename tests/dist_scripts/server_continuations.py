@@ -33,9 +33,9 @@ for round_index in range(4):
     idle = round_index % 2  # the rank with one prefix and a cap of 1
     count, cap = (1, 1) if rank == idle else (6, 8)
     prefixes = prompts[rank * 6 : rank * 6 + count]
-    completions, logprobs = trainer.partial_rollout.continue_completions(prefixes, cap)
+    completions, logprobs = trainer.port.continue_completions(prefixes, cap)
     # the trainer's log-probs of each answer AFTER THIS RANK'S OWN prefix: another prefix's answer would be far off
-    own = trainer.partial_rollout.segment_logps(prefixes, completions)
+    own = trainer.rollout_source.segment_logps(prefixes, completions)
     gap = max(abs(a - b) for row, ref in zip(logprobs, own) for a, b in zip(row, ref) if a is not None)
     records.append({"count": count, "cap": cap, "lengths": [len(c) for c in completions],
                     "logprob_lengths": [len(x) for x in logprobs], "gap_to_own_prefix": gap})

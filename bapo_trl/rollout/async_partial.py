@@ -1,0 +1,85 @@
+"""Async generation with partial rollout as a rollout source: each round the vLLM server grows every unfinished
+completion by the budget while the trainer trains.
+
+A completion may grow across several rounds, under newer policies, each token keeping the sampler's log-prob and
+version. Rounds depend on the previous round's tokens, so the producer runs exactly one round ahead
+(``max_staleness`` 1). The pool lives on the main process; its groups (and the prompt stream's position) are
+checkpointed, and a round in flight at a checkpoint is generated again on resume.
+"""
+
+from __future__ import annotations
+
+from ..metrics import partial_sums, partial_values
+from .async_generation import AsyncGeneration, Handover
+from .contract import TrainerPort
+from .pool import PartialRolloutPool
+from .producer import Work
+
+
+class AsyncPartialRollout(AsyncGeneration):
+    """Async generation whose batches are the finished groups of a pool grown one round ahead."""
+
+    def __init__(self, port: TrainerPort):
+        super().__init__(port)
+        args = port.args
+        self.pool = PartialRolloutPool(args.partial_rollout_budget, args.partial_rollout_max_resumes,
+                                       args.max_completion_length, port.stop_token_ids())
+        self.groups_per_batch = args.generation_batch_size // port.num_generations
+        self.round_submitted: int | None = None  # the round (batch index) queued last
+        self.stream_position = 0
+
+    def state_dict(self) -> dict:
+        position = self.stream.position if self.stream is not None else self.stream_position
+        return {"batches_handed": self.handed, "stream_position": position, "pool": self.pool.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.stream_position = int(state["stream_position"])
+        self.pool.load_state_dict(state["pool"])
+
+    def _start(self) -> None:
+        if self.producer is None:
+            super()._start()
+            self.stream.skip_to(self.stream_position)  # the groups drawn so far are in the restored pool
+
+    def _main_next(self, push_seconds: float) -> Handover:
+        pool = self.pool
+        if self.round_submitted != self.handed:  # the first call (or the first after a resume)
+            self._submit_round(self.handed)
+        batch, waited = self.producer.take(("round", self.handed))
+        todo, caps = batch.work.context
+        pool.apply(todo, caps, batch.completion_ids, batch.logps, batch.logps, batch.version)
+        seconds = batch.seconds
+        short = self.groups_per_batch - pool.num_ready()
+        oldest = [g for g in pool.groups if not g.finished][: max(short, 0)]
+        todo = [c for g in oldest for c in g.completions if not c.finished]
+        if todo:  # too few finished groups: generate the oldest unfinished ones to the end, now
+            prefixes, caps = pool.request(todo, pool.max_len)
+            self.producer.submit(Work(("finish", self.handed), prefixes, 1, max(caps), context=(todo, caps)))
+            batch, extra_wait = self.producer.take(("finish", self.handed))
+            pool.apply(todo, caps, batch.completion_ids, batch.logps, batch.logps, batch.version)
+            waited, seconds = waited + extra_wait, seconds + batch.seconds
+        carried = pool.end_step()
+        groups = pool.pop_ready(self.groups_per_batch)
+        self._submit_round(self.handed + 1)  # generated while this batch trains
+        completions = [c for g in groups for c in g.completions]
+        versions = [list(c.versions) for c in completions]
+        metrics = self._batch_metrics(versions, seconds, waited, push_seconds)
+        metrics.update(partial_values(*partial_sums(completions, carried, self.port.global_step)))  # global batch
+        return Handover(rows=[row for g in groups for row in g.rows], prompt_ids=[c.prompt_ids for c in completions],
+                        completion_ids=[list(c.token_ids) for c in completions],
+                        logps=[list(c.logps) for c in completions], versions=versions, metrics=metrics)
+
+    def _submit_round(self, index: int) -> None:
+        """Top the pool up to two batches' worth of groups and queue one request growing every unfinished
+        completion: by the budget, or to the end for one carried ``max_resumes`` times."""
+        port, pool = self.port, self.pool
+        while len(pool) < 2 * self.groups_per_batch:
+            indices = self.stream.next()
+            rows = [dict(port.train_dataset[i]) for i in indices]
+            pool.add_groups(rows, port.tokenize_prompts([row["prompt"] for row in rows]), port.num_generations)
+        todo = pool.unfinished()
+        wanted = [pool.budget if c.resumes < pool.max_resumes else pool.max_len for c in todo]
+        prefixes, caps = pool.request(todo, wanted)
+        self.producer.submit(Work(("round", index), prefixes, 1, max(caps), context=(todo, caps)))
+        self.round_submitted = index

@@ -1,0 +1,183 @@
+"""The rollout contract: what a rollout source is, and the narrow port through which it reaches TRL.
+
+A *rollout source* makes the training batches of one trainer process. It never sees the trainer: it is built with a
+:class:`TrainerPort`, the only rollout code that touches ``GRPOTrainer`` internals (``port.py``), and asked for one
+batch at a time with TRL's own scoring function. What every source guarantees, whatever it does inside:
+
+* the batch is TRL's (what ``GRPOTrainer._generate_and_score_completions`` returns) with one group of
+  ``num_generations`` completions per ``num_generations`` rows of ``inputs`` (the dataloader's rows for this
+  generation batch);
+* ``policy_version`` (``(B,)``, long): the optimizer step of the OLDEST policy that sampled a token of the completion,
+  and, where the tokens of one completion come from several policies, ``token_policy_version`` (``(B, T)``) per token;
+* ``old_per_token_logps``, when present, are the log-probs of the policy that sampled each token (the behaviour
+  policy), so BAPO's ratio sees the real staleness;
+* its state round-trips through ``state_dict()`` / ``load_state_dict()`` (one file per process, named by
+  ``state_name``; ``None``: nothing to save), ``close()`` ends whatever runs in the background, and ``paused()``
+  holds background generation while TRL generates for evaluation (a no-op where nothing runs in the background).
+
+A new source is one file with a class that takes ``(port)`` and one line
+``register_source("name", "module:Class")`` (or the class itself); ``BAPOConfig(rollout_source="name")`` selects it
+(:mod:`bapo_trl.rollout.registry`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Protocol, runtime_checkable
+
+import torch
+
+#: TRL's ``_generate_and_score_completions`` (bound): dataset rows -> TRL's batch.
+ScoreFn = Callable[[list[dict]], dict[str, Any]]
+
+
+@dataclass
+class ReadyCompletions:
+    """Completions generated outside TRL's generate call, for TRL to score: one entry per completion, in the order of
+    the dataset rows."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    sampling_logps: list[list[float]]  # the sampler's own log-prob of each token (TRL's IS correction compares them)
+    behaviour_logps: list[list[float]]  # the log-prob of the policy that produced each token (BAPO's ratio)
+
+
+@runtime_checkable
+class RolloutSource(Protocol):
+    """Makes this process's training batches (see the module doc for what each batch guarantees)."""
+
+    state_name: str | None
+
+    def next_batch(self, inputs: list[dict], score: ScoreFn) -> dict[str, Any]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+    def paused(self) -> ContextManager[None]: ...
+
+
+class TrainerPort(Protocol):
+    """What a rollout source may ask of the trainer, and nothing more. Implemented over ``GRPOTrainer`` by
+    :class:`bapo_trl.rollout.port.TRLPort`; a test can implement it over anything."""
+
+    # -- facts --------------------------------------------------------------------------------------------------
+    @property
+    def args(self) -> Any: ...  # the BAPOConfig
+
+    @property
+    def num_generations(self) -> int: ...
+    @property
+    def global_step(self) -> int: ...  # optimizer steps taken = the version of the current policy
+
+    @property
+    def train_dataset(self) -> Any: ...
+
+    @property
+    def shuffle_dataset(self) -> bool: ...  # whether TRL's sampler shuffles the train set
+
+    @property
+    def max_completion_length(self) -> int: ...  # the generation backend's cap per completion
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def process_index(self) -> int: ...
+
+    @property
+    def num_processes(self) -> int: ...
+
+    @property
+    def is_main_process(self) -> bool: ...
+
+    @property
+    def pad_token_id(self) -> int: ...
+
+    def stop_token_ids(self) -> list[int]: ...
+
+    # -- TRL's generation and scoring ---------------------------------------------------------------------------
+    def tokenize_prompts(self, prompts: list) -> list[list[int]]: ...
+
+    def continue_completions(self, prefixes: list[list[int]], max_new_tokens: int
+                             ) -> tuple[list[list[int]], list[list[float]] | None]: ...
+
+    def server_generate(self, prompts: list[list[int]], n: int, max_tokens: int) -> dict[str, list]: ...
+
+    def push_weights(self) -> None: ...
+
+    @property
+    def weights_step(self) -> int | None: ...  # the step whose weights the generation backend holds
+
+    def mark_weights_current(self) -> None: ...
+
+    def policy_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                     batch_size: int | None = None) -> torch.Tensor: ...
+
+    def score_completions(self, score: ScoreFn, rows: list[dict], ready: ReadyCompletions) -> dict[str, Any]: ...
+
+    # -- processes and metrics ----------------------------------------------------------------------------------
+    def sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def max_over_processes(self, value: torch.Tensor) -> torch.Tensor: ...
+
+    def broadcast_object(self, obj: Any) -> Any: ...
+
+    def log_metrics(self, values: dict[str, float], mode: str = "train") -> None: ...
+
+
+class NothingInBackground:
+    """Defaults for a source with no state of its own and nothing running between batches."""
+
+    state_name: str | None = None
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def paused(self) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def parts(source: RolloutSource) -> list[RolloutSource]:
+    """The source and every source it wraps (``inner``), outermost first."""
+    chain = [source]
+    while getattr(chain[-1], "inner", None) is not None:
+        chain.append(chain[-1].inner)
+    return chain
+
+
+def stamp_policy_version(output: dict[str, Any], step: int) -> dict[str, Any]:
+    """Mark every completion of a batch as sampled by the policy of optimizer step ``step``."""
+    ids = output["completion_ids"]
+    output["policy_version"] = torch.full((ids.size(0),), step, dtype=torch.long, device=ids.device)
+    return output
+
+
+def stamp_token_versions(output: dict[str, Any], versions: list[list[int]], fill: int) -> dict[str, Any]:
+    """Per-token policy versions (``fill`` on padding) and each completion's oldest, on a scored batch."""
+    ids = output["completion_ids"]
+    per_token = right_pad(versions, ids.size(1), fill, torch.long, ids.device)
+    output["token_policy_version"] = per_token
+    output["policy_version"] = per_token.min(dim=1).values
+    return output
+
+
+def right_pad(rows: list[list], width: int, fill, dtype: torch.dtype, device) -> torch.Tensor:
+    """Per-completion lists as one ``(len(rows), width)`` tensor, each row cut or filled with ``fill`` to ``width``."""
+    return torch.tensor([(list(r) + [fill] * width)[:width] for r in rows], dtype=dtype, device=device)
+
+
+def is_iterable_dataset(dataset) -> bool:
+    """A dataset without random access (sources that draw prompts ahead of the dataloader need random access)."""
+    import datasets
+
+    return isinstance(dataset, (torch.utils.data.IterableDataset, datasets.IterableDataset))

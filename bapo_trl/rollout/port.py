@@ -1,0 +1,230 @@
+"""``TRLPort``: the :class:`~.contract.TrainerPort` over a ``GRPOTrainer``, the only rollout code that touches TRL's
+internals (every private name it uses is listed in :mod:`bapo_trl.trl_seams`).
+
+Besides plain accessors it does two things for sources that generate outside TRL's generate call (partial rollout,
+async generation): :meth:`TRLPort.score_completions` hands their finished completions to TRL's own scoring (rewards,
+advantages, TRL's metrics and its vLLM importance-sampling correction) through TRL's ``rollout_func`` hook, and answers
+TRL's old-log-prob forward, which would score the tokens with the CURRENT policy and hide their staleness, with the
+stored log-probs of the policy that produced each token (:meth:`TRLPort.take_stored_logps`, asked by the trainer's
+log-prob hook first).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .contract import ReadyCompletions, ScoreFn, right_pad
+
+
+class TRLPort:
+    """What rollout sources may ask of one ``GRPOTrainer`` process."""
+
+    def __init__(self, trainer):
+        self._trainer = trainer  # may be built before GRPOTrainer.__init__ ran: every fact is read when asked
+        self._ready: ReadyCompletions | None = None  # being scored, served by `_rollout`
+        self._awaiting_old_logps: ReadyCompletions | None = None  # armed while TRL computes its old-logp forward
+
+    # -- facts --------------------------------------------------------------------------------------------------
+
+    @property
+    def args(self):
+        return self._trainer.args
+
+    @property
+    def num_generations(self) -> int:
+        return self._trainer.num_generations
+
+    @property
+    def global_step(self) -> int:
+        return self._trainer.state.global_step
+
+    @property
+    def train_dataset(self):
+        return self._trainer.train_dataset
+
+    @property
+    def shuffle_dataset(self) -> bool:
+        return self._trainer.shuffle_dataset
+
+    @property
+    def device(self) -> torch.device:
+        return self._trainer.accelerator.device
+
+    @property
+    def process_index(self) -> int:
+        return self._trainer.accelerator.process_index
+
+    @property
+    def num_processes(self) -> int:
+        return self._trainer.accelerator.num_processes
+
+    @property
+    def is_main_process(self) -> bool:
+        return self._trainer.accelerator.is_main_process
+
+    @property
+    def pad_token_id(self) -> int:
+        return self._trainer._tokenizer.pad_token_id  # TRL's tokenizer (also inside a processor)
+
+    def stop_token_ids(self) -> list[int]:
+        """Every token id that ends a generation: TRL's EOS ids plus generation_kwargs' ``stop_token_ids`` (vLLM) and
+        ``eos_token_id`` (transformers); partial rollout needs them to tell a stopped completion from a capped one."""
+        ids = list(self._trainer.eos_token_ids)
+        kwargs = self.args.generation_kwargs or {}
+        for key in ("stop_token_ids", "eos_token_id"):
+            extra = kwargs.get(key)
+            ids += [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+        return sorted(set(ids))
+
+    # -- TRL's generation -----------------------------------------------------------------------------------------
+
+    def tokenize_prompts(self, prompts: list) -> list[list[int]]:
+        prompt_ids, _, _ = self._trainer._tokenize_prompts(prompts)
+        return [list(p) for p in prompt_ids]
+
+    def continue_completions(self, prefixes: list[list[int]], max_new_tokens: int):
+        """TRL's own single-turn generation (transformers or vLLM), with the prefix = prompt + partial completion,
+        capped at ``max_new_tokens``. Returns the new tokens and the sampler's log-probs (vLLM) or None."""
+        trainer = self._trainer
+        if not trainer.use_vllm:
+            config = trainer.generation_config
+            saved = config.max_new_tokens
+            config.max_new_tokens = max_new_tokens
+            try:
+                return trainer._generate_single_turn(prefixes, None, {}, 1)[0], None
+            finally:
+                config.max_new_tokens = saved
+        count, cap, backend = len(prefixes), max_new_tokens, trainer.vllm_generation
+        if self.num_processes > 1 and (backend.mode == "server" or backend.tensor_parallel_size > 1):
+            # One vLLM call serves several ranks: the request's max_tokens is rank 0's, and TRL hands each rank an
+            # equal slice of the answer. Agree on the largest cap (each rank cuts its answer back to its own) and
+            # pad every rank's prefixes to the largest share.
+            wanted = torch.tensor([[count, cap]], device=self.device)
+            largest_share, max_new_tokens = trainer.accelerator.gather(wanted).max(dim=0).values.tolist()
+            prefixes = prefixes + [prefixes[0]] * (largest_share - count)
+        saved = backend.max_completion_length  # vLLM's max_tokens for this call
+        backend.max_completion_length = max_new_tokens
+        try:
+            completion_ids, logprobs = trainer._generate_single_turn(prefixes, None, {}, 1)
+        finally:
+            backend.max_completion_length = saved
+        completion_ids = [list(ids[:cap]) for ids in completion_ids[:count]]
+        return completion_ids, (None if logprobs is None else [list(lp[:cap]) for lp in logprobs[:count]])
+
+    def server_generate(self, prompts: list[list[int]], n: int, max_tokens: int) -> dict[str, list]:
+        """One request to the vLLM server (any thread): ``n`` completions of every prompt (token ids), TRL's sampling
+        settings, at most ``max_tokens`` each. Returns ``completion_ids`` and the sampler's ``logps`` per token."""
+        backend = self._trainer.vllm_generation
+        output = backend.vllm_client.generate(
+            prompts=prompts, n=n, repetition_penalty=backend.repetition_penalty,
+            temperature=backend.temperature, top_p=backend.top_p, top_k=backend.top_k,
+            min_p=0.0 if backend.min_p is None else backend.min_p, max_tokens=max_tokens,
+            logprobs=0, structured_outputs_regex=backend.structured_outputs_regex,
+            generation_kwargs=backend.generation_kwargs,
+        )
+        logps = [[float("nan") if lp[0] is None else float(lp[0]) for lp in seq] for seq in output["logprobs"]]
+        return {"completion_ids": output["completion_ids"], "logps": logps}
+
+    @property
+    def max_completion_length(self) -> int:
+        return self._trainer.vllm_generation.max_completion_length
+
+    def push_weights(self) -> None:
+        """TRL's weight sync to the generation backend (every process: gathering may be collective)."""
+        self._trainer.vllm_generation.sync_weights()
+        self.mark_weights_current()
+
+    @property
+    def weights_step(self) -> int | None:
+        """The optimizer step whose weights TRL last pushed to vLLM (TRL's own record; -1 before the first)."""
+        return self._trainer._last_loaded_step
+
+    def mark_weights_current(self) -> None:
+        """Record that the backend holds the current policy, so TRL's generation path does not push again."""
+        self._trainer._last_loaded_step = self.global_step
+
+    # -- policy log-probs -------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def policy_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                     batch_size: int | None = None) -> torch.Tensor:
+        """Current-policy log-probs of the last ``logits_to_keep`` tokens, outside the loss (no gradient, no
+        checkpointing; the trainer's search is armed only inside its loss)."""
+        from trl.models.utils import disable_gradient_checkpointing
+
+        trainer = self._trainer
+        with disable_gradient_checkpointing(trainer.model, self.args.gradient_checkpointing_kwargs):
+            logps, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, input_ids, attention_mask, logits_to_keep,
+                batch_size=batch_size or self.args.per_device_train_batch_size,
+            )
+        return logps
+
+    # -- scoring completions generated elsewhere ------------------------------------------------------------------
+
+    def trl_scores_old_logps(self) -> bool:
+        """TRL's own condition for computing ``old_per_token_logps`` with a forward in its scoring."""
+        trainer, args = self._trainer, self.args
+        generate_every = args.steps_per_generation * trainer.num_iterations
+        return args.gradient_accumulation_steps % generate_every != 0 or (
+            trainer.use_vllm and trainer.vllm_importance_sampling_correction)
+
+    def score_completions(self, score: ScoreFn, rows: list[dict], ready: ReadyCompletions) -> dict[str, Any]:
+        """TRL's ``_generate_and_score_completions`` (``score``) on ``rows`` with ``ready`` as the generation;
+        ``old_per_token_logps`` of the result are the behaviour log-probs."""
+        trainer = self._trainer
+        self._ready = ready
+        self._awaiting_old_logps = ready if self.trl_scores_old_logps() else None
+        saved_rollout_func, trainer.rollout_func = trainer.rollout_func, self._rollout
+        try:
+            output = score(rows)
+            if self._awaiting_old_logps is not None:
+                raise RuntimeError("TRL did not compute old_per_token_logps where bapo_trl expected it to: the "
+                                   "installed TRL's _generate_and_score_completions changed; please report it.")
+        finally:
+            trainer.rollout_func, self._ready, self._awaiting_old_logps = saved_rollout_func, None, None
+        width, device = output["completion_ids"].size(1), output["completion_ids"].device
+        output["old_per_token_logps"] = right_pad(ready.behaviour_logps, width, 0.0, torch.float32, device)
+        return output
+
+    def _rollout(self, prompts, trainer):
+        """TRL's ``rollout_func`` contract, serving the ready completions (no generation)."""
+        ready = self._ready
+        return {"prompt_ids": ready.prompt_ids, "completion_ids": ready.completion_ids,
+                "logprobs": ready.sampling_logps}
+
+    def take_stored_logps(self, width: int, device) -> torch.Tensor | None:
+        """The stored behaviour log-probs for TRL's old-logp forward, once (None when not armed)."""
+        ready, self._awaiting_old_logps = self._awaiting_old_logps, None
+        return None if ready is None else right_pad(ready.behaviour_logps, width, 0.0, torch.float32, device)
+
+    # -- processes and metrics ------------------------------------------------------------------------------------
+
+    def sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.num_processes == 1:
+            return tensor
+        return self._trainer.accelerator.reduce(tensor, reduction="sum")
+
+    def max_over_processes(self, value: torch.Tensor) -> torch.Tensor:
+        """The largest 0-dim ``value`` over all processes."""
+        if self.num_processes == 1:
+            return value
+        return self._trainer.accelerator.gather(value[None]).max()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """The main process's ``obj`` on every process."""
+        if self.num_processes == 1:
+            return obj
+        from accelerate.utils import broadcast_object_list
+
+        box = [obj]
+        broadcast_object_list(box, from_process=0)
+        return box[0]
+
+    def log_metrics(self, values: dict[str, float], mode: str = "train") -> None:
+        """Append to TRL's per-step metrics (averaged and logged by TRL's ``log``)."""
+        metrics = self._trainer._metrics[mode]
+        for name, value in values.items():
+            metrics[name].append(value)

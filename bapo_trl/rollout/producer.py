@@ -1,0 +1,156 @@
+"""The async machinery, with no knowledge of models or trainers: the prompt stream and the producer thread.
+
+* :class:`PromptStream`: global generation batches of dataset indices in the order TRL's ``RepeatSampler`` draws
+  them, restartable at any batch;
+* :class:`Producer`: one thread that takes queued :class:`Work` in order, makes one request per piece of work
+  (``generate``, given by the source) and keeps the results until they are taken; a weight push runs between two
+  requests (:meth:`Producer.between_requests`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from trl.trainer.utils import RepeatSampler
+
+
+class PromptStream:
+    """Global generation batches of dataset indices, in the order TRL's ``RepeatSampler`` draws them (same seed:
+    a group's ``num_generations`` copies side by side, a new permutation every epoch); restartable at batch ``n``."""
+
+    def __init__(self, num_rows: int, num_generations: int, batch_rows: int, shuffle: bool, seed: int):
+        if batch_rows % num_generations or num_rows * num_generations < batch_rows:
+            raise ValueError(f"a generation batch of {batch_rows} rows needs whole groups of {num_generations} "
+                             f"from a train set of {num_rows} prompts")
+        self.sampler = RepeatSampler(range(num_rows), mini_repeat_count=num_generations,
+                                     batch_size=batch_rows // num_generations, shuffle=shuffle, seed=seed)
+        self.batch_rows = batch_rows
+        self.position = 0  # batches drawn so far
+        self._iterator = self._batches()
+
+    def _batches(self):
+        while True:  # one pass of the sampler per epoch; its generator draws a new permutation each time
+            indices = list(self.sampler)
+            for start in range(0, len(indices) - self.batch_rows + 1, self.batch_rows):
+                yield indices[start : start + self.batch_rows]
+
+    def next(self) -> list[int]:
+        self.position += 1
+        return next(self._iterator)
+
+    def skip_to(self, position: int) -> None:
+        while self.position < position:
+            self.next()
+
+
+@dataclass
+class Work:
+    """One request: ``n`` completions of every prompt (token ids), at most ``max_tokens`` each; ``context`` is the
+    caller's (dataset rows, or the completions a round continues)."""
+
+    index: Any
+    prompts: list[list[int]]
+    n: int
+    max_tokens: int
+    context: Any = None
+
+
+@dataclass
+class GeneratedBatch:
+    """What the server returned for one piece of work (one entry per completion, prompt-major)."""
+
+    work: Work
+    completion_ids: list[list[int]]
+    logps: list[list[float]]  # the sampler's log-prob of each token
+    version: int  # optimizer step of the weights the server held
+    seconds: float  # time of the generate request
+
+    @property
+    def prompt_ids(self) -> list[list[int]]:
+        return [p for p in self.work.prompts for _ in range(self.work.n)]
+
+
+class Producer:
+    """The generation thread of the main process: takes queued work in order, sends one request per batch, keeps
+    the results until the trainer takes them. A weight push runs between two requests (:meth:`between_requests`)."""
+
+    def __init__(self, generate: Callable[[Work], dict], request_timeout: float):
+        self.generate, self.request_timeout = generate, request_timeout
+        self.version = 0  # optimizer step of the weights on the server (set under the lock by the pusher)
+        self.work: queue.Queue[Work | None] = queue.Queue()
+        self.ready: dict[int, GeneratedBatch] = {}
+        self.error: BaseException | None = None
+        self.condition = threading.Condition()
+        self._request_lock = threading.Lock()  # held for each request; a push takes it between two
+        self._push_wanted = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="bapo-async-generation", daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Work) -> None:
+        self.work.put(work)
+
+    @contextlib.contextmanager
+    def between_requests(self):
+        """Hold the producer between two requests (a request in flight finishes first)."""
+        self._push_wanted.set()
+        try:
+            with self._request_lock:
+                yield self
+        finally:
+            self._push_wanted.clear()
+            with self.condition:
+                self.condition.notify_all()
+
+    def take(self, index) -> tuple[GeneratedBatch, float]:
+        """Batch ``index`` and the seconds waited for it; the producer's error if it failed."""
+        start = time.perf_counter()
+        # A request is bounded by request_timeout, and a push waits for at most one: never a hang.
+        deadline = start + 3 * self.request_timeout + 60
+        with self.condition:
+            while index not in self.ready and self.error is None:
+                if not self._thread.is_alive():
+                    raise RuntimeError("async generation: the producer thread is gone")
+                if not self.condition.wait(timeout=min(5.0, max(deadline - time.perf_counter(), 0.01))) and \
+                        time.perf_counter() > deadline:
+                    raise TimeoutError(f"async generation: batch {index} not generated within "
+                                       f"{deadline - start:.0f} s (3 x vllm_server_timeout + 60 s)")
+            if self.error is not None:
+                raise self.error
+            return self.ready.pop(index), time.perf_counter() - start
+
+    def depth(self) -> int:
+        with self.condition:
+            return len(self.ready)
+
+    def close(self) -> None:
+        self._closed = True
+        self.work.put(None)
+        self._thread.join(timeout=1.0)  # a request in flight ends within its timeout; the thread is a daemon
+
+    def _run(self) -> None:
+        try:
+            while True:
+                work = self.work.get()
+                if work is None or self._closed:
+                    return
+                with self.condition:  # a waiting push goes first (the lock alone is not fair)
+                    while self._push_wanted.is_set():
+                        self.condition.wait(timeout=1.0)
+                with self._request_lock:
+                    version, start = self.version, time.perf_counter()
+                    output = self.generate(work)
+                    seconds = time.perf_counter() - start
+                batch = GeneratedBatch(work, output["completion_ids"], output["logps"], version, seconds)
+                with self.condition:
+                    self.ready[work.index] = batch
+                    self.condition.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - handed to the trainer, raised on every process
+            with self.condition:
+                self.error = exc
+                self.condition.notify_all()

@@ -1,0 +1,133 @@
+"""Checks of the rollout settings (replay, partial rollout, async generation), one place for the config and the sources.
+
+Core layer: :class:`~bapo_trl.config.BAPOConfig` validates its fields with these functions before anything is built,
+and the replay queue checks its own arguments with :func:`queue_settings_errors`; neither needs the other, and the
+config never imports the rollout package. Each function takes the config (any object with the fields) and returns
+messages that name the field, the allowed range and the value given.
+"""
+
+from __future__ import annotations
+
+import json
+
+#: How the replay queue picks stored groups.
+SAMPLING = ("uniform", "recent", "advantage")
+
+#: Length and stop settings of vLLM / transformers generation that partial rollout cannot honour.
+PARTIAL_ROLLOUT_CLASHING_KWARGS = frozenset({
+    "max_tokens", "min_tokens", "stop", "ignore_eos", "include_stop_str_in_output",  # vLLM SamplingParams
+    "max_new_tokens", "min_new_tokens", "max_length", "min_length", "stop_strings",  # transformers GenerationConfig
+})
+
+
+def is_whole(value) -> bool:
+    """An int that is not a bool (``True`` is an int in Python, and no count here means ``True``)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def queue_settings_errors(size, max_staleness, sampling, off_allowed: bool = True) -> list[str]:
+    """The replay queue's own settings. ``off_allowed``: a size of 0 means replay off (the config); a queue needs
+    >= 1."""
+    errors = []
+    low = 0 if off_allowed else 1
+    if not is_whole(size) or size < low:
+        errors.append(f"`replay_buffer_size` must be an integer >= {low}{' (0 = off)' if off_allowed else ''}, "
+                      f"got {size!r}.")
+    if not is_whole(max_staleness) or max_staleness < 1:
+        errors.append(f"`replay_max_staleness` must be an integer >= 1, got {max_staleness!r}.")
+    if sampling not in SAMPLING:
+        errors.append(f"`replay_sampling` must be one of {SAMPLING}, got {sampling!r}.")
+    return errors
+
+
+def replay_errors(cfg) -> list[str]:
+    size, ratio = cfg.replay_buffer_size, cfg.replay_ratio
+    errors = queue_settings_errors(size, cfg.replay_max_staleness, cfg.replay_sampling)
+    if not isinstance(ratio, (int, float)) or not 0.0 <= ratio < 1.0:
+        errors.append(f"`replay_ratio` must be in [0, 1), got {ratio!r}.")
+    if errors:
+        return errors
+    if cfg.replay_saves_generation and (size == 0 or cfg.partial_rollout_budget is not None
+                                        or cfg.replay_fill_zero_std_groups):
+        errors.append(
+            "`replay_saves_generation` needs a replay queue (`replay_buffer_size` >= 1, `replay_ratio` > 0) and "
+            "cannot be combined with `partial_rollout_budget` (which makes its own batches) or "
+            "`replay_fill_zero_std_groups` (nothing generated is replaced); got "
+            f"replay_buffer_size={size}, partial_rollout_budget={cfg.partial_rollout_budget}, "
+            f"replay_fill_zero_std_groups={cfg.replay_fill_zero_std_groups}.")
+    if size == 0 and (ratio > 0 or cfg.replay_fill_zero_std_groups):
+        errors.append(
+            "`replay_ratio` > 0 or `replay_fill_zero_std_groups` needs a replay queue: set `replay_buffer_size` "
+            f">= 1 (got replay_buffer_size=0, replay_ratio={ratio}, "
+            f"replay_fill_zero_std_groups={cfg.replay_fill_zero_std_groups})."
+        )
+    if size > 0 and ratio == 0 and not cfg.replay_fill_zero_std_groups:
+        errors.append(
+            f"`replay_buffer_size` is {size} but nothing is ever replayed: set `replay_ratio` in (0, 1) or "
+            "`replay_fill_zero_std_groups=True`."
+        )
+    return errors
+
+
+def partial_rollout_errors(cfg) -> list[str]:
+    budget, resumes = cfg.partial_rollout_budget, cfg.partial_rollout_max_resumes
+    if budget is None:
+        return []
+    errors = []
+    if not is_whole(budget) or not 1 <= budget < cfg.max_completion_length:
+        errors.append(
+            f"`partial_rollout_budget` must be an integer in [1, max_completion_length) = "
+            f"[1, {cfg.max_completion_length}), or None to switch partial rollout off; got {budget!r}."
+        )
+    if not is_whole(resumes) or resumes < 1:
+        errors.append(f"`partial_rollout_max_resumes` must be an integer >= 1, got {resumes!r}.")
+    # The pool sets each round's length cap and tells a stopped completion from a capped one by its EOS tokens
+    # (`stop_token_ids` / `eos_token_id` in generation_kwargs join them); other length or stop settings would
+    # override the cap or stop on something it cannot see.
+    kwargs = cfg.generation_kwargs or {}
+    if isinstance(kwargs, str):  # from the command line: TrainingArguments parses the JSON only later
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError:
+            kwargs = {}  # TRL reports the malformed JSON itself
+    clashing = sorted(set(kwargs if isinstance(kwargs, dict) else {}) & PARTIAL_ROLLOUT_CLASHING_KWARGS)
+    if clashing:
+        errors.append(
+            f"`generation_kwargs` keys {clashing} cannot be used with `partial_rollout_budget` (it caps each "
+            "round itself and recognises stops by EOS token ids only); use `stop_token_ids` / `eos_token_id`.")
+    return errors
+
+
+def async_errors(cfg) -> list[str]:
+    errors = []
+    if not is_whole(cfg.max_staleness) or cfg.max_staleness < 1:
+        errors.append(f"`max_staleness` must be an integer >= 1 (generation batches ahead), got "
+                      f"{cfg.max_staleness!r}.")
+    if not is_whole(cfg.weight_sync_steps) or cfg.weight_sync_steps < 1:
+        errors.append(f"`weight_sync_steps` must be an integer >= 1 (optimizer steps between weight pushes), got "
+                      f"{cfg.weight_sync_steps!r}.")
+    if not cfg.async_generation:
+        return errors
+    if not (cfg.use_vllm and cfg.vllm_mode == "server"):
+        errors.append("`async_generation` needs a vLLM server to generate in (`use_vllm=True`, "
+                      f"`vllm_mode='server'`); got use_vllm={cfg.use_vllm}, vllm_mode={cfg.vllm_mode!r}.")
+    if cfg.replay_saves_generation:
+        errors.append("`async_generation` cannot be combined with `replay_saves_generation` yet (both decide "
+                      "what is generated each step).")
+    if cfg.partial_rollout_budget is not None and cfg.max_staleness != 1:
+        errors.append("`async_generation` with `partial_rollout_budget` runs exactly one round ahead (each round "
+                      f"continues the previous one's completions): `max_staleness` must be 1, got "
+                      f"{cfg.max_staleness!r}.")
+    return errors
+
+
+def rollout_source_errors(cfg) -> list[str]:
+    name = cfg.rollout_source
+    if not isinstance(name, str) or not name.strip():
+        return [f"`rollout_source` must be 'auto' or the name of a registered rollout source, got {name!r}."]
+    return []
+
+
+def rollout_errors(cfg) -> list[str]:
+    """Every problem with the rollout settings of ``cfg``."""
+    return replay_errors(cfg) + partial_rollout_errors(cfg) + async_errors(cfg) + rollout_source_errors(cfg)
