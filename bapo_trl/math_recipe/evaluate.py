@@ -19,6 +19,13 @@ import os
 import sys
 import time
 
+from .. import reward_funcs
+from ..datasets_io import load_split
+from . import rewards as math_rewards
+
+#: The names ``--reward`` accepts: those of ``bapo train --reward_funcs`` (the general registry and the recipe's).
+REWARD_FUNCS = {**reward_funcs.REWARD_FUNCS, **math_rewards.REWARD_FUNCS}
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased probability that at least one of ``k`` of the ``n`` samples (``c`` correct) is correct."""
@@ -45,16 +52,15 @@ def summarize(correct_counts: list[int], k: int) -> dict:
 def load_problems(dataset: str, config: str | None, split: str | None, fmt: str, instruction_role: str,
                   num_problems: int | None):
     """The dataset mapped to ``prompt``/``answer``; without ``split``: ``test``, else the only split there is."""
-    from ..cli.data import _load
     from .data import default_config, to_math_prompts
 
     config = config or default_config(dataset)
     try:
-        raw = _load(dataset, config, split or "test")
+        raw = load_split(dataset, config, split or "test")
     except ValueError as err:
         if split or "split" not in str(err).lower():
             raise
-        raw = _load(dataset, config, "train")  # hub sets such as AIME ship a single "train" split
+        raw = load_split(dataset, config, "train")  # hub sets such as AIME ship a single "train" split
     problems = to_math_prompts(raw, fmt, dataset_name=dataset, instruction_role=instruction_role)
     return problems.select(range(min(num_problems, len(problems)))) if num_problems else problems
 
@@ -111,12 +117,10 @@ def evaluate(args) -> dict:
     import torch
     from tqdm.auto import tqdm
 
-    from ..cli.rewards import resolve_reward_funcs
-
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    reward = resolve_reward_funcs([args.reward])[0]
+    reward = reward_funcs.resolve([args.reward], REWARD_FUNCS)[0]
     problems = load_problems(args.dataset, args.dataset_config, args.split, args.math_dataset_format,
                              args.math_instruction_role, args.num_problems)
     model, tokenizer = load_model(args.model, args.dtype, args.device)
