@@ -1,7 +1,9 @@
 """avg@k / pass@k of a model or checkpoint on a math dataset, scored with the training reward.
 
-    python -m bapo_trl.math_recipe.evaluate --model outputs/run/checkpoint-200 --dataset HuggingFaceH4/aime_2024 --k 16 \\
+    bapo evaluate --model outputs/run/checkpoint-200 --dataset HuggingFaceH4/aime_2024 --k 16 \\
         --max_new_tokens 8192 --temperature 0.6 --output aime24.json
+
+(or ``python -m bapo_trl.math_recipe.evaluate ...``, the same command.)
 
 The paper reports AIME as avg@16: the mean correctness over 16 samples per problem. pass@j (at least one of j
 samples correct) uses the unbiased estimator of Chen et al. (2021), ``1 - C(n - c, j) / C(n, j)`` for ``n`` samples
@@ -156,8 +158,8 @@ def evaluate(args) -> dict:
     return report
 
 
-def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bapo_trl.math_recipe.evaluate", description=__doc__.split("\n\n")[0])
+def make_parser(prog: str = "python -m bapo_trl.math_recipe.evaluate") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Model or checkpoint directory, hub id, LoRA adapter directory, or "
                    "a bapo_trl.models registry name (smollm2-135m-instruct).")
     p.add_argument("--dataset", required=True, help="Local .jsonl/.json/.parquet/.csv file or hub dataset id.")
@@ -182,8 +184,8 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = make_parser()
+def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.math_recipe.evaluate") -> dict:
+    parser = make_parser(prog)
     args = parser.parse_args(argv)
     if args.k < 1:
         parser.error("--k must be >= 1")
