@@ -1,11 +1,9 @@
 """bapo_trl: BAPO (Balanced Policy Optimization with Adaptive Clipping) for TRL.
 
 ``BAPOConfig`` / ``BAPOTrainer`` subclass TRL's ``GRPOConfig`` / ``GRPOTrainer``; ``search_clip_bounds`` is the
-bound search as a pure function. The trainer classes are imported lazily so that the math stays importable
-without loading TRL.
+bound search as a pure function. Every name is imported lazily, on first use: the math stays importable without
+loading TRL, and a command that needs neither (``bapo plot``, ``bapo --help``) does not load torch.
 """
-
-from .clipping import BAPOSettings, SearchResult, search_clip_bounds
 
 __version__ = "0.1.0"
 
@@ -13,6 +11,10 @@ __all__ = ["BAPOConfig", "BAPOSettings", "BAPOTrainer", "SearchResult", "search_
 
 
 def __getattr__(name):
+    if name in ("BAPOSettings", "SearchResult", "search_clip_bounds"):
+        from . import clipping
+
+        return getattr(clipping, name)
     if name == "BAPOConfig":
         from .config import BAPOConfig
 

@@ -21,7 +21,7 @@ processes with the other metrics in one collective) and :func:`entropy_clip_metr
 * ``entropy_clip/clip_effect``: their difference, what clipping did to the predicted entropy change.
 
 Over a run, :func:`predicted_vs_realised` correlates the predicted change at each logged step with the realised
-change of TRL's ``entropy`` metric to the next one (reported by ``python -m bapo_trl.plot``, not per step).
+change of TRL's ``entropy`` metric to the next one (reported by ``bapo plot``, not per step).
 """
 
 from __future__ import annotations

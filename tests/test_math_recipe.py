@@ -192,6 +192,21 @@ def test_evaluation_of_a_lora_adapter(tiny_model_dir, tmp_path):
     assert report["num_scored"] == 3
 
 
+def test_evaluation_accepts_every_reward_name_training_does():
+    """``evaluate --reward`` resolves through the recipe's own registry (no import of the command line): the same
+    names as ``--reward_funcs``, to the same functions, and the same error for an unknown one."""
+    from bapo_trl import reward_funcs
+    from bapo_trl.cli.rewards import REWARD_FUNCS
+
+    assert list(math_eval.REWARD_FUNCS) == list(REWARD_FUNCS)
+    assert {"reverse", "accuracy_reward", "boxed_accuracy", "soft_overlong_8k"} <= set(REWARD_FUNCS)
+    names = ["reverse", "think_format_reward", "boxed_format_reward", "bapo_trl.toy.reverse_reward"]
+    assert reward_funcs.resolve(names, math_eval.REWARD_FUNCS) == resolve_reward_funcs(names)
+    for registry in (math_eval.REWARD_FUNCS, REWARD_FUNCS):
+        with pytest.raises(ValueError, match="Unknown reward function 'nope'.*'boxed_accuracy'"):
+            reward_funcs.resolve(["nope"], registry)
+
+
 def test_evaluation_errors_are_one_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
         math_eval.main(["--model", "/nonexistent/model", "--dataset", "/nonexistent/problems.jsonl"])

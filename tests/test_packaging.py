@@ -164,3 +164,66 @@ def test_the_trainer_imports_nothing_from_the_command_line_or_the_recipes():
     outer = {m for m in loaded if m.split(".")[1] in ("cli", "math_recipe", "toy")}
     assert outer | (loaded & {"bapo_trl.models"}) == set()
     assert "bapo_trl.trainer" in loaded
+
+
+def imports_from_the_package(source: str, module: str) -> list[tuple[str, str | None]]:
+    """``(absolute bapo_trl module, imported name or None)`` for every import of the package in ``source``, the code
+    of module ``module`` (``bapo_trl.math_recipe.evaluate``; a package as ``bapo_trl.math_recipe.__init__``), with
+    relative imports resolved. ``from .. import cli`` gives ``("bapo_trl.cli", None)``."""
+    package = module.rsplit(".", 1)[0]  # a module's package; an __init__'s package is itself
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(a.name, None) for a in node.names if a.name.split(".")[0] == "bapo_trl"]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            target = ".".join(p for p in (base, node.module) if p)
+            if target.split(".")[0] != "bapo_trl":
+                continue
+            for alias in node.names:
+                # `from bapo_trl import cli`: the name is a subpackage
+                found.append((f"{target}.{alias.name}", None) if target == "bapo_trl" else (target, alias.name))
+    return found
+
+
+def _is_cli(module: str) -> bool:
+    return module == "bapo_trl.cli" or module.startswith("bapo_trl.cli.")
+
+
+def layering_problems(files: dict[str, str]) -> list[str]:
+    """``{module: source}`` -> the imports that break the layers: the math recipe imports nothing from the command
+    line (``bapo_trl.cli``), and nothing outside the command line imports a private name (``_x``) of it."""
+    problems = []
+    for module, source in files.items():
+        for target, name in imports_from_the_package(source, module):
+            if module.startswith("bapo_trl.math_recipe.") and _is_cli(target):
+                problems.append(f"{module} imports {target} (the math recipe must not depend on the command line)")
+            if not _is_cli(module) and _is_cli(target) and name and name.startswith("_"):
+                problems.append(f"{module} imports the private {target}.{name}")
+    return sorted(set(problems))
+
+
+def test_the_math_recipe_imports_nothing_from_the_command_line():
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts): p.read_text()
+             for p in sorted((ROOT / "bapo_trl").rglob("*.py"))}
+    files["train_bapo"] = (ROOT / "train_bapo.py").read_text()
+    assert len(files) > 40 and "bapo_trl.math_recipe.evaluate" in files
+    assert layering_problems(files) == []
+
+
+def test_the_layering_check_catches_what_it_should():
+    """The check itself, on the imports the recipe had before bapo_trl.datasets_io / bapo_trl.reward_funcs."""
+    recipe = "def load():\n    from ..cli.data import _load\n    from ..cli.rewards import resolve_reward_funcs\n"
+    assert layering_problems({"bapo_trl.math_recipe.evaluate": recipe}) == [
+        "bapo_trl.math_recipe.evaluate imports bapo_trl.cli.data (the math recipe must not depend on the command line)",
+        "bapo_trl.math_recipe.evaluate imports bapo_trl.cli.rewards (the math recipe must not depend on the command "
+        "line)",
+        "bapo_trl.math_recipe.evaluate imports the private bapo_trl.cli.data._load",
+    ]
+    assert layering_problems({"bapo_trl.math_recipe.__init__": "from .. import cli\n"}) == [
+        "bapo_trl.math_recipe.__init__ imports bapo_trl.cli (the math recipe must not depend on the command line)"]
+    assert layering_problems({"bapo_trl.plot": "from bapo_trl.cli.train import _helper\n"}) == [
+        "bapo_trl.plot imports the private bapo_trl.cli.train._helper"]
+    # inside the command line, and public names elsewhere, are fine
+    assert layering_problems({"bapo_trl.cli.train": "from .data import _prompts\n",
+                              "bapo_trl.generation.serve": "from ..cli.train import run\n"}) == []

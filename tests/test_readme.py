@@ -16,11 +16,12 @@ BASH_BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
 
 
 def commands():
-    """`python train_bapo.py ...` and `accelerate launch ... train_bapo.py ...` lines, continuations joined."""
+    """`python train_bapo.py ...`, `accelerate launch ... train_bapo.py ...` and `bapo train ...` lines, continuations
+    joined."""
     for block in BASH_BLOCKS:
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split("#")[0].strip()
-            if "train_bapo.py" in line:
+            if "train_bapo.py" in line or line.startswith("bapo train"):
                 yield line
 
 
@@ -42,7 +43,7 @@ def test_training_commands_parse(command):
     from bapo_trl.cli.train import make_parser, parse_args
 
     argv = shlex.split(command)
-    argv = argv[argv.index("train_bapo.py") + 1 :]
+    argv = argv[argv.index("train_bapo.py") + 1 :] if "train_bapo.py" in argv else argv[argv.index("train") + 1 :]
     if "--bf16" in argv:  # a GPU command: on this CPU machine check everything but the precision flags
         argv += ["--bf16", "false", "--use_cpu", "true"]
     script_args, training_args, model_args = parse_args(argv, parser=make_parser())

@@ -2,30 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
-FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
-def _load(name: str, config: str | None, split: str, train_split: str = "train"):
-    from datasets import load_dataset, load_from_disk
-
-    ext = os.path.splitext(name)[1].lower()
-    if os.path.isfile(name):
-        if ext not in FILE_FORMATS:
-            raise ValueError(f"`dataset_name` file {name!r} must end in one of {sorted(FILE_FORMATS)}.")
-        if split != train_split:  # one file is one split: it would silently evaluate on the training prompts
-            raise ValueError(
-                f"`dataset_name` {name!r} is a single file, which holds only the training split; evaluation (the "
-                f"{split!r} split, from `dataset_test_split`) needs a dataset with that split: a directory saved with "
-                "`Dataset.save_to_disk` / `DatasetDict.save_to_disk`, or a hub dataset. Or set `--eval_strategy no`.")
-        return load_dataset(FILE_FORMATS[ext], data_files=name, split="train")
-    if os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_info.json")):
-        dataset = load_from_disk(name)
-        return dataset[split] if hasattr(dataset, "keys") else dataset
-    if ext in FILE_FORMATS:
-        raise ValueError(f"`dataset_name` {name!r} looks like a file but does not exist.")
-    return load_dataset(name, name=config, split=split)
+from ..datasets_io import FILE_FORMATS, load_split  # noqa: F401  (FILE_FORMATS: re-exported)
 
 
 def prepare_prompts(dataset, prompt_column: str = "prompt"):
@@ -61,9 +38,10 @@ def _prompts(script_args, split: str):
     name, config = script_args.dataset_name, script_args.dataset_config
     math_format = getattr(script_args, "math_dataset_format", None)
     if not math_format:
-        return prepare_prompts(_load(name, config, split, script_args.dataset_train_split), script_args.prompt_column)
+        dataset = load_split(name, config, split, script_args.dataset_train_split)
+        return prepare_prompts(dataset, script_args.prompt_column)
     from ..math_recipe.data import default_config, to_math_prompts
 
-    dataset = _load(name, config or default_config(name), split, script_args.dataset_train_split)
+    dataset = load_split(name, config or default_config(name), split, script_args.dataset_train_split)
     return to_math_prompts(dataset, math_format, dataset_name=name,
                            instruction_role=getattr(script_args, "math_instruction_role", "system"))

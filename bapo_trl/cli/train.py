@@ -1,4 +1,5 @@
-"""The ``train_bapo.py`` job, TRL's script pattern: script arguments + ``BAPOConfig`` + ``ModelConfig``.
+"""The ``train_bapo.py`` job (also ``bapo train``), TRL's script pattern: script arguments + ``BAPOConfig`` +
+``ModelConfig``.
 
 With no ``--model_name_or_path`` it trains the embedded default: a tiny model and tokenizer built offline (and
 cached), warm-started, then BAPO on the 3-digit reversal task, on CPU, with stale data

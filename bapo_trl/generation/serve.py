@@ -1,6 +1,8 @@
 """Start a vLLM server with the flags BAPO/TRL training needs, on a GPU machine or a CPU-only one.
 
-    python -m bapo_trl.generation.serve MODEL [--port 8000] [--host 127.0.0.1] [-- EXTRA VLLM FLAGS]
+    bapo serve MODEL [--port 8000] [--host 127.0.0.1] [-- EXTRA VLLM FLAGS]
+
+(or ``python -m bapo_trl.generation.serve ...``, the same command.)
 
 Why a wrapper: the two worlds need different commands.
 
@@ -76,8 +78,8 @@ def build_command(model: str, host: str, port: int, backend: str, python: str, d
     return cmd + extra, {**CPU_ENV, "PYTHONPATH": path}
 
 
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bapo_trl.generation.serve", description=__doc__.split("\n\n")[0])
+def make_parser(prog: str = "python -m bapo_trl.generation.serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="model directory, hub id or bapo_trl.models registry name (the same weights "
                                       "the trainer starts from)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
@@ -90,11 +92,11 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.generation.serve") -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    args = make_parser().parse_args(argv)
+    args = make_parser(prog).parse_args(argv)
     venv = args.venv or default_venv()
     if args.backend == "auto":
         backend, python = detect_backend(venv)

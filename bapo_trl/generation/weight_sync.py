@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-SERVE_HINT = "start it with `python -m bapo_trl.generation.serve MODEL --port PORT`"
+SERVE_HINT = "start it with `bapo serve MODEL --port PORT` or `python -m bapo_trl.generation.serve MODEL --port PORT`"
 
 
 class WeightSyncError(RuntimeError):

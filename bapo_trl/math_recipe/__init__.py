@@ -1,3 +1,3 @@
 """The math-reasoning recipe: dataset formats (``data``), boxed-answer rewards (``rewards``), avg@k / pass@k
-evaluation (``evaluate``: ``python -m bapo_trl.math_recipe.evaluate``) and the shipped chat arithmetic task
+evaluation (``evaluate``: ``bapo evaluate``) and the shipped chat arithmetic task
 (``chat_arithmetic``). The trainer imports nothing from here."""

@@ -1,7 +1,9 @@
 """avg@k / pass@k of a model or checkpoint on a math dataset, scored with the training reward.
 
-    python -m bapo_trl.math_recipe.evaluate --model outputs/run/checkpoint-200 --dataset HuggingFaceH4/aime_2024 --k 16 \\
+    bapo evaluate --model outputs/run/checkpoint-200 --dataset HuggingFaceH4/aime_2024 --k 16 \\
         --max_new_tokens 8192 --temperature 0.6 --output aime24.json
+
+(or ``python -m bapo_trl.math_recipe.evaluate ...``, the same command.)
 
 The paper reports AIME as avg@16: the mean correctness over 16 samples per problem. pass@j (at least one of j
 samples correct) uses the unbiased estimator of Chen et al. (2021), ``1 - C(n - c, j) / C(n, j)`` for ``n`` samples
@@ -18,6 +20,13 @@ import math
 import os
 import sys
 import time
+
+from .. import reward_funcs
+from ..datasets_io import load_split
+from . import rewards as math_rewards
+
+#: The names ``--reward`` accepts: those of ``bapo train --reward_funcs`` (the general registry and the recipe's).
+REWARD_FUNCS = {**reward_funcs.REWARD_FUNCS, **math_rewards.REWARD_FUNCS}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -45,16 +54,15 @@ def summarize(correct_counts: list[int], k: int) -> dict:
 def load_problems(dataset: str, config: str | None, split: str | None, fmt: str, instruction_role: str,
                   num_problems: int | None):
     """The dataset mapped to ``prompt``/``answer``; without ``split``: ``test``, else the only split there is."""
-    from ..cli.data import _load
     from .data import default_config, to_math_prompts
 
     config = config or default_config(dataset)
     try:
-        raw = _load(dataset, config, split or "test")
+        raw = load_split(dataset, config, split or "test")
     except ValueError as err:
         if split or "split" not in str(err).lower():
             raise
-        raw = _load(dataset, config, "train")  # hub sets such as AIME ship a single "train" split
+        raw = load_split(dataset, config, "train")  # hub sets such as AIME ship a single "train" split
     problems = to_math_prompts(raw, fmt, dataset_name=dataset, instruction_role=instruction_role)
     return problems.select(range(min(num_problems, len(problems)))) if num_problems else problems
 
@@ -111,12 +119,10 @@ def evaluate(args) -> dict:
     import torch
     from tqdm.auto import tqdm
 
-    from ..cli.rewards import resolve_reward_funcs
-
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    reward = resolve_reward_funcs([args.reward])[0]
+    reward = reward_funcs.resolve([args.reward], REWARD_FUNCS)[0]
     problems = load_problems(args.dataset, args.dataset_config, args.split, args.math_dataset_format,
                              args.math_instruction_role, args.num_problems)
     model, tokenizer = load_model(args.model, args.dtype, args.device)
@@ -152,8 +158,8 @@ def evaluate(args) -> dict:
     return report
 
 
-def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bapo_trl.math_recipe.evaluate", description=__doc__.split("\n\n")[0])
+def make_parser(prog: str = "python -m bapo_trl.math_recipe.evaluate") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Model or checkpoint directory, hub id, LoRA adapter directory, or "
                    "a bapo_trl.models registry name (smollm2-135m-instruct).")
     p.add_argument("--dataset", required=True, help="Local .jsonl/.json/.parquet/.csv file or hub dataset id.")
@@ -178,8 +184,8 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = make_parser()
+def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.math_recipe.evaluate") -> dict:
+    parser = make_parser(prog)
     args = parser.parse_args(argv)
     if args.k < 1:
         parser.error("--k must be >= 1")

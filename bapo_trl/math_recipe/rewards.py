@@ -17,7 +17,9 @@ length penalty is :func:`trl.rewards.get_soft_overlong_punishment`. What is adde
 
 from __future__ import annotations
 
+import importlib.util
 import re
+from typing import Callable
 
 #: Named soft overlong penalties (DAPO, Eq. 13): name -> (L_max, L_cache). L_max must equal the recipe's
 #: ``max_completion_length``; completions longer than ``L_max - L_cache`` lose up to 1. DAPO used a 4k cache on a
@@ -113,3 +115,23 @@ def soft_overlong(name: str):
 
     max_len, cache = SOFT_OVERLONG[name]
     return get_soft_overlong_punishment(max_completion_len=max_len, soft_punish_cache=cache)
+
+
+def _loader(name: str, needs_math_verify: bool = False) -> Callable[[], Callable]:
+    """Loader of one of these rewards; a missing math-verify is a setup error, not a crash mid-training."""
+
+    def load():
+        if needs_math_verify and importlib.util.find_spec("math_verify") is None:
+            raise ValueError(f"reward {name!r} needs math-verify: pip install 'bapo_trl[math]'.")
+        return soft_overlong(name) if name in SOFT_OVERLONG else globals()[name]
+
+    return load
+
+
+#: The recipe's rewards by name -> zero-argument loader; ``bapo train --reward_funcs`` and ``bapo evaluate
+#: --reward`` accept these names next to the general ones of :data:`bapo_trl.reward_funcs.REWARD_FUNCS`.
+REWARD_FUNCS: dict[str, Callable[[], Callable]] = {
+    "boxed_accuracy": _loader("boxed_accuracy", needs_math_verify=True),
+    "boxed_format_reward": _loader("boxed_format_reward"),
+    **{name: _loader(name) for name in SOFT_OVERLONG},  # DAPO's soft overlong penalty, one per length budget
+}

@@ -1,0 +1,78 @@
+"""The ``bapo`` command: one entry point for the package's commands, each the module it always was.
+
+    bapo train ...      = python train_bapo.py ...        (multi-process: accelerate launch train_bapo.py ...)
+    bapo serve ...      = python -m bapo_trl.generation.serve ...
+    bapo evaluate ...   = python -m bapo_trl.math_recipe.evaluate ...
+    bapo plot ...       = python -m bapo_trl.plot ...
+    bapo models ...     = python -m bapo_trl.models ...
+
+The rest of the command line goes to that module's own ``main`` (or ``run``): its flags, help text and exit codes are
+the module's, with ``bapo SUBCOMMAND`` as the program name. Only the chosen subcommand's module is imported, so
+``bapo plot`` and ``bapo --help`` do not load torch or transformers.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+
+PROG = "bapo"
+
+#: subcommand -> (module, one line of help)
+SUBCOMMANDS = {
+    "train": ("bapo_trl.cli.train", "train with BAPO on top of TRL's GRPO (= train_bapo.py)"),
+    "serve": ("bapo_trl.generation.serve", "start a vLLM server with the flags BAPO/TRL training needs (GPU or CPU)"),
+    "evaluate": ("bapo_trl.math_recipe.evaluate", "avg@k / pass@k of a model or checkpoint on a math dataset"),
+    "plot": ("bapo_trl.plot", "training-dynamics PNG of one or more runs"),
+    "models": ("bapo_trl.models", "prepare a registry model offline (smollm2) and print its directory"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    lines = [f"usage: {PROG} {{{','.join(SUBCOMMANDS)}}} [ARGS ...]", "",
+             "BAPO (adaptive clipping) for TRL: training, vLLM serving, evaluation, plots and models.", "",
+             "subcommands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in SUBCOMMANDS.items()]
+    lines += ["", f"`{PROG} SUBCOMMAND --help` shows its flags. The `python -m bapo_trl...` forms,",
+              "`python train_bapo.py` and `accelerate launch train_bapo.py` (multi-process training) work as well."]
+    return "\n".join(lines) + "\n"
+
+
+def _error(message: str) -> int:
+    sys.stderr.write(f"{PROG}: error: {message} (see `{PROG} --help`)\n")
+    return 2
+
+
+def _run(name: str, argv: list[str]) -> int:
+    """Run subcommand ``name`` the way its ``python -m`` form does, and return that form's exit code."""
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    prog = f"{PROG} {name}"
+    if name == "train":  # train_bapo.py: run(parser=make_parser()); the trainer it returns is not an exit code
+        module.run(argv, parser=module.make_parser(prog=prog))
+        return 0
+    if name in ("serve", "evaluate"):  # their `python -m` forms ignore what main returns (None, the report)
+        module.main(argv, prog=prog)
+        return 0
+    return module.main(argv, prog=prog)  # plot, models: sys.exit(main())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``bapo SUBCOMMAND ARGS...``; the console script exits with the returned code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        return _error(f"missing subcommand: one of {', '.join(SUBCOMMANDS)}")
+    name, rest = argv[0], argv[1:]
+    if name in ("-h", "--help"):
+        sys.stdout.write(usage())
+        return 0
+    if name not in SUBCOMMANDS:
+        close = difflib.get_close_matches(name, SUBCOMMANDS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f"; one of {', '.join(SUBCOMMANDS)}"
+        return _error(f"unknown subcommand {name!r}{hint}")
+    return _run(name, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The `bapo` command: each subcommand is the entry point it always was (help, flags, errors, exit codes), under one
+name, and only the chosen subcommand's module is imported.
+
+The console script (setup.cfg) calls ``bapo_trl.cli.main:main``; the subprocesses here run that same function as
+``python -m bapo_trl.cli.main``, so the tests do not depend on how the package was installed.
+"""
+
+import configparser
+import importlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from bapo_trl.cli import main as bapo
+from launching import REPO
+
+#: subcommand -> the command it stands for (run from the repository root)
+OLD = {
+    "train": [sys.executable, "train_bapo.py"],
+    "serve": [sys.executable, "-m", "bapo_trl.generation.serve"],
+    "evaluate": [sys.executable, "-m", "bapo_trl.math_recipe.evaluate"],
+    "plot": [sys.executable, "-m", "bapo_trl.plot"],
+    "models": [sys.executable, "-m", "bapo_trl.models"],
+}
+OLD_PROG = {"train": "train_bapo.py", "serve": "python -m bapo_trl.generation.serve",
+            "evaluate": "python -m bapo_trl.math_recipe.evaluate", "plot": "python -m bapo_trl.plot",
+            "models": "python -m bapo_trl.models"}
+#: a bad flag, after what each subcommand requires
+BAD_FLAG = {"train": ["--no_such_flag", "1"], "serve": ["MODEL", "--no_such_flag"],
+            "evaluate": ["--model", "m", "--dataset", "d", "--no_such_flag"], "plot": ["run", "--no_such_flag"],
+            "models": ["--no_such_flag"]}
+
+
+def run(argv, **kwargs):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **kwargs.pop("env", {})}
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, **kwargs)
+
+
+def bapo_cmd(*args):
+    return [sys.executable, "-m", "bapo_trl.cli.main", *map(str, args)]
+
+
+def same_text(new: str, new_prog: str, old: str, old_prog: str) -> bool:
+    """Equal up to the program name and argparse's line wrapping (which depends on the name's length)."""
+    return " ".join(new.replace(new_prog, "PROG").split()) == " ".join(old.replace(old_prog, "PROG").split())
+
+
+def test_setup_cfg_declares_the_console_script():
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    scripts = dict(line.replace(" ", "").split("=", 1)
+                   for line in cfg["options.entry_points"]["console_scripts"].strip().splitlines())
+    assert scripts == {"bapo": "bapo_trl.cli.main:main"}
+    module, attr = scripts["bapo"].split(":")
+    assert getattr(importlib.import_module(module), attr) is bapo.main
+    assert set(bapo.SUBCOMMANDS) == set(OLD)
+
+
+@pytest.mark.parametrize("sub", list(OLD))
+def test_each_subcommand_has_the_help_of_its_entry_point(sub):
+    new, old = run(bapo_cmd(sub, "--help")), run(OLD[sub] + ["--help"])
+    assert new.returncode == old.returncode == 0, new.stderr[-2000:]
+    assert new.stdout.startswith(f"usage: bapo {sub} ")
+    assert same_text(new.stdout, f"bapo {sub}", old.stdout, OLD_PROG[sub])
+
+
+@pytest.mark.parametrize("sub", list(OLD))
+def test_a_bad_flag_exits_as_the_entry_point_does(sub):
+    new, old = run(bapo_cmd(sub, *BAD_FLAG[sub])), run(OLD[sub] + BAD_FLAG[sub])
+    assert new.returncode == old.returncode == 2
+    assert f"bapo {sub}: error:" in new.stderr and "Traceback" not in new.stderr
+    assert same_text(new.stderr, f"bapo {sub}", old.stderr, OLD_PROG[sub])
+
+
+def test_plot_of_a_missing_directory_is_the_same_error(tmp_path):
+    args = [tmp_path / "nothing", "-o", tmp_path / "out.png"]
+    new, old = run(bapo_cmd("plot", *args)), run(OLD["plot"] + list(map(str, args)))
+    assert new.returncode == old.returncode == 2
+    assert str(tmp_path / "nothing") in new.stderr.splitlines()[-1]
+    assert new.stderr.splitlines()[-1] == old.stderr.splitlines()[-1].replace("python -m bapo_trl.plot", "bapo plot")
+    assert not (tmp_path / "out.png").exists()
+
+
+def test_serve_dry_run_prints_the_same_command(tmp_path):
+    args = ["MODEL", "--port", "8011", "--backend", "cpu", "--venv", tmp_path / "venv", "--dry-run", "--",
+            "--max-num-seqs", "64"]
+    new, old = run(bapo_cmd("serve", *args)), run(OLD["serve"] + list(map(str, args)))
+    assert new.returncode == old.returncode == 0
+    assert new.stdout == old.stdout and "--max-num-seqs 64" in new.stdout
+
+
+def test_models_list_exits_0_with_the_same_listing(tmp_path):
+    new, old = run(bapo_cmd("models", "--list", "--cache_dir", tmp_path)), run(
+        OLD["models"] + ["--list", "--cache_dir", str(tmp_path)])
+    assert new.returncode == old.returncode == 0
+    assert new.stdout == old.stdout and "smollm2-135m-instruct" in new.stdout
+
+
+def test_bapo_help_lists_each_subcommand_on_one_line():
+    proc = run(bapo_cmd("--help"))
+    assert proc.returncode == 0 and proc.stderr == ""
+    for sub in OLD:
+        assert len([line for line in proc.stdout.splitlines() if re.match(rf"  {sub} +\S", line)]) == 1, sub
+
+
+@pytest.mark.parametrize("argv, fragment", [([], "missing subcommand"), (["trian"], "did you mean 'train'"),
+                                            (["fit", "--max_steps", "2"], "unknown subcommand 'fit'"),
+                                            (["--max_steps", "2"], "unknown subcommand '--max_steps'")])
+def test_no_or_an_unknown_subcommand_is_one_line_and_exit_2(argv, fragment):
+    proc = run(bapo_cmd(*argv))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("bapo: error: ")
+    assert fragment in proc.stderr
+    if "did you mean" not in fragment:
+        assert "train, serve, evaluate, plot, models" in proc.stderr
+
+
+@pytest.mark.parametrize("sub", ["plot", "models", "serve", "evaluate"])
+def test_only_the_chosen_subcommand_is_imported(sub):
+    """`bapo plot --help` (and the other light subcommands) load neither torch nor transformers, nor another
+    subcommand's module."""
+    code = ("import sys\nfrom bapo_trl.cli.main import main\ntry:\n    main([%r, '--help'])\nexcept SystemExit:\n"
+            "    pass\nprint('LOADED', ' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'transformers', 'trl', 'bapo_trl'))))" % sub)
+    proc = run([sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loaded = set(proc.stdout.split("LOADED", 1)[1].split())
+    assert not {m for m in loaded if m.split(".")[0] in ("torch", "transformers", "trl")}, loaded
+    others = {module for name, (module, _) in bapo.SUBCOMMANDS.items() if name != sub}
+    assert bapo.SUBCOMMANDS[sub][0] in loaded and not loaded & others
+
+
+def test_the_exit_code_is_the_entry_points(monkeypatch):
+    """What each `python -m` form exits with: plot/models return their code; serve/evaluate/train return something
+    that is not one (None, the evaluation report, the trainer), which exits 0."""
+    import bapo_trl.math_recipe.evaluate as evaluate
+    import bapo_trl.models as models
+
+    calls = []
+    monkeypatch.setattr(evaluate, "main", lambda argv, prog: calls.append((argv, prog)) or {"avg@16": 50.0})
+    monkeypatch.setattr(models, "main", lambda argv, prog: calls.append((argv, prog)) or 2)
+    assert bapo.main(["evaluate", "--k", "2"]) == 0
+    assert bapo.main(["models", "nope"]) == 2
+    assert calls == [(["--k", "2"], "bapo evaluate"), (["nope"], "bapo models")]
+
+
+def test_every_bapo_command_in_the_docs_names_a_subcommand():
+    text = (REPO / "README.md").read_text() + "".join(p.read_text() for p in (REPO / "recipes").glob("*.yaml"))
+    text += "".join(p.read_text() for p in (REPO / "bapo_trl").rglob("*.py"))
+    used = re.findall(r"(?:^|[#`(]\s*|^\s+)bapo ([a-z]\w*)", text, flags=re.M)  # `bapo SUBCOMMAND` is a placeholder
+    assert set(used) == set(OLD), set(used) ^ set(OLD)
+
+
+def test_readme_evaluate_and_serve_commands_parse():
+    """The README's `bapo evaluate` / `bapo serve` lines are valid for those parsers (train lines: test_readme)."""
+    from bapo_trl.generation import serve
+    from bapo_trl.math_recipe import evaluate
+
+    readme = (REPO / "README.md").read_text()
+    lines = [line.split("#")[0].strip() for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+             for line in block.replace("\\\n", " ").splitlines()]
+    checked = 0
+    for line in lines:
+        argv = shlex.split(line.rstrip("&"))
+        if argv[:2] == ["bapo", "evaluate"]:
+            evaluate.make_parser().parse_args(argv[2:])
+            checked += 1
+        elif argv[:2] == ["bapo", "serve"]:
+            serve.make_parser().parse_args(argv[2:])
+            checked += 1
+    assert checked >= 6
