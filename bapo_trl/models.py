@@ -252,7 +252,7 @@ def convert(spec: GGUFModel, gguf_path: str, output_dir: str) -> dict:
     config = quantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # a plain model: trainable and savable
-    config._name_or_path = spec.name
+    config.name_or_path = spec.name
     config.dtype = "float32"
     plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = plain.load_state_dict(quantized.state_dict(), strict=False)

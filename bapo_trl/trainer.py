@@ -63,7 +63,7 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
 
     def __init__(self, model, reward_funcs=None, args: BAPOConfig | None = None, **kwargs):
         if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
+            name = model if isinstance(model, str) else model.config.name_or_path
             args = BAPOConfig(f"{name.split('/')[-1]}-BAPO")
         if not isinstance(args, BAPOConfig):
             raise TypeError(

@@ -1,4 +1,5 @@
-"""Every private TRL seam ``bapo_trl`` relies on, in one list, checked once when the trainer is imported.
+"""Every private TRL/transformers name ``bapo_trl`` relies on, and every TRL/transformers method a ``bapo_trl`` class
+overrides, in one list, checked once when the trainer is imported.
 
 Why: ``BAPOTrainer`` reuses ``GRPOTrainer`` through ``super()`` and a few overrides of private methods and
 attributes (the window is installed through ``epsilon_low/high``, partial rollout answers TRL's old-log-prob
@@ -6,6 +7,10 @@ forward, the CPU server swaps TRL's vLLM backend class...). A TRL release that r
 not fail loudly: an override of a method TRL no longer calls is silently dead. So each seam is listed here with what
 we expect of it, and :func:`check_trl_seams` refuses to go on, naming the seam and the TRL versions this release was
 tested with, instead of training with BAPO quietly switched off.
+
+The list cannot go stale: ``tests/test_trl_seams.py`` scans every module of the package with ``ast`` and fails,
+naming file and line, on a private name that trl/transformers define and no seam lists, and on a trl/transformers
+method (or class attribute) that a ``bapo_trl`` class or mixin overrides without being a seam's target.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ class Seam:
 
 
 GRPO = "trl.trainer.grpo_trainer:GRPOTrainer"
+TRAINER = "transformers.trainer:Trainer"
+CLIENT = "trl.generation.vllm_client:VLLMClient"
 SEAMS: tuple[Seam, ...] = (
     Seam(f"{GRPO}._get_per_token_logps_and_entropies", "the policy forward that runs the search",
          params=("model", "input_ids", "attention_mask", "logits_to_keep")),
@@ -46,32 +53,54 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{GRPO}._generate_single_turn", "partial rollout continues completions with TRL's generation",
          params=("prompt_ids", "images", "multimodal_fields", "num_generations")),
     Seam(f"{GRPO}._tokenize_prompts", "partial rollout tokenizes the prompts it pools", params=("prompts",)),
-    Seam(f"{GRPO}._save_checkpoint", "per-rank replay / partial-rollout state joins the checkpoint",
-         params=("model", "trial")),
     Seam(f"{GRPO}.log", "BAPO metrics are averaged by TRL, NaN values left out", params=("logs",),
          mentions=("isnan",)),
-    Seam(f"{GRPO}.create_model_card", "the model card gets a BAPO section"),
+    Seam(f"{GRPO}.create_model_card", "the model card gets a BAPO section; TRL's card reads the three below",
+         params=("model_name", "dataset_name", "tags"), mentions=("self._tag_names", "self._name", "self._paper")),
+    Seam(f"{GRPO}._tag_names", "BAPOTrainer's model card tags"),
+    Seam(f"{GRPO}._name", "BAPOTrainer's name on the model card"),
+    Seam(f"{GRPO}._paper", "the BAPO paper cited on the model card"),
     Seam(GRPO, "attributes set by GRPOTrainer.__init__ that bapo_trl reads or replaces",
          mentions=("self.epsilon_low", "self.epsilon_high", "self.rollout_func", "self.vllm_generation",
                    "self.vllm_importance_sampling_correction", "self.eos_token_ids", "self._metrics",
                    "self.reward_func_names", "self.num_generations", "self.use_vllm",
-                   "self._last_loaded_step", "self.shuffle_dataset")),
+                   "self._last_loaded_step", "self.shuffle_dataset", "self._tokenizer")),
+    Seam(f"{TRAINER}.train", "resume_from_checkpoint=True resumes from the newest complete checkpoint",
+         params=("resume_from_checkpoint", "trial", "ignore_keys_for_eval")),
+    Seam(f"{TRAINER}._save_checkpoint", "per-rank replay / partial-rollout state joins the checkpoint",
+         params=("model", "trial")),
+    Seam(f"{TRAINER}._get_output_dir", "the run folder that holds the checkpoint being written", params=("trial",)),
+    Seam(f"{TRAINER}._load_optimizer_and_scheduler", "a resumed checkpoint restores the per-rank rollout state",
+         params=("checkpoint",)),
+    Seam(f"{TRAINER}.save_model", "a saved model gets the model card with the BAPO section",
+         params=("output_dir", "_internal_call")),
+    Seam("transformers.trainer_callback:TrainerCallback.on_train_begin", "LaunchInfoCallback writes the launch",
+         params=("args", "state", "control")),
+    Seam("transformers.trainer_callback:TrainerCallback.on_train_end", "PlotDynamicsCallback saves and plots the run",
+         params=("args", "state", "control")),
     Seam("trl.trainer.grpo_trainer:VLLMGeneration", "the CPU server swaps this name for its own backend"),
     Seam("trl.generation.vllm_generation:VLLMGeneration",
          "vLLM backend: max_completion_length caps a round; async generation sends TRL's sampling settings itself",
          mentions=("self.max_completion_length", "self.server_timeout", "self.mode", "self.tensor_parallel_size",
                    "self.repetition_penalty", "self.temperature", "self.top_p", "self.top_k", "self.min_p",
                    "self.structured_outputs_regex", "self.generation_kwargs")),
-    Seam("trl.generation.vllm_client:VLLMClient.generate", "async generation's one request per batch",
-         params=("prompts", "features", "n", "repetition_penalty", "temperature", "top_p", "top_k", "min_p",
-                 "max_tokens", "logprobs", "structured_outputs_regex", "generation_kwargs")),
-    Seam("trl.trainer.utils:RepeatSampler", "async generation draws its prompts as TRL's sampler does"),
     Seam("trl.generation.vllm_generation:VLLMGeneration._init_vllm", "CPU server: HTTP client instead of NCCL"),
     Seam("trl.generation.vllm_generation:VLLMGeneration.sync_weights", "CPU server: weights through disk"),
     Seam("trl.generation.vllm_generation:VLLMGeneration._iter_named_params", "CPU server gathers weights"),
-    Seam("trl.generation.vllm_client:VLLMClient._get", "request timeouts", params=("url",)),
-    Seam("trl.generation.vllm_client:VLLMClient._post", "request timeouts", params=("url",)),
+    Seam(CLIENT, "HTTP client: vLLM is only checked for, and the session exists when __init__ calls check_server",
+         mentions=("is_vllm_available()", "self.session", "self.check_server(")),
+    Seam(f"{CLIENT}.generate", "async generation's one request per batch",
+         params=("prompts", "features", "n", "repetition_penalty", "temperature", "top_p", "top_k", "min_p",
+                 "max_tokens", "logprobs", "structured_outputs_regex", "generation_kwargs")),
+    Seam(f"{CLIENT}.check_server", "HTTP client: bounded health probes, then requests that are never retried",
+         params=("total_timeout", "retry_interval")),
+    Seam(f"{CLIENT}.get_server_info", "HTTP client: a stalled server is an error naming the endpoint"),
+    Seam(f"{CLIENT}.reset_prefix_cache", "HTTP client: one bounded request, answered with JSON"),
+    Seam(f"{CLIENT}._get", "request timeouts", params=("url",)),
+    Seam(f"{CLIENT}._post", "request timeouts", params=("url",)),
+    Seam("trl.generation.vllm_client:_DEFAULT_GENERATION_CONCURRENCY", "HTTP client: TRL's connection pool size"),
     Seam("trl.generation.vllm_client:is_vllm_available", "HTTP client without vllm installed"),
+    Seam("trl.trainer.utils:RepeatSampler", "async generation draws its prompts as TRL's sampler does"),
     Seam("trl.trainer.utils:is_async_callable", "async reward functions keep their errors named"),
     Seam("trl.models.utils:disable_gradient_checkpointing", "no-grad policy forwards outside the loss"),
 )

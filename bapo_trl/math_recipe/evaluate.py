@@ -83,7 +83,7 @@ def load_model(path: str, dtype: str, device: str = "auto"):
 
         model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=torch_dtype).merge_and_unload()
         tokenizer_path = path if os.path.exists(os.path.join(path, "tokenizer_config.json")) else \
-            model.config._name_or_path
+            model.config.name_or_path
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         tokenizer_path = path
