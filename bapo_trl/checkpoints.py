@@ -25,10 +25,10 @@ def write_atomically(path: str, write) -> None:
     os.replace(tmp, path)
 
 
-def mark_complete(folder: str, step: int) -> None:
+def mark_complete(folder: str, step: int, world_size: int = 1) -> None:
     def write(tmp: str) -> None:
         with open(tmp, "w") as f:
-            json.dump({"global_step": step, "time": time.time()}, f)
+            json.dump({"global_step": step, "world_size": world_size, "time": time.time()}, f)
 
     write_atomically(os.path.join(folder, MARKER), write)
 
@@ -85,12 +85,37 @@ def save_rank_states(folder: str, states: dict, rank: int) -> None:
         write_atomically(_rank_state_path(folder, stem, rank), lambda tmp, state=state: torch.save(state, tmp))
 
 
-def load_rank_states(folder: str, states: dict, rank: int) -> None:
-    """Restore what :func:`save_rank_states` wrote; a missing file is an error naming it (never a silent fresh start)."""
+def saved_world_size(folder: str) -> int | None:
+    """How many processes wrote the checkpoint: from its marker, else from its per-rank files (None: no such file)."""
+    marker = os.path.join(folder, MARKER)
+    if os.path.exists(marker):
+        with open(marker) as f:
+            size = json.load(f).get("world_size")
+        if size is not None:
+            return int(size)
+    ranks = [int(m.group(1)) for name in os.listdir(folder) if (m := re.match(r"^.+_rank(\d+)\.pt$", name))]
+    return max(ranks) + 1 if ranks else None
+
+
+def load_rank_states(folder: str, states: dict, rank: int, world_size: int = 1, optional: tuple[str, ...] = ()
+                     ) -> None:
+    """Restore what :func:`save_rank_states` wrote; a missing file is an error naming it (never a silent fresh start),
+    except for the ``optional`` stems (state that older checkpoints did not have). A checkpoint written by another
+    number of processes is refused: per-process state (replay queues, partial-rollout pools, generation batches)
+    cannot be split or merged without losing or duplicating data."""
     import torch
 
+    saved = saved_world_size(folder)
+    if saved is not None and saved != world_size:
+        raise ValueError(
+            f"resume_from_checkpoint: {folder} was written by {saved} processes and this run has {world_size}. Its "
+            "per-process rollout state (replay queues, partial-rollout pools, the generation batch in progress) "
+            f"belongs to {saved} processes and cannot be redistributed without losing or repeating data: resume with "
+            f"{saved} processes (accelerate launch --num_processes {saved}).")
     for stem, obj in states.items():
         path = _rank_state_path(folder, stem, rank)
+        if not os.path.exists(path) and stem in optional:
+            continue
         if not os.path.exists(path):
             raise FileNotFoundError(
                 f"Resuming with {stem.replace('_', ' ')} on, but {path} is missing: the checkpoint was written "
@@ -99,17 +124,57 @@ def load_rank_states(folder: str, states: dict, rank: int) -> None:
         obj.load_state_dict(torch.load(path, weights_only=False))
 
 
+#: File stem of TRL's generation batch in progress (absent in checkpoints written before it was saved).
+GENERATION_BATCH = "generation_batch"
+
+
+class GenerationBatchState:
+    """TRL's generation batch in progress: the micro-batches ``GRPOTrainer`` buffered when it generated (it trains on
+    them over ``steps_per_generation x num_iterations`` micro-steps) and its micro-step counter. Saved with every
+    checkpoint, so one written in the middle of a generation batch resumes that batch instead of generating a new one
+    (which would lose the rest of it and shift every later generation boundary)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def state_dict(self) -> dict:
+        buffered = self.trainer._buffered_inputs
+        return {"micro_step": self.trainer._step,
+                "buffered": None if buffered is None else [_to(batch, "cpu") for batch in buffered]}
+
+    def load_state_dict(self, state: dict) -> None:
+        device = self.trainer.accelerator.device
+        self.trainer._step = int(state["micro_step"])
+        buffered = state["buffered"]
+        self.trainer._buffered_inputs = None if buffered is None else [_to(batch, device) for batch in buffered]
+
+    def reset(self) -> None:
+        """A new run starts at a generation boundary (TRL keeps both across ``train()`` calls otherwise)."""
+        self.trainer._step, self.trainer._buffered_inputs = 0, None
+
+
+def _to(batch: dict, device) -> dict:
+    import torch
+
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
 class CheckpointMixin:
-    """Trainer overrides (put before ``GRPOTrainer`` in the bases): per-rank rollout state joins each checkpoint,
-    the completeness marker is written last, rotation waits for it, and ``resume_from_checkpoint=True`` takes the
-    newest complete checkpoint. The trainer provides ``_rank_states()`` (file stem -> object with ``state_dict``),
-    ``_after_state_load()`` and ``_end_of_training()``."""
+    """Trainer overrides (put before ``GRPOTrainer`` in the bases): per-rank rollout state and TRL's generation batch in
+    progress join each checkpoint, the completeness marker is written last, rotation waits for it, and
+    ``resume_from_checkpoint=True`` takes the newest complete checkpoint. Every ``train()`` starts from a fresh run
+    state (``_begin_run()``), so a second call, or a resume on the same object, behaves as on a new trainer. The
+    trainer provides ``_rank_states()`` (file stem -> object with ``state_dict``), ``_begin_run()`` and
+    ``_end_of_training()``."""
+
+    def _checkpoint_states(self) -> dict:
+        return {**self._rank_states(), GENERATION_BATCH: GenerationBatchState(self)}
 
     def _save_checkpoint(self, model, trial):
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        save_rank_states(folder, self._rank_states(), self.accelerator.process_index)
+        save_rank_states(folder, self._checkpoint_states(), self.accelerator.process_index)
         # Transformers rotates (save_total_limit) at the end of its own _save_checkpoint, before this checkpoint is
         # marked complete: a crash in between could leave no complete checkpoint. It does not rotate there; this
         # method rotates with transformers' own function once the new checkpoint counts.
@@ -121,13 +186,15 @@ class CheckpointMixin:
             self.args.save_total_limit = save_total_limit
         self.accelerator.wait_for_everyone()  # every rank's share is on disk before the checkpoint counts
         if self.args.should_save:
-            mark_complete(folder, self.state.global_step)
+            mark_complete(folder, self.state.global_step, self.accelerator.num_processes)
             rotate_checkpoints(output_dir=self._get_output_dir(trial=trial), save_total_limit=save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """``resume_from_checkpoint=True`` (or ``"latest"``) resumes from the newest COMPLETE checkpoint."""
         resume = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        GenerationBatchState(self).reset()
+        self._begin_run()
         try:
             return super().train(resume_from_checkpoint=resume, trial=trial,
                                  ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
@@ -138,5 +205,5 @@ class CheckpointMixin:
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        load_rank_states(checkpoint, self._rank_states(), self.accelerator.process_index)
-        self._after_state_load()
+        load_rank_states(checkpoint, self._checkpoint_states(), self.accelerator.process_index,
+                         self.accelerator.num_processes, optional=(GENERATION_BATCH,))

@@ -402,3 +402,17 @@ class BAPOConfig(GRPOConfig):
     def bapo_settings(self) -> BAPOSettings:
         """The search settings as the frozen object :func:`bapo_trl.search_clip_bounds` takes."""
         return BAPOSettings(**self._settings_dict())
+
+
+def trainer_config(args, model) -> BAPOConfig:
+    """``BAPOTrainer``'s ``args``: TRL's default when None (``<model name>-BAPO``), a clear error for a GRPOConfig."""
+    if args is None:
+        name = model if isinstance(model, str) else model.config.name_or_path
+        return BAPOConfig(f"{name.split('/')[-1]}-BAPO")
+    if not isinstance(args, BAPOConfig):
+        raise TypeError(
+            f"BAPOTrainer needs `args` to be a BAPOConfig, got {type(args).__name__}. BAPOConfig takes every "
+            "GRPOConfig field unchanged: replace `GRPOConfig(...)` by `BAPOConfig(...)` (from bapo_trl import "
+            "BAPOConfig); BAPO then adds its search settings with the paper's defaults (positive_contribution_"
+            "target=0.5, c_low 0.6..0.9, c_high 1.2..3.0) and ignores `epsilon`/`epsilon_high`.")
+    return args

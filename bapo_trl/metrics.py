@@ -126,10 +126,11 @@ def search_sums(result, path: SearchPath, ratio: torch.Tensor, advantages: torch
 
 
 def search_values(sums: list[float], result: dict[str, float], path: SearchPath, stale_max: float,
-                  target: float) -> tuple[dict[str, float], float]:
+                  target: float) -> tuple[dict[str, float], tuple[float, float]]:
     """Named values from REDUCED :func:`search_sums` and the search result (``SearchResult.as_floats()``), plus the
-    mean policy entropy over the real tokens (NaN when unknown). An update on which no window of the path changes
-    the loss is reported with the start window and 0 steps (``bapo/search_active`` 0), not the path's end."""
+    policy entropy summed over the real tokens and their count (both 0 when unknown). An update on which no window of
+    the path changes the loss is reported with the start window and 0 steps (``bapo/search_active`` 0), not the
+    path's end."""
     n, n_pos, n_neg, n_low, n_high, n_sensitive, stale_sum, nonfinite_inputs = sums[:_COUNTS]
     entropy_sum, entropy_tokens = sums[_COUNTS + ENTROPY_CLIP_SUMS :]
     r = dict(result)
@@ -160,7 +161,7 @@ def search_values(sums: list[float], result: dict[str, float], path: SearchPath,
         "bapo/positive_contribution_target": target,
         **entropy_clip_metrics(sums[_COUNTS : _COUNTS + ENTROPY_CLIP_SUMS]),
     }
-    return values, (entropy_sum / entropy_tokens if entropy_tokens else float("nan"))
+    return values, (entropy_sum, entropy_tokens)
 
 
 def _share_sums(result, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -294,15 +295,15 @@ def async_values(versions: list[list[int]], step: int, generate_seconds: float, 
 def update_values(result, path: SearchPath, loss: LossType, ratio: torch.Tensor, advantages: torch.Tensor,
                   mask: torch.Tensor, inputs: dict, logps: torch.Tensor, entropies: torch.Tensor | None, step: int,
                   nonfinite_inputs: torch.Tensor, target: float, sum_over_processes: Reduce,
-                  max_over_processes: Reduce, by_age: bool) -> tuple[dict[str, float], float]:
-    """Every value an update logs (search, Entropy-Clip; fresh vs replayed tokens when the batch holds replayed
+                  max_over_processes: Reduce, by_age: bool) -> tuple[dict[str, float], tuple[float, float]]:
+    """Every value a micro-batch logs (search, Entropy-Clip; fresh vs replayed tokens when the batch holds replayed
     rows; the share by token age when ``by_age``), with the fewest collectives: one sum and one max per group.
-    Returns the values and the mean policy entropy (NaN when unknown)."""
+    Returns the values and ``(entropy sum, tokens)`` over all processes (0, 0 when the entropy is unknown)."""
     staleness = token_staleness(inputs, step, ratio)
     sums, stale_max = search_sums(result, path, ratio, advantages, mask, logps, entropies, staleness,
                                   nonfinite_inputs, loss)
     sums, stale_max = sum_over_processes(sums), max_over_processes(stale_max)
-    values, mean_entropy = search_values(sums.tolist(), result.as_floats(), path, float(stale_max), target)
+    values, entropy = search_values(sums.tolist(), result.as_floats(), path, float(stale_max), target)
     if "replayed" in inputs:  # fresh vs replayed tokens
         replay_staleness = (step - inputs["policy_version"]).double()[:, None].expand_as(ratio)
         totals, rep_max = origin_sums(result, ratio, advantages, mask, inputs["replayed"], replay_staleness, loss)
@@ -311,7 +312,7 @@ def update_values(result, path: SearchPath, loss: LossType, ratio: torch.Tensor,
     if by_age and staleness is not None:
         values.update(age_values(sum_over_processes(age_sums(result, ratio, advantages, mask, staleness,
                                                              loss)).tolist()))
-    return values, mean_entropy
+    return values, entropy
 
 
 def is_active(entry: dict) -> bool:

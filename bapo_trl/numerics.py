@@ -3,10 +3,12 @@
 TRL multiplies the per-token loss by the mask, and ``NaN * 0`` is NaN: one NaN behaviour log-prob on a padded
 position (vLLM returns NaN for tokens it could not score) poisons the step. Two passes edit the batch in place:
 
-* :func:`mask_nonfinite_inputs`, BEFORE ``GRPOTrainer.compute_loss`` (TRL binds its local ``completion_mask`` at
-  the start of ``_compute_loss``, so a later edit would not reach the loss): real tokens with a non-finite input
+* :func:`mask_nonfinite_inputs`, BEFORE ``GRPOTrainer.compute_loss`` (TRL binds its loss mask at the start of
+  ``_compute_loss``, so a later edit would not reach the loss): real tokens with a non-finite input
   (old/reference/sampling log-prob, IS weight, advantage) are counted and, when ``mask_nonfinite`` is on, dropped
-  from the loss (their mask set to 0);
+  from the LOSS only, through ``tool_mask`` (TRL multiplies it into the loss mask, never into the attention mask):
+  the later tokens of the completion are still scored with the dropped token in their context, as their behaviour
+  and reference log-probs were;
 * :func:`sanitize_after_forward`, after the policy forward and before TRL reads the inputs: non-finite values left
   anywhere (padding, or real tokens when masking is off) are replaced (log-probs by the current log-prob, so the
   ratio is 1; importance weights by 1), and the log-ratio to the behaviour (and reference) policy is clamped to
@@ -47,11 +49,13 @@ def _nonfinite_inputs(inputs: dict, shape: torch.Size) -> torch.Tensor:
 
 
 def mask_nonfinite_inputs(inputs: dict, mask_nonfinite: bool = True) -> torch.Tensor:
-    """Before the loss: count real tokens with a non-finite input and (``mask_nonfinite``) drop them from it."""
+    """Before the loss: count real tokens with a non-finite input and (``mask_nonfinite``) drop them from it, not from
+    the attention (``completion_mask`` is left as it is)."""
     mask = inputs["completion_mask"]
     real_bad = _nonfinite_inputs(inputs, mask.shape) & _real(inputs)
     if mask_nonfinite and bool(real_bad.any()):
-        inputs["completion_mask"] = torch.where(real_bad, torch.zeros_like(mask), mask)
+        keep = inputs.get("tool_mask", torch.ones_like(mask))
+        inputs["tool_mask"] = torch.where(real_bad, torch.zeros_like(keep), keep)
         advantages = inputs["advantages"]
         inputs["advantages"] = torch.where(torch.isfinite(advantages), advantages, torch.zeros_like(advantages))
     return real_bad.sum()

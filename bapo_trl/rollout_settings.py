@@ -20,6 +20,43 @@ PARTIAL_ROLLOUT_CLASHING_KWARGS = frozenset({
 })
 
 
+#: ``generation_kwargs`` keys that change the distribution vLLM samples from (and its processed log-probs) beyond the
+#: temperature the trainer also applies.
+DISTRIBUTION_CHANGING_KWARGS = frozenset({
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "logit_bias", "bad_words", "allowed_token_ids", "min_tokens", "structured_outputs", "logits_processors",
+})
+
+
+def _generation_kwargs(cfg) -> dict:
+    kwargs = cfg.generation_kwargs or {}
+    if isinstance(kwargs, str):  # from the command line: TrainingArguments parses the JSON only later
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError:
+            kwargs = {}  # TRL reports the malformed JSON itself
+    return kwargs if isinstance(kwargs, dict) else {}
+
+
+def sampling_changes(cfg) -> list[str]:
+    """The settings under which the sampler's distribution is not the policy's at ``temperature``: truncation
+    (top-p, top-k, min-p, structured outputs) or penalties."""
+    changed = []
+    if cfg.top_p != 1.0:
+        changed.append(f"top_p={cfg.top_p}")
+    if cfg.top_k not in (0, -1, None):
+        changed.append(f"top_k={cfg.top_k}")
+    if cfg.min_p not in (0, 0.0, None):
+        changed.append(f"min_p={cfg.min_p}")
+    if cfg.repetition_penalty != 1.0:
+        changed.append(f"repetition_penalty={cfg.repetition_penalty}")
+    if getattr(cfg, "vllm_structured_outputs_regex", None):
+        changed.append("vllm_structured_outputs_regex")
+    changed += [f"generation_kwargs[{key!r}]" for key in sorted(set(_generation_kwargs(cfg))
+                                                                & DISTRIBUTION_CHANGING_KWARGS)]
+    return changed
+
+
 def is_whole(value) -> bool:
     """An int that is not a bool (``True`` is an int in Python, and no count here means ``True``)."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -84,13 +121,7 @@ def partial_rollout_errors(cfg) -> list[str]:
     # The pool sets each round's length cap and tells a stopped completion from a capped one by its EOS tokens
     # (`stop_token_ids` / `eos_token_id` in generation_kwargs join them); other length or stop settings would
     # override the cap or stop on something it cannot see.
-    kwargs = cfg.generation_kwargs or {}
-    if isinstance(kwargs, str):  # from the command line: TrainingArguments parses the JSON only later
-        try:
-            kwargs = json.loads(kwargs)
-        except json.JSONDecodeError:
-            kwargs = {}  # TRL reports the malformed JSON itself
-    clashing = sorted(set(kwargs if isinstance(kwargs, dict) else {}) & PARTIAL_ROLLOUT_CLASHING_KWARGS)
+    clashing = sorted(set(_generation_kwargs(cfg)) & PARTIAL_ROLLOUT_CLASHING_KWARGS)
     if clashing:
         errors.append(
             f"`generation_kwargs` keys {clashing} cannot be used with `partial_rollout_budget` (it caps each "
@@ -114,6 +145,15 @@ def async_errors(cfg) -> list[str]:
     if cfg.replay_saves_generation:
         errors.append("`async_generation` cannot be combined with `replay_saves_generation` yet (both decide "
                       "what is generated each step).")
+    changed = sampling_changes(cfg)
+    if changed:
+        errors.append(
+            f"`async_generation` takes each token's behaviour log-prob from the sampler, and {', '.join(changed)} "
+            "make(s) the sampler's distribution a truncated or penalised one: every importance ratio would carry that "
+            "difference as a systematic bias, which TRL's synchronous path puts into its importance-sampling weight "
+            "instead (the trainer-side log-probs of the sampling policy no longer exist under async). Sample with "
+            "top_p=1, top_k=0, min_p=0, repetition_penalty=1 and no such generation_kwargs with async generation, or "
+            "generate synchronously (async_generation=False).")
     if cfg.partial_rollout_budget is not None and cfg.max_staleness != 1:
         errors.append("`async_generation` with `partial_rollout_budget` runs exactly one round ahead (each round "
                       f"continues the previous one's completions): `max_staleness` must be 1, got "
@@ -126,6 +166,30 @@ def rollout_source_errors(cfg) -> list[str]:
     if not isinstance(name, str) or not name.strip():
         return [f"`rollout_source` must be 'auto' or the name of a registered rollout source, got {name!r}."]
     return []
+
+
+def staleness_bound(cfg) -> int:
+    """The most optimizer steps between sampling a token and the last update that trains on it, for the built-in
+    sources (what the guarantees matrix checks, ``tests/test_guarantees.py``). With ``u`` updates per generation
+    batch (``BAPOConfig.updates_per_generation``):
+
+    * TRL's generation: ``u - 1`` (a batch is trained for ``u`` updates after it is generated);
+    * partial rollout: ``(R + 1) u - 1`` with ``R = partial_rollout_max_resumes``: a group is trained at the latest
+      ``R`` generation batches after it joined the pool (it is finished by then, and every older group too, so it is
+      among the oldest finished groups the batch takes);
+    * async generation: ``(K + 1) u + W - 2`` with ``K = max_staleness``, ``W = weight_sync_steps``: batch ``t`` is
+      sent at the hand-over of batch ``t - K``, to a server that holds weights at most ``W - 1`` steps older than
+      that hand-over; with partial rollout, ``R u`` more (a completion's first round is at most ``R`` batches before
+      the batch that trains it);
+    * replay: the larger of that and ``replay_max_staleness`` (replayed groups are evicted past it).
+    """
+    updates = cfg.updates_per_generation
+    resumes = cfg.partial_rollout_max_resumes if cfg.partial_rollout_budget is not None else 0
+    if cfg.async_generation:
+        bound = (cfg.max_staleness + 1) * updates + cfg.weight_sync_steps - 2 + resumes * updates
+    else:
+        bound = (resumes + 1) * updates - 1
+    return max(bound, cfg.replay_max_staleness) if cfg.replay_buffer_size > 0 else bound
 
 
 def rollout_errors(cfg) -> list[str]:

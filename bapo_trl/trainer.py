@@ -2,15 +2,14 @@
 
 Two overrides carry the method; everything else is TRL's code or lives in its own module:
 
-* **the dispatcher** (``_generate_and_score_completions``): the batch comes from the run's rollout source
-  (:mod:`bapo_trl.rollout`: TRL's generation, partial rollout, async generation, replay around any of them), built
-  once from the config over a narrow port; the trainer knows nothing of how a source works;
+* **the dispatcher** (``_generate_and_score_completions``): every batch comes from the run's rollout source
+  (:mod:`bapo_trl.rollout`), built from the config over a narrow port; the trainer knows nothing of how it works;
 * **the loss hook**: TRL's ``_compute_loss`` clips with ``clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)``
   and calls nothing we could hook between the policy forward and the clip, except the log-prob function itself. So
   ``compute_loss`` arms the search with the micro-batch, the first ``_get_per_token_logps_and_entropies`` of that
   loss (the policy forward) runs the search on ``exp(logp - old_logp)`` and installs the window through the loss
-  type's row (:mod:`bapo_trl.loss_types`), and TRL's own loss and ``clip_ratio/*`` metrics use it. The search makes
-  no host sync; the ``bapo/*`` metrics read their sums back once per micro-batch, as TRL's own metrics do.
+  type's row (:mod:`bapo_trl.loss_types`), and TRL's own loss and ``clip_ratio/*`` metrics use it (no host sync in
+  the search; the ``bapo/*`` metrics read their sums back once per micro-batch, as TRL's own metrics do).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from trl import GRPOTrainer
 from . import metrics
 from .checkpoints import CheckpointMixin
 from .clipping import SearchResult, search_clip_bounds, search_path
-from .config import BAPOConfig
+from .config import BAPOConfig, trainer_config
 from .generation.cpu_server import CPUServerSyncMixin  # vLLM server mode on CPU (disk weight sync)
 from .loss_types import LOSS_TYPES
 from .model_card import PAPER_CITATION, ModelCardMixin
@@ -33,7 +32,7 @@ from .reward_errors import name_errors
 from .rollout.contract import parts, stamp_policy_version
 from .rollout.port import TRLPort
 from .rollout.registry import build_source, check_source_arguments
-from .target_controller import TargetController
+from .target_controller import AtEachUpdate, TargetController
 from .trl_seams import check_trl_seams
 
 check_trl_seams()  # a TRL that moved a private method we override fails here, loudly, not mid-training
@@ -47,9 +46,8 @@ REPLAY_METRICS = metrics.REPLAY
 class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrainer):
     """GRPO with BAPO's adaptive clipping window (Xi et al., 2025).
 
-    Mixins (each beside the code it uses): vLLM server mode without CUDA (``generation/cpu_server.py``),
-    complete-or-ignored checkpoints with per-rank rollout state (``checkpoints.py``), TRL's model card with a BAPO
-    section (``model_card.py``).
+    Mixins, each beside the code it uses: vLLM server mode without CUDA (``generation/cpu_server.py``), checkpoints
+    (``checkpoints.py``), TRL's model card with a BAPO section (``model_card.py``).
 
     Takes exactly :class:`trl.GRPOTrainer`'s arguments, with ``args`` a :class:`BAPOConfig`. On on-policy
     micro-batches the ratio is exactly 1 and BAPO changes nothing; it acts on stale data
@@ -62,17 +60,8 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
               "Optimization with Adaptive Clipping", "id": "2510.18927", "citation": PAPER_CITATION}
 
     def __init__(self, model, reward_funcs=None, args: BAPOConfig | None = None, **kwargs):
-        if args is None:
-            name = model if isinstance(model, str) else model.config.name_or_path
-            args = BAPOConfig(f"{name.split('/')[-1]}-BAPO")
-        if not isinstance(args, BAPOConfig):
-            raise TypeError(
-                f"BAPOTrainer needs `args` to be a BAPOConfig, got {type(args).__name__}. BAPOConfig takes every "
-                "GRPOConfig field unchanged: replace `GRPOConfig(...)` by `BAPOConfig(...)` (from bapo_trl import "
-                "BAPOConfig); BAPO then adds its search settings with the paper's defaults (positive_contribution_"
-                "target=0.5, c_low 0.6..0.9, c_high 1.2..3.0) and ignores `epsilon`/`epsilon_high`.")
+        args = trainer_config(args, model)
         check_source_arguments(args, kwargs)  # at construction, before TRL loads anything
-        self._bapo_settings = args.bapo_settings
         self._bapo_pending: dict[str, Any] | None = None
         self.port = TRLPort(self)  # the rollout sources' only way into TRL (its log-prob answers are needed below)
         self.loss = LOSS_TYPES[args.loss_type]
@@ -83,11 +72,32 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
             name_errors(f, n) if callable(f) and not isinstance(f, torch.nn.Module) else f
             for f, n in zip(self.reward_funcs, self.reward_func_names)
         ]
+        self._base_settings = args.bapo_settings
+        self._runs = 0
+        self._new_run_state()
+        self.add_callback(AtEachUpdate(self._end_of_update))
+
+    def _new_run_state(self) -> None:
+        """What one ``train()`` call owns: the rollout source and the closed-loop target. The first run uses the
+        constructed ones (and anything attached to them); every later ``train()`` on this object, resumed or not,
+        starts from new ones, as a new trainer would."""
+        args = self.args
         self.rollout_source = build_source(self.port)
-        self.target_controller: TargetController | None = None
-        if args.target_entropy is not None:
-            self.target_controller = TargetController(args.target_entropy, args.target_adapt_rate, args.target_min,
-                                                      args.target_max, args.positive_contribution_target)
+        self.target_controller = None if args.target_entropy is None else TargetController(
+            args.target_entropy, args.target_adapt_rate, args.target_min, args.target_max,
+            args.positive_contribution_target)
+
+    def _begin_run(self) -> None:
+        if self._runs:
+            self._new_run_state()
+        self._runs += 1
+
+    @property
+    def _bapo_settings(self):
+        """The search settings, with the closed-loop target's rho0 when it is on."""
+        if self.target_controller is None:
+            return self._base_settings
+        return dataclasses.replace(self._base_settings, positive_contribution_target=self.target_controller.value)
 
     @property
     def replay_queue(self):
@@ -110,16 +120,8 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
             states["target_controller"] = self.target_controller
         return states
 
-    def _after_state_load(self) -> None:
-        if self.target_controller is not None:
-            self._set_target(self.target_controller.value)
-
     def _end_of_training(self) -> None:
         self.rollout_source.close()  # background generation ends with the run
-
-    def _set_target(self, rho0: float) -> None:
-        """Install a new positive-share target (the closed-loop controller's) for the next searches."""
-        self._bapo_settings = dataclasses.replace(self._bapo_settings, positive_contribution_target=rho0)
 
     # -- loss: arm the search, let TRL compute the loss with the chosen window ----------------------------------
 
@@ -133,8 +135,7 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
             self._bapo_pending = None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        # TRL scoring completions generated elsewhere (partial rollout, async): their tokens' own policies
-        stored = self.port.take_stored_logps(logits_to_keep, input_ids.device)
+        stored = self.port.take_stored_logps(logits_to_keep, input_ids.device)  # completions generated elsewhere
         if stored is not None:
             return stored, None, None
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
@@ -150,12 +151,11 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
         """Run the search on this micro-batch (sums reduced over all processes) and install the window."""
         self._nonfinite_inputs = self._nonfinite_inputs + sanitize_after_forward(
             inputs, per_token_logps, self.args.max_log_ratio)
-        mask = loss_mask(inputs)
+        mask = self._optimised_tokens(loss_mask(inputs), per_token_logps, entropies, inputs)
         old = inputs.get("old_per_token_logps")
         # TRL skips old log-probs when the data is on-policy: the ratio is then exactly 1.
         log_ratio = per_token_logps.detach() - old if old is not None else torch.zeros_like(per_token_logps)
-        ratio = torch.exp(log_ratio)
-        advantages = inputs["advantages"]
+        ratio, advantages = torch.exp(log_ratio), inputs["advantages"]
         weights = inputs.get("importance_sampling_ratio")  # TRL's vLLM IS correction multiplies each token's loss
         if self.args.positive_contribution_is_weighted and weights is not None:
             advantages = (advantages[:, None] if advantages.dim() == 1 else advantages) * weights
@@ -166,17 +166,34 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
         self.last_search = result
         self._log_search(result, ratio, advantages, mask, inputs, per_token_logps, entropies)
 
+    def _optimised_tokens(self, mask, logps, entropies, inputs) -> torch.Tensor:
+        """The tokens TRL's loss keeps after the clip (its high-entropy and off-policy sequence masks, computed as
+        TRL computes them): the search balances the loss that is optimised, not one with tokens TRL then drops."""
+        if self.top_entropy_quantile < 1.0:
+            mask = mask * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+        if self.off_policy_mask_threshold is not None:
+            behaviour = inputs.get("old_per_token_logps", logps.detach())
+            advantages = inputs["advantages"]
+            mask = mask * self.get_off_policy_mask(
+                advantages[:, None] if advantages.dim() == 1 else advantages, logps,
+                inputs.get("sampling_per_token_logps", behaviour), mask, self.off_policy_mask_threshold)
+        return mask
+
     def _log_search(self, result: SearchResult, ratio, advantages, mask, inputs, logps, entropies=None) -> None:
-        """The update's metrics (:func:`bapo_trl.metrics.update_values`); then the closed-loop target, if on, takes
-        its step."""
-        mode = "train" if self.model.training else "eval"
-        values, mean_entropy = metrics.update_values(
-            result, search_path(self._bapo_settings), self.loss, ratio, advantages, mask, inputs, logps, entropies,
-            self.state.global_step, self._nonfinite_inputs, self._bapo_settings.positive_contribution_target,
+        """The micro-batch's metrics (:func:`bapo_trl.metrics.update_values`); its entropy joins the closed-loop
+        target's update, if on."""
+        mode, settings = "train" if self.model.training else "eval", self._bapo_settings
+        values, entropy = metrics.update_values(
+            result, search_path(settings), self.loss, ratio, advantages, mask, inputs, logps, entropies,
+            self.state.global_step, self._nonfinite_inputs, settings.positive_contribution_target,
             self.port.sum_over_processes, self.port.max_over_processes,
             by_age=self.args.async_generation and mode == "train")
         self.port.log_metrics(values, mode)
         if self.target_controller is not None and mode == "train":
             if entropies is None:
                 raise RuntimeError("target_entropy needs the policy entropy, but TRL's loss forward returned none.")
-            self._set_target(self.target_controller.update(mean_entropy))
+            self.target_controller.observe(*entropy)  # the target moves once the update is over
+
+    def _end_of_update(self) -> None:
+        if self.target_controller is not None:
+            self.target_controller.step()

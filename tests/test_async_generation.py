@@ -139,6 +139,29 @@ def test_async_settings_are_checked_before_anything_is_built(overrides, message)
         BAPOConfig(**{**BASE, **overrides})
 
 
+ASYNC = dict(async_generation=True, use_vllm=True, vllm_mode="server")
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (dict(top_p=0.9), "top_p=0.9"), (dict(top_k=20), "top_k=20"), (dict(min_p=0.05), "min_p=0.05"),
+    (dict(repetition_penalty=1.1), "repetition_penalty=1.1"),
+    (dict(generation_kwargs={"presence_penalty": 0.5}), "generation_kwargs['presence_penalty']"),
+    (dict(generation_kwargs={"temperature": 0.7}), "generation_kwargs['temperature']"),
+    (dict(vllm_structured_outputs_regex="[0-9]+"), "vllm_structured_outputs_regex"),
+    (dict(partial_rollout_budget=2, max_completion_length=8, top_p=0.9), "top_p=0.9"),
+])
+def test_async_refuses_sampling_whose_log_probs_are_not_the_policys(overrides, named):
+    """With top-p/top-k/min-p truncation or penalties, the server's processed log-probs belong to another
+    distribution than the policy's: every async ratio would carry that bias. Refused, naming the setting."""
+    with pytest.raises(ValueError, match="truncated or penalised") as error:
+        BAPOConfig(**{**BASE, **ASYNC, **overrides})
+    assert named in str(error.value) and "async_generation=False" in str(error.value)
+
+
+def test_sync_generation_keeps_trls_handling_of_truncated_sampling():
+    BAPOConfig(**BASE, top_p=0.9, top_k=20, steps_per_generation=2)  # TRL's IS correction handles it: accepted
+
+
 @pytest.mark.parametrize("name", ["max_staleness", "weight_sync_steps"])
 def test_async_settings_without_async_warn_that_they_do_nothing(name):
     with pytest.warns(UserWarning, match=rf"`{name}` \(3\) only acts on async generation"):

@@ -1,14 +1,23 @@
 """Complete-or-ignored checkpoints: the marker, resume resolution, and rotation that never removes the last
 complete checkpoint before the new one counts."""
 
+import json
 import os
+import shutil
 
 import pytest
 from transformers import AutoTokenizer
 
 import bapo_trl.checkpoints as checkpoints_module
 from bapo_trl import BAPOConfig, BAPOTrainer
-from bapo_trl.checkpoints import MARKER, is_complete, latest_complete_checkpoint, mark_complete, resolve_resume
+from bapo_trl.checkpoints import (
+    MARKER,
+    is_complete,
+    latest_complete_checkpoint,
+    mark_complete,
+    resolve_resume,
+    saved_world_size,
+)
 from bapo_trl.toy import make_reverse_dataset, reverse_reward
 
 
@@ -28,10 +37,10 @@ class Crash(Exception):
 def test_a_crash_before_the_new_checkpoint_counts_keeps_the_last_complete_one(tiny_model_dir, tmp_path, monkeypatch):
     real_mark = checkpoints_module.mark_complete
 
-    def mark_then_crash_on_step_2(folder, step):
+    def mark_then_crash_on_step_2(folder, step, *args):
         if step == 2:
             raise Crash  # the new checkpoint is written but not marked complete
-        real_mark(folder, step)
+        real_mark(folder, step, *args)
 
     monkeypatch.setattr(checkpoints_module, "mark_complete", mark_then_crash_on_step_2)
     trainer = build(tiny_model_dir, tmp_path, max_steps=2)  # save_total_limit=1: room for one checkpoint only
@@ -89,3 +98,25 @@ def test_resolve_resume_errors_name_the_problem(tmp_path):
     assert resolve_resume(other_trainer, str(tmp_path)) == other_trainer
     assert resolve_resume(complete, str(tmp_path)) == complete
     assert resolve_resume("latest", str(tmp_path)) == complete
+
+
+def test_a_checkpoint_of_another_number_of_processes_is_refused(tiny_model_dir, tmp_path):
+    """Per-process replay queues, pools and generation batches cannot be split or merged: a resume with fewer (or
+    more) processes than wrote the checkpoint is an error naming both counts, not a silent loss of the other ranks'
+    state."""
+    trainer = build(tiny_model_dir, tmp_path, max_steps=1, replay_buffer_size=8, replay_ratio=0.5,
+                    steps_per_generation=2)
+    trainer.train()
+    checkpoint = tmp_path / "checkpoint-1"
+    for path in list(checkpoint.glob("*_rank0.pt")):  # as a 2-process run would have written it
+        shutil.copy(path, str(path).replace("_rank0.pt", "_rank1.pt"))
+    marker = json.loads((checkpoint / MARKER).read_text())
+    (checkpoint / MARKER).write_text(json.dumps({**marker, "world_size": 2}))
+    again = build(tiny_model_dir, tmp_path / "again", max_steps=2, replay_buffer_size=8, replay_ratio=0.5,
+                  steps_per_generation=2)
+    with pytest.raises(ValueError, match=r"written by 2 processes and this run has 1.*--num_processes 2"):
+        again.train(resume_from_checkpoint=str(checkpoint))
+    assert saved_world_size(str(checkpoint)) == 2
+    older = {k: v for k, v in marker.items() if k != "world_size"}
+    (checkpoint / MARKER).write_text(json.dumps(older))  # a marker written before the count was: the files tell
+    assert saved_world_size(str(checkpoint)) == 2

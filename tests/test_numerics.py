@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bapo_trl import BAPOConfig, BAPOTrainer, search_clip_bounds
 from bapo_trl.clipping import BAPOSettings, search_path
-from bapo_trl.numerics import sanitize_micro_batch
+from bapo_trl.numerics import loss_mask, sanitize_micro_batch
 from bapo_trl.toy import make_reverse_dataset, reverse_reward
 
 NASTY = [math.nan, math.inf, -math.inf, 1e30, 1e-30, 0.0, 1e38]
@@ -105,13 +105,14 @@ def test_sanitize_masks_real_nonfinite_tokens_and_counts_them():
     bad = sanitize_micro_batch(inputs, current)
     # real NaN at (0,0), every real token of row 1 (NaN advantage); the padded NaN at (0,2) is not counted
     assert int(bad) == 4
-    assert inputs["completion_mask"].tolist() == [[0, 1, 0], [0, 0, 0]]
+    assert loss_mask(inputs).tolist() == [[0, 1, 0], [0, 0, 0]]  # out of the loss...
+    assert inputs["completion_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]  # ...not out of the attention
     assert torch.isfinite(inputs["old_per_token_logps"]).all()
     assert inputs["old_per_token_logps"].min() >= -20.0  # log-ratio clamp
     keep = {"completion_mask": torch.tensor([[1, 1]]), "old_per_token_logps": torch.tensor([[math.nan, 0.0]]),
             "advantages": torch.tensor([1.0])}
     assert int(sanitize_micro_batch(keep, torch.zeros(1, 2), mask_nonfinite=False)) == 1
-    assert keep["completion_mask"].tolist() == [[1, 1]]  # counted but not masked when switched off
+    assert loss_mask(keep).tolist() == [[1, 1]]  # counted but not masked when switched off
 
 
 def _scripted_inputs(trainer, seed=0):
@@ -130,18 +131,25 @@ def _scripted_inputs(trainer, seed=0):
     }
 
 
-def test_a_real_token_with_a_nonfinite_input_leaves_the_loss(trainer):
+def test_a_real_token_with_a_nonfinite_input_leaves_the_loss_but_not_the_context(trainer):
     """The loss itself (not the inputs dict): a real token whose behaviour log-prob is NaN contributes exactly what a
-    token masked out by hand contributes, nothing; it is not kept at a neutral ratio of 1 inside TRL's loss."""
-    poisoned, by_hand = _scripted_inputs(trainer), _scripted_inputs(trainer)
+    token masked out of the loss by hand contributes (TRL's ``tool_mask``, as for tool results), nothing; it is not
+    kept at a neutral ratio of 1 inside TRL's loss. And it stays in the attention: the later tokens of its completion
+    are scored with it in their context, as their behaviour and reference log-probs were. Dropping it from the
+    attention as well (zeroing ``completion_mask``, what bapo_trl did before) gives another loss."""
+    poisoned, by_hand, no_context = (_scripted_inputs(trainer) for _ in range(3))
     poisoned["old_per_token_logps"][1, 2] = math.nan
     poisoned["ref_per_token_logps"][3, 4] = math.inf
-    by_hand["completion_mask"][1, 2] = 0
-    by_hand["completion_mask"][3, 4] = 0
+    by_hand["tool_mask"] = torch.ones(4, 6, dtype=torch.long)
+    by_hand["tool_mask"][1, 2] = by_hand["tool_mask"][3, 4] = 0
+    no_context["completion_mask"][1, 2] = no_context["completion_mask"][3, 4] = 0
     with torch.no_grad():
         loss_poisoned = trainer.compute_loss(trainer.model, poisoned)
         loss_by_hand = trainer.compute_loss(trainer.model, by_hand)
+        loss_no_context = trainer.compute_loss(trainer.model, no_context)
     assert torch.isfinite(loss_poisoned)
     assert torch.allclose(loss_poisoned, loss_by_hand, atol=1e-6), (loss_poisoned, loss_by_hand)
+    assert poisoned["completion_mask"].tolist() == [[1] * 6] * 4  # the attention mask TRL builds is untouched
+    assert not torch.allclose(loss_poisoned, loss_no_context, atol=1e-6), (loss_poisoned, loss_no_context)
     with torch.no_grad():  # and the token does change the loss when it is finite: the comparison can fail
         assert not torch.allclose(trainer.compute_loss(trainer.model, _scripted_inputs(trainer)), loss_by_hand)

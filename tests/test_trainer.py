@@ -1,5 +1,6 @@
 """BAPOTrainer on the tiny offline model: the loss is TRL's with the chosen window, training runs and logs."""
 
+import dataclasses
 import math
 import re
 
@@ -256,3 +257,72 @@ def test_conflicting_arguments_are_refused_at_construction(tiny_model_dir, tmp_p
     with pytest.raises(ValueError, match=re.escape(message)):
         BAPOTrainer(model=str(tmp_path / "no-model-here"), reward_funcs=reverse_reward, args=args,
                     train_dataset=dataset, **kwargs)
+
+
+@pytest.mark.parametrize("setting", ["top_entropy_quantile", "off_policy_mask_threshold"])
+def test_the_search_balances_only_the_tokens_trls_loss_keeps(tiny_model_dir, tmp_path, setting):
+    """TRL's loss drops tokens after the clip (the low-entropy ones with ``top_entropy_quantile`` < 1, the
+    negative-advantage sequences far off-policy with ``off_policy_mask_threshold``): the search must balance the loss
+    that is optimised, so it sees exactly the tokens TRL keeps, masked as TRL masks them."""
+    overrides = {"top_entropy_quantile": 0.5} if setting == "top_entropy_quantile" else {
+        "off_policy_mask_threshold": 0.5}
+    trainer = make_trainer(BAPOTrainer, BAPOConfig, tiny_model_dir, tmp_path, **overrides)
+    batch = stale_batch(trainer, seed=1, noise=0.9, adv_shift=-0.4)
+    if setting == "off_policy_mask_threshold":  # sequence 1 (negative advantage) far off-policy: TRL drops it
+        batch["old_per_token_logps"][1] += 3.0
+    seen = {}
+    search = trainer.loss.grid_sums
+
+    def recording(ratio, advantages, mask, path):
+        seen["mask"] = mask.clone()
+        return search(ratio, advantages, mask, path)
+
+    trainer.loss = dataclasses.replace(trainer.loss, grid_sums=recording)
+    with torch.no_grad():
+        trainer.compute_loss(trainer.model, dict(batch))
+    mask = batch["completion_mask"]
+    if setting == "top_entropy_quantile":
+        with torch.no_grad():
+            _, entropies, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+                torch.cat([batch["prompt_mask"], mask.long()], 1), 6, compute_entropy=True)
+        kept = trainer.get_high_entropy_mask(entropies, mask, 0.5)
+        assert 0 < kept.sum() < mask.sum()
+    else:
+        kept = torch.ones_like(mask)
+        kept[1] = 0
+    assert torch.equal(seen["mask"].bool(), (mask * kept).bool())
+
+
+def test_the_closed_loop_target_moves_once_per_update(tiny_model_dir, tmp_path):
+    """With gradient accumulation the target moves by at most ``target_adapt_rate`` per optimizer step (it moved
+    once per micro-batch before: 0.135 over 4 updates at GA 4 and rate 0.01)."""
+    trainer = make_trainer(BAPOTrainer, BAPOConfig, tiny_model_dir, tmp_path, gradient_accumulation_steps=4,
+                           steps_per_generation=4, per_device_train_batch_size=4, max_steps=4, target_entropy=50.0,
+                           target_adapt_rate=0.01, learning_rate=1e-3)
+    trainer.train()
+    targets = [h["bapo/positive_contribution_target"] for h in trainer.state.log_history if "loss" in h]
+    assert targets == pytest.approx([0.5, 0.51, 0.52, 0.53])  # logged during each update: its micro-batches agree
+    assert trainer.target_controller.value == pytest.approx(0.54)
+
+
+def test_age_buckets_count_tokens_by_their_own_version_when_replayed_rows_are_mixed_in():
+    """Async partial rollout with replay: a completion spans policies, so its tokens fall in different age buckets;
+    the replay split (per completion) must not replace the per-token ages."""
+    from bapo_trl.clipping import BAPOSettings, search_clip_bounds, search_path
+    from bapo_trl.loss_types import CLIPPED_SURROGATE
+    from bapo_trl.metrics import update_values
+
+    ratio = torch.ones(2, 4)
+    advantages = torch.tensor([1.0, -1.0])
+    mask = torch.ones(2, 4)
+    inputs = {"token_policy_version": torch.tensor([[10, 10, 9, 9], [8, 8, 8, 8]]),
+              "policy_version": torch.tensor([9, 8]), "replayed": torch.tensor([False, True])}
+    result = search_clip_bounds(ratio, advantages, mask)
+    values, _ = update_values(result, search_path(BAPOSettings()), CLIPPED_SURROGATE, ratio, advantages, mask,
+                              inputs, torch.zeros(2, 4), None, 10, torch.tensor(0.0), 0.5, lambda t: t, lambda t: t,
+                              by_age=True)
+    assert values["bapo/token_fraction/age_0"] == pytest.approx(2 / 8)  # per token: two at age 0 ...
+    assert values["bapo/token_fraction/age_1"] == pytest.approx(2 / 8)  # ... two at age 1
+    assert values["bapo/token_fraction/age_2"] == pytest.approx(4 / 8)
+    assert values["replay/staleness_max"] == 2.0  # the replay split stays per completion

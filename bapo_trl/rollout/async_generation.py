@@ -16,19 +16,24 @@ How it stays correct:
   batch, when the optimizer step has moved) by TRL's own ``sync_weights`` (NCCL on CUDA, the disk reload on CPU),
   on the main thread of every process (gathering is collective under ZeRO-3) while the producer is BETWEEN
   requests: a request in flight finishes on the old weights first. So every completion of a batch comes from one
-  policy, whose version (the optimizer step of the push) the batch carries.
+  policy, whose version (the optimizer step of the push) the batch carries. Each request carries a seed of its own
+  (from the run's seed and the batch index), so the same request on the same weights samples the same completions.
 * **Behaviour log-probs are the sampler's.** The server returns the log-prob of every sampled token under the
   policy that sampled it; those are ``old_per_token_logps``, so BAPO's ratio sees the real staleness (TRL's own
   old-log-prob forward, which would use the CURRENT policy, is answered with them). The trainer-side log-probs of
   that older policy no longer exist, so TRL's sampler-mismatch weight is 1 on async batches (its
   ``sampling/sampling_logp_difference`` reads 0); the mismatch (~1e-5 in float32 on CPU) stays inside BAPO's ratio.
+  Sampling settings that truncate or penalise the sampler's distribution are refused with async generation
+  (:func:`bapo_trl.rollout_settings.sampling_changes`): their log-probs are not the policy's.
 * **Prompts drawn as TRL draws them**: TRL's ``RepeatSampler`` over the train set with the run's seed, one global
   generation batch at a time (each process takes its slice, as TRL's server mode slices the answer). TRL's own
-  dataloader still runs; its rows are not used. Checkpoints save how many batches were handed to the trainer; on
-  resume the stream restarts after them and what was in flight is generated again by the resumed policy (nothing
-  lost, nothing trained twice).
-* **Errors, not hangs.** Every request is bounded by ``vllm_server_timeout``; a producer failure is raised on every
-  process at the next hand-over.
+  dataloader still runs; its rows are not used. A checkpoint saves how many batches were handed and, on the main
+  process, every batch generated ahead (see :class:`AsyncGeneration`): a resume trains exactly what the uninterrupted
+  run would have, nothing lost, nothing twice.
+* **Errors, not hangs.** Each request goes through a client that sends it once and bounds it by
+  ``vllm_server_timeout``; whatever the client, every wait of the trainer on the producer is bounded too
+  (:class:`~.producer.Producer`), and a failure on the main process is raised on every process before any of them
+  enters a collective.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from typing import Any
 
 from ..metrics import async_values
 from .contract import ReadyCompletions, ScoreFn, TrainerPort, is_iterable_dataset, stamp_token_versions
-from .producer import Producer, PromptStream, Work
+from .producer import GeneratedBatch, Producer, ProducerStalled, PromptStream, Work
 
 
 def source_argument_errors(args, kwargs: dict) -> list[str]:
@@ -74,8 +79,34 @@ class Handover:
     metrics: dict[str, float]
 
 
+def request_seed(run_seed: int, index: int) -> int:
+    """The sampling seed of request ``index`` of a run: the same request on the same weights samples the same
+    completions (a resumed run regenerates exactly what an uninterrupted one would)."""
+    return (run_seed * 1_000_003 + index) % 2**31
+
+
+def encode_batch(batch: GeneratedBatch) -> dict:
+    """A generated batch as plain data for a checkpoint (its ``context`` must be plain data too)."""
+    work = batch.work
+    return {"index": work.index, "prompts": work.prompts, "n": work.n, "max_tokens": work.max_tokens,
+            "context": work.context, "seed": work.seed, "completion_ids": batch.completion_ids, "logps": batch.logps,
+            "version": batch.version, "seconds": batch.seconds}
+
+
+def decode_batch(data: dict, context: Any = None) -> GeneratedBatch:
+    work = Work(data["index"], data["prompts"], data["n"], data["max_tokens"],
+                data["context"] if context is None else context, data["seed"])
+    return GeneratedBatch(work, data["completion_ids"], data["logps"], data["version"], data["seconds"])
+
+
 class AsyncGeneration:
-    """The async-generation source of one trainer process (the producer lives on the main process only)."""
+    """The async-generation source of one trainer process (the producer lives on the main process only).
+
+    Checkpoints: ``batches_handed`` counts the batches handed to TRL, the one being trained included (TRL's buffered
+    generation batch is saved by the trainer, so its rest is trained after a resume); the main process also saves every
+    batch generated ahead (waiting for a request in flight to end), so a resumed run hands exactly those batches, with
+    their policy versions, and generates the following ones from the same stream position with the same seeds.
+    """
 
     state_name = "async_generation"
     argument_errors = staticmethod(source_argument_errors)
@@ -88,16 +119,23 @@ class AsyncGeneration:
         self.pushed_step: int | None = None  # optimizer step of the last weight push
         self.producer: Producer | None = None
         self.stream: PromptStream | None = None
+        self._restored: dict[Any, GeneratedBatch] = {}  # generated before the checkpoint we resumed from
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"batches_handed": self.handed}
+        state = {"batches_handed": self.handed, "batches_submitted": self.handed, "generated": []}
+        if self.producer is not None:  # main process: the batches generated ahead belong to the checkpoint
+            state["generated"] = [encode_batch(self.producer.wait_for(i)) for i in range(self.handed, self.submitted)]
+            state["batches_submitted"] = self.submitted
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if self.producer is not None:
             raise RuntimeError("async generation: cannot load state once generation has started")
-        self.handed = self.submitted = int(state["batches_handed"])
+        self.handed = int(state["batches_handed"])
+        self.submitted = int(state.get("batches_submitted", self.handed))  # older checkpoints: regenerate the rest
+        self._restored = {data["index"]: decode_batch(data) for data in state.get("generated", [])}
 
     # -- the trainer's side -----------------------------------------------------------------------------------
 
@@ -132,20 +170,37 @@ class AsyncGeneration:
 
     def push_weights(self) -> float:
         """TRL's weight sync, on every process, between two producer requests, when the policy has moved by
-        ``weight_sync_steps`` optimizer steps since the last push. Returns the seconds it took (waiting for a request
-        in flight included); 0 when nothing was pushed."""
+        ``weight_sync_steps`` optimizer steps since the last push. The main process first holds the producer (bounded:
+        a stalled request is an error) and tells every process whether it could, before any of them enters the push
+        (a collective under ZeRO-3). Returns the seconds it took (waiting for a request in flight included); 0 when
+        nothing was pushed."""
         port = self.port
         step = port.global_step
         if self.pushed_step is not None and step - self.pushed_step < port.args.weight_sync_steps:
             return 0.0
         start = time.perf_counter()
-        hold = self.producer.between_requests() if self.producer is not None else contextlib.nullcontext()
-        with hold:
+        with contextlib.ExitStack() as hold:
+            error = None
+            if self.producer is not None:
+                try:
+                    hold.enter_context(self.producer.between_requests())
+                except ProducerStalled as exc:
+                    error = exc
+            self._raise_everywhere(error)
             port.push_weights()
             if self.producer is not None:
                 self.producer.version = step
         self.pushed_step = step
         return time.perf_counter() - start
+
+    def _raise_everywhere(self, error: BaseException | None) -> None:
+        """The main process's error, raised on every process (none enters a collective the main one skips)."""
+        if self.port.num_processes > 1:
+            message = self.port.broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+            if message is not None and error is None:
+                raise RuntimeError(f"async generation failed on the main process: {message}")
+        if error is not None:
+            raise error
 
     @contextlib.contextmanager
     def paused(self):
@@ -172,9 +227,11 @@ class AsyncGeneration:
         port, args = self.port, self.port.args
         self.stream = PromptStream(len(port.train_dataset), port.num_generations, args.generation_batch_size,
                                    port.shuffle_dataset, args.seed)
-        self.stream.skip_to(self.submitted)  # resumed: the batches already trained are not drawn again
+        self.stream.skip_to(self.submitted)  # resumed: the batches already drawn are not drawn again
         self.producer = Producer(self._generate, float(args.vllm_server_timeout))
         self.producer.version = self.pushed_step
+        self.producer.preload(self._restored)
+        self._restored = {}
 
     def _main_next(self, push_seconds: float) -> Handover:
         """Main process: batch ``handed`` as the server generated it, with more work queued up to K ahead."""
@@ -195,12 +252,12 @@ class AsyncGeneration:
             firsts = rows[:: port.num_generations]
             prompt_ids = port.tokenize_prompts([port.train_dataset[i]["prompt"] for i in firsts])
             self.producer.submit(Work(self.submitted, prompt_ids, port.num_generations, port.max_completion_length,
-                                      context=rows))
+                                      context=rows, seed=request_seed(port.args.seed, self.submitted)))
             self.submitted += 1
 
     def _generate(self, work: Work) -> dict:
         """One request (the producer thread)."""
-        return self.port.server_generate(work.prompts, work.n, work.max_tokens)
+        return self.port.server_generate(work.prompts, work.n, work.max_tokens, seed=work.seed)
 
     def _batch_metrics(self, versions: list[list[int]], seconds: float, waited: float,
                        push_seconds: float) -> dict[str, float]:

@@ -3,16 +3,16 @@ completion by the budget while the trainer trains.
 
 A completion may grow across several rounds, under newer policies, each token keeping the sampler's log-prob and
 version. Rounds depend on the previous round's tokens, so the producer runs exactly one round ahead
-(``max_staleness`` 1). The pool lives on the main process; its groups (and the prompt stream's position) are
-checkpointed, and a round in flight at a checkpoint is generated again on resume.
+(``max_staleness`` 1). The pool lives on the main process; a checkpoint saves it, the prompt stream's position and
+the round in flight (waiting for it to end), so a resume continues exactly where the uninterrupted run was.
 """
 
 from __future__ import annotations
 
 from ..metrics import partial_sums, partial_values
-from .async_generation import AsyncGeneration, Handover
+from .async_generation import AsyncGeneration, Handover, decode_batch, encode_batch, request_seed
 from .contract import TrainerPort
-from .pool import PartialRolloutPool
+from .pool import Completion, PartialRolloutPool
 from .producer import Work
 
 
@@ -27,15 +27,23 @@ class AsyncPartialRollout(AsyncGeneration):
         self.groups_per_batch = args.generation_batch_size // port.num_generations
         self.round_submitted: int | None = None  # the round (batch index) queued last
         self.stream_position = 0
+        self._restored_round: dict | None = None
 
     def state_dict(self) -> dict:
         position = self.stream.position if self.stream is not None else self.stream_position
-        return {"batches_handed": self.handed, "stream_position": position, "pool": self.pool.state_dict()}
+        state = {"batches_handed": self.handed, "stream_position": position, "pool": self.pool.state_dict()}
+        if self.producer is not None and self.round_submitted == self.handed:  # the round in flight: its result
+            batch = self.producer.wait_for(("round", self.handed))
+            state["round"] = encode_batch(batch) | {"context": None}  # its completions are the pool's unfinished
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
+        if self.producer is not None:
+            raise RuntimeError("async generation: cannot load state once generation has started")
+        self.handed = self.submitted = int(state["batches_handed"])
         self.stream_position = int(state["stream_position"])
         self.pool.load_state_dict(state["pool"])
+        self._restored_round = state.get("round")  # older checkpoints: the round is generated again
 
     def _start(self) -> None:
         if self.producer is None:
@@ -45,7 +53,8 @@ class AsyncPartialRollout(AsyncGeneration):
     def _main_next(self, push_seconds: float) -> Handover:
         pool = self.pool
         if self.round_submitted != self.handed:  # the first call (or the first after a resume)
-            self._submit_round(self.handed)
+            self._submit_round(self.handed, restored=self._restored_round)
+            self._restored_round = None
         batch, waited = self.producer.take(("round", self.handed))
         todo, caps = batch.work.context
         pool.apply(todo, caps, batch.completion_ids, batch.logps, batch.logps, batch.version)
@@ -55,7 +64,8 @@ class AsyncPartialRollout(AsyncGeneration):
         todo = [c for g in oldest for c in g.completions if not c.finished]
         if todo:  # too few finished groups: generate the oldest unfinished ones to the end, now
             prefixes, caps = pool.request(todo, pool.max_len)
-            self.producer.submit(Work(("finish", self.handed), prefixes, 1, max(caps), context=(todo, caps)))
+            self.producer.submit(Work(("finish", self.handed), prefixes, 1, max(caps), context=(todo, caps),
+                                      seed=request_seed(self.port.args.seed, 2 * self.handed + 1)))
             batch, extra_wait = self.producer.take(("finish", self.handed))
             pool.apply(todo, caps, batch.completion_ids, batch.logps, batch.logps, batch.version)
             waited, seconds = waited + extra_wait, seconds + batch.seconds
@@ -70,16 +80,22 @@ class AsyncPartialRollout(AsyncGeneration):
                         completion_ids=[list(c.token_ids) for c in completions],
                         logps=[list(c.logps) for c in completions], versions=versions, metrics=metrics)
 
-    def _submit_round(self, index: int) -> None:
+    def _submit_round(self, index: int, restored: dict | None = None) -> None:
         """Top the pool up to two batches' worth of groups and queue one request growing every unfinished
-        completion: by the budget, or to the end for one carried ``max_resumes`` times."""
+        completion: by the budget, or to the end for one carried ``max_resumes`` times. ``restored``: that request's
+        result, saved by the checkpoint we resumed from (the pool is then exactly as it was when it was sent)."""
         port, pool = self.port, self.pool
         while len(pool) < 2 * self.groups_per_batch:
             indices = self.stream.next()
             rows = [dict(port.train_dataset[i]) for i in indices]
             pool.add_groups(rows, port.tokenize_prompts([row["prompt"] for row in rows]), port.num_generations)
-        todo = pool.unfinished()
+        todo: list[Completion] = pool.unfinished()
         wanted = [pool.budget if c.resumes < pool.max_resumes else pool.max_len for c in todo]
         prefixes, caps = pool.request(todo, wanted)
-        self.producer.submit(Work(("round", index), prefixes, 1, max(caps), context=(todo, caps)))
+        work = Work(("round", index), prefixes, 1, max(caps), context=(todo, caps),
+                    seed=request_seed(port.args.seed, 2 * index))
+        if restored is not None:
+            self.producer.preload({work.index: decode_batch(restored, context=work.context)})
+        else:
+            self.producer.submit(work)
         self.round_submitted = index

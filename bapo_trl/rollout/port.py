@@ -23,6 +23,7 @@ class TRLPort:
 
     def __init__(self, trainer):
         self._trainer = trainer  # may be built before GRPOTrainer.__init__ ran: every fact is read when asked
+        self.request_client = None  # the producer's HTTP client (made at its first request)
         self._ready: ReadyCompletions | None = None  # being scored, served by `_rollout`
         self._awaiting_old_logps: ReadyCompletions | None = None  # armed while TRL computes its old-logp forward
 
@@ -113,16 +114,29 @@ class TRLPort:
         completion_ids = [list(ids[:cap]) for ids in completion_ids[:count]]
         return completion_ids, (None if logprobs is None else [list(lp[:cap]) for lp in logprobs[:count]])
 
-    def server_generate(self, prompts: list[list[int]], n: int, max_tokens: int) -> dict[str, list]:
+    def server_generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int | None = None
+                        ) -> dict[str, list]:
         """One request to the vLLM server (any thread): ``n`` completions of every prompt (token ids), TRL's sampling
-        settings, at most ``max_tokens`` each. Returns ``completion_ids`` and the sampler's ``logps`` per token."""
+        settings, at most ``max_tokens`` each, sampled with ``seed`` unless ``generation_kwargs`` names one. Returns
+        ``completion_ids`` and the sampler's ``logps`` per token.
+
+        Sent through a client of its own that sends each request once and bounds it by ``vllm_server_timeout``
+        (:class:`~bapo_trl.generation.cpu_server.HTTPVLLMClient`): TRL's own client, which generation uses on CUDA,
+        retries and sets no read timeout."""
         backend = self._trainer.vllm_generation
-        output = backend.vllm_client.generate(
+        if self.request_client is None:
+            from ..generation.cpu_server import HTTPVLLMClient
+
+            client = backend.vllm_client
+            self.request_client = client if isinstance(client, HTTPVLLMClient) else HTTPVLLMClient(
+                base_url=client.base_url, connection_timeout=backend.server_timeout,
+                request_timeout=backend.server_timeout)
+        output = self.request_client.generate(
             prompts=prompts, n=n, repetition_penalty=backend.repetition_penalty,
             temperature=backend.temperature, top_p=backend.top_p, top_k=backend.top_k,
             min_p=0.0 if backend.min_p is None else backend.min_p, max_tokens=max_tokens,
             logprobs=0, structured_outputs_regex=backend.structured_outputs_regex,
-            generation_kwargs=backend.generation_kwargs,
+            generation_kwargs={**({} if seed is None else {"seed": seed}), **(backend.generation_kwargs or {})},
         )
         logps = [[float("nan") if lp[0] is None else float(lp[0]) for lp in seq] for seq in output["logprobs"]]
         return {"completion_ids": output["completion_ids"], "logps": logps}

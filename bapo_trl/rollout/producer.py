@@ -50,14 +50,16 @@ class PromptStream:
 
 @dataclass
 class Work:
-    """One request: ``n`` completions of every prompt (token ids), at most ``max_tokens`` each; ``context`` is the
-    caller's (dataset rows, or the completions a round continues)."""
+    """One request: ``n`` completions of every prompt (token ids), at most ``max_tokens`` each, sampled with ``seed``
+    (the same request on the same weights samples the same completions); ``context`` is the caller's (dataset rows,
+    or the completions a round continues)."""
 
     index: Any
     prompts: list[list[int]]
     n: int
     max_tokens: int
     context: Any = None
+    seed: int | None = None
 
 
 @dataclass
@@ -75,54 +77,93 @@ class GeneratedBatch:
         return [p for p in self.work.prompts for _ in range(self.work.n)]
 
 
+class ProducerStalled(TimeoutError):
+    """The generation thread did not finish a request within its bound (the server stalled or died)."""
+
+
 class Producer:
-    """The generation thread of the main process: takes queued work in order, sends one request per batch, keeps
-    the results until the trainer takes them. A weight push runs between two requests (:meth:`between_requests`)."""
+    """The generation thread of the main process: takes queued work in order, sends one request per piece of work,
+    keeps the results until they are taken. A weight push runs between two requests (:meth:`between_requests`).
+
+    Every wait of the trainer on this thread is bounded, whatever the HTTP client does (TRL's own client on CUDA
+    retries and sets no read timeout): waiting for the request in flight by ``1.5 x request_timeout``, waiting for a
+    batch by ``3.5 x request_timeout`` (the request in flight, a finishing request, the batch's own, and slack). A
+    stall is then a :class:`ProducerStalled` error, never a hang."""
 
     def __init__(self, generate: Callable[[Work], dict], request_timeout: float):
         self.generate, self.request_timeout = generate, request_timeout
         self.version = 0  # optimizer step of the weights on the server (set under the lock by the pusher)
         self.work: queue.Queue[Work | None] = queue.Queue()
-        self.ready: dict[int, GeneratedBatch] = {}
+        self.ready: dict[Any, GeneratedBatch] = {}
         self.error: BaseException | None = None
         self.condition = threading.Condition()
+        self.in_flight: Any = None  # index of the work being requested
         self._request_lock = threading.Lock()  # held for each request; a push takes it between two
         self._push_wanted = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="bapo-async-generation", daemon=True)
         self._thread.start()
 
+    @property
+    def hold_bound(self) -> float:
+        """Longest wait for the request in flight to end."""
+        return 1.5 * self.request_timeout
+
+    @property
+    def batch_bound(self) -> float:
+        """Longest wait for one batch."""
+        return 3.5 * self.request_timeout
+
     def submit(self, work: Work) -> None:
         self.work.put(work)
 
+    def preload(self, batches: dict[Any, GeneratedBatch]) -> None:
+        """Batches generated before a checkpoint, handed out as if this thread had just generated them."""
+        with self.condition:
+            self.ready.update(batches)
+            self.condition.notify_all()
+
     @contextlib.contextmanager
     def between_requests(self):
-        """Hold the producer between two requests (a request in flight finishes first)."""
+        """Hold the producer between two requests (a request in flight finishes first, within :attr:`hold_bound`)."""
         self._push_wanted.set()
         try:
-            with self._request_lock:
+            if not self._request_lock.acquire(timeout=self.hold_bound):
+                raise ProducerStalled(
+                    f"async generation: the request for batch {self.in_flight!r} did not end within "
+                    f"{self.hold_bound:.0f} s (1.5 x vllm_server_timeout): the vLLM server is stalled or gone")
+            try:
                 yield self
+            finally:
+                self._request_lock.release()
         finally:
             self._push_wanted.clear()
             with self.condition:
                 self.condition.notify_all()
 
     def take(self, index) -> tuple[GeneratedBatch, float]:
-        """Batch ``index`` and the seconds waited for it; the producer's error if it failed."""
+        """Batch ``index`` (removed) and the seconds waited for it; the producer's error if it failed."""
+        return self._wait(index, pop=True)
+
+    def wait_for(self, index) -> GeneratedBatch:
+        """Batch ``index``, left in place (for a checkpoint of the batches generated ahead)."""
+        return self._wait(index, pop=False)[0]
+
+    def _wait(self, index, pop: bool) -> tuple[GeneratedBatch, float]:
         start = time.perf_counter()
-        # A request is bounded by request_timeout, and a push waits for at most one: never a hang.
-        deadline = start + 3 * self.request_timeout + 60
+        deadline = start + self.batch_bound
         with self.condition:
             while index not in self.ready and self.error is None:
                 if not self._thread.is_alive():
                     raise RuntimeError("async generation: the producer thread is gone")
                 if not self.condition.wait(timeout=min(5.0, max(deadline - time.perf_counter(), 0.01))) and \
                         time.perf_counter() > deadline:
-                    raise TimeoutError(f"async generation: batch {index} not generated within "
-                                       f"{deadline - start:.0f} s (3 x vllm_server_timeout + 60 s)")
+                    raise ProducerStalled(f"async generation: batch {index!r} not generated within "
+                                          f"{deadline - start:.0f} s (3.5 x vllm_server_timeout)")
             if self.error is not None:
                 raise self.error
-            return self.ready.pop(index), time.perf_counter() - start
+            batch = self.ready.pop(index) if pop else self.ready[index]
+            return batch, time.perf_counter() - start
 
     def depth(self) -> int:
         with self.condition:
@@ -143,9 +184,10 @@ class Producer:
                     while self._push_wanted.is_set():
                         self.condition.wait(timeout=1.0)
                 with self._request_lock:
-                    version, start = self.version, time.perf_counter()
+                    version, start, self.in_flight = self.version, time.perf_counter(), work.index
                     output = self.generate(work)
                     seconds = time.perf_counter() - start
+                    self.in_flight = None
                 batch = GeneratedBatch(work, output["completion_ids"], output["logps"], version, seconds)
                 with self.condition:
                     self.ready[work.index] = batch

@@ -1,0 +1,126 @@
+"""A STAND-IN for the vLLM server, for the fast tier: a thread serving the few HTTP endpoints the trainer uses, that
+really samples from the policy it holds (a transformers model on CPU) and really reloads the weights the trainer
+pushes through the disk.
+
+Why a stand-in: the real vLLM CPU server takes a minute to start and about 3 GiB, so the guarantees matrix runs its
+async rows against it only in the slow tier. What this stand-in shares with the real one is exactly what those rows
+check: each completion is sampled by the policy the server held when the request ran, and each token's log-prob is
+that policy's (temperature-scaled, as vLLM's ``processed_logprobs``), so "behaviour log-probs = a recomputation
+with the saved sampling policy" and "staleness <= K" are checked for real. What it does not share: vLLM's kernels,
+batching, prefix cache and sampling settings other than temperature (it refuses them).
+
+A request's ``seed`` makes its sampling reproducible, as vLLM's does. It can stall on chosen requests (``stall_on``: the n-th generate request is accepted and never answered), to test
+that a stalled server ends training with an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+
+class PolicyServer:
+    """Serves ``/health``, ``/v1/models``, ``/server_info``, ``/v1/completions`` (token-id prompts), ``/collective_rpc``
+    (``reload_weights`` from a safetensors directory; other methods are accepted and do nothing) and
+    ``/reset_prefix_cache``. Counts requests by (method, path); ``versions`` lists, per generate request, how many
+    reloads the server had applied when it ran."""
+
+    def __init__(self, model_dir: str, stall_on: tuple[int, ...] = (), seed: int = 0):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.lock = threading.Lock()  # one request at a time touches the model (as one vLLM engine)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.requests: Counter = Counter()
+        self.reloads = 0
+        self.versions: list[int] = []  # reloads applied when each generate request ran
+        self.stall_on = set(stall_on)
+        self.release = threading.Event()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def answer(self, body: dict, status: int = 200):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                server.requests["GET", self.path.split("?")[0]] += 1
+                answers = {"/v1/models": {"data": [{"id": "stand-in"}]},
+                           "/server_info": {"vllm_config": {"model_config": {"logprobs_mode": "processed_logprobs"}}}}
+                self.answer(answers.get(self.path.split("?")[0], {}))
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                server.requests["POST", self.path] += 1
+                if self.path == "/v1/completions":
+                    index = server.requests["POST", "/v1/completions"]
+                    if index in server.stall_on:
+                        server.release.wait(600)  # the stall: accepted, never answered
+                        return
+                    self.answer(server.complete(body))
+                elif self.path == "/collective_rpc":
+                    if body.get("method") == "reload_weights":
+                        server.reload(body["kwargs"]["weights_path"])
+                    self.answer({})
+                else:
+                    self.answer({})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def reload(self, directory: str) -> None:
+        from safetensors.torch import load_file
+
+        state = load_file(f"{directory}/model.safetensors")
+        with self.lock:
+            self.model.load_state_dict(state, strict=False)
+            self.reloads += 1
+
+    @torch.no_grad()
+    def complete(self, body: dict) -> dict:
+        """``n`` samples of every prompt (token ids), up to ``max_tokens``, stopping at EOS; prompt-major choices with
+        the sampled tokens' log-probs under the policy held now."""
+        for name, neutral in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0)):
+            if body.get(name, neutral) not in (neutral, -1 if name == "top_k" else neutral):
+                raise ValueError(f"the stand-in server samples with temperature only, got {name}={body[name]}")
+        temperature, eos = float(body.get("temperature", 1.0)), self.model.config.eos_token_id
+        generator = self.generator if body.get("seed") is None else torch.Generator().manual_seed(int(body["seed"]))
+        choices = []
+        with self.lock:
+            self.versions.append(self.reloads)
+            for prompt in body["prompt"]:
+                for _ in range(int(body.get("n", 1))):
+                    ids, logps = list(prompt), []
+                    for _ in range(int(body["max_tokens"])):
+                        logits = self.model(torch.tensor([ids])).logits[0, -1].float() / temperature
+                        log_probs = torch.log_softmax(logits, -1)
+                        token = int(torch.multinomial(log_probs.exp(), 1, generator=generator))
+                        ids.append(token)
+                        logps.append(float(log_probs[token]))
+                        if token == eos:
+                            break
+                    tokens = ids[len(prompt):]
+                    choices.append({"prompt_token_ids": list(prompt), "token_ids": tokens, "logprobs": {
+                        "tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": logps,
+                        "top_logprobs": [{f"token_id:{t}": lp} for t, lp in zip(tokens, logps)]}})
+        return {"choices": choices}
+
+    def close(self) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join()

@@ -1,0 +1,250 @@
+"""The off-policy guarantees, checked on a table of configurations (issue "Exact off-policy guarantees").
+
+Rows: every rollout source (TRL's generation, replay, partial rollout, async K=1 and K=2, async partial rollout,
+replay with async) x settings a user combines (optimizer steps per generation batch through steps_per_generation S,
+num_iterations I, gradient_accumulation_steps GA; pairwise: (S, I, GA) in (1,1,1), (1,2,2), (4,1,2), (4,2,1)). On
+every row, one trainer object:
+
+1. trains uninterrupted, with a checkpoint at EVERY step, recording what each micro-batch trains;
+   * every token's policy version is <= the step that trains it, and the staleness is within
+     :func:`bapo_trl.rollout_settings.staleness_bound` of the row;
+   * behaviour log-probs equal a recomputation with the saved policy of each token's version;
+2. resumes, on the SAME object, from every checkpoint: each resumed run trains exactly the (prompt, completion)
+   multiset the uninterrupted run trained after that checkpoint (nothing lost, nothing twice), with the same versions;
+3. then a fresh object resumes from a checkpoint in the middle and trains that same multiset too, and a second plain
+   ``train()`` on the used object starts over like a new trainer (versions from step 0, weights pushed).
+
+The async rows generate in :class:`policy_server.PolicyServer`, a STAND-IN for the vLLM server (it samples from the
+policy it holds and reloads the pushed weights; see its docstring) in the fast tier; the slow tier runs the async rows
+against the real vLLM CPU server (``test_async_rows_with_the_real_server``). Stalled-server rows are at the end.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from policy_server import PolicyServer
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl.numerics import loss_mask
+from bapo_trl.rollout_settings import staleness_bound
+from bapo_trl.toy import make_reverse_dataset
+
+SOURCES = {
+    "trl": {},
+    "replay": dict(replay_buffer_size=8, replay_ratio=0.5),
+    "partial": dict(partial_rollout_budget=3, partial_rollout_max_resumes=2),
+    "async_k1": dict(async_generation=True, max_staleness=1),
+    "async_k2": dict(async_generation=True, max_staleness=2),
+    "async_partial": dict(async_generation=True, partial_rollout_budget=3, partial_rollout_max_resumes=2),
+    "replay_async": dict(async_generation=True, replay_buffer_size=8, replay_ratio=0.5),
+}
+#: (steps_per_generation, num_iterations, gradient_accumulation_steps), pairwise over {1, 4} x {1, 2} x {1, 2}
+SETTINGS = [(1, 1, 1), (1, 2, 2), (4, 1, 2), (4, 2, 1)]
+#: The fast tier runs every source on the setting with the most mid-batch checkpoints per step that still keeps a
+#: row short; the slow tier runs the rest of the table.
+FAST = (4, 1, 2)
+
+
+def digit_reward(completions, **kwargs) -> list[float]:
+    """Spread inside almost every group even for an untrained head (so replay keeps groups and the loss moves)."""
+    return [float(sum(ch.isdigit() for ch in c)) + 0.1 * len(c) for c in completions]
+
+
+class Snapshots(TrainerCallback):
+    """The policy at the start of every optimizer step: the weights of version ``step``."""
+
+    def __init__(self):
+        self.policies = {}
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step not in self.policies:
+            self.policies[state.global_step] = copy.deepcopy(model.state_dict())
+
+
+class Recorder(BAPOTrainer):
+    """Records every trained row of every micro-batch (a probe around compute_loss, the real one runs)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trained: list[dict] = []
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        if model.training:
+            self.trained += rows_of(inputs, self.state.global_step)
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+
+def rows_of(inputs: dict, step: int) -> list[dict]:
+    mask = loss_mask(inputs)
+    versions = inputs.get("token_policy_version")
+    rows = []
+    for i in range(inputs["completion_ids"].size(0)):
+        length = int(inputs["completion_mask"][i].sum())
+        if not bool(mask[i].any()):
+            continue
+        token_versions = (versions[i, :length].tolist() if versions is not None
+                          else [int(inputs["policy_version"][i])] * length)
+        old = inputs.get("old_per_token_logps")
+        rows.append({
+            "step": step,
+            "prompt": tuple(inputs["prompt_ids"][i][inputs["prompt_mask"][i].bool()].tolist()),
+            "completion": tuple(inputs["completion_ids"][i, :length].tolist()),
+            "versions": tuple(token_versions),
+            "old": None if old is None else old[i, :length].tolist(),
+        })
+    return rows
+
+
+def multiset(rows: list[dict]) -> Counter:
+    return Counter((r["prompt"], r["completion"], r["versions"]) for r in rows)
+
+
+def config(source: str, setting: tuple[int, int, int], out: Path, server: PolicyServer | None, **overrides):
+    steps_per_generation, num_iterations, accumulation = setting
+    updates = max(1, -(-steps_per_generation * num_iterations // accumulation))
+    extra = dict(SOURCES[source])
+    if "replay_buffer_size" in extra:
+        extra["replay_max_staleness"] = 2 * updates
+    if server is not None:
+        host, port = server.url.removeprefix("http://").split(":")
+        extra.update(use_vllm=True, vllm_mode="server", vllm_server_host=host, vllm_server_port=int(port),
+                     vllm_server_timeout=30)
+    settings = dict(
+        output_dir=str(out), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=8, logging_steps=1, seed=0,
+        learning_rate=5e-3, lr_scheduler_type="constant", steps_per_generation=steps_per_generation,
+        num_iterations=num_iterations, gradient_accumulation_steps=accumulation, max_steps=updates + 2,
+        save_strategy="steps", save_steps=1, disable_tqdm=True, **extra)
+    return BAPOConfig(**{**settings, **overrides})
+
+
+def build(model_dir, args, cls=Recorder, callbacks=()):
+    return cls(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=digit_reward, args=args,
+               train_dataset=make_reverse_dataset(64, seed=0), processing_class=AutoTokenizer.from_pretrained(model_dir),
+               callbacks=list(callbacks))
+
+
+def recompute(model_dir, policy: dict, prompt, completion, temperature: float) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.load_state_dict(policy)
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+def check_versions_and_staleness(rows: list[dict], bound: int) -> None:
+    for r in rows:
+        assert max(r["versions"]) <= r["step"], r
+        assert r["step"] - min(r["versions"]) <= bound, (r["step"], r["versions"], bound)
+
+
+def check_behaviour_logps(rows: list[dict], policies: dict, model_dir, temperature: float, limit: int = 6) -> int:
+    """Each token's stored behaviour log-prob = its version's policy, recomputed (on rows with several versions
+    first, then the stalest); returns how many rows were checked."""
+    candidates = [r for r in rows if r["old"] is not None and r["completion"]]
+    candidates.sort(key=lambda r: (-len(set(r["versions"])), min(r["versions"]) - r["step"]))
+    checked = 0
+    for r in candidates[:limit]:
+        expected = torch.empty(len(r["completion"]))
+        for version in set(r["versions"]):
+            at = [i for i, v in enumerate(r["versions"]) if v == version]
+            expected[at] = recompute(model_dir, policies[version], r["prompt"], r["completion"], temperature)[at]
+        assert torch.allclose(torch.tensor(r["old"]), expected, atol=2e-4), (r, expected)
+        checked += 1
+    return checked
+
+
+def run_row(source: str, setting, model_dir, tmp_path: Path) -> None:
+    server = PolicyServer(model_dir) if "async" in source else None
+    try:
+        args = config(source, setting, tmp_path / "out", server)
+        snapshots = Snapshots()
+        trainer = build(model_dir, args, callbacks=[snapshots])
+        trainer.train()
+        full = trainer.trained
+        steps = args.max_steps
+        bound = staleness_bound(args)
+        assert {r["step"] for r in full} == set(range(steps))
+        check_versions_and_staleness(full, bound)
+        checked = check_behaviour_logps(full, snapshots.policies, model_dir, args.temperature)
+        assert checked > 0 or source == "trl" and setting[1] == 1 and setting[0] <= setting[2]
+        saved = tmp_path / "saved"  # the resumed runs write checkpoints too: resume from copies
+        shutil.copytree(tmp_path / "out", saved)
+        for k in range(1, steps):
+            trainer.trained = []
+            trainer.train(resume_from_checkpoint=str(saved / f"checkpoint-{k}"))
+            after = [r for r in full if r["step"] >= k]
+            assert multiset(trainer.trained) == multiset(after), (source, setting, k)
+            check_versions_and_staleness(trainer.trained, bound)
+        middle = steps // 2
+        fresh = build(model_dir, config(source, setting, tmp_path / "fresh", server))
+        fresh.train(resume_from_checkpoint=str(saved / f"checkpoint-{middle}"))
+        assert multiset(fresh.trained) == multiset([r for r in full if r["step"] >= middle])
+        reloads = server.reloads if server is not None else 0
+        trainer.trained = []
+        trainer.train()  # a second run on the used object: starts over, as a new trainer would
+        assert {r["step"] for r in trainer.trained} == set(range(steps))
+        check_versions_and_staleness(trainer.trained, bound)
+        if server is not None:
+            assert server.reloads > reloads  # it pushed its weights again
+    finally:
+        if server is not None:
+            server.close()
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_guarantees_fast_rows(source, tiny_model_dir, tmp_path):
+    run_row(source, FAST, tiny_model_dir, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", [s for s in SETTINGS if s != FAST], ids=lambda s: "S{}_I{}_GA{}".format(*s))
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_guarantees_slow_rows(source, setting, tiny_model_dir, tmp_path):
+    run_row(source, setting, tiny_model_dir, tmp_path)
+
+
+# -- a server that stalls on a LATER request: an error within the documented bound, not a hang ---------------------
+
+
+def trl_configured_client(url: str):
+    """TRL's own ``VLLMClient``, configured as TRL configures it (retries, no read timeout): what the producer would
+    use if bapo_trl left it TRL's client (on CUDA)."""
+    import trl.generation.vllm_client as trl_client
+
+    from bapo_trl.generation.cpu_server import _patched
+
+    with _patched(trl_client, "is_vllm_available", lambda *a, **k: True):
+        return trl_client.VLLMClient(base_url=url)
+
+
+@pytest.mark.parametrize("client", ["bounded", "trl"])
+def test_a_server_stalled_on_a_later_request_ends_in_an_error(client, tiny_model_dir, tmp_path):
+    from bapo_trl.rollout.producer import ProducerStalled
+
+    timeout = 3
+    server = PolicyServer(tiny_model_dir, stall_on=(3,))
+    try:
+        args = config("async_k1", (1, 1, 1), tmp_path / "out", server, vllm_server_timeout=timeout, max_steps=6,
+                      save_strategy="no")
+        trainer = build(tiny_model_dir, args, cls=BAPOTrainer)
+        if client == "trl":
+            trainer.port.request_client = trl_configured_client(server.url)
+        start = time.perf_counter()
+        with pytest.raises((ProducerStalled, TimeoutError)) as error:
+            trainer.train()
+        seconds = time.perf_counter() - start
+    finally:
+        server.close()
+    assert server.requests["POST", "/v1/completions"] == 3  # batches 0 and 1, then the stalled one, sent once
+    assert seconds < 3.5 * timeout + 30, seconds  # the documented bound, plus the two steps before the stall
+    assert "vllm_server_timeout" in str(error.value) or "did not answer" in str(error.value)
