@@ -40,9 +40,12 @@ CLIENT = "trl.generation.vllm_client:VLLMClient"
 SEAMS: tuple[Seam, ...] = (
     Seam(f"{GRPO}._get_per_token_logps_and_entropies", "the policy forward that runs the search",
          params=("model", "input_ids", "attention_mask", "logits_to_keep")),
-    Seam(f"{GRPO}._compute_loss", "TRL's loss clips with the window installed in epsilon_low/high",
+    Seam(f"{GRPO}._compute_loss", "TRL's loss clips with the window installed in epsilon_low/high; the search "
+         "applies the same entropy / off-policy masks and tool_mask to its tokens",
          params=("model", "inputs"), mentions=("self.epsilon_low", "self.epsilon_high",
-                                                "self._get_per_token_logps_and_entropies")),
+                                                "self._get_per_token_logps_and_entropies",
+                                                "self.get_high_entropy_mask(entropies, mask",
+                                                "self.get_off_policy_mask(", 'completion_mask * inputs["tool_mask"]')),
     Seam(f"{GRPO}.compute_loss", "arms the search with the micro-batch",
          params=("model", "inputs", "return_outputs", "num_items_in_batch")),
     Seam(f"{GRPO}._generate_and_score_completions", "replay and partial rollout wrap batch making",
@@ -64,7 +67,12 @@ SEAMS: tuple[Seam, ...] = (
          mentions=("self.epsilon_low", "self.epsilon_high", "self.rollout_func", "self.vllm_generation",
                    "self.vllm_importance_sampling_correction", "self.eos_token_ids", "self._metrics",
                    "self.reward_func_names", "self.num_generations", "self.use_vllm",
-                   "self._last_loaded_step", "self.shuffle_dataset", "self._tokenizer")),
+                   "self._last_loaded_step", "self.shuffle_dataset", "self._tokenizer", "self._step",
+                   "self._buffered_inputs")),
+    Seam(f"{GRPO}._prepare_inputs", "TRL's generation batch in progress (_buffered_inputs, indexed by _step) joins "
+         "every checkpoint", params=("generation_batch",),
+         mentions=("self._buffered_inputs[self._step % self.args.steps_per_generation]",
+                   "self._buffered_inputs is None")),
     Seam(f"{TRAINER}.train", "resume_from_checkpoint=True resumes from the newest complete checkpoint",
          params=("resume_from_checkpoint", "trial", "ignore_keys_for_eval")),
     Seam(f"{TRAINER}._save_checkpoint", "per-rank replay / partial-rollout state joins the checkpoint",
@@ -78,6 +86,8 @@ SEAMS: tuple[Seam, ...] = (
          params=("args", "state", "control")),
     Seam("transformers.trainer_callback:TrainerCallback.on_train_end", "PlotDynamicsCallback saves and plots the run",
          params=("args", "state", "control")),
+    Seam("transformers.trainer_callback:TrainerCallback.on_step_end", "the closed-loop target moves once per "
+         "optimizer step, before a checkpoint is saved", params=("args", "state", "control")),
     Seam("trl.trainer.grpo_trainer:VLLMGeneration", "the CPU server swaps this name for its own backend"),
     Seam("trl.generation.vllm_generation:VLLMGeneration",
          "vLLM backend: max_completion_length caps a round; async generation sends TRL's sampling settings itself",

@@ -548,3 +548,30 @@ def test_a_stalled_server_ends_every_process_of_a_two_process_run(tiny_model_dir
     assert "did not answer /v1/completions within 3 s" in text
     assert "async generation failed on the main process: VLLMServerTimeout" in text  # rank 1's error
     assert server.requests["POST", "/v1/completions"] == 1
+
+
+@pytest.mark.slow
+def test_a_server_stalled_on_a_later_request_ends_every_process_of_a_two_process_run(tmp_path):
+    """2 processes; the stand-in server (tests/policy_server.py) answers the first two requests and stalls on the third,
+    sent while step 1 trains: rank 0's request times out, and both ranks end with the error at the next hand-over (rank
+    1 through the broadcast), before either enters the weight push's collectives."""
+    from policy_server import PolicyServer
+
+    from bapo_trl.toy import build_tiny_model
+    from launching import REPO, accelerate_launch
+
+    server = PolicyServer(build_tiny_model(), stall_on=(3,))  # the embedded model train_bapo.py trains
+    try:
+        with pytest.raises(AssertionError) as failed:
+            accelerate_launch(
+                REPO / "train_bapo.py", "--max_steps", "4", "--per_device_train_batch_size", "8",
+                "--num_generations", "4", "--max_completion_length", "8", "--steps_per_generation", "1",
+                "--output_dir", tmp_path / "run", "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url",
+                server.url, "--vllm_server_timeout", "3", "--async_generation", timeout=600,
+                env={"BAPO_VLLM_WEIGHTS_DIR": str(tmp_path)})
+    finally:
+        server.close()
+    text = str(failed.value)
+    assert "did not answer /v1/completions within 3 s" in text
+    assert "async generation failed on the main process: VLLMServerTimeout" in text  # rank 1's error
+    assert server.requests["POST", "/v1/completions"] == 3

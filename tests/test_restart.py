@@ -1,5 +1,7 @@
 """Nothing a user trained is lost: kill -9 after a checkpoint, resume, and the run continues exactly like one that
-was never interrupted (CPU, fixed seed, checkpoint on a generation boundary, replay on).
+was never interrupted (CPU, fixed seed), with replay, partial rollout, and async generation against the real vLLM CPU
+server. The checkpoint is in the MIDDLE of a generation batch (step 6 of batches of 4 updates): the resumed run
+trains the rest of that batch, then generates what the uninterrupted run generated.
 
 CPU runs are deterministic, so a run that ignored the checkpoint and started over would log the same history: the
 test also checks that the resumed process ran only the steps after the checkpoint and left the checkpoint alone."""
@@ -16,21 +18,27 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_vllm_server import start_server, vllm_cpu_venv  # noqa: F401  (fixtures)
 
 from launching import REPO
 
 pytestmark = pytest.mark.slow
 
-RUN = ["--max_steps", "24", "--save_strategy", "steps", "--save_steps", "8", "--steps_per_generation", "4",
-       "--per_device_train_batch_size", "16", "--replay_buffer_size", "16", "--replay_ratio", "0.25",
-       "--disable_tqdm", "true", "--seed", "5"]
+RUN = ["--max_steps", "24", "--save_strategy", "steps", "--save_steps", "6", "--steps_per_generation", "4",
+       "--per_device_train_batch_size", "16", "--disable_tqdm", "true", "--seed", "5"]
+SOURCES = {
+    "replay": ["--replay_buffer_size", "16", "--replay_ratio", "0.25"],
+    "partial": ["--partial_rollout_budget", "4"],
+    "async": ["--use_vllm", "--vllm_mode", "server", "--async_generation"],  # + the server's URL
+}
+CHECKPOINT = 6  # mid-batch: 4 updates per generation batch
 
 
-def train(out, *extra, env, logs):
+def train(out, *extra, env, logs, source=()):
     """Start train_bapo.py; its stdout and stderr go to files (a pipe nobody reads can fill up and block the child)."""
     with open(logs.with_suffix(".out"), "w") as stdout, open(logs.with_suffix(".err"), "w") as stderr:
-        return subprocess.Popen([sys.executable, str(REPO / "train_bapo.py"), *RUN, "--output_dir", str(out), *extra],
-                                env=env, stdout=stdout, stderr=stderr, text=True)
+        return subprocess.Popen([sys.executable, str(REPO / "train_bapo.py"), *RUN, *source, "--output_dir", str(out),
+                                 *extra], env=env, stdout=stdout, stderr=stderr, text=True)
 
 
 def tail(logs):
@@ -53,14 +61,30 @@ def fingerprint(folder):
             for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def test_kill_9_then_resume_continues_exactly(tmp_path):
-    env = {**os.environ, "BAPO_TRL_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    reference = train(tmp_path / "reference", env=env, logs=tmp_path / "reference-log")
+@pytest.fixture
+def source_flags(request, tmp_path, monkeypatch):
+    """The flags of the source under test; for async, the real vLLM CPU server started on the embedded model."""
+    monkeypatch.setenv("BAPO_TRL_CACHE", str(tmp_path / "cache"))
+    flags = list(SOURCES[request.param])
+    if request.param == "async":
+        from bapo_trl.toy import build_tiny_model
+
+        server = request.getfixturevalue("start_server")(build_tiny_model())  # the model train_bapo.py trains
+        flags += ["--vllm_server_base_url", server.url, "--vllm_server_timeout", "60"]
+        monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
+    return request.param, flags
+
+
+@pytest.mark.parametrize("source_flags", list(SOURCES), indirect=True)
+def test_kill_9_then_resume_continues_exactly(source_flags, tmp_path):
+    name, flags = source_flags
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    reference = train(tmp_path / "reference", env=env, logs=tmp_path / "reference-log", source=flags)
     assert reference.wait(timeout=600) == 0, tail(tmp_path / "reference-log")
     assert len(steps_logged_by(tmp_path / "reference-log")) == 24
 
-    victim = train(tmp_path / "victim", env=env, logs=tmp_path / "victim-log")
-    marker = tmp_path / "victim" / "checkpoint-8" / "bapo_checkpoint_complete.json"
+    victim = train(tmp_path / "victim", env=env, logs=tmp_path / "victim-log", source=flags)
+    marker = tmp_path / "victim" / f"checkpoint-{CHECKPOINT}" / "bapo_checkpoint_complete.json"
     deadline = time.time() + 600
     while not marker.exists():
         assert victim.poll() is None, "the run ended before its first checkpoint"
@@ -72,32 +96,36 @@ def test_kill_9_then_resume_continues_exactly(tmp_path):
 
     # A later checkpoint whose write was cut short (simulated: files missing, no completion marker) must be
     # skipped by `--resume_from_checkpoint latest`, and the complete one before it must be intact.
-    for name in os.listdir(tmp_path / "victim"):
-        if name.startswith("checkpoint-") and name != "checkpoint-8":
-            shutil.rmtree(tmp_path / "victim" / name)
-    partial = tmp_path / "victim" / "checkpoint-16"
-    shutil.copytree(tmp_path / "victim" / "checkpoint-8", partial)
-    for name in ("bapo_checkpoint_complete.json", "trainer_state.json", "optimizer.pt"):
-        (partial / name).unlink(missing_ok=True)
+    kept = f"checkpoint-{CHECKPOINT}"
+    for folder in os.listdir(tmp_path / "victim"):
+        if folder.startswith("checkpoint-") and folder != kept:
+            shutil.rmtree(tmp_path / "victim" / folder)
+    partial = tmp_path / "victim" / f"checkpoint-{2 * CHECKPOINT}"
+    shutil.copytree(tmp_path / "victim" / kept, partial)
+    for file in ("bapo_checkpoint_complete.json", "trainer_state.json", "optimizer.pt"):
+        (partial / file).unlink(missing_ok=True)
 
-    before = fingerprint(tmp_path / "victim" / "checkpoint-8")
+    before = fingerprint(tmp_path / "victim" / kept)
 
-    resumed = train(tmp_path / "victim", "--resume_from_checkpoint", "latest", env=env, logs=tmp_path / "resumed-log")
+    resumed = train(tmp_path / "victim", "--resume_from_checkpoint", "latest", env=env, logs=tmp_path / "resumed-log",
+                    source=flags)
     assert resumed.wait(timeout=600) == 0, tail(tmp_path / "resumed-log")
 
-    # It resumed: it ran steps 9-24 only (a fresh start would log 24 steps and rewrite checkpoint-8 at step 8).
-    assert len(steps_logged_by(tmp_path / "resumed-log")) == 16
-    assert fingerprint(tmp_path / "victim" / "checkpoint-8") == before
+    # It resumed: it ran steps 7-24 only (a fresh start would log 24 steps and rewrite the checkpoint at step 6).
+    assert len(steps_logged_by(tmp_path / "resumed-log")) == 24 - CHECKPOINT
+    assert fingerprint(tmp_path / "victim" / kept) == before
 
     ref, res = history(tmp_path / "reference"), history(tmp_path / "victim")
     assert sorted(ref) == sorted(res) == list(range(1, 25))  # equal lengths before comparing step by step
-    for step in range(9, 25):
+    for step in range(CHECKPOINT + 1, 25):
         for key in ("loss", "grad_norm", "bapo/clip_low", "bapo/clip_high", "bapo/positive_contribution",
-                    "replay/size", "replay/fraction", "reward"):
+                    "replay/size", "replay/fraction", "reward", "partial/carried", "async/staleness_max"):
             if key in ref[step]:
                 assert res[step][key] == pytest.approx(ref[step][key], abs=1e-5, nan_ok=True), (step, key)
     a = load_file(tmp_path / "reference" / "checkpoint-24" / "model.safetensors")
     b = load_file(tmp_path / "victim" / "checkpoint-24" / "model.safetensors")
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
-    for name in ("replay_queue_rank0.pt", "optimizer.pt", "scheduler.pt", "rng_state.pth"):
-        assert (tmp_path / "victim" / "checkpoint-24" / name).exists(), name
+    state_file = {"replay": "replay_queue", "partial": "partial_rollout", "async": "async_generation"}[name]
+    for file in (f"{state_file}_rank0.pt", "generation_batch_rank0.pt", "optimizer.pt", "scheduler.pt",
+                 "rng_state.pth"):
+        assert (tmp_path / "victim" / "checkpoint-24" / file).exists(), file

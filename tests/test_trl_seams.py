@@ -547,8 +547,8 @@ def test_the_scan_reports_an_unlisted_private_name(source, expected):
      ":4: Client.init_communicator overrides trl.generation.vllm_client.VLLMClient.init_communicator"),
     # a callback hook, in a class defined inside a function
     ("def make():\n    from transformers import TrainerCallback\n\n    class Hook(TrainerCallback):\n"
-     "        def on_step_end(self, args, state, control, **kwargs):\n            pass\n\n    return Hook\n",
-     ":5: Hook.on_step_end overrides transformers.trainer_callback.TrainerCallback.on_step_end"),
+     "        def on_epoch_end(self, args, state, control, **kwargs):\n            pass\n\n    return Hook\n",
+     ":5: Hook.on_epoch_end overrides transformers.trainer_callback.TrainerCallback.on_epoch_end"),
 ])
 def test_the_scan_reports_an_unlisted_override(source, expected):
     unlisted = scan_seams(extra_sources={SNIPPET: source}).unlisted
