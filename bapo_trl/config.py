@@ -123,6 +123,11 @@ class BAPOConfig(GRPOConfig):
         weight_sync_steps (`int`, *optional*, defaults to `1`):
             Async generation: push the weights to the server at most every this many optimizer steps (>= 1). Larger
             values save pushes (each gathers the full model) and make the data staler by up to that many steps.
+        inflight_update_tokens (`int` or `None`, *optional*, defaults to `None`):
+            Async generation: in-flight weight updates. Each request is generated in chunks of this many tokens, and
+            a push made meanwhile reaches the completions between two chunks (each token keeps the version and the
+            sampler's log-prob of the weights that produced it; a chunk re-reads its completion's prefix under the
+            new weights). `None`: a request runs under one policy. Not with `partial_rollout_budget`.
 
         > Where batches come from
 
@@ -229,6 +234,11 @@ class BAPOConfig(GRPOConfig):
     weight_sync_steps: int = field(
         default=1, metadata={"help": "Async generation: push the weights at most every this many optimizer steps, >= 1."}
     )
+    inflight_update_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Async generation: generate each request in chunks of this many tokens; a weight push made "
+                  "meanwhile reaches the completions between chunks (in-flight updates). None = off."},
+    )
     rollout_source: str = field(
         default="auto",
         metadata={"help": "Where batches come from: 'auto' (TRL's generation, or partial rollout / async generation "
@@ -333,8 +343,8 @@ class BAPOConfig(GRPOConfig):
                 "`positive_contribution_is_weighted` only acts on TRL's vLLM importance-sampling weights, and this run "
                 f"has none (use_vllm={self.use_vllm}, vllm_importance_sampling_correction="
                 f"{self.vllm_importance_sampling_correction}): the share is measured unweighted.")))
-        for name in ("max_staleness", "weight_sync_steps"):
-            if getattr(self, name) != 1 and not self.async_generation:
+        for name in ("max_staleness", "weight_sync_steps", "inflight_update_tokens"):
+            if getattr(self, name) not in (1, None) and not self.async_generation:
                 rows.append(("warning", (
                     f"`{name}` ({getattr(self, name)}) only acts on async generation, and `async_generation` is off.")))
         if self.epsilon != 0.2 or self.epsilon_high is not None:

@@ -137,8 +137,15 @@ def async_errors(cfg) -> list[str]:
     if not is_whole(cfg.weight_sync_steps) or cfg.weight_sync_steps < 1:
         errors.append(f"`weight_sync_steps` must be an integer >= 1 (optimizer steps between weight pushes), got "
                       f"{cfg.weight_sync_steps!r}.")
+    chunk = cfg.inflight_update_tokens
+    if chunk is not None and (not is_whole(chunk) or chunk < 1):
+        errors.append(f"`inflight_update_tokens` must be an integer >= 1 (tokens per chunk), or None for requests "
+                      f"under one policy; got {chunk!r}.")
     if not cfg.async_generation:
         return errors
+    if chunk is not None and cfg.partial_rollout_budget is not None:
+        errors.append("`inflight_update_tokens` cannot be combined with `partial_rollout_budget`: partial rollout "
+                      "already grows completions round by round under the newest weights; use one of them.")
     if not (cfg.use_vllm and cfg.vllm_mode == "server"):
         errors.append("`async_generation` needs a vLLM server to generate in (`use_vllm=True`, "
                       f"`vllm_mode='server'`); got use_vllm={cfg.use_vllm}, vllm_mode={cfg.vllm_mode!r}.")

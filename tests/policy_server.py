@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -29,7 +30,7 @@ class PolicyServer:
     ``/reset_prefix_cache``. Counts requests by (method, path); ``versions`` lists, per generate request, how many
     reloads the server had applied when it ran."""
 
-    def __init__(self, model_dir: str, stall_on: tuple[int, ...] = (), seed: int = 0):
+    def __init__(self, model_dir: str, stall_on: tuple[int, ...] = (), seed: int = 0, seconds_per_token: float = 0.0):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -39,6 +40,7 @@ class PolicyServer:
         self.reloads = 0
         self.versions: list[int] = []  # reloads applied when each generate request ran
         self.stall_on = set(stall_on)
+        self.seconds_per_token = seconds_per_token  # a slower server, for requests that outlast a training step
         self.release = threading.Event()
         server = self
 
@@ -111,6 +113,8 @@ class PolicyServer:
                         token = int(torch.multinomial(log_probs.exp(), 1, generator=generator))
                         ids.append(token)
                         logps.append(float(log_probs[token]))
+                        if self.seconds_per_token:
+                            time.sleep(self.seconds_per_token)
                         if token == eos:
                             break
                     tokens = ids[len(prompt):]

@@ -195,18 +195,24 @@ class CPUServerVLLMGeneration(VLLMGeneration):
             return self._reload_colocated()
         if not self.uses_disk_sync:
             return super().sync_weights()
-        main = self.accelerator.is_main_process
-        state = {}
-        for name, param in self._iter_named_params():  # every process: gathering may be collective (ZeRO-3)
-            if main:
-                state[name] = param.detach().to("cpu", copy=True)
+        state = self.gather_state()
         error = None
-        if main:
+        if self.accelerator.is_main_process:
             try:
                 self.disk_sync.push(state)
             except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
                 error = exc
         self._raise_everywhere(error)
+
+    def gather_state(self) -> dict:
+        """The current weights as CPU copies on the main process (empty elsewhere); every process must call it, the
+        gather is collective under ZeRO-3. With :attr:`disk_sync` they can be pushed later, from another thread."""
+        main = self.accelerator.is_main_process
+        state = {}
+        for name, param in self._iter_named_params():
+            if main:
+                state[name] = param.detach().to("cpu", copy=True)
+        return state
 
     def _reload_colocated(self) -> None:
         """Every process: gather the weights (collective under ZeRO-3), write them, and have this process's engine

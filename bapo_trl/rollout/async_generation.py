@@ -45,7 +45,7 @@ from typing import Any
 
 from ..metrics import async_values
 from .contract import ReadyCompletions, ScoreFn, TrainerPort, is_iterable_dataset, stamp_token_versions
-from .producer import GeneratedBatch, Producer, ProducerStalled, PromptStream, Work
+from .producer import GeneratedBatch, Producer, PromptStream, Work
 
 
 def source_argument_errors(args, kwargs: dict) -> list[str]:
@@ -90,13 +90,14 @@ def encode_batch(batch: GeneratedBatch) -> dict:
     work = batch.work
     return {"index": work.index, "prompts": work.prompts, "n": work.n, "max_tokens": work.max_tokens,
             "context": work.context, "seed": work.seed, "completion_ids": batch.completion_ids, "logps": batch.logps,
-            "version": batch.version, "seconds": batch.seconds}
+            "version": batch.version, "seconds": batch.seconds, "token_versions": batch.token_versions}
 
 
 def decode_batch(data: dict, context: Any = None) -> GeneratedBatch:
     work = Work(data["index"], data["prompts"], data["n"], data["max_tokens"],
                 data["context"] if context is None else context, data["seed"])
-    return GeneratedBatch(work, data["completion_ids"], data["logps"], data["version"], data["seconds"])
+    return GeneratedBatch(work, data["completion_ids"], data["logps"], data["version"], data["seconds"],
+                          data.get("token_versions"))
 
 
 class AsyncGeneration:
@@ -120,6 +121,7 @@ class AsyncGeneration:
         self.producer: Producer | None = None
         self.stream: PromptStream | None = None
         self._restored: dict[Any, GeneratedBatch] = {}  # generated before the checkpoint we resumed from
+        self._unsent: tuple | None = None  # a push gathered before the producer started
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 
@@ -169,29 +171,47 @@ class AsyncGeneration:
         return output
 
     def push_weights(self) -> float:
-        """TRL's weight sync, on every process, between two producer requests, when the policy has moved by
-        ``weight_sync_steps`` optimizer steps since the last push. The main process first holds the producer (bounded:
-        a stalled request is an error) and tells every process whether it could, before any of them enters the push
-        (a collective under ZeRO-3). Returns the seconds it took (waiting for a request in flight included); 0 when
-        nothing was pushed."""
+        """Push the weights when the policy has moved by ``weight_sync_steps`` optimizer steps since the last push;
+        returns the seconds the trainer spent on it (0 when nothing was pushed).
+
+        Where the backend can push from another thread (the disk reload), every process takes part in gathering the
+        weights, and the main process hands them to the producer, which loads them before its next request (or, with
+        in-flight updates, its next chunk): the trainer never waits for a request in flight, however many batches
+        ahead it is. Otherwise (TRL's NCCL push on CUDA) the main process first holds the producer between two
+        requests (bounded: a stalled request is an error) and tells every process whether it could, before any of
+        them enters the push (a collective under ZeRO-3)."""
         port = self.port
         step = port.global_step
         if self.pushed_step is not None and step - self.pushed_step < port.args.weight_sync_steps:
             return 0.0
         start = time.perf_counter()
-        with contextlib.ExitStack() as hold:
-            error = None
+        state = port.gather_weights()
+        if state is not None:
+            push = (lambda: port.send_weights(state), step)
             if self.producer is not None:
-                try:
-                    hold.enter_context(self.producer.between_requests())
-                except ProducerStalled as exc:
-                    error = exc
-            self._raise_everywhere(error)
-            port.push_weights()
-            if self.producer is not None:
-                self.producer.version = step
+                self.producer.push_later(*push)
+                port.mark_weights_current()
+            else:  # the producer starts after this (main process): it loads them before its first request
+                self._unsent = push
+        else:
+            with contextlib.ExitStack() as hold:
+                error = None
+                if self.producer is not None:
+                    error = self._attempt(lambda: hold.enter_context(self.producer.between_requests()))
+                self._raise_everywhere(error)
+                port.push_weights()
+                if self.producer is not None:
+                    self.producer.version = step
         self.pushed_step = step
         return time.perf_counter() - start
+
+    @staticmethod
+    def _attempt(call) -> BaseException | None:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - raised on every process by the caller
+            return exc
+        return None
 
     def _raise_everywhere(self, error: BaseException | None) -> None:
         """The main process's error, raised on every process (none enters a collective the main one skips)."""
@@ -208,9 +228,11 @@ class AsyncGeneration:
         port = self.port
         hold = self.producer.between_requests() if self.producer is not None else contextlib.nullcontext()
         with hold:
+            if self.producer is not None:
+                self.producer.apply_pending()  # TRL's generation must see the newest weights handed over
             yield
             if port.weights_step != self.pushed_step:  # TRL synced the current weights itself
-                self.pushed_step = port.weights_step
+                self.pushed_step, self._unsent = port.weights_step, None
                 if self.producer is not None:
                     self.producer.version = self.pushed_step
 
@@ -229,9 +251,12 @@ class AsyncGeneration:
                                    port.shuffle_dataset, args.seed)
         self.stream.skip_to(self.submitted)  # resumed: the batches already drawn are not drawn again
         self.producer = Producer(self._generate, float(args.vllm_server_timeout))
-        self.producer.version = self.pushed_step
+        self.producer.version = self.pushed_step if self.pushed_step is not None else port.global_step
         self.producer.preload(self._restored)
         self._restored = {}
+        if self._unsent is not None:
+            self.producer.push_later(*self._unsent)
+            self._unsent = None
 
     def _main_next(self, push_seconds: float) -> Handover:
         """Main process: batch ``handed`` as the server generated it, with more work queued up to K ahead."""
@@ -239,7 +264,7 @@ class AsyncGeneration:
         self._submit_up_to(self.handed + self.max_staleness)
         batch, waited = self.producer.take(self.handed)
         self._submit_up_to(self.handed + 1 + self.max_staleness)
-        versions = [[batch.version] * len(ids) for ids in batch.completion_ids]
+        versions = batch.token_versions or [[batch.version] * len(ids) for ids in batch.completion_ids]
         return Handover(rows=[dict(port.train_dataset[i]) for i in batch.work.context],
                         prompt_ids=batch.prompt_ids, completion_ids=batch.completion_ids, logps=batch.logps,
                         versions=versions, metrics=self._batch_metrics(versions, batch.seconds, waited, push_seconds))
@@ -256,8 +281,34 @@ class AsyncGeneration:
             self.submitted += 1
 
     def _generate(self, work: Work) -> dict:
-        """One request (the producer thread)."""
-        return self.port.server_generate(work.prompts, work.n, work.max_tokens, seed=work.seed)
+        """One request (the producer thread); with ``inflight_update_tokens``, in chunks of that many tokens, a push
+        handed over in the meantime reaching the completions between two chunks."""
+        chunk = self.port.args.inflight_update_tokens
+        if chunk is None:
+            return self.port.server_generate(work.prompts, work.n, work.max_tokens, seed=work.seed)
+        return self._generate_in_chunks(work, chunk)
+
+    def _generate_in_chunks(self, work: Work, chunk: int) -> dict:
+        """In-flight updates: the first chunk samples ``n`` completions of every prompt (with the request's seed);
+        each later chunk continues every unfinished completion (prompt + its tokens so far as the prefix) under the
+        newest weights. Every token keeps the sampler's log-prob and the version of the weights that produced it."""
+        from .pool import PartialRolloutPool
+
+        port = self.port
+        pool = PartialRolloutPool(chunk, 1 << 30, work.max_tokens, port.stop_token_ids())
+        pool.add_groups([{}] * len(work.prompts) * work.n, [p for p in work.prompts for _ in range(work.n)], work.n)
+        completions = [c for g in pool.groups for c in g.completions]
+        first = port.server_generate(work.prompts, work.n, min(chunk, work.max_tokens), seed=work.seed)
+        version = self.producer.version
+        _, caps = pool.request(completions, chunk)
+        pool.apply(completions, caps, first["completion_ids"], first["logps"], None, version)
+        while todo := pool.unfinished():
+            version = self.producer.between_chunks()
+            prefixes, caps = pool.request(todo, chunk)
+            out = port.server_generate(prefixes, 1, max(caps))
+            pool.apply(todo, caps, out["completion_ids"], out["logps"], None, version)
+        return {"completion_ids": [c.token_ids for c in completions], "logps": [c.logps for c in completions],
+                "versions": [c.versions for c in completions]}
 
     def _batch_metrics(self, versions: list[list[int]], seconds: float, waited: float,
                        push_seconds: float) -> dict[str, float]:

@@ -110,6 +110,10 @@ class TrainerPort(Protocol):
 
     def push_weights(self) -> None: ...
 
+    def gather_weights(self) -> Any: ...  # None: only the synchronous push_weights exists
+
+    def send_weights(self, state: Any) -> None: ...
+
     @property
     def weights_step(self) -> int | None: ...  # the step whose weights the generation backend holds
 

@@ -150,6 +150,19 @@ class TRLPort:
         self._trainer.vllm_generation.sync_weights()
         self.mark_weights_current()
 
+    def gather_weights(self):
+        """The current weights for a push applied later, from another thread (:meth:`send_weights`); every process
+        calls it (collective under ZeRO-3). ``None`` where only TRL's synchronous push exists (NCCL on CUDA streams
+        the gathered tensors straight to the server): then call :meth:`push_weights`."""
+        backend = self._trainer.vllm_generation
+        if not getattr(backend, "uses_disk_sync", False):
+            return None
+        return backend.gather_state()
+
+    def send_weights(self, state: dict) -> None:
+        """Main process, any thread: have the server load ``state`` (from :meth:`gather_weights`)."""
+        self._trainer.vllm_generation.disk_sync.push(state)
+
     @property
     def weights_step(self) -> int | None:
         """The optimizer step whose weights TRL last pushed to vLLM (TRL's own record; -1 before the first)."""
