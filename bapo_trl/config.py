@@ -295,12 +295,17 @@ class BAPOConfig(GRPOConfig):
         upg = self.updates_per_generation
         if self.replay_enabled:
             # A group pushed at step s is first sampled at the next generation, s + upg, and counted at the last
-            # update that trains on that batch, s + 2 upg - 1: its age is at least 2 upg - 1.
-            youngest = 2 * upg - 1
+            # update that trains on that batch, s + 2 upg - 1: its age is at least 2 upg - 1. Async: a batch is
+            # sampled at best by the weights of the previous hand-over (one more upg); standing in for generation,
+            # its stand-ins are chosen K batches ahead (K more).
+            ahead = (1 + (self.max_staleness if self.replay_saves_generation else 0)) if self.async_generation else 0
+            youngest = (2 + ahead) * upg - 1
             if self.replay_max_staleness < youngest:
                 rows.append(("error", (
                     f"`replay_max_staleness` ({self.replay_max_staleness}) is below the youngest age a replayed group "
-                    f"can have ({youngest} = 2 x {upg} updates per generation batch - 1, from steps_per_generation="
+                    f"can have ({youngest} = {2 + ahead} x {upg} updates per generation batch - 1, from "
+                    f"async_generation={self.async_generation}, max_staleness={self.max_staleness}, "
+                    f"replay_saves_generation={self.replay_saves_generation}, steps_per_generation="
                     f"{self.steps_per_generation}, num_iterations={self.num_iterations}, gradient_accumulation_steps="
                     f"{self.gradient_accumulation_steps}): every stored group would be evicted before it is replayed. "
                     f"Set `replay_max_staleness` >= {youngest}.")))

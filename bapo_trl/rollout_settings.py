@@ -149,9 +149,6 @@ def async_errors(cfg) -> list[str]:
     if not (cfg.use_vllm and cfg.vllm_mode == "server"):
         errors.append("`async_generation` needs a vLLM server to generate in (`use_vllm=True`, "
                       f"`vllm_mode='server'`); got use_vllm={cfg.use_vllm}, vllm_mode={cfg.vllm_mode!r}.")
-    if cfg.replay_saves_generation:
-        errors.append("`async_generation` cannot be combined with `replay_saves_generation` yet (both decide "
-                      "what is generated each step).")
     changed = sampling_changes(cfg)
     if changed:
         errors.append(

@@ -39,6 +39,7 @@ class PolicyServer:
         self.requests: Counter = Counter()
         self.reloads = 0
         self.versions: list[int] = []  # reloads applied when each generate request ran
+        self.completions: list[int] = []  # completions each generate request returned
         self.stall_on = set(stall_on)
         self.seconds_per_token = seconds_per_token  # a slower server, for requests that outlast a training step
         self.release = threading.Event()
@@ -121,6 +122,7 @@ class PolicyServer:
                     choices.append({"prompt_token_ids": list(prompt), "token_ids": tokens, "logprobs": {
                         "tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": logps,
                         "top_logprobs": [{f"token_id:{t}": lp} for t, lp in zip(tokens, logps)]}})
+        self.completions.append(len(choices))
         return {"choices": choices}
 
     def close(self) -> None:

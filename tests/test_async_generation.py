@@ -130,9 +130,10 @@ BASE = dict(output_dir="unused", use_cpu=True, bf16=False, report_to="none", per
     (dict(weight_sync_steps=0), r"`weight_sync_steps` must be an integer >= 1 .*got 0"),
     (dict(async_generation=True, use_vllm=True, vllm_mode="server", partial_rollout_budget=2,
           max_completion_length=8, max_staleness=2), r"`max_staleness` must be 1, got 2"),
-    (dict(async_generation=True, use_vllm=True, vllm_mode="server", replay_buffer_size=8, replay_ratio=0.5,
-          replay_saves_generation=True, steps_per_generation=2),
-     r"cannot be combined with `replay_saves_generation`"),
+    (dict(async_generation=True, use_vllm=True, vllm_mode="server", inflight_update_tokens=0),
+     r"`inflight_update_tokens` must be an integer >= 1"),
+    (dict(async_generation=True, use_vllm=True, vllm_mode="server", partial_rollout_budget=2, max_completion_length=8,
+          inflight_update_tokens=2), r"`inflight_update_tokens` cannot be combined with `partial_rollout_budget`"),
 ])
 def test_async_settings_are_checked_before_anything_is_built(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -47,6 +47,8 @@ SOURCES = {
     "async_partial": dict(async_generation=True, partial_rollout_budget=3, partial_rollout_max_resumes=2),
     "replay_async": dict(async_generation=True, replay_buffer_size=8, replay_ratio=0.5),
     "async_inflight": dict(async_generation=True, max_staleness=2, inflight_update_tokens=2),
+    "replay_saves_async": dict(async_generation=True, max_staleness=2, replay_buffer_size=8, replay_ratio=0.5,
+                               replay_saves_generation=True),
 }
 #: Rows whose completions depend on timing: with in-flight updates, where a push lands in a request depends on when
 #: it arrives. There a resume trains the same PROMPT multiset (nothing lost, nothing twice) under the same bounds.
@@ -118,8 +120,9 @@ def config(source: str, setting: tuple[int, int, int], out: Path, server: Policy
     steps_per_generation, num_iterations, accumulation = setting
     updates = max(1, -(-steps_per_generation * num_iterations // accumulation))
     extra = dict(SOURCES[source])
-    if "replay_buffer_size" in extra:
-        extra["replay_max_staleness"] = 2 * updates
+    if "replay_buffer_size" in extra:  # the youngest age a replayed group can have, and more
+        ahead = 1 + extra.get("max_staleness", 1) if extra.get("replay_saves_generation") else 0
+        extra["replay_max_staleness"] = (3 + ahead) * updates
     if server is not None:
         host, port = server.url.removeprefix("http://").split(":")
         extra.update(use_vllm=True, vllm_mode="server", vllm_server_host=host, vllm_server_port=int(port),
@@ -252,6 +255,26 @@ def test_in_flight_updates_give_a_completion_tokens_of_several_policies(tiny_mod
     assert spanning, "no completion spanned a push"
     assert check_behaviour_logps(spanning, snapshots.policies, tiny_model_dir, args.temperature, 2e-4) > 0
     check_versions_and_staleness(trainer.trained, staleness_bound(args))
+
+
+def test_replay_that_saves_generation_works_under_async(tiny_model_dir, tmp_path):
+    """Async generation asks the server only for the fresh share of a batch once the replay queue can fill the rest:
+    the generated tokens per batch drop by the replay share, and the batch trained keeps its size."""
+    server = PolicyServer(tiny_model_dir)
+    try:
+        args = config("replay_saves_async", (1, 1, 1), tmp_path / "out", server, max_steps=8, save_strategy="no")
+        trainer = build(tiny_model_dir, args)
+        trainer.train()
+    finally:
+        server.close()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    saved = [h["replay/generation_saved"] for h in logs]
+    assert saved[0] == 0.0 and saved[-1] == 0.5, saved  # the queue fills, then half of each batch is not generated
+    per_step = Counter(r["step"] for r in trainer.trained)
+    assert set(per_step.values()) == {8}  # every step trains a full batch (8 rows), replayed or generated
+    # one request per batch: 8 trained, up to K more generated ahead when training stopped
+    assert 8 <= server.requests["POST", "/v1/completions"] <= 8 + args.max_staleness
+    assert server.completions[0] == 8 and server.completions[-1] == 4, server.completions  # the server made half
 
 
 # -- a server that stalls on a LATER request: an error within the documented bound, not a hang ---------------------

@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..metrics import async_values
 from .contract import ReadyCompletions, ScoreFn, TrainerPort, is_iterable_dataset, stamp_token_versions
@@ -122,11 +122,27 @@ class AsyncGeneration:
         self.stream: PromptStream | None = None
         self._restored: dict[Any, GeneratedBatch] = {}  # generated before the checkpoint we resumed from
         self._unsent: tuple | None = None  # a push gathered before the producer started
+        self.planner: Callable[[int, int], int] | None = None  # see plan_with
+        self.planned: dict[int, int] = {}  # batch index -> groups left out of its generation (every process)
+        self.planned_upto = 0  # batches planned so far
+
+    def plan_with(self, planner: Callable[[int, int], int]) -> None:
+        """``planner(batch index, batches ahead of the one being handed)`` -> how many groups of each process's share
+        of that batch NOT to generate (replay stands in for them, :class:`~.replay.ReplaySource`). Called on every
+        process at the same point, when the batch is about to be queued, so it may use collectives."""
+        self.planner = planner
+
+    @property
+    def next_index(self) -> int:
+        """The index of the batch the next hand-over takes."""
+        return self.handed
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        state = {"batches_handed": self.handed, "batches_submitted": self.handed, "generated": []}
+        state = {"batches_handed": self.handed, "batches_submitted": self.handed, "generated": [],
+                 "planned": {i: n for i, n in self.planned.items() if i >= self.handed},
+                 "planned_upto": self.planned_upto}
         if self.producer is not None:  # main process: the batches generated ahead belong to the checkpoint
             state["generated"] = [encode_batch(self.producer.wait_for(i)) for i in range(self.handed, self.submitted)]
             state["batches_submitted"] = self.submitted
@@ -138,6 +154,8 @@ class AsyncGeneration:
         self.handed = int(state["batches_handed"])
         self.submitted = int(state.get("batches_submitted", self.handed))  # older checkpoints: regenerate the rest
         self._restored = {data["index"]: decode_batch(data) for data in state.get("generated", [])}
+        self.planned = dict(state.get("planned", {}))
+        self.planned_upto = int(state.get("planned_upto", self.submitted))
 
     # -- the trainer's side -----------------------------------------------------------------------------------
 
@@ -145,6 +163,7 @@ class AsyncGeneration:
         """Push the weights if the policy moved, take the next generated batch on the main process (waiting if it
         is not ready) and queue more work, share it with every process, and have TRL score this process's slice."""
         port = self.port
+        self._plan_up_to(self.handed + 1 + self.max_staleness)  # every process: the planner may use collectives
         push_seconds = self.push_weights()
         handover, error = None, None
         if port.is_main_process:
@@ -158,6 +177,7 @@ class AsyncGeneration:
         handover, error = port.broadcast_object((handover, error))
         if error is not None:
             raise RuntimeError(f"async generation failed on the main process: {error}")
+        self.planned.pop(self.handed, None)
         self.handed += 1
         # this process's slice of the global batch, as TRL's server mode slices it
         local, rank = len(inputs), port.process_index
@@ -269,11 +289,23 @@ class AsyncGeneration:
                         prompt_ids=batch.prompt_ids, completion_ids=batch.completion_ids, logps=batch.logps,
                         versions=versions, metrics=self._batch_metrics(versions, batch.seconds, waited, push_seconds))
 
+    def _plan_up_to(self, end: int) -> None:
+        while self.planned_upto < end:
+            index = self.planned_upto
+            self.planned[index] = self.planner(index, index - self.handed) if self.planner is not None else 0
+            self.planned_upto += 1
+
     def _submit_up_to(self, end: int) -> None:
-        """Queue batches ``submitted .. end - 1`` (their prompts tokenized here, on the main thread)."""
+        """Queue batches ``submitted .. end - 1`` (their prompts tokenized here, on the main thread); of a batch with
+        groups left out by the plan, each process's share loses its last groups (as synchronous generation drops the
+        last rows of its inputs)."""
         port = self.port
         while self.submitted < end:
             rows = self.stream.next()
+            skip = self.planned.get(self.submitted, 0) * port.num_generations
+            if skip:
+                share = len(rows) // port.num_processes
+                rows = [row for r in range(port.num_processes) for row in rows[r * share : (r + 1) * share - skip]]
             firsts = rows[:: port.num_generations]
             prompt_ids = port.tokenize_prompts([port.train_dataset[i]["prompt"] for i in firsts])
             self.producer.submit(Work(self.submitted, prompt_ids, port.num_generations, port.max_completion_length,

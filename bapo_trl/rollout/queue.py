@@ -86,30 +86,37 @@ class ReplayQueue:
 
     # -- reading --------------------------------------------------------------------------------------------
 
-    def sample(self, num_groups: int, current_step: int) -> list[dict[str, torch.Tensor]]:
-        """Up to ``num_groups`` distinct groups (evicting stale ones first). Sampled groups stay in the queue and
-        may be replayed again until they age out."""
-        self.evict_stale(current_step)
-        n = min(num_groups, len(self.groups))
+    def sample(self, num_groups: int, current_step: int, evict: bool = True) -> list[dict[str, torch.Tensor]]:
+        """Up to ``num_groups`` distinct groups still within ``max_staleness`` at ``current_step`` (evicting stale
+        ones first; ``evict=False``, for a step in the future: leaving them for the batches before it). Sampled
+        groups stay in the queue and may be replayed again until they age out."""
+        if evict:
+            self.evict_stale(current_step)
+        groups = self.groups if evict else self.valid_at(current_step)
+        n = min(num_groups, len(groups))
         if n <= 0:
             return []
         if self.sampling == "recent":
-            order = sorted(range(len(self.groups)), key=lambda i: -int(self.groups[i]["policy_version"][0]))
+            order = sorted(range(len(groups)), key=lambda i: -int(groups[i]["policy_version"][0]))
             # among equally recent groups, random order
-            versions = torch.tensor([int(self.groups[i]["policy_version"][0]) for i in order])
+            versions = torch.tensor([int(groups[i]["policy_version"][0]) for i in order])
             jitter = torch.rand(len(order), generator=self.generator)
             keys = sorted(range(len(order)), key=lambda j: (-int(versions[j]), float(jitter[j])))
             index = [order[j] for j in keys[:n]]
         else:
             if self.sampling == "uniform":
-                weights = torch.ones(len(self.groups))
+                weights = torch.ones(len(groups))
             else:
-                weights = torch.tensor([float(g["advantages"].max() - g["advantages"].min()) for g in self.groups])
+                weights = torch.tensor([float(g["advantages"].max() - g["advantages"].min()) for g in groups])
                 weights = weights.clamp(min=1e-6)
             index = torch.multinomial(weights, n, replacement=False, generator=self.generator).tolist()
         self.stats.sampled += n
         self.stats.totals["sampled"] += n
-        return [self.groups[i] for i in index]
+        return [groups[i] for i in index]
+
+    def valid_at(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """The groups still within ``max_staleness`` at optimizer step ``step``."""
+        return [g for g in self.groups if step - int(g["policy_version"][0]) <= self.max_staleness]
 
     def pop_stats(self) -> dict[str, float]:
         """Counters since the previous call, for logging."""

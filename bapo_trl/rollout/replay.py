@@ -3,8 +3,11 @@ them, mixed into each fresh batch (the paper's "sample replay" off-policy settin
 
 By default ``replay_ratio`` of each batch's fresh groups give up their place to stored ones (groups without reward
 spread first, with ``replay_fill_zero_std_groups``). With ``replay_saves_generation`` the inner source is asked for
-fewer groups (fewer rows of ``inputs``) and the stored ones are added, so generation itself shrinks. Staleness is
-counted at the LAST update that trains on a batch, so no group trains past ``replay_max_staleness``.
+fewer groups (fewer rows of ``inputs``) and the stored ones are added, so generation itself shrinks. A source that
+generates ahead (async generation) is told, when it queues a batch, how many groups of it to leave out: the stored
+groups standing in for them are chosen then (among those still fresh enough at the batch's last update) and kept,
+with the plan, in the checkpoint. Staleness is counted at the LAST update that trains on a batch, so no group trains
+past ``replay_max_staleness``.
 """
 
 from __future__ import annotations
@@ -43,12 +46,17 @@ class ReplaySource:
         self.port, self.inner = port, inner
         self.queue = ReplayQueue(args.replay_buffer_size, args.replay_max_staleness, args.replay_sampling,
                                  seed=args.seed + 7919 * port.process_index)
+        self.reserved: dict[int, list[dict]] = {}  # batch index -> stored groups chosen to stand in for generation
+        self.plans_ahead = args.replay_saves_generation and hasattr(inner, "plan_with")
+        if self.plans_ahead:
+            inner.plan_with(self._plan)
 
     def state_dict(self) -> dict:
-        return self.queue.state_dict()
+        return {**self.queue.state_dict(), "reserved": self.reserved}
 
     def load_state_dict(self, state: dict) -> None:
         self.queue.load_state_dict(state)
+        self.reserved = dict(state.get("reserved", {}))  # absent in checkpoints written before it was saved
 
     def close(self) -> None:
         self.inner.close()
@@ -57,9 +65,27 @@ class ReplaySource:
         return self.inner.paused()
 
     def next_batch(self, inputs: list[dict], score: ScoreFn) -> dict[str, Any]:
+        if self.plans_ahead:
+            stand_in = self.reserved.pop(self.inner.next_index, [])
+            output = self.inner.next_batch(inputs[: len(inputs) - len(stand_in) * self.port.num_generations], score)
+            return self.mix(output, appended=len(stand_in), stand_in=stand_in)
         saved = self.groups_saved(inputs)
         output = self.inner.next_batch(inputs[: len(inputs) - saved * self.port.num_generations], score)
         return self.mix(output, appended=saved)
+
+    def _plan(self, index: int, ahead: int) -> int:
+        """For a source generating ahead: how many groups of batch ``index`` (``ahead`` batches after the one being
+        handed) to leave out, the replay share when every process holds enough groups still within
+        ``replay_max_staleness`` at that batch's last update (else 0); the stand-ins are chosen now."""
+        port, args = self.port, self.port.args
+        wanted = args.replayed_groups_per_batch
+        last_update = port.global_step + (ahead + 1) * args.updates_per_generation - 1
+        mine = torch.tensor(-float(len(self.queue.valid_at(last_update))), device=port.device)
+        if -port.max_over_processes(mine) < wanted:
+            return 0
+        self.reserved[index] = [{k: v.clone() for k, v in g.items()}
+                                for g in self.queue.sample(wanted, current_step=last_update, evict=False)]
+        return wanted
 
     def groups_saved(self, inputs: list[dict]) -> int:
         """With ``replay_saves_generation``: how many groups of this batch to take from the queue instead of
@@ -73,9 +99,10 @@ class ReplaySource:
         fewest = -port.max_over_processes(torch.tensor(-float(len(self.queue)), device=port.device))
         return wanted if fewest >= wanted else 0
 
-    def mix(self, output: dict[str, Any], appended: int = 0) -> dict[str, Any]:
+    def mix(self, output: dict[str, Any], appended: int = 0, stand_in: list[dict] | None = None) -> dict[str, Any]:
         """Store the fresh groups and mix in replayed ones: ``appended`` groups added to a batch generated short by
-        that many (replay that saves generation), else ``replay_ratio`` of the fresh groups replaced."""
+        that many (replay that saves generation; ``stand_in``: the groups chosen when the batch was planned), else
+        ``replay_ratio`` of the fresh groups replaced."""
         port, queue, args = self.port, self.queue, self.port.args
         rows = output["completion_ids"].size(0)
         per_row = {k: v for k, v in output.items() if torch.is_tensor(v) and v.dim() >= 1 and v.size(0) == rows}
@@ -94,7 +121,9 @@ class ReplaySource:
         if args.replay_fill_zero_std_groups:
             wanted = max(wanted, has_signal.count(False))
         last_update = port.global_step + args.updates_per_generation - 1
-        if appended:  # the queue holds them (checked on every process before generating)
+        if stand_in:
+            replayed, replaced = stand_in, set()
+        elif appended:  # the queue holds them (checked on every process before generating)
             replayed, replaced = queue.sample(appended, current_step=last_update), set()
         else:
             replayed = queue.sample(min(wanted, len(fresh)), current_step=last_update)
