@@ -11,6 +11,8 @@ mean reward of 3 consecutive generation rounds first reached 0.5.
 
     python benchmarks/async_study.py            # the study (about 20 minutes on 2 cores), writes docs/
     python benchmarks/async_study.py --quick    # two short runs (CI), writes to a temp dir
+    python benchmarks/async_study.py --options  # the async options: K=1/2/4, in-flight updates, replay that saves
+                                                # generation; BAPO (paper, dual clip) vs the widest fixed window, 3 seeds
 
 The last line is ``runs=N k1_speedup=<sync wall-clock / K=1 wall-clock, BAPO paper> bapo_k4_reward=..
 fixed_k4_reward=..``.
@@ -41,6 +43,26 @@ KEPT = ("step", "loss", "grad_norm", "reward", "entropy", "bapo/clip_low", "bapo
         "bapo/positive_contribution", "async/wait_seconds", "async/staleness_max")
 
 
+#: ``--options``: the async settings compared, on top of the method's own.
+OPTION_SETTINGS = {
+    "sync": {},
+    "K=1": dict(async_generation=True, max_staleness=1),
+    "K=2": dict(async_generation=True, max_staleness=2),
+    "K=4": dict(async_generation=True, max_staleness=4),
+    "K=2 in-flight": dict(async_generation=True, max_staleness=2, inflight_update_tokens=4),
+    "K=1 replay saves": dict(async_generation=True, max_staleness=1, replay_buffer_size=64, replay_ratio=0.5,
+                             replay_saves_generation=True, replay_max_staleness=24),
+}
+#: ``--options``: BAPO as the paper runs it, with the official code's dual clip of negative tokens, against the
+#: widest fixed window BAPO's search can reach.
+OPTION_METHODS = {"BAPO paper + dual clip": dict(delta=3.0), "widest fixed [0.9,3.0]": METHODS["widest fixed [0.9,3.0]"]}
+
+
+def plan_options(seeds: int, lr: float) -> list[dict]:
+    return [dict(method=m, setting=name, k=OPTION_SETTINGS[name].get("max_staleness", 0), seed=s, steps=120, lr=lr)
+            for name in OPTION_SETTINGS for m in OPTION_METHODS for s in range(seeds)]
+
+
 def plan(quick: bool, lr: float) -> list[dict]:
     if quick:
         return [dict(method="BAPO paper", k=k, seed=0, steps=8, lr=lr) for k in (0, 1)]
@@ -62,7 +84,11 @@ def run_one(spec: dict, model_dir: str, server: Server) -> dict:
             times.append(time.perf_counter())
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    asynchronous = dict(async_generation=True, max_staleness=spec["k"]) if spec["k"] else {}
+    if "setting" in spec:  # --options
+        method, asynchronous = OPTION_METHODS[spec["method"]], OPTION_SETTINGS[spec["setting"]]
+    else:
+        method = METHODS[spec["method"]]
+        asynchronous = dict(async_generation=True, max_staleness=spec["k"]) if spec["k"] else {}
     with tempfile.TemporaryDirectory() as out:
         args = BAPOConfig(
             output_dir=out, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
@@ -70,7 +96,7 @@ def run_one(spec: dict, model_dir: str, server: Server) -> dict:
             num_generations=8, max_completion_length=12, temperature=1.0, lr_scheduler_type="constant",
             learning_rate=spec["lr"], seed=spec["seed"], max_steps=spec["steps"], steps_per_generation=4,
             use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, vllm_server_timeout=120,
-            **METHODS[spec["method"]], **asynchronous)
+            **method, **asynchronous)
         trainer = BAPOTrainer(model=model_dir, reward_funcs=reverse_reward, args=args, processing_class=tokenizer,
                               train_dataset=make_reverse_dataset(8192, seed=spec["seed"]), callbacks=[Clock()])
         start = time.perf_counter()
@@ -111,9 +137,33 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def options_table(results: list[dict]) -> str:
+    """--options: mean and range over seeds per (setting, method)."""
+    lines = ["| setting | method | final reward | held-out accuracy | wall-clock (s) | s to reward 0.5 | max staleness |",
+             "|---|---|---|---|---|---|---|"]
+    for setting in OPTION_SETTINGS:
+        for method in OPTION_METHODS:
+            rs = [r for r in results if r["setting"] == setting and r["method"] == method]
+
+            def col(key):
+                values = [r[key] for r in rs if r[key] is not None]
+                never = len(rs) - len(values)
+                if not values:
+                    return "never"
+                text = f"{statistics.mean(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
+                return text + (f" ({never} never)" if never else "")
+
+            lines.append(f"| {setting} | {method} | {col('final_reward')} | {col('heldout_accuracy')} | "
+                         f"{col('seconds')} | {col('seconds_to_0.5')} | "
+                         f"{max(r['max_staleness_seen'] for r in rs):.0f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--options", action="store_true", help="the async options study (see the module doc)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per cell with --options")
     parser.add_argument("--out", default=None, help="results directory (default: docs/, or a temp dir with --quick)")
     parser.add_argument("--lr", type=float, default=2e-3, help="constant learning rate (the study ran 2e-3 and 1e-3)")
     opts = parser.parse_args()
@@ -122,7 +172,7 @@ def main() -> None:
     os.sched_setaffinity(0, {TRAINER_CORE})
     out = Path(opts.out or (tempfile.mkdtemp() if opts.quick else REPO / "docs"))
     model_dir = build_tiny_model()
-    runs = plan(opts.quick, opts.lr)
+    runs = plan_options(opts.seeds, opts.lr) if opts.options else plan(opts.quick, opts.lr)
     started = time.time()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,11 +181,18 @@ def main() -> None:
             for i, spec in enumerate(runs):
                 results.append(run_one(spec, model_dir, server))
                 r = results[-1]
-                print(f"[{i + 1}/{len(runs)}] K={r['k']} {r['method']} seed {r['seed']}: final reward "
+                print(f"[{i + 1}/{len(runs)}] {r.get('setting', r['k'])} {r['method']} seed {r['seed']}: final reward "
                       f"{r['final_reward']:.2f}, {r['seconds']:.0f} s", flush=True)
         finally:
             server.stop()
     minutes = (time.time() - started) / 60
+    if opts.options:
+        text = options_table(results)
+        print(text)
+        with gzip.open(out / "async_options_runs.json.gz", "wt") as f:
+            json.dump(results, f)
+        (out / "async_options_table.md").write_text(text + f"\n\n{len(runs)} runs, {minutes:.1f} min.\n")
+        return
     text = table(results)
     print(text)
     tag = f"lr{opts.lr:g}"
