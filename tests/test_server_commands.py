@@ -64,11 +64,17 @@ def model_is_moe(model: str) -> bool:
 
 
 def _bash_lines(text: str) -> list[str]:
-    """Lines of the bash blocks of a markdown text, continuations joined, comments cut."""
+    """Lines of the bash blocks of a markdown text, continuations joined, comments cut; a variable the block
+    exports earlier (``export VLLM_API_KEY=...``) is written before each later command as ``VAR=value``."""
     lines = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
-        lines += [line.split(" #")[0].strip() for line in block.replace("\\\n", " ").splitlines()
-                  if not line.lstrip().startswith("#")]
+        exports = ""
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0].strip()
+            if line.startswith("export "):
+                exports += line.removeprefix("export ").strip() + " "
+            elif line and not line.startswith("#"):
+                lines.append(exports + line)
     return lines
 
 
@@ -139,7 +145,7 @@ def test_the_docs_and_the_recipes_have_server_commands():
     assert "recipes/bapo_r1_distill_qwen_7b.yaml" in where and "README.md" in where
     kinds = {next(" ".join(p) for p in SERVER_PREFIXES if " ".join(p) in c) for _, c in COMMANDS}
     assert {"trl vllm-serve", "bapo serve"} <= kinds
-    assert len(COMMANDS) >= 6
+    assert len(COMMANDS) >= 8
 
 
 @pytest.mark.parametrize("where, command", COMMANDS, ids=[f"{w}:{c[:60]}" for w, c in COMMANDS])
