@@ -55,7 +55,8 @@ def launch_errors(training_args, environ=os.environ, cuda_available: bool | None
             import torch
 
             cuda_available = torch.cuda.is_available()
-        fix = ("add `--mixed_precision no` to `accelerate launch` (before train_bapo.py) and keep `--use_cpu`"
+        fix = ("add `--mixed_precision no` to `accelerate launch` (before train_bapo.py; without CUDA it trains in "
+               "float32 on the CPU)"
                if not cuda_available else
                f"pass `--{precision} True` to train_bapo.py, or `--mixed_precision no` to `accelerate launch`")
         errors.append(
