@@ -439,7 +439,8 @@ def test_unreachable_server_is_a_clear_error_within_the_timeout(tiny_model_dir, 
 class FakeStallingServer:
     """A FAKE vLLM server (a thread running http.server, no model): it answers the calls the trainer makes before
     generating (``/health``, ``/v1/models``, ``/server_info``, the weight sync's ``/collective_rpc`` and ``/reset_prefix_cache``) and
-    accepts ``POST /v1/completions`` but never answers it. It counts every request by method and path."""
+    accepts ``POST /v1/completions`` but never answers it. It counts every request by method and path, and each
+    ``/collective_rpc`` call by its RPC method as ``("RPC", method)``."""
 
     def __init__(self):
         from collections import Counter
@@ -469,8 +470,10 @@ class FakeStallingServer:
                 self.answer(answers.get(self.path, {}))
 
             def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 fake.requests["POST", self.path] += 1
+                if self.path == "/collective_rpc":  # by method: the start-up probe is an RPC too
+                    fake.requests["RPC", body.get("method")] += 1
                 if self.path == "/v1/completions":
                     fake.release.wait(120)  # the stall: the request is accepted and never answered
                     return
@@ -499,7 +502,7 @@ def test_a_stalled_generation_is_one_request_and_an_error_naming_the_timeout(tin
             train_with_server(tiny_model_dir, tmp_path / "out", server.url, vllm_server_timeout=2)
     finally:
         server.close()
-    assert server.requests["POST", "/collective_rpc"] >= 1  # the weight sync went through before generating
+    assert server.requests["RPC", "reload_weights"] >= 1  # the weight sync went through before generating
     assert server.requests["POST", "/v1/completions"] == 1  # sent once: a timed-out generation is not retried
 
 
