@@ -95,6 +95,8 @@ SEAMS: tuple[Seam, ...] = (
                    "self.repetition_penalty", "self.temperature", "self.top_p", "self.top_k", "self.min_p",
                    "self.structured_outputs_regex", "self.generation_kwargs")),
     Seam("trl.generation.vllm_generation:VLLMGeneration._init_vllm", "CPU server: HTTP client instead of NCCL"),
+    Seam("trl.generation.vllm_generation:VLLMClient", "on CUDA the server client is swapped for one that sends "
+         "$VLLM_API_KEY", mentions=("self.session", "self.check_server(")),
     Seam("trl.generation.vllm_generation:VLLMGeneration.sync_weights", "CPU server: weights through disk"),
     Seam("trl.generation.vllm_generation:VLLMGeneration._iter_named_params", "CPU server gathers weights"),
     Seam(CLIENT, "HTTP client: vLLM is only checked for, and the session exists when __init__ calls check_server",

@@ -46,3 +46,67 @@ def assert_zero3_partitioned(out, world_size: int = 2) -> list[dict]:
         assert info["distributed_type"] == "DEEPSPEED" and info["zero_stage"] == 3
         assert info["ds_partitioned_parameters"] > 0 and info["local_shard_numel"] < info["full_numel"]
     return infos
+
+
+def accelerate_launch_machines(script, *args, num_machines=2, processes_per_machine=1, config_file=None,
+                               extra_launch=(), timeout=900, env=None, machine_env=None, python=sys.executable,
+                               log_dir=None):
+    """Run one `accelerate launch` per "machine", all on this host: ``--num_machines N --machine_rank R
+    --main_process_ip 127.0.0.1 --main_process_port P`` (the same free port for all), as a user starts them on N
+    nodes. ``machine_env`` (optional) maps a machine rank to environment variables of that launcher only. Returns
+    the output (stdout + stderr) of each launcher, by machine rank; raises with the tails when one fails, after ending
+    the others (only the process groups started here)."""
+    import signal
+    import tempfile
+    import time
+
+    port = free_port()
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="machines-"))
+    base_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+                "PYTHONUNBUFFERED": "1", **(env or {})}
+    procs, logs, cmds = [], [], []
+    for rank in range(num_machines):
+        cmd = [python, "-m", "accelerate.commands.launch", "--num_processes", str(num_machines * processes_per_machine),
+               "--num_machines", str(num_machines), "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+               "--main_process_port", str(port)]
+        if config_file is not None:
+            cmd += ["--config_file", str(config_file)]
+        else:
+            cmd += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
+        cmd += list(extra_launch) + [str(script), *map(str, args)]
+        log = log_dir / f"machine{rank}.log"
+        with open(log, "wb") as out:
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env={**base_env, **(machine_env or {}).get(rank, {})},
+                                          stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=True))  # its own group: ended alone on failure
+        logs.append(log)
+        cmds.append(cmd)
+        if rank == 0:
+            time.sleep(1)  # machine 0 opens the rendezvous port (static rendezvous: the others connect to it)
+
+    def stop_all():
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+
+    deadline = time.monotonic() + timeout
+    failed = None
+    while any(p.poll() is None for p in procs):
+        failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+        if failed is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if failed is None:
+        failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+    timed_out = any(p.poll() is None for p in procs) and failed is None
+    stop_all()
+    outputs = [log.read_bytes().decode(errors="replace") for log in logs]
+    if failed is not None or timed_out:
+        what = f"machine {failed} failed ({procs[failed].returncode})" if failed is not None else f"timeout {timeout} s"
+        tails = "\n".join(f"--- machine {r}: {' '.join(cmds[r])}\n{out[-4000:]}" for r, out in enumerate(outputs))
+        raise AssertionError(f"multi-machine launch: {what}\n{tails}")
+    return outputs

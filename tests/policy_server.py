@@ -27,8 +27,8 @@ import torch
 class PolicyServer:
     """Serves ``/health``, ``/v1/models``, ``/server_info``, ``/v1/completions`` (token-id prompts), ``/collective_rpc``
     (``reload_weights`` from a safetensors directory; other methods are accepted and do nothing) and
-    ``/reset_prefix_cache``. Counts requests by (method, path); ``versions`` lists, per generate request, how many
-    reloads the server had applied when it ran."""
+    ``/reset_prefix_cache``. Counts requests by (method, path), and RPCs as ("RPC", method); ``versions`` lists, per
+    generate request, how many reloads the server had applied when it ran."""
 
     def __init__(self, model_dir: str, stall_on: tuple[int, ...] = (), seed: int = 0, seconds_per_token: float = 0.0):
         from transformers import AutoModelForCausalLM
@@ -73,6 +73,7 @@ class PolicyServer:
                         return
                     self.answer(server.complete(body))
                 elif self.path == "/collective_rpc":
+                    server.requests["RPC", body.get("method")] += 1  # by method: a start-up probe is an RPC too
                     if body.get("method") == "reload_weights":
                         server.reload(body["kwargs"]["weights_path"])
                     self.answer({})

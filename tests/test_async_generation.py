@@ -189,7 +189,7 @@ def test_a_stalled_server_is_an_error_naming_the_timeout(tiny_model_dir, tmp_pat
                               async_generation=True)
     finally:
         server.close()
-    assert server.requests["POST", "/collective_rpc"] >= 1  # the weights were pushed before the first request
+    assert server.requests["RPC", "reload_weights"] >= 1  # the weights were pushed before the first request
     assert server.requests["POST", "/v1/completions"] == 1
 
 

@@ -166,6 +166,7 @@ def test_readme_evaluate_and_serve_commands_parse():
     checked = 0
     for line in lines:
         argv = shlex.split(line.rstrip("&"))
+        argv = argv[: argv.index("--")] if "--" in argv else argv  # flags after `--` go to vLLM
         if argv[:2] == ["bapo", "evaluate"]:
             evaluate.make_parser().parse_args(argv[2:])
             checked += 1

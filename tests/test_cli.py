@@ -111,3 +111,106 @@ def test_a_grpo_config_gets_an_error_that_says_what_to_change(tiny_model_dir, tm
 
     with pytest.raises(TypeError, match=r"replace `GRPOConfig\(\.\.\.\)` by `BAPOConfig\(\.\.\.\)`"):
         BAPOTrainer(model=tiny_model_dir, args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True))
+
+
+# -- machines without CUDA: the CPU in float32 by default, explicit settings win ----------------------------------------
+
+
+def _parse(argv, tmp_path, cuda_available=False):
+    from bapo_trl.cli.train import parse_args
+
+    return parse_args(argv + ["--output_dir", str(tmp_path)], parser=make_parser(), cuda_available=cuda_available)
+
+
+NOTE = "[bapo_trl] no CUDA device: training on the CPU in float32"
+
+
+def test_without_cuda_a_model_of_your_own_trains_on_the_cpu_in_float32(tmp_path, capsys):
+    _, args, _ = _parse(["--model_name_or_path", "some/model"], tmp_path)
+    assert args.use_cpu and not args.bf16 and not args.fp16
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith(NOTE)] == [
+        f"{NOTE} (use_cpu=True, bf16=False, fp16=False); pass --use_cpu / --bf16 / --fp16 to choose otherwise."]
+
+
+@pytest.mark.parametrize("argv, expected, note", [
+    # values equal to TRL's defaults still count: they were written
+    (["--use_cpu", "false"], dict(use_cpu=False, bf16=False), "(bf16=False, fp16=False)"),
+    (["--use_cpu", "--bf16", "true"], dict(use_cpu=True, bf16=True), None),
+    (["--bf16=true", "--use_cpu=true"], dict(use_cpu=True, bf16=True), None),
+    (["--fp16", "false", "--use_cpu", "true"], dict(use_cpu=True, bf16=False, fp16=False), "(bf16=False)"),
+], ids=["use_cpu-false", "bf16-true", "equals-form", "fp16-false"])
+def test_flags_the_user_wrote_win(argv, expected, note, tmp_path, capsys):
+    _, args, _ = _parse(["--model_name_or_path", "some/model", *argv], tmp_path)
+    assert {k: getattr(args, k) for k in expected} == expected
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(NOTE)]
+    if note is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and note in lines[0], lines
+
+
+def test_a_config_file_key_wins_too(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model_name_or_path: some/model\nuse_cpu: true\nbf16: true\n")
+    _, args, _ = _parse(["--config", str(recipe)], tmp_path)
+    assert args.use_cpu and args.bf16  # the recipe's choice, although this machine has no CUDA
+    assert NOTE not in capsys.readouterr().out
+    recipe.write_text("model_name_or_path: some/model\nlearning_rate: 1.0e-5\n")
+    _, args, _ = _parse(["--config", str(recipe)], tmp_path)
+    assert args.use_cpu and not args.bf16 and args.learning_rate == 1e-5
+    assert NOTE in capsys.readouterr().out
+
+
+def test_with_cuda_nothing_changes_and_the_embedded_job_needs_no_note(tmp_path, capsys):
+    from bapo_trl.cli.train import apply_cpu_defaults
+
+    assert apply_cpu_defaults(make_parser(), ["--model_name_or_path", "m"], cuda_available=True) == {}
+    _, args, _ = _parse(["--model_name_or_path", "some/model", "--use_cpu"], tmp_path, cuda_available=True)
+    assert args.bf16  # TRL's default where CUDA exists
+    _, args, _ = _parse([], tmp_path)  # the embedded job: set up for the CPU already
+    assert args.use_cpu and not args.bf16
+    assert NOTE not in capsys.readouterr().out
+
+
+def test_the_note_is_printed_by_rank_0_only(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    _, args, _ = _parse(["--model_name_or_path", "some/model"], tmp_path)
+    assert args.use_cpu and NOTE not in capsys.readouterr().out
+
+
+def test_a_model_of_your_own_trains_without_cpu_flags_and_the_summary_says_search_never_active(tiny_model_dir,
+                                                                                             tmp_path):
+    """The command that used to end in "Your setup doesn't support bf16/gpu" without `--use_cpu true --bf16 false`;
+    on-policy data (one optimizer step per generation), so the search never acts and the summary says so."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train_bapo.py"), "--model_name_or_path", tiny_model_dir, "--reward_funcs",
+         "reverse", "--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4",
+         "--max_completion_length", "6", "--steps_per_generation", "1", "--gradient_checkpointing", "false",
+         "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no", "--output_dir", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "doesn't support bf16" not in proc.stderr
+    assert len([line for line in proc.stdout.splitlines() if line.startswith(NOTE)]) == 1
+    info = json.loads((tmp_path / "out" / "launch_info" / "rank0.json").read_text())
+    assert info["device"] == "cpu"
+    summary = proc.stdout.split("BAPO run summary", 1)[1]
+    assert "search never active" in summary and "nan" not in summary and "mean bounds" not in summary
+
+
+def test_the_summary_says_search_never_active_instead_of_nan_bounds():
+    from bapo_trl.cli.summary import format_summary
+
+    inactive = {"bapo/search_active": 0.0, "bapo/clip_low": 0.6, "bapo/clip_high": 1.2, "bapo/search_steps": 0.0,
+                "bapo/positive_contribution": 0.5, "bapo/positive_contribution_before": 0.5, "entropy": 1.0}
+    history = [{"loss": 0.1, "step": 1, "reward": 0.25, **inactive}, {"loss": 0.2, "step": 2, "reward": 0.5, **inactive}]
+    summary = format_summary(history)
+    assert "search never active (no window on the path changed the loss in any of the 2 updates" in summary
+    assert "nan" not in summary and "mean bounds" not in summary
+    assert "bounds moved in 0% of updates" in summary
+    row = summary.splitlines()[2].split()
+    assert row[:2] == ["1-1", "0.250"] and row[2:6] == ["-", "-", "-", "-"]  # no window where the search never acted
+    active = dict(inactive, **{"bapo/search_active": 1.0, "bapo/clip_low": 0.7})
+    summary = format_summary(history + [{"loss": 0.3, "step": 3, "reward": 0.5, **active}])
+    assert "search active (some window on the path changes the loss) in 33% of updates" in summary
+    assert "mean bounds [0.700, 1.200]" in summary

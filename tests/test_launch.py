@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from launching import REPO, accelerate_launch, assert_zero3_partitioned, free_port
+from launching import REPO, accelerate_launch, accelerate_launch_machines, assert_zero3_partitioned, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("use_test_cache")]
 
@@ -84,6 +84,28 @@ def test_launch_is_really_distributed(name, tmp_path):
     else:
         assert (out / "model.safetensors").exists()
     assert "BAPO run summary" in proc.stdout
+
+
+def assert_one_process_per_machine(infos: list[dict]) -> None:
+    """The launch_info records show the topology of ``--num_machines 2``, one process on each machine."""
+    for rank, info in enumerate(infos):
+        assert info["machine_rank"] == rank and info["local_rank"] == 0 and info["processes_on_machine"] == 1, info
+
+
+def test_two_machines_zero3(tmp_path):
+    """Two launchers as on two nodes (``--num_machines 2 --machine_rank 0|1``, rendezvous at 127.0.0.1 on one free
+    port), one process each, ZeRO-3: one world of 2 whose weights are split across the machines, machine 0 alone
+    prints the summary and saves. No ``--use_cpu``: train_bapo.py picks the CPU without CUDA."""
+    out = tmp_path / "run"
+    outputs = accelerate_launch_machines(
+        TRAIN, *SHORT_RUN, "--output_dir", out, config_file=CONFIGS / "deepspeed_zero3.yaml", extra_launch=NO_MIXED,
+        timeout=1200, log_dir=tmp_path,
+    )
+    infos = assert_zero3_partitioned(out)
+    assert_one_process_per_machine(infos)
+    assert all(info["backend"] == "gloo" and info["device"].startswith("cpu") for info in infos)
+    assert "BAPO run summary" in outputs[0] and "BAPO run summary" not in outputs[1]
+    assert (out / "model.safetensors").exists()
 
 
 def test_single_process_config(tmp_path):

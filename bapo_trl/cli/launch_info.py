@@ -19,6 +19,10 @@ def describe_launch(accelerator, model) -> dict:
     info = {
         "rank": accelerator.process_index,
         "world_size": accelerator.num_processes,
+        "local_rank": accelerator.local_process_index,
+        # torchrun's node index (accelerate's --machine_rank) and processes on this node; None outside torchrun
+        "machine_rank": int(os.environ["GROUP_RANK"]) if "GROUP_RANK" in os.environ else None,
+        "processes_on_machine": int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None,
         "distributed_type": str(accelerator.distributed_type).split(".")[-1],
         "device": str(accelerator.device),
         "zero_stage": plugin.zero_stage if plugin is not None else None,
@@ -51,7 +55,8 @@ def launch_errors(training_args, environ=os.environ, cuda_available: bool | None
             import torch
 
             cuda_available = torch.cuda.is_available()
-        fix = ("add `--mixed_precision no` to `accelerate launch` (before train_bapo.py) and keep `--use_cpu`"
+        fix = ("add `--mixed_precision no` to `accelerate launch` (before train_bapo.py; without CUDA it trains in "
+               "float32 on the CPU)"
                if not cuda_available else
                f"pass `--{precision} True` to train_bapo.py, or `--mixed_precision no` to `accelerate launch`")
         errors.append(

@@ -12,6 +12,13 @@ def _mean(values):
     return sum(values) / len(values) if values else float("nan")
 
 
+def _cell(value, width: int, spec: str) -> str:
+    """A table cell: the number, or ``-`` where it is undefined (None or NaN)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return f"{'-':>{width}}"
+    return f"{value:{width}{spec}}"
+
+
 def moved(entry: dict) -> float:
     return float(is_active(entry) and (entry.get("bapo/search_steps") or 0) > 0)
 
@@ -47,29 +54,36 @@ def format_summary(log_history: list[dict], args=None, max_rows: int = 12) -> st
     if shown[-1] is not rows[-1]:
         shown.append(rows[-1])
     lines = [
-        "BAPO run summary (one row per generation batch; means over the steps trained on it)",
+        "BAPO run summary (one row per generation batch; means over the steps trained on it; window and shares over "
+        "the steps where the search was active, - where none was)",
         f"{'steps':>11} {'reward':>7} {'c_low':>6} {'c_high':>6} {'pos.share':>9} {'met':>5} {'moved':>5} {'entropy':>7}",
     ]
     for r in shown:
         steps = f"{r['first_step']}-{r['last_step']}"
         lines.append(
-            f"{steps:>11} {r['reward'] if r['reward'] is not None else float('nan'):7.3f} {r['bapo/clip_low']:6.3f} "
-            f"{r['bapo/clip_high']:6.3f} {r['bapo/positive_contribution']:9.3f} {r['bapo/target_met']:5.2f} "
-            f"{r['bounds_moved']:5.2f} {r['entropy']:7.3f}"
+            f"{steps:>11} {_cell(r['reward'], 7, '.3f')} {_cell(r['bapo/clip_low'], 6, '.3f')} "
+            f"{_cell(r['bapo/clip_high'], 6, '.3f')} {_cell(r['bapo/positive_contribution'], 9, '.3f')} "
+            f"{_cell(r['bapo/target_met'], 5, '.2f')} {_cell(r['bounds_moved'], 5, '.2f')} {_cell(r['entropy'], 7, '.3f')}"
         )
     train = [e for e in log_history if "loss" in e]
     active = [e for e in train if is_active(e)]
     quarter = max(1, len(rows) // 4)
     first = _mean([r["reward"] for r in rows[:quarter]])
     last = _mean([r["reward"] for r in rows[-quarter:]])
+    target = f" (target {args.positive_contribution_target})" if args is not None else ""
+    if active:
+        search = (
+            f"search active (some window on the path changes the loss) in {100 * len(active) / len(train):.0f}% of "
+            f"updates; over those: mean bounds [{_mean([e.get('bapo/clip_low') for e in active]):.3f}, "
+            f"{_mean([e.get('bapo/clip_high') for e in active]):.3f}], "
+            f"positive share {_mean([e.get('bapo/positive_contribution_before') for e in active]):.3f} at the start "
+            f"bounds -> {_mean([e.get('bapo/positive_contribution') for e in active]):.3f} chosen{target}"
+        )
+    else:  # no update had a ratio past a window on the search path (on-policy data): no bounds to average
+        search = (f"search never active (no window on the path changed the loss in any of the {len(train)} updates: "
+                  f"the data was on-policy or the ratios stayed inside the start window){target}")
     lines.append(
-        f"reward: {first:.3f} (first quarter of generations) -> {last:.3f} (last quarter); "
-        f"search active (some window on the path changes the loss) in {100 * len(active) / len(train):.0f}% of "
-        f"updates; over those: mean bounds [{_mean([e.get('bapo/clip_low') for e in active]):.3f}, "
-        f"{_mean([e.get('bapo/clip_high') for e in active]):.3f}], "
-        f"positive share {_mean([e.get('bapo/positive_contribution_before') for e in active]):.3f} at the start "
-        f"bounds -> {_mean([e.get('bapo/positive_contribution') for e in active]):.3f} chosen"
-        + (f" (target {args.positive_contribution_target})" if args is not None else "")
-        + f"; bounds moved in {100 * _mean([moved(e) for e in train]):.0f}% of updates."
+        f"reward: {first:.3f} (first quarter of generations) -> {last:.3f} (last quarter); {search}; "
+        f"bounds moved in {100 * _mean([moved(e) for e in train]):.0f}% of updates."
     )
     return "\n".join(lines)

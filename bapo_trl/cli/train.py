@@ -5,11 +5,16 @@ With no ``--model_name_or_path`` it trains the embedded default: a tiny model an
 cached), warm-started, then BAPO on the 3-digit reversal task, on CPU, with stale data
 (``steps_per_generation=8``) so the bounds move. Every ``BAPOConfig``/``GRPOConfig`` field is a flag and
 ``--config recipe.yaml`` works as in TRL.
+
+On a machine without CUDA every job defaults to the CPU in float32 (``use_cpu=True, bf16=False, fp16=False``; TRL's
+default is bf16, which ends in "Your setup doesn't support bf16/gpu"), with a one-line note; a flag or a ``--config``
+key that sets one of them wins.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -37,6 +42,9 @@ EMBEDDED_DEFAULTS = dict(
     seed=0,
     dataloader_num_workers=0,
 )
+
+#: Precision and device of any job on a machine without CUDA (each one only where the user set nothing).
+CPU_DEFAULTS = dict(use_cpu=True, bf16=False, fp16=False)
 
 
 @dataclass
@@ -105,13 +113,58 @@ def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str 
     return BAPOParser(dataclass_types, prog=prog)
 
 
-def parse_args(argv: list[str] | None = None, parser: TrlParser | None = None):
-    """Parse flags (and ``--config``); bad values exit with a one-paragraph error, not a traceback."""
+def explicit_fields(argv: list[str]) -> set[str]:
+    """The fields the user set: flags on the command line (``--name``, ``--name=value``, ``--no_name``) and the
+    keys of the ``--config`` file. Read from what was written, not from values that happen to equal a default."""
+    names = set()
+    for arg in argv:
+        if arg.startswith("--"):
+            name = arg[2:].split("=", 1)[0]
+            names |= {name, name.removeprefix("no_")}
+    if "--config" in argv and argv.index("--config") + 1 < len(argv):
+        import yaml
+
+        try:
+            with open(argv[argv.index("--config") + 1]) as f:
+                config = yaml.safe_load(f)
+        except OSError:
+            config = None  # TRL's parser reports the missing file
+        if isinstance(config, dict):
+            names |= set(config)
+    return names
+
+
+def apply_cpu_defaults(parser: TrlParser, argv: list[str], cuda_available: bool | None = None) -> dict:
+    """Without CUDA: default ``use_cpu``/``bf16``/``fp16`` to the CPU in float32 wherever the user set nothing, and
+    say so in one line (rank 0) when that changes the device or the precision of a job of the user's own. Returns
+    the defaults applied."""
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    if cuda_available:
+        return {}
+    explicit = explicit_fields(argv)
+    chosen = {k: v for k, v in CPU_DEFAULTS.items() if k not in explicit}
+    if chosen:
+        parser.set_defaults_with_config(**chosen)
+    embedded = not ({"model_name_or_path", "config"} & explicit)  # the embedded job is set up for the CPU anyway
+    if not embedded and {"use_cpu", "bf16"} & chosen.keys() and os.environ.get("RANK", "0") == "0":
+        settings = ", ".join(f"{k}={v}" for k, v in chosen.items())
+        print(f"[bapo_trl] no CUDA device: training on the CPU in float32 ({settings}); pass "
+              f"{' / '.join(f'--{k}' for k in chosen)} to choose otherwise.")
+    return chosen
+
+
+def parse_args(argv: list[str] | None = None, parser: TrlParser | None = None, cuda_available: bool | None = None):
+    """Parse flags (and ``--config``); bad values exit with a one-paragraph error, not a traceback. Without CUDA the
+    device and precision default to the CPU in float32 (:func:`apply_cpu_defaults`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = parser or make_parser()
     # The embedded defaults apply to a bare run; a recipe (--config) or a model of your own brings its own settings.
     if not any(a.split("=")[0] in ("--model_name_or_path", "--config") for a in argv):
         parser.set_defaults_with_config(**EMBEDDED_DEFAULTS)
+    apply_cpu_defaults(parser, argv, cuda_available)  # before parsing: the config file and the flags override it
     try:
         return parser.parse_args_and_config(argv)
     except ValueError as err:  # no usage wall: the message names the field and the allowed range

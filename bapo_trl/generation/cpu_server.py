@@ -14,6 +14,9 @@ Why each piece exists (TRL 1.16):
   TRL's code.
 * In colocate mode without CUDA, TRL's per-tensor ``load_weights`` fails on CPUs where vLLM re-packs its linear
   layers (AMX): the in-process engine reloads a safetensors directory instead (``reload_weights``), as the server.
+* A server started with an API key (``bapo serve --api-key``, or ``VLLM_API_KEY``) refuses requests without it:
+  every client here sends ``Authorization: Bearer $VLLM_API_KEY`` when that variable is set, TRL's own
+  ``VLLMClient`` on CUDA included (:class:`KeyedVLLMClient`, swapped in while TRL builds its backend).
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ from urllib.parse import urlparse
 
 import requests
 import trl.generation.vllm_client as _trl_vllm_client
+import trl.generation.vllm_generation as _trl_vllm_generation
 import trl.trainer.grpo_trainer as _trl_grpo_trainer
 from accelerate.utils import broadcast_object_list
 from requests.adapters import HTTPAdapter
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 
-from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError, write_weights
+from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError, authorize_session, write_weights
 
 _swap_lock = threading.RLock()
 
@@ -68,6 +72,16 @@ def _patched(module, name: str, value):
             setattr(module, name, original)
 
 
+class KeyedVLLMClient(VLLMClient):
+    """TRL's ``VLLMClient`` (CUDA: NCCL weight transfer) that sends ``$VLLM_API_KEY`` with every request of its
+    session. ``VLLMClient.__init__`` builds the session and then calls ``check_server`` (whose ``/health`` probe needs
+    no key) before its first request that does: the key is added there."""
+
+    def check_server(self, total_timeout: float = 0.0, retry_interval: float = 2.0):
+        authorize_session(self.session)
+        return super().check_server(total_timeout, retry_interval)
+
+
 class HTTPVLLMClient(VLLMClient):
     """TRL's ``VLLMClient`` for a server in another environment: no ``import vllm`` needed (only the NCCL methods,
     never called here, use vLLM), and a stalled server is an error after one ``request_timeout``.
@@ -92,6 +106,7 @@ class HTTPVLLMClient(VLLMClient):
         pool = _trl_vllm_client._DEFAULT_GENERATION_CONCURRENCY
         for prefix in ("http://", "https://"):
             self.session.mount(prefix, _OnceAdapter(self.request_timeout, pool_maxsize=pool))
+        authorize_session(self.session)  # $VLLM_API_KEY, when the server was started with a key
 
     def check_server(self, total_timeout: float = 0.0, retry_interval: float = 2.0):
         """Wait up to ``total_timeout`` seconds for ``/health``; each probe is itself bounded (TRL's has no timeout,
@@ -166,8 +181,11 @@ class CPUServerVLLMGeneration(VLLMGeneration):
         return self.mode == "colocate" and self.accelerator.device.type != "cuda"
 
     def _init_vllm(self):
+        if self.mode == "server" and not self.uses_disk_sync:  # CUDA: TRL's code and NCCL, its client sends the key
+            with _patched(_trl_vllm_generation, "VLLMClient", KeyedVLLMClient):
+                return super()._init_vllm()
         if not self.uses_disk_sync:
-            return super()._init_vllm()  # CUDA (NCCL) or colocate: TRL's code, unchanged
+            return super()._init_vllm()  # colocate: TRL's code, unchanged
         error = None
         if self.accelerator.is_main_process:
             base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
@@ -187,6 +205,10 @@ class CPUServerVLLMGeneration(VLLMGeneration):
                     self.vllm_client.base_url, timeout=self.server_timeout,
                     refresh_output_layers=bool(getattr(config, "tie_word_embeddings", False)),
                 )
+                try:  # the server must read the directory the weights go to (another machine: a shared mount)
+                    self.disk_sync.check_shared_directory()
+                except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
+                    error = exc
         self._raise_everywhere(error)
         self.accelerator.wait_for_everyone()
 

@@ -13,6 +13,14 @@ Why a wrapper: the two worlds need different commands.
 
 The process replaces itself with the server (``exec``), so its pid and process group are the server's.
 ``--dry-run`` prints the command instead. Only the standard library is imported here.
+
+Exposure: the server runs in vLLM's development mode (the disk weight sync's ``/collective_rpc``, which makes it load
+weights from any path it can read or call any worker method, and ``/reset_prefix_cache``). vLLM's ``--api-key``
+guards only ``/v1``, ``/v2``, ``/inference`` and ``/cohere``, NOT those endpoints. So the server binds loopback by
+default; any other ``--host`` needs ``--allow-remote-dev-endpoints`` AND an API key (``--api-key KEY`` or
+``VLLM_API_KEY``), and with a key the server gets a middleware (``bapo_vllm_auth``) that requires it on every path
+but ``/health``. The trainer sends ``$VLLM_API_KEY``. Bind to an address only trusted machines reach anyway: the key
+travels in clear over plain HTTP.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import ipaddress
 import os
 import shlex
 import sys
@@ -28,6 +37,10 @@ import sys
 TRL_FLAGS = ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"]
 CPU_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"}
 WORKER_EXTENSION = "bapo_vllm_worker.BAPOWorkerExtension"
+#: The middleware that requires the API key on every path but /health (vLLM's own --api-key guards only /v1 & co.).
+AUTH_MIDDLEWARE = "bapo_vllm_auth.BearerTokenEverywhere"
+API_KEY_ENV = "VLLM_API_KEY"
+REMOTE_FLAG = "--allow-remote-dev-endpoints"
 WORKER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker")
 
 
@@ -61,33 +74,89 @@ def detect_backend(venv: str) -> tuple[str, str]:
     )
 
 
+def is_loopback(host: str) -> bool:
+    """``host`` binds this machine's loopback interface only (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost: may resolve to any interface
+
+
+def api_key_from(extra: list[str], given: str | None, environ=os.environ) -> tuple[str | None, list[str]]:
+    """The API key (serve's ``--api-key``, else vLLM's ``--api-key`` among the extra flags, else ``$VLLM_API_KEY``)
+    and the extra flags without vLLM's ``--api-key``: the key reaches the server through its environment, where
+    vLLM reads it too, not through its command line (which ``ps`` shows to every user)."""
+    rest, found = [], None
+    i = 0
+    while i < len(extra):
+        if extra[i] == "--api-key" and i + 1 < len(extra):
+            found = found or extra[i + 1]
+            i += 2
+            continue
+        if extra[i].startswith("--api-key="):
+            found = found or extra[i].split("=", 1)[1]
+        else:
+            rest.append(extra[i])
+        i += 1
+    return given or found or environ.get(API_KEY_ENV) or None, rest
+
+
+def exposure_error(host: str, allow_remote: bool, key: str | None) -> str | None:
+    """What a non-loopback bind lacks (one line), or None."""
+    if is_loopback(host):
+        return None
+    missing = ([REMOTE_FLAG] if not allow_remote else []) + (
+        [f"an API key (--api-key KEY, or {API_KEY_ENV}=KEY in the environment)"] if not key else [])
+    if not missing:
+        return None
+    return (f"--host {host} exposes vLLM's development endpoints beyond this machine (/collective_rpc loads weights "
+            "from any path and calls worker methods; vLLM's --api-key alone does not guard them): pass "
+            f"{' and '.join(missing)}; the trainer then sends the key from {API_KEY_ENV}.")
+
+
 def build_command(model: str, host: str, port: int, backend: str, python: str, dtype: str | None,
-                  extra: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The server's argv and the environment variables to add."""
+                  extra: list[str], api_key: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """The server's argv and the environment variables to add (with a key: ``VLLM_API_KEY`` and the middleware
+    that requires it on every path but ``/health``)."""
+    path = os.pathsep.join(p for p in (WORKER_DIR, os.environ.get("PYTHONPATH", "")) if p)
+    auth_flags = ["--middleware", AUTH_MIDDLEWARE] if api_key else []
+    auth_env = {API_KEY_ENV: api_key, "PYTHONPATH": path} if api_key else {}
     if backend == "gpu":
         vllm_bin = os.path.join(os.path.dirname(python), "vllm")
         cmd = [vllm_bin if os.access(vllm_bin, os.X_OK) else "vllm", "serve", model, "--host", host,
                "--port", str(port), "--weight-transfer-config", '{"backend": "nccl"}', *TRL_FLAGS]
         if dtype:
             cmd += ["--dtype", dtype]
-        return cmd + extra, {"VLLM_SERVER_DEV_MODE": "1"}
+        return cmd + auth_flags + extra, {"VLLM_SERVER_DEV_MODE": "1", **auth_env}
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
            "--port", str(port), *TRL_FLAGS, "--enforce-eager", "--dtype", dtype or "float32",
            "--worker-extension-cls", WORKER_EXTENSION]
-    path = os.pathsep.join(p for p in (WORKER_DIR, os.environ.get("PYTHONPATH", "")) if p)
-    return cmd + extra, {**CPU_ENV, "PYTHONPATH": path}
+    return cmd + auth_flags + extra, {**CPU_ENV, "PYTHONPATH": path, **auth_env}
 
 
 def make_parser(prog: str = "python -m bapo_trl.generation.serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="model directory, hub id or bapo_trl.models registry name (the same weights "
                                       "the trainer starts from)")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help=f"bind address (default loopback only); any other needs {REMOTE_FLAG} and an API key")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, vLLM's choice on GPU")
     parser.add_argument("--backend", choices=["auto", "gpu", "cpu"], default="auto")
     parser.add_argument("--venv", default=None, help="vllm-cpu venv (default $BAPO_VLLM_VENV or "
                                                      "~/.cache/bapo_trl/vllm-cpu-venv)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help=f"key every client must send (Authorization: Bearer KEY) on every endpoint but /health "
+                             f"(default ${API_KEY_ENV}); the trainer sends ${API_KEY_ENV}. Passed to the server "
+                             "through its environment")
+    parser.add_argument(REMOTE_FLAG, action="store_true",
+                        help="accept binding a non-loopback --host: the server runs in vLLM's development mode "
+                             "(/collective_rpc loads weights from any path it can read and calls worker methods), "
+                             "which vLLM's own --api-key does not guard; the API key this command then requires is "
+                             "checked on every endpoint but /health by a middleware of ours. Plain HTTP: use a "
+                             "network only trusted machines reach")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
     return parser
 
@@ -96,7 +165,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.generati
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    args = make_parser(prog).parse_args(argv)
+    parser = make_parser(prog)
+    args = parser.parse_args(argv)
+    api_key, extra = api_key_from(extra, args.api_key)
+    refusal = exposure_error(args.host, args.allow_remote_dev_endpoints, api_key)
+    if refusal:
+        parser.exit(2, f"{prog}: error: {refusal}\n")
     venv = args.venv or default_venv()
     if args.backend == "auto":
         backend, python = detect_backend(venv)
@@ -110,9 +184,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.generati
             args.model = resolve_model(args.model)  # a registry name (smollm2-135m-instruct) -> its local checkpoint
         except ModelSetupError as err:
             raise SystemExit(f"error: {err}") from err
-    cmd, env = build_command(args.model, args.host, args.port, backend, python, args.dtype, extra)
-    if args.dry_run:
-        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))
+    cmd, env = build_command(args.model, args.host, args.port, backend, python, args.dtype, extra, api_key)
+    if args.dry_run:  # the key itself is not printed
+        print(" ".join(f"{k}={'<hidden>' if k == API_KEY_ENV else shlex.quote(v)}" for k, v in env.items()),
+              shlex.join(cmd))
         return
     os.environ.update(env)
     sys.stdout.flush()

