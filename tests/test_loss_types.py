@@ -178,6 +178,20 @@ def test_sapo_share_rises_monotonically_along_the_path():
         assert packed.numel() == 2 * H + 2 * L + 2
 
 
+def test_search_activity_follows_what_each_row_can_change():
+    """``bapo/search_active``: a ratio inside every window of the path changes no clipped loss and no cap, but does
+    change a soft gate; a ratio of exactly 1 changes nothing."""
+    path, cap = search_path(BAPOSettings()), cap_path(BAPOSettings())
+    ratio = torch.full((2, 3), 1.05)
+    positive, negative = torch.tensor([[True] * 3, [False] * 3]), torch.tensor([[False] * 3, [True] * 3])
+    for name in TRL_LOSS_TYPES:
+        row = LOSS_TYPES[name]
+        active = row.sensitive(ratio, positive, negative, cap if name == "cispo" else path)
+        assert bool(active.any()) == (row.kind == "gate"), name
+        assert not row.sensitive(torch.ones(2, 3), positive, negative, path).any()
+    assert LOSS_TYPES["cispo"].sensitive(torch.full((2, 3), 1.3), positive, negative, cap).all()  # both signs capped
+
+
 # -- the ratios and token weights, against TRL's formulas ---------------------------------------------------------------
 
 @st.composite
@@ -232,6 +246,14 @@ def test_search_inputs_weigh_tokens_as_trls_loss_aggregates_them():
             expected = expected * per_sequence if name in ("grpo", "sapo") else expected
             assert torch.allclose(adv, expected)
         assert ratio.shape == mask.shape
+        log_ratio = logps - inputs["old_per_token_logps"]
+        if name == "vespo":  # TRL's sequence weight w, vLLM IS weights included, on every token
+            w = vespo_sequence_weights(log_ratio, mask, inputs["importance_sampling_ratio"])
+            assert torch.allclose(ratio, torch.tensor(w)[:, None].expand_as(ratio), rtol=1e-5)
+        elif level == "sequence":
+            assert torch.allclose(ratio, torch.tensor(sequence_ratios(log_ratio, mask)), rtol=1e-5)
+        else:
+            assert torch.allclose(ratio, log_ratio.exp())
 
 
 # -- delta below ratio_upper_max: the upper path ends at delta -----------------------------------------------------------
