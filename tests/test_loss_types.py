@@ -150,6 +150,23 @@ def test_one_collective_per_search(name):
     assert doubled["clip_high"] == local["clip_high"] and doubled["num_tokens"] == 2 * local["num_tokens"]
 
 
+@pytest.mark.parametrize("name", ["dapo", "cispo", "sapo", "vespo"])
+def test_the_search_never_reads_a_tensor_back_to_the_host(name, monkeypatch):
+    """A stand-in for CUDA's sync check on CPU: every way a tensor reaches Python raises during the search."""
+    ratio, adv, mask = random_batch(torch.Generator().manual_seed(9), 6, 7, 0.8, -0.2)
+    row = bound_row(name)
+    fast_search(row, ratio, adv, mask)  # warm the per-path caches (built once, from Python floats)
+
+    def host_transfer(*args, **kwargs):
+        raise AssertionError("host transfer in the search")
+
+    for attr in ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, attr, host_transfer)
+    result = fast_search(row, ratio, adv, mask)
+    monkeypatch.undo()
+    assert result.as_floats()["num_tokens"] > 0
+
+
 def test_cispo_path_is_the_upper_grid_with_no_lower_bound():
     for variant in VARIANTS:
         settings_ = BAPOSettings(bapo_variant=variant, ratio_upper_max=2.02)
