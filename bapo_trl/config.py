@@ -364,7 +364,7 @@ class BAPOConfig(GRPOConfig):
             rows.append(("warning", (
                 f"`delta` ({self.delta}) is below `ratio_upper_max` ({self.ratio_upper_max}): TRL's two-sided clip caps "
                 f"every ratio at delta, so a c_high above it would change nothing; the upper search path ends at "
-                f"{self.bapo_settings.ratio_upper_max} (the last step <= delta). Raise `delta` to >= "
+                f"{self.bapo_settings.ratio_upper_max} (paper: the last step <= delta; verl: delta itself). Raise `delta` to >= "
                 "`ratio_upper_max` for the full path, or set `ratio_upper_max` to delta to silence this warning.")))
         if kind != "clip" and self.delta is not None:
             rows.append(("warning", f"`delta` ({self.delta}) has no effect with {name}: TRL applies it to the clipped "
