@@ -140,7 +140,12 @@ def _grid(start: float, stop: float, step: float) -> list[float]:
 
 @dataclass(frozen=True)
 class SearchPath:
-    """The fixed candidate path: candidate ``k`` is ``(low_grid[low_index[k]], high_grid[high_index[k]])``."""
+    """The fixed candidate path: candidate ``k`` is ``(low_grid[low_index[k]], high_grid[high_index[k]])``.
+
+    ``negatives_on_high``: the negative tokens' sums depend on the UPPER bound too (a cap on every ratio, as CISPO's;
+    :func:`cap_path`): they are then measured on ``high_grid`` and indexed by ``high_index``, and ``low_grid`` is
+    ``(0.0,)``, a lower bound of 0 on a ratio, i.e. none.
+    """
 
     low_grid: tuple[float, ...]
     high_grid: tuple[float, ...]
@@ -148,6 +153,7 @@ class SearchPath:
     high_index: tuple[int, ...]
     low_step: float
     high_step: float
+    negatives_on_high: bool = False
 
     def __len__(self) -> int:
         return len(self.low_index)
@@ -187,6 +193,18 @@ def search_path(settings: BAPOSettings) -> SearchPath:
     return SearchPath(
         tuple(low), tuple(high), tuple(low_index), tuple(high_index), s.ratio_lower_step, s.ratio_upper_step
     )
+
+
+@lru_cache(maxsize=64)
+def cap_path(settings: BAPOSettings) -> SearchPath:
+    """The candidates of a loss with an upper cap and no lower bound (CISPO: ``min(r, c)`` on every token): only the
+    upper grid, ``a+`` then every step ``d+`` up to ``b+`` (``verl``: ``min(cur + step, max)``, so ``b+`` itself
+    ends the path). The lower-bound settings play no part; the path reports ``c_low = 0`` (no lower bound)."""
+    s = settings
+    grid = _grid if s.bapo_variant == "paper" else _ceil_grid
+    high = grid(s.ratio_upper_start, s.ratio_upper_max, s.ratio_upper_step)
+    return SearchPath((0.0,), tuple(high), (0,) * len(high), tuple(range(len(high))), s.ratio_lower_step,
+                      s.ratio_upper_step, negatives_on_high=True)
 
 
 def _ceil_grid(start: float, stop: float, step: float) -> list[float]:
@@ -240,12 +258,21 @@ def _side_table(grid: tuple[float, ...], step: float, positive: bool, offset: in
     return [grid[0], 1.0 / step, step, float(max(n - 2, 0)), last, nudge, float(offset)]
 
 
+def _negative_grid(path: SearchPath) -> tuple[float, ...]:
+    """The grid the negative tokens' sums are measured on."""
+    return path.high_grid if path.negatives_on_high else path.low_grid
+
+
 @lru_cache(maxsize=64)
 def _device_table(path: SearchPath, device: torch.device) -> torch.Tensor:
     """``(2, 7)`` rows ``(negative side, positive side)`` of :func:`_side_table`, on ``device``, made once:
-    negatives bin against the ``c_low`` grid after the ``H + 1`` positive bins."""
+    negatives bin against the ``c_low`` grid (the ``c_high`` grid for a cap path, with the positives' rule
+    ``#{c <= r}``) after the ``H + 1`` positive bins."""
     high = _side_table(path.high_grid, path.high_step, positive=True, offset=0)
-    low = _side_table(path.low_grid, path.low_step, positive=False, offset=len(path.high_grid) + 1)
+    if path.negatives_on_high:
+        low = _side_table(path.high_grid, path.high_step, positive=True, offset=len(path.high_grid) + 1)
+    else:
+        low = _side_table(path.low_grid, path.low_step, positive=False, offset=len(path.high_grid) + 1)
     return torch.tensor([low, high], dtype=torch.float64, device=device)
 
 
@@ -257,8 +284,8 @@ def _at_or_above(r: torch.Tensor, c: torch.Tensor, out: torch.Tensor) -> torch.T
 
 def _histogram(r: torch.Tensor, side: torch.Tensor, weight: torch.Tensor, path: SearchPath) -> torch.Tensor:
     """``(2, H + 1 + L + 1)`` sums of ``weight`` and ``r * weight`` per bin: bin ``j <= H`` holds positives with
-    ``#{c_high <= r} = j``, bin ``H + 1 + j`` negatives with ``#{c_low < r} = j``. ``r`` (float64, finite) is
-    overwritten.
+    ``#{c_high <= r} = j``, bin ``H + 1 + j`` negatives with ``#{c_low < r} = j`` (on a cap path: ``L = H`` and
+    ``#{c_high <= r} = j``). ``r`` (float64, finite) is overwritten.
 
     Replaces a binary search per token (``torch.bucketize``, formerly the slowest step) by arithmetic: round ``r``
     to the nearest lattice point ``k`` (its neighbours then lie on known sides), compare exactly with that one grid
@@ -273,7 +300,7 @@ def _histogram(r: torch.Tensor, side: torch.Tensor, weight: torch.Tensor, path: 
     k.add_(_at_or_above(r, last, out=scratch)).add_(offset)
     bins = scratch.view(torch.int64).copy_(k).flatten()  # reuses the scratch memory: fresh pages cost on CPU
     weight = weight.flatten()
-    n_bins = len(path.high_grid) + len(path.low_grid) + 2
+    n_bins = len(path.high_grid) + len(_negative_grid(path)) + 2
     sums = torch.zeros(2, n_bins, dtype=torch.float64, device=r.device)
     sums[0].scatter_add_(0, bins, weight)  # (deterministic on CUDA when asked, unlike a weighted bincount)
     sums[1].scatter_add_(0, bins, r.flatten().mul_(weight))
@@ -295,11 +322,11 @@ def _below_above(sums: torch.Tensor):
     return below[0], below[1], above[0], above[1]
 
 
-def grid_sums(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, path: SearchPath) -> torch.Tensor:
-    """Local (un-reduced) sums for every grid value, packed into ONE float64 vector for a single collective.
-
-    Layout: ``[pos_value(H), pos_gradient(H), neg_value(L), neg_gradient(L), num_tokens, num_nonfinite]`` with
-    ``H = len(high_grid)``, ``L = len(low_grid)``.
+def prepared(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor):
+    """The search's view of a batch: ``(r, a, weight, counts)`` with ``r`` a float64 copy of the ratios (``(B, T)``,
+    ours to change in place), ``a`` the float64 advantages (``(B, 1)`` or ``(B, T)``), ``weight = |A|`` on the valid
+    tokens and 0 elsewhere, and ``counts = [num_tokens, num_nonfinite]``. NaN or inf in ``r`` and ``A`` are replaced
+    by 0 and their tokens have weight 0, so they cannot reach any sum.
 
     Written for memory traffic, which is what this costs on CPU: few token-sized buffers, updated in place, masks
     as float factors (a boolean ``where`` over the tokens costs as much as ten float operations).
@@ -316,10 +343,20 @@ def grid_sums(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     a = a.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     num_tokens = valid.sum()
     counts = torch.stack([num_tokens, torch.count_nonzero(mask).to(torch.float64) - num_tokens])
+    return r, a, valid.mul_(a.abs()), counts
 
+
+def grid_sums(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, path: SearchPath) -> torch.Tensor:
+    """The clipped surrogate's local (un-reduced) sums for every grid value, packed into ONE float64 vector for a
+    single collective.
+
+    Layout: ``[pos_value(H), pos_gradient(H), neg_value(L), neg_gradient(L), num_tokens, num_nonfinite]`` with
+    ``H = len(high_grid)``, ``L = len(low_grid)``.
+    """
+    r, a, weight, counts = prepared(ratio, advantages, mask)
     # Positives: value min(r, c_high) * A; they keep a gradient while r < c_high (weight r * A).
     # Negatives: value max(r, c_low) * |A|; they keep a gradient while r > c_low (weight r * |A|).
-    sums = _histogram(r, a > 0, valid.mul_(a.abs()), path)
+    sums = _histogram(r, a > 0, weight, path)
     H = len(path.high_grid)
     high_grid, low_grid = _device_grids(path, sums.device)
     below_w, below_rw, above_w, _ = _below_above(sums[:, : H + 1])
@@ -331,13 +368,33 @@ def grid_sums(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     return torch.cat([pos_value, pos_gradient, neg_value, neg_gradient, counts])
 
 
+def cap_sums(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, path: SearchPath) -> torch.Tensor:
+    """The sums of a capped importance weight (CISPO: ``sg(min(r, c)) A log pi``) for every ``c`` of a
+    :func:`cap_path`: ``pos = sum_{A>0} min(r, c) A``, ``neg = sum_{A<0} min(r, c) |A|``, the weight each token's
+    gradient ``min(r, c) A grad log pi`` carries. Every token keeps a gradient, so the value and the gradient share
+    are one: the layout of :func:`grid_sums` with ``L = H`` and each share twice."""
+    if not path.negatives_on_high:
+        raise ValueError("cap_sums needs a cap path (bapo_trl.clipping.cap_path): its negatives are capped by c too.")
+    r, a, weight, counts = prepared(ratio, advantages, mask)
+    sums = _histogram(r, a > 0, weight, path)
+    H = len(path.high_grid)
+    high_grid, _ = _device_grids(path, sums.device)
+    shares = []
+    for part in (sums[:, : H + 1], sums[:, H + 1 :]):  # positives, negatives: both binned on the c grid
+        _, below_rw, above_w, _ = _below_above(part)
+        shares.append(below_rw + high_grid * above_w)
+    pos, neg = shares
+    return torch.cat([pos, pos, neg, neg, counts])
+
+
 @lru_cache(maxsize=64)
 def _path_tensors(path: SearchPath, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per candidate, made once per path and device (a small search is dominated by per-op costs):
     the positions in the packed vector of ``(pos_value, neg_value, pos_gradient, neg_gradient)``, shape (4, K),
     and the bounds ``(c_low, c_high)``, shape (2, K)."""
-    H, L = len(path.high_grid), len(path.low_grid)
-    hi, lo = torch.tensor(path.high_index), torch.tensor(path.low_index)
+    H, L = len(path.high_grid), len(_negative_grid(path))
+    hi = torch.tensor(path.high_index)
+    lo = hi if path.negatives_on_high else torch.tensor(path.low_index)
     index = torch.stack([hi, 2 * H + lo, H + hi, 2 * H + L + lo]).to(device)
     bounds = torch.tensor([path.clip_low, path.clip_high], dtype=torch.float64, device=device)
     return index, bounds
@@ -385,6 +442,7 @@ def search_clip_bounds(
     reduce_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     config: BAPOSettings | None = None,
     sums_fn: Callable | None = None,
+    path: SearchPath | None = None,
     **settings,
 ) -> SearchResult:
     """Choose ``(c_low, c_high)`` for one update with BAPO's bound search.
@@ -399,6 +457,7 @@ def search_clip_bounds(
         config: a ready :class:`BAPOSettings` (the trainer passes its own); keyword ``settings`` override it.
         sums_fn: the share's per-grid sums (the loss type's, :mod:`bapo_trl.loss_types`); default
             :func:`grid_sums`, the clipped surrogate's.
+        path: the candidates (the loss type's path of ``config``); default :func:`search_path`.
         **settings: :class:`BAPOSettings` fields (``positive_contribution_target``, ``ratio_lower_start``, ...).
 
     Returns:
@@ -415,7 +474,7 @@ def search_clip_bounds(
             f"`advantages` must have shape (B,), (B, 1) or (B, T) with (B, T) = {tuple(ratio.shape)}, got "
             f"{tuple(advantages.shape)}."
         )
-    path = search_path(config)
+    path = path or search_path(config)
     packed = (sums_fn or grid_sums)(ratio, advantages, mask, path)
     if reduce_fn is not None:
         packed = reduce_fn(packed)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .clipping import MODES, VARIANTS, BAPOSettings, search_path, settings_errors
-from .loss_types import SUPPORTED_LOSS_TYPES
+from .clipping import MODES, VARIANTS, BAPOSettings, settings_errors
+from .loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SUPPORTED_LOSS_TYPES
 from .rollout_settings import SAMPLING, rollout_errors
 
 #: The official code caps the loss of negative-advantage tokens at ``3.0 * |A|`` (dual clip); in TRL that is the
@@ -26,6 +26,12 @@ class BAPOConfig(GRPOConfig):
     At every loss computation BAPO replaces the fixed PPO window ``[1 - epsilon, 1 + epsilon_high]`` by a window
     ``[c_low, c_high]`` chosen so that positive-advantage tokens hold at least ``positive_contribution_target`` of
     the loss. ``epsilon`` and ``epsilon_high`` are therefore ignored.
+
+    Every TRL ``loss_type`` and both ``importance_sampling_level`` values are balanced (``docs/loss_types.md``): the
+    clipped losses (dapo, bnpo, grpo, dr_grpo, luspo) through their window; ``cispo`` through its cap on the
+    importance weight (``c_high`` is the cap, there is no lower bound); ``sapo`` and ``vespo`` through each sign's
+    gate sharpness, read off the window's half-widths relative to the start window (their configured temperatures /
+    shapes are the path's start). With ``delta`` below ``ratio_upper_max`` the upper path ends at ``delta``.
 
     Parameters:
         positive_contribution_target (`float`, *optional*, defaults to `0.5`):
@@ -250,7 +256,7 @@ class BAPOConfig(GRPOConfig):
         errors = self.bapo_errors()
         if errors:
             raise ValueError("Invalid BAPOConfig:\n  - " + "\n  - ".join(errors))
-        if self.bapo_variant == "verl" and self.delta is None:
+        if self.bapo_variant == "verl" and self.delta is None and self._loss.kind == "clip":
             self.delta = VERL_DUAL_CLIP
         super().__post_init__()
         local_batch = self.per_device_train_batch_size * self.steps_per_generation
@@ -328,9 +334,11 @@ class BAPOConfig(GRPOConfig):
                 "no partial rollout): every ratio is 1 and the bound search can never change the loss (BAPO equals "
                 "GRPO). Data becomes stale with steps_per_generation > gradient_accumulation_steps, num_iterations > 1, "
                 "replay_buffer_size/replay_ratio or partial_rollout_budget.")))
-        path = search_path(self.bapo_settings)
+        path = self._loss.path(self.bapo_settings)
         window = f"[{path.clip_low[0]}, {path.clip_high[0]}]"
-        if self.bapo_variant == "paper" and len(path.low_grid) == 1 and self.ratio_upper_max > self.ratio_upper_start:
+        rows += self._loss_type_rows()
+        if (self.bapo_variant == "paper" and len(path.low_grid) == 1 and self.ratio_upper_max > self.ratio_upper_start
+                and not path.negatives_on_high):
             rows.append(("warning", (
                 "`ratio_lower_start` + `ratio_lower_step` exceeds `ratio_lower_max`, so the paper's search loop never "
                 f"runs and `c_high` stays at `ratio_upper_start`: the window is fixed at {window}; "
@@ -359,27 +367,80 @@ class BAPOConfig(GRPOConfig):
                 "`ratio_upper_start`..`ratio_upper_max`.")))
         return rows
 
+    @property
+    def _loss(self):
+        """The loss type's row (:mod:`bapo_trl.loss_types`); the clipped surrogate's for an unknown one (refused)."""
+        return LOSS_TYPES.get(self.loss_type, LOSS_TYPES["dapo"])
+
+    def _loss_type_rows(self) -> list[tuple[str, str]]:
+        """Inert-setting rows that depend on the loss type."""
+        rows, kind, name = [], self._loss.kind, f"loss_type={self.loss_type!r}"
+        if kind == "clip" and self.delta is not None and self.delta < self.ratio_upper_max:
+            rows.append(("warning", (
+                f"`delta` ({self.delta}) is below `ratio_upper_max` ({self.ratio_upper_max}): TRL's two-sided clip caps "
+                f"every ratio at delta, so a c_high above it would change nothing; the upper search path ends at "
+                f"{self.bapo_settings.ratio_upper_max} (paper: the last step <= delta; verl: delta itself). Raise `delta` to >= "
+                "`ratio_upper_max` for the full path, or set `ratio_upper_max` to delta to silence this warning.")))
+        if kind != "clip" and self.delta is not None:
+            rows.append(("warning", f"`delta` ({self.delta}) has no effect with {name}: TRL applies it to the clipped "
+                                    "losses only. Drop `delta`."))
+        lower_moved = (self.ratio_lower_start, self.ratio_lower_max, self.ratio_lower_step) != (0.6, 0.9, 0.02)
+        if kind == "cap" and lower_moved:
+            rows.append(("warning", (
+                f"`ratio_lower_start`/`ratio_lower_max`/`ratio_lower_step` have no effect with {name}: CISPO caps the "
+                "importance weight from above only (c_high is the cap; bapo/clip_low is 0, no lower bound). Drop them.")))
+        if kind != "clip" and self.positive_contribution_mode != "value":
+            rows.append(("warning", (
+                f"`positive_contribution_mode` ({self.positive_contribution_mode!r}) has no effect with {name}: every "
+                "token keeps a gradient, so the value and the gradient share are one (the share of the weight each "
+                "token's gradient carries; docs/loss_types.md).")))
+        if self._loss.is_weight_in_ratio and self.positive_contribution_is_weighted:
+            rows.append(("warning", (
+                f"`positive_contribution_is_weighted` has no effect with {name}: TRL folds the vLLM importance-sampling "
+                "weights into the sequence weight w, and the search always measures the share on that w.")))
+        return rows
+
     def bapo_errors(self) -> list[str]:
         """Every problem with the BAPO fields and their combination with the GRPO fields."""
         errors = settings_errors(**self._settings_dict())
         if self.loss_type not in SUPPORTED_LOSS_TYPES:
             errors.append(
-                f"`loss_type` must be one of {SUPPORTED_LOSS_TYPES} with BAPO (they use the clipped surrogate whose "
-                f"window BAPO adapts), got {self.loss_type!r}."
+                f"`loss_type` must be one of {SUPPORTED_LOSS_TYPES} with BAPO (the loss types it has a row for, see "
+                f"docs/loss_types.md), got {self.loss_type!r}."
             )
-        if self.importance_sampling_level != "token":
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             errors.append(
-                "`importance_sampling_level` must be 'token' with BAPO (the search balances per-token ratios), got "
+                f"`importance_sampling_level` must be one of {IMPORTANCE_SAMPLING_LEVELS} (TRL's levels), got "
                 f"{self.importance_sampling_level!r}."
             )
         if self.use_liger_kernel:
-            errors.append("`use_liger_kernel` must be False with BAPO (the Liger GRPO loss has a fixed window).")
-        if self.delta is not None and isinstance(self.ratio_upper_max, (int, float)):
-            if not self.delta >= self.ratio_upper_max:
+            errors.append("`use_liger_kernel` must be False with BAPO (the Liger GRPO loss has a fixed window), got "
+                          "True: set use_liger_kernel=False.")
+        numbers_ok = all(_finite(getattr(self, n)) for n in ("ratio_upper_start", "ratio_upper_max", "ratio_lower_max"))
+        kind = self._loss.kind
+        if kind == "clip" and self.delta is not None and numbers_ok:
+            if not (_finite(self.delta) and self.delta >= self.ratio_upper_start):
                 errors.append(
-                    f"`delta` ({self.delta}) must be >= `ratio_upper_max` ({self.ratio_upper_max}) with BAPO, or the "
-                    "cap on the ratio would also clip positive tokens below c_high."
+                    f"`delta` ({self.delta}) must be >= `ratio_upper_start` ({self.ratio_upper_start}) with BAPO: TRL "
+                    "caps every ratio at delta, so no c_high of the search path could act. Raise `delta` or lower "
+                    "`ratio_upper_start`."
                 )
+        if kind == "gate" and numbers_ok:
+            if not self.ratio_upper_start > 1.0:
+                errors.append(
+                    f"`ratio_upper_start` must be > 1 with loss_type={self.loss_type!r} (the positive gate's sharpness "
+                    f"is (ratio_upper_start - 1) / (c_high - 1)), got {self.ratio_upper_start}: use e.g. 1.2."
+                )
+            if not self.ratio_lower_max < 1.0:
+                errors.append(
+                    f"`ratio_lower_max` must be < 1 with loss_type={self.loss_type!r} (the negative gate's sharpness "
+                    f"is (1 - ratio_lower_start) / (1 - c_low)), got {self.ratio_lower_max}: use e.g. 0.9."
+                )
+        if self.loss_type == "sapo":
+            for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+                if not (_finite(getattr(self, name)) and getattr(self, name) > 0):
+                    errors.append(f"`{name}` must be a finite number > 0 with BAPO (the start of the gate's path, "
+                                  f"scaled along it), got {getattr(self, name)!r}.")
         if not (isinstance(self.max_log_ratio, (int, float)) and math.isfinite(self.max_log_ratio)) or (
             not errors and self.max_log_ratio <= math.log(self.ratio_upper_max)
         ):
@@ -415,8 +476,16 @@ class BAPOConfig(GRPOConfig):
 
     @property
     def bapo_settings(self) -> BAPOSettings:
-        """The search settings as the frozen object :func:`bapo_trl.search_clip_bounds` takes."""
-        return BAPOSettings(**self._settings_dict())
+        """The search settings as the frozen object :func:`bapo_trl.search_clip_bounds` takes. With a clipped loss
+        and ``delta`` below ``ratio_upper_max`` the upper path ends at ``delta`` (TRL caps every ratio there)."""
+        settings = self._settings_dict()
+        if self._loss.kind == "clip" and self.delta is not None and self.delta < self.ratio_upper_max:
+            settings["ratio_upper_max"] = self.delta
+        return BAPOSettings(**settings)
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def trainer_config(args, model) -> BAPOConfig:

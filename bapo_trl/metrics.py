@@ -80,8 +80,18 @@ ASYNC = (
     *(f"bapo/{what}/age_{age}" for age in AGE_BUCKETS
       for what in ("positive_loss_share", "clip_fraction", "token_fraction")),
 )
+#: Logged per update with a soft-gate loss (sapo, vespo): the gate parameters installed in TRL's loss.
+GATES = (
+    "bapo/sapo_temperature_pos",
+    "bapo/sapo_temperature_neg",
+    "bapo/vespo_k_pos",
+    "bapo/vespo_lambda_pos",
+    "bapo/vespo_k_neg",
+    "bapo/vespo_lambda_neg",
+)
 #: Every metric name bapo_trl logs, by group.
-REGISTRY = {"search": SEARCH, "entropy_clip": ENTROPY_CLIP, "replay": REPLAY, "partial": PARTIAL, "async": ASYNC}
+REGISTRY = {"search": SEARCH, "entropy_clip": ENTROPY_CLIP, "replay": REPLAY, "partial": PARTIAL, "async": ASYNC,
+            "gates": GATES}
 
 _COUNTS = 8  # valid, positive, negative, low-clipped, high-clipped, window-sensitive, staleness sum, non-finite
 
@@ -108,9 +118,9 @@ def search_sums(result, path: SearchPath, ratio: torch.Tensor, advantages: torch
     low_clipped, high_clipped = loss.clipped(ratio, advantages, result.clip_low.to(ratio.dtype),
                                              result.clip_high.to(ratio.dtype))
     low_clipped, high_clipped = low_clipped & valid, high_clipped & valid
-    # Tokens whose loss some window on the path would change: a positive above the smallest c_high, a negative
-    # below the largest c_low. None (every ratio 1, or all inside both): the search cannot act on this update.
-    sensitive = (positive & (ratio > path.clip_high[0])) | (negative & (ratio < max(path.clip_low)))
+    # Tokens whose loss some window on the path would change (clipped surrogate: a positive above the smallest
+    # c_high, a negative below the largest c_low). None (every ratio 1, or all inside both): the search cannot act.
+    sensitive = loss.sensitive(ratio, positive, negative, path)
     zero = torch.zeros((), dtype=torch.float64, device=device)
     stale_sum = zero if staleness is None else (staleness * valid).sum()
     stale_max = zero if staleness is None or not staleness.numel() else torch.where(valid, staleness, 0.0).max()
@@ -166,16 +176,16 @@ def search_values(sums: list[float], result: dict[str, float], path: SearchPath,
 
 def _share_sums(result, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 parts: list[torch.Tensor], loss: LossType = CLIPPED_SURROGATE) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """For every token subset in ``parts``: positive and negative value sums at the chosen window, clipped tokens,
-    tokens (all over the valid tokens); and the valid mask."""
+    """For every token subset in ``parts``: positive and negative sums of the loss type's share at the chosen window
+    (the value share for the clipped surrogate), clipped tokens, tokens (all over the valid tokens); and the valid
+    mask."""
     advantages = (advantages[:, None] if advantages.dim() == 1 else advantages).expand_as(ratio)
     valid = (mask != 0) & torch.isfinite(ratio) & torch.isfinite(advantages)
-    c_low, c_high = result.clip_low.to(ratio.dtype), result.clip_high.to(ratio.dtype)
+    c_low, c_high = result.clip_low.to(ratio.dtype).double(), result.clip_high.to(ratio.dtype).double()
     r = torch.where(valid, ratio, 1.0).double()
     a = torch.where(valid, advantages, 0.0).double()
-    pos = torch.where(a > 0, torch.minimum(r, c_high.double()) * a, 0.0)
-    neg = torch.where(a < 0, torch.maximum(r, c_low.double()) * -a, 0.0)
-    low, high = loss.clipped(r, a, c_low.double(), c_high.double())
+    pos, neg = loss.contributions(r, a, c_low, c_high)  # the loss type's share terms at the chosen window
+    low, high = loss.clipped(r, a, c_low, c_high)
     clipped = low | high
     sums = []
     for part in parts:
@@ -292,6 +302,13 @@ def async_values(versions: list[list[int]], step: int, generate_seconds: float, 
     }
 
 
+def gate_values(loss: LossType, clip_low: float, clip_high: float) -> dict[str, float]:
+    """The config fields a loss type sets in TRL's loss at the reported window (a soft gate's shape), as
+    ``bapo/<field>``; none for the clip and cap rows (``bapo/clip_high`` is the cap)."""
+    return {f"bapo/{name[len('args.'):]}": float(value) for name, value in loss.to_trl(clip_low, clip_high).items()
+            if name.startswith("args.")}
+
+
 def update_values(result, path: SearchPath, loss: LossType, ratio: torch.Tensor, advantages: torch.Tensor,
                   mask: torch.Tensor, inputs: dict, logps: torch.Tensor, entropies: torch.Tensor | None, step: int,
                   nonfinite_inputs: torch.Tensor, target: float, sum_over_processes: Reduce,
@@ -304,6 +321,7 @@ def update_values(result, path: SearchPath, loss: LossType, ratio: torch.Tensor,
                                   nonfinite_inputs, loss)
     sums, stale_max = sum_over_processes(sums), max_over_processes(stale_max)
     values, entropy = search_values(sums.tolist(), result.as_floats(), path, float(stale_max), target)
+    values.update(gate_values(loss, values["bapo/clip_low"], values["bapo/clip_high"]))
     if "replayed" in inputs:  # fresh vs replayed tokens
         replay_staleness = (step - inputs["policy_version"]).double()[:, None].expand_as(ratio)
         totals, rep_max = origin_sums(result, ratio, advantages, mask, inputs["replayed"], replay_staleness, loss)

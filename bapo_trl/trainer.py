@@ -22,9 +22,10 @@ from trl import GRPOTrainer
 
 from . import metrics
 from .checkpoints import CheckpointMixin
-from .clipping import SearchResult, search_clip_bounds, search_path
+from .clipping import SearchResult, search_clip_bounds
 from .config import BAPOConfig, trainer_config
 from .generation.cpu_server import CPUServerSyncMixin  # vLLM server mode on CPU (disk weight sync)
+from .loss_hook import install, optimised_tokens, restore, search_inputs
 from .loss_types import LOSS_TYPES
 from .model_card import PAPER_CITATION, ModelCardMixin
 from .numerics import loss_mask, mask_nonfinite_inputs, sanitize_after_forward
@@ -64,7 +65,7 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
         check_source_arguments(args, kwargs)  # at construction, before TRL loads anything
         self._bapo_pending: dict[str, Any] | None = None
         self.port = TRLPort(self)  # the rollout sources' only way into TRL (its log-prob answers are needed below)
-        self.loss = LOSS_TYPES[args.loss_type]
+        self.loss = LOSS_TYPES[args.loss_type].bind(args)  # the row of this loss type, with the run's gate shapes
         self.last_search: SearchResult | None = None
         super().__init__(model, reward_funcs, args=args, **kwargs)
         # A reward function that raises is named in the error (TRL keeps the callables in this list).
@@ -128,11 +129,12 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # Before TRL binds its loss mask: real tokens with non-finite inputs leave the loss (needs no new log-probs).
         self._nonfinite_inputs = mask_nonfinite_inputs(inputs, self.args.mask_nonfinite_tokens)
-        self._bapo_pending = inputs
+        self._bapo_pending, self._bapo_installed = inputs, {}
         try:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:
             self._bapo_pending = None
+            restore(self.args, self._bapo_installed)  # a gate's config fields: its start for the next search
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         stored = self.port.take_stored_logps(logits_to_keep, input_ids.device)  # completions generated elsewhere
@@ -148,43 +150,26 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
 
     def _adapt_clip_window(self, per_token_logps: torch.Tensor, inputs: dict[str, Any],
                            entropies: torch.Tensor | None = None) -> None:
-        """Run the search on this micro-batch (sums reduced over all processes) and install the window."""
+        """Run the search on this micro-batch (sums reduced over all processes) and install what it chose."""
         self._nonfinite_inputs = self._nonfinite_inputs + sanitize_after_forward(
             inputs, per_token_logps, self.args.max_log_ratio)
-        mask = self._optimised_tokens(loss_mask(inputs), per_token_logps, entropies, inputs)
-        old = inputs.get("old_per_token_logps")
-        # TRL skips old log-probs when the data is on-policy: the ratio is then exactly 1.
-        log_ratio = per_token_logps.detach() - old if old is not None else torch.zeros_like(per_token_logps)
-        ratio, advantages = torch.exp(log_ratio), inputs["advantages"]
-        weights = inputs.get("importance_sampling_ratio")  # TRL's vLLM IS correction multiplies each token's loss
-        if self.args.positive_contribution_is_weighted and weights is not None:
-            advantages = (advantages[:, None] if advantages.dim() == 1 else advantages) * weights
-        result = search_clip_bounds(ratio, advantages, mask, config=self._bapo_settings,
+        mask = optimised_tokens(self, loss_mask(inputs), per_token_logps, entropies, inputs)
+        ratio, advantages = search_inputs(self.loss, per_token_logps, inputs, self.args.importance_sampling_level,
+                                          self.args.positive_contribution_is_weighted)
+        settings = self._bapo_settings
+        result = search_clip_bounds(ratio, advantages, mask, config=settings, path=self.loss.path(settings),
                                     reduce_fn=self.port.sum_over_processes, sums_fn=self.loss.grid_sums)
-        for name, value in self.loss.to_trl(result.clip_low, result.clip_high).items():
-            setattr(self, name, value.to(per_token_logps.dtype))
+        install(self, self.loss.to_trl(result.clip_low, result.clip_high), per_token_logps.dtype,
+                saved=self._bapo_installed)
         self.last_search = result
         self._log_search(result, ratio, advantages, mask, inputs, per_token_logps, entropies)
-
-    def _optimised_tokens(self, mask, logps, entropies, inputs) -> torch.Tensor:
-        """The tokens TRL's loss keeps after the clip (its high-entropy and off-policy sequence masks, computed as
-        TRL computes them): the search balances the loss that is optimised, not one with tokens TRL then drops."""
-        if self.top_entropy_quantile < 1.0:
-            mask = mask * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
-        if self.off_policy_mask_threshold is not None:
-            behaviour = inputs.get("old_per_token_logps", logps.detach())
-            advantages = inputs["advantages"]
-            mask = mask * self.get_off_policy_mask(
-                advantages[:, None] if advantages.dim() == 1 else advantages, logps,
-                inputs.get("sampling_per_token_logps", behaviour), mask, self.off_policy_mask_threshold)
-        return mask
 
     def _log_search(self, result: SearchResult, ratio, advantages, mask, inputs, logps, entropies=None) -> None:
         """The micro-batch's metrics (:func:`bapo_trl.metrics.update_values`); its entropy joins the closed-loop
         target's update, if on."""
         mode, settings = "train" if self.model.training else "eval", self._bapo_settings
         values, entropy = metrics.update_values(
-            result, search_path(settings), self.loss, ratio, advantages, mask, inputs, logps, entropies,
+            result, self.loss.path(settings), self.loss, ratio, advantages, mask, inputs, logps, entropies,
             self.state.global_step, self._nonfinite_inputs, settings.positive_contribution_target,
             self.port.sum_over_processes, self.port.max_over_processes,
             by_age=self.args.async_generation and mode == "train")

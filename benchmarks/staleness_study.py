@@ -82,31 +82,36 @@ def plan(quick: bool) -> list[dict]:
 
 
 def run_one(spec: dict) -> dict:
-    """One training run in a fresh process (one torch thread): its per-step history and a summary."""
+    """One training run in a fresh process (one torch thread): its per-step history and a summary. ``spec``:
+    method, staleness, lr, seed, steps; optional ``settings`` (config fields; default: the method's), ``trainer``
+    (``"trl"``: TRL's own GRPOConfig / GRPOTrainer instead of BAPO's) and ``extra_metrics`` (kept besides KEPT)."""
     import torch
 
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
 
     from bapo_trl import BAPOConfig, BAPOTrainer
     from bapo_trl.toy import build_tiny_model, evaluate_accuracy, make_reverse_dataset, reverse_reward
 
+    config_cls, trainer_cls = (GRPOConfig, GRPOTrainer) if spec.get("trainer") == "trl" else (BAPOConfig, BAPOTrainer)
+    kept = KEPT + tuple(spec.get("extra_metrics", ()))
     model_dir = build_tiny_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     started = time.time()
     with tempfile.TemporaryDirectory() as out:
-        args = BAPOConfig(
+        args = config_cls(
             output_dir=out, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
             save_strategy="no", disable_tqdm=True, logging_steps=1, per_device_train_batch_size=32,
             num_generations=8, max_completion_length=12, temperature=1.0, lr_scheduler_type="constant",
             learning_rate=spec["lr"], seed=spec["seed"], max_steps=spec["steps"],
             **spec.get("settings", METHODS.get(spec["method"], {})), **STALENESS[spec["staleness"]],
         )
-        trainer = BAPOTrainer(model=model_dir, reward_funcs=reverse_reward, args=args,
+        trainer = trainer_cls(model=model_dir, reward_funcs=reverse_reward, args=args,
                               train_dataset=make_reverse_dataset(8192, seed=spec["seed"]), processing_class=tokenizer)
         trainer.train()
         accuracy = evaluate_accuracy(trainer.model, tokenizer, make_reverse_dataset(200, seed=1, split="test"))
-    history = [{k: v for k, v in h.items() if k in KEPT} for h in trainer.state.log_history if "loss" in h]
+    history = [{k: v for k, v in h.items() if k in kept} for h in trainer.state.log_history if "loss" in h]
     return {**spec, "history": history, "heldout_accuracy": accuracy, "seconds": time.time() - started}
 
 

@@ -80,3 +80,10 @@ def test_entropy_clip_study_quick_prints_its_summary():
     assert re.fullmatch(rf"runs=2 best_adaptive=\S+ best_adaptive_reward_lr1e-3=({NUMBER}|nan) "
                         rf"widest_reward_lr1e-3=({NUMBER}) best_adaptive_reward_lr2e-3=({NUMBER}|nan) "
                         rf"widest_reward_lr2e-3=({NUMBER}|nan)", last), last
+
+
+def test_loss_study_quick_prints_its_summary():
+    """Every TRL loss (TRL's own trainer) and its BAPO-balanced version, once each, a few steps."""
+    last = run_quick("loss_study.py")
+    assert re.fullmatch(rf"runs=12 bapo_default_reward=({NUMBER}) trl_dapo_reward=({NUMBER}) balanced_better=\d/6 "
+                        rf"minutes=({NUMBER})", last), last

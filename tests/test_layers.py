@@ -19,6 +19,7 @@ NAMES = {CORE: "core", ROLLOUT: "rollout sources", TRAINER: "trainer", OUTER: "c
 #: Module (or package prefix) -> layer. The longest matching prefix wins.
 LAYERS = {
     "bapo_trl.clipping": CORE, "bapo_trl.clipping_reference": CORE, "bapo_trl.loss_types": CORE,
+    "bapo_trl.gates": CORE, "bapo_trl.loss_hook": CORE,
     "bapo_trl.config": CORE, "bapo_trl.rollout_settings": CORE, "bapo_trl.metrics": CORE,
     "bapo_trl.entropy_clip": CORE, "bapo_trl.numerics": CORE, "bapo_trl.checkpoints": CORE,
     "bapo_trl.target_controller": CORE, "bapo_trl.reward_errors": CORE, "bapo_trl.reward_funcs": CORE,

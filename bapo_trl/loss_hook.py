@@ -1,0 +1,66 @@
+"""What ``BAPOTrainer``'s loss hook does between TRL's policy forward and TRL's clip, as functions of the trainer's
+state: the tokens TRL's loss keeps, the ratios and advantages the search balances (the loss type's row,
+:mod:`bapo_trl.loss_types`), and installing what the search chose where TRL's loss reads it (restored after the
+loss call when it is a config field).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .loss_types import LossType
+from .numerics import loss_mask
+
+
+def optimised_tokens(trainer, mask: torch.Tensor, logps: torch.Tensor, entropies: torch.Tensor | None,
+                     inputs: dict) -> torch.Tensor:
+    """The tokens TRL's loss keeps after the clip (its high-entropy and off-policy sequence masks, computed as TRL
+    computes them): the search balances the loss that is optimised, not one with tokens TRL then drops."""
+    if trainer.top_entropy_quantile < 1.0:
+        mask = mask * trainer.get_high_entropy_mask(entropies, mask, 1 - trainer.top_entropy_quantile)
+    if trainer.off_policy_mask_threshold is not None:
+        behaviour = inputs.get("old_per_token_logps", logps.detach())
+        advantages = inputs["advantages"]
+        mask = mask * trainer.get_off_policy_mask(
+            advantages[:, None] if advantages.dim() == 1 else advantages, logps,
+            inputs.get("sampling_per_token_logps", behaviour), mask, trainer.off_policy_mask_threshold)
+    return mask
+
+
+def search_inputs(loss: LossType, logps: torch.Tensor, inputs: dict, level: str,
+                  is_weighted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ratio, advantages)`` the search balances for one micro-batch: the ratios TRL's loss clips (``(B, T)``) and
+    the advantages times each token's weight in TRL's loss (aggregation, and TRL's vLLM importance-sampling weights
+    when ``is_weighted`` and the loss multiplies by them)."""
+    mask = loss_mask(inputs)
+    old = inputs.get("old_per_token_logps")
+    # TRL skips old log-probs when the data is on-policy: the ratio is then exactly 1.
+    log_ratio = logps.detach() - old if old is not None else torch.zeros_like(logps)
+    ratio, advantages = loss.ratios(log_ratio, mask, level, inputs), inputs["advantages"]
+    weights = inputs.get("importance_sampling_ratio")  # TRL's vLLM IS correction multiplies each token's loss
+    if is_weighted and weights is not None and not loss.is_weight_in_ratio:
+        advantages = (advantages[:, None] if advantages.dim() == 1 else advantages) * weights
+    token_weight = loss.aggregation(mask)
+    if token_weight is not None:
+        advantages = (advantages[:, None] if advantages.dim() == 1 else advantages) * token_weight
+    return ratio, advantages
+
+
+def install(trainer, values: dict, dtype: torch.dtype, saved: dict | None = None) -> dict:
+    """Set what :attr:`LossType.to_trl` returned on the trainer (``"args.<field>"`` on its config); the config fields'
+    values from before the loss call are kept in ``saved`` (returned), for :func:`restore` once the call is over."""
+    saved = {} if saved is None else saved
+    for name, value in values.items():
+        target = trainer
+        if name.startswith("args."):
+            target, name = trainer.args, name[len("args."):]
+            saved.setdefault(name, getattr(target, name))
+        setattr(target, name, value.to(dtype))
+    return saved
+
+
+def restore(args, saved: dict) -> None:
+    """Put back the config fields :func:`install` changed (they are the gate's START for the next search, and the
+    config is saved with checkpoints)."""
+    for name, value in saved.items():
+        setattr(args, name, value)
