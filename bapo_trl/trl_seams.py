@@ -129,7 +129,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{CLIENT}.reset_prefix_cache", "HTTP client: one bounded request, answered with JSON"),
     Seam(f"{CLIENT}._get", "request timeouts", params=("url",)),
     Seam(f"{CLIENT}._post", "request timeouts", params=("url",)),
-    Seam("trl.generation.vllm_client:_DEFAULT_GENERATION_CONCURRENCY", "HTTP client: TRL's connection pool size"),
+    Seam("trl.generation.vllm_client:_DEFAULT_GENERATION_CONCURRENCY", "HTTP client: TRL's connection pool size; seeded requests sent at once (port)"),
     Seam("trl.generation.vllm_client:is_vllm_available", "HTTP client without vllm installed"),
     Seam("trl.trainer.utils:RepeatSampler", "async generation draws its prompts as TRL's sampler does"),
     Seam("trl.trainer.utils:is_async_callable", "async reward functions keep their errors named"),

@@ -9,7 +9,9 @@ that policy's (temperature-scaled, as vLLM's ``processed_logprobs``), so "behavi
 with the saved sampling policy" and "staleness <= K" are checked for real. What it does not share: vLLM's kernels,
 batching, prefix cache and sampling settings other than temperature (it refuses them).
 
-A request's ``seed`` makes its sampling reproducible, as vLLM's does. It can stall on chosen requests (``stall_on``: the n-th generate request is accepted and never answered), to test
+A request's ``seed`` is applied as vLLM applies it: every prompt of the request is sampled from a generator seeded
+``seed`` (its child j: ``seed + j``), so identical prompts in one seeded request get identical completions, exactly
+as on the real server (tests/test_async_generation.py checks that on a real one). It can stall on chosen requests (``stall_on``: the n-th generate request is accepted and never answered), to test
 that a stalled server ends training with an error, not a hang.
 """
 
@@ -37,6 +39,8 @@ class PolicyServer:
         self.lock = threading.Lock()  # one request at a time touches the model (as one vLLM engine)
         self.generator = torch.Generator().manual_seed(seed)
         self.requests: Counter = Counter()
+        self.counting = threading.Lock()  # requests arrive at once (a seeded batch is one request per prompt)
+        self.bodies: list[tuple] = []  # (prompts, n, seed, max_tokens) of each generate request, in arrival order
         self.reloads = 0
         self.versions: list[int] = []  # reloads applied when each generate request ran
         self.completions: list[int] = []  # completions each generate request returned
@@ -65,9 +69,13 @@ class PolicyServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                server.requests["POST", self.path] += 1
+                with server.counting:
+                    server.requests["POST", self.path] += 1
+                    index = server.requests["POST", self.path]
+                    if self.path == "/v1/completions":
+                        server.bodies.append((tuple(map(tuple, body["prompt"])), body.get("n", 1), body.get("seed"),
+                                              body.get("max_tokens")))
                 if self.path == "/v1/completions":
-                    index = server.requests["POST", "/v1/completions"]
                     if index in server.stall_on:
                         server.release.wait(600)  # the stall: accepted, never answered
                         return
@@ -80,7 +88,10 @@ class PolicyServer:
                 else:
                     self.answer({})
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 256  # the listen backlog: a batch's requests arrive together (default 5)
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -102,12 +113,13 @@ class PolicyServer:
             if body.get(name, neutral) not in (neutral, -1 if name == "top_k" else neutral):
                 raise ValueError(f"the stand-in server samples with temperature only, got {name}={body[name]}")
         temperature, eos = float(body.get("temperature", 1.0)), self.model.config.eos_token_id
-        generator = self.generator if body.get("seed") is None else torch.Generator().manual_seed(int(body["seed"]))
+        seed = body.get("seed")
         choices = []
         with self.lock:
             self.versions.append(self.reloads)
             for prompt in body["prompt"]:
-                for _ in range(int(body.get("n", 1))):
+                for child in range(int(body.get("n", 1))):
+                    generator = self.generator if seed is None else torch.Generator().manual_seed(int(seed) + child)
                     ids, logps = list(prompt), []
                     for _ in range(int(body["max_tokens"])):
                         logits = self.model(torch.tensor([ids])).logits[0, -1].float() / temperature
@@ -125,6 +137,11 @@ class PolicyServer:
                         "top_logprobs": [{f"token_id:{t}": lp} for t, lp in zip(tokens, logps)]}})
         self.completions.append(len(choices))
         return {"choices": choices}
+
+    def resent(self) -> list[tuple]:
+        """Generate requests that arrived more than once (a seeded request is never sent twice by design)."""
+        seen = Counter(self.bodies)
+        return [body for body, count in seen.items() if count > 1 and body[2] is not None]
 
     def close(self) -> None:
         self.release.set()

@@ -18,6 +18,7 @@ import torch
 from policy_server import PolicyServer
 from probes import source_of
 from test_vllm_server import (  # noqa: F401  (fixtures)
+    completion_length,
     reset_server_weights,
     start_server,
     tiny_server,
@@ -190,7 +191,9 @@ def test_a_stalled_server_is_an_error_naming_the_timeout(tiny_model_dir, tmp_pat
     finally:
         server.close()
     assert server.requests["RPC", "reload_weights"] >= 1  # the weights were pushed before the first request
-    assert server.requests["POST", "/v1/completions"] == 1
+    # the first batch is one request per prompt (16 rows: 4 prompts of 4 completions); the first stalled; none sent
+    # twice
+    assert 1 <= server.requests["POST", "/v1/completions"] <= 4 and not server.resent()
 
 
 # -- the real server ------------------------------------------------------------------------------------------------
@@ -350,14 +353,16 @@ def test_k2_runs_up_to_two_batches_ahead_and_no_further(tiny_server, tiny_model_
 
 @pytest.mark.slow
 def test_resume_trains_the_remaining_batches_once(tiny_server, tiny_model_dir, tmp_path):
-    """A run checkpointed after 2 of 4 batches resumes with batches 3 and 4 of the same prompt stream (what was in
-    flight at the checkpoint is generated again): the union of prompts equals the uninterrupted run's."""
+    """A run checkpointed after 2 of 4 batches resumes with batches 3 and 4 of the same prompt stream: the batch
+    generated ahead at the checkpoint is saved and trained as it was (same completions, same policy version), not
+    generated again; the union of prompts equals the uninterrupted run's."""
     reset_server_weights(tiny_server.url, tiny_model_dir)
     out = tmp_path / "out"
     full, full_probe = async_run(tiny_model_dir, out, tiny_server.url, max_steps=4, save_strategy="steps",
                                  save_steps=2)
     state = torch.load(out / "checkpoint-2" / "async_generation_rank0.pt", weights_only=False)
-    assert state == {"batches_handed": 2}
+    assert state["batches_handed"] == 2
+    assert [g["index"] for g in state["generated"]] == [2]  # K=1: the batch generated ahead of step 3
     _, probe = async_run(tiny_model_dir, out, tiny_server.url, max_steps=4, resume_from=str(out / "checkpoint-2"))
     assert len(probe.batches) == 2  # only the two batches after the checkpoint
 
@@ -365,6 +370,9 @@ def test_resume_trains_the_remaining_batches_once(tiny_server, tiny_model_dir, t
         return [tuple(p) for p, _, _ in completions_of(batch)]
 
     assert [prompts(b) for b in probe.batches] == [prompts(b) for b in full_probe.batches[2:]]
+    saved, uninterrupted = probe.batches[0], full_probe.batches[2]
+    assert [c for _, c, _ in completions_of(saved)] == [c for _, c, _ in completions_of(uninterrupted)]
+    assert int(saved["policy_version"][0]) == int(uninterrupted["policy_version"][0]) == 1
 
 
 @pytest.mark.slow
@@ -464,7 +472,8 @@ def test_partial_rollout_grows_completions_across_async_rounds(tiny_server, tiny
     snapshots = Snapshots()
     trainer, probe = async_run(tiny_model_dir, tmp_path, tiny_server.url, callbacks=[snapshots], max_steps=6,
                                partial_rollout_budget=3, partial_rollout_max_resumes=3, max_completion_length=10,
-                               per_device_train_batch_size=16, seed=1)
+                               per_device_train_batch_size=16, seed=1,
+                               reward=completion_length)  # dense: every step moves the policy
     logs = [h for h in trainer.state.log_history if "partial/segments_per_completion" in h]
     assert len(logs) == 6 and max(h["partial/segments_per_completion"] for h in logs) > 1.5
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
@@ -528,17 +537,19 @@ def test_weight_sync_steps_pushes_every_nth_step(tiny_server, tiny_model_dir, tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stalled", [1, 3], ids=["first request", "later request"])
+@pytest.mark.parametrize("stalled", [0, 2], ids=["first batch", "later batch"])
 def test_a_stalled_server_ends_every_process_of_a_two_process_run(stalled, tmp_path):
-    """2 processes; the stand-in server (tests/policy_server.py) stalls on the first request, or answers the first two
-    and stalls on the third (sent while step 1 trains): rank 0's request times out, and both ranks end with the error
-    at the next hand-over (rank 1 through the broadcast), before either enters the weight push's collectives."""
+    """2 processes; the stand-in server (tests/policy_server.py) stalls on the first batch's request, or answers the
+    first two batches and stalls on the third (sent while step 1 trains): rank 0's request times out, and both ranks
+    end with the error at the next hand-over (rank 1 through the broadcast), before either enters the weight push's
+    collectives. A batch is 4 requests here (2 x 8 rows / 4 completions: one seeded request per prompt)."""
     from policy_server import PolicyServer
 
     from bapo_trl.toy import build_tiny_model
     from launching import REPO, accelerate_launch
 
-    server = PolicyServer(build_tiny_model(), stall_on=(stalled,))  # the embedded model train_bapo.py trains
+    prompts_per_batch = 4
+    server = PolicyServer(build_tiny_model(), stall_on=(stalled * prompts_per_batch + 1,))  # the embedded model
     try:
         with pytest.raises(AssertionError) as failed:
             accelerate_launch(
@@ -552,4 +563,5 @@ def test_a_stalled_server_ends_every_process_of_a_two_process_run(stalled, tmp_p
     text = str(failed.value)
     assert "did not answer /v1/completions within 3 s" in text
     assert "async generation failed on the main process: VLLMServerTimeout" in text  # rank 1's error
-    assert server.requests["POST", "/v1/completions"] == stalled
+    sent = server.requests["POST", "/v1/completions"]
+    assert stalled * prompts_per_batch < sent <= (stalled + 1) * prompts_per_batch and not server.resent(), sent

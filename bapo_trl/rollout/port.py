@@ -11,11 +11,19 @@ log-prob hook first).
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import torch
 
 from .contract import ReadyCompletions, ScoreFn, right_pad
+
+
+def prompt_seeds(seed: int, count: int, n: int) -> list[int]:
+    """A sampling seed for each of ``count`` prompts of a seeded request, reproducible from ``seed``: drawn apart, so
+    no two prompts (nor their ``n`` children, seeded ``s .. s + n - 1`` by vLLM) share a random stream."""
+    rng = random.Random(seed)
+    return [rng.randrange(2**31 - n) for _ in range(count)]
 
 
 class TRLPort:
@@ -116,9 +124,14 @@ class TRLPort:
 
     def server_generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int | None = None
                         ) -> dict[str, list]:
-        """One request to the vLLM server (any thread): ``n`` completions of every prompt (token ids), TRL's sampling
-        settings, at most ``max_tokens`` each, sampled with ``seed`` unless ``generation_kwargs`` names one. Returns
-        ``completion_ids`` and the sampler's ``logps`` per token.
+        """The vLLM server's completions (any thread): ``n`` of every prompt (token ids), TRL's sampling settings, at
+        most ``max_tokens`` each. Returns ``completion_ids`` (prompt-major) and the sampler's ``logps`` per token.
+
+        With ``seed`` (and no seed in ``generation_kwargs``) the sampling is reproducible and every sequence still
+        draws its own random numbers: vLLM gives every prompt of one request the request's seed (child ``j`` of a
+        prompt: seed + j), so the members of a group, or continued prefixes that happen to agree, would be sampled
+        identically. Each prompt is sent as a request of its own, with its own seed from :func:`prompt_seeds`, all at
+        once (vLLM batches them).
 
         Sent through a client of its own that sends each request once and bounds it by ``vllm_server_timeout``
         (:class:`~bapo_trl.generation.cpu_server.HTTPVLLMClient`): TRL's own client, which generation uses on CUDA,
@@ -131,15 +144,31 @@ class TRLPort:
             self.request_client = client if isinstance(client, HTTPVLLMClient) else HTTPVLLMClient(
                 base_url=client.base_url, connection_timeout=backend.server_timeout,
                 request_timeout=backend.server_timeout)
-        output = self.request_client.generate(
-            prompts=prompts, n=n, repetition_penalty=backend.repetition_penalty,
-            temperature=backend.temperature, top_p=backend.top_p, top_k=backend.top_k,
-            min_p=0.0 if backend.min_p is None else backend.min_p, max_tokens=max_tokens,
-            logprobs=0, structured_outputs_regex=backend.structured_outputs_regex,
-            generation_kwargs={**({} if seed is None else {"seed": seed}), **(backend.generation_kwargs or {})},
-        )
-        logps = [[float("nan") if lp[0] is None else float(lp[0]) for lp in seq] for seq in output["logprobs"]]
-        return {"completion_ids": output["completion_ids"], "logps": logps}
+        user_kwargs = backend.generation_kwargs or {}
+
+        def generate(some_prompts: list[list[int]], extra: dict) -> dict:
+            return self.request_client.generate(
+                prompts=some_prompts, n=n, repetition_penalty=backend.repetition_penalty,
+                temperature=backend.temperature, top_p=backend.top_p, top_k=backend.top_k,
+                min_p=0.0 if backend.min_p is None else backend.min_p, max_tokens=max_tokens,
+                logprobs=0, structured_outputs_regex=backend.structured_outputs_regex,
+                generation_kwargs={**extra, **user_kwargs},
+            )
+
+        if seed is None or "seed" in user_kwargs:  # unseeded: vLLM draws every sequence independently
+            outputs = [generate(prompts, {})]
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from trl.generation.vllm_client import _DEFAULT_GENERATION_CONCURRENCY
+
+            seeds = prompt_seeds(seed, len(prompts), n)
+            with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), _DEFAULT_GENERATION_CONCURRENCY))) as pool:
+                outputs = list(pool.map(lambda i: generate([prompts[i]], {"seed": seeds[i]}), range(len(prompts))))
+        completion_ids = [ids for output in outputs for ids in output["completion_ids"]]
+        logps = [[float("nan") if lp[0] is None else float(lp[0]) for lp in seq]
+                 for output in outputs for seq in output["logprobs"]]
+        return {"completion_ids": completion_ids, "logps": logps}
 
     @property
     def max_completion_length(self) -> int:
