@@ -42,18 +42,33 @@ def _give_memory_back(request):
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    """The embedded model (warm-started), built into a session temp dir."""
-    from bapo_trl.toy import build_tiny_model
-
-    return build_tiny_model(str(tmp_path_factory.mktemp("toy") / "tiny"))
-
-
-@pytest.fixture(scope="session")
 def test_cache(tmp_path_factory):
     """``$BAPO_TRL_CACHE`` for tests that run train_bapo.py on the embedded model: built here once per session,
     never in the user's ``~/.cache/bapo_trl``."""
     return tmp_path_factory.mktemp("bapo_trl_cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(test_cache):
+    """The embedded model (warm-started), built once in the test cache, at the path train_bapo.py resolves there (so
+    a train_bapo.py launch on the embedded model and an in-process test share one model and one vLLM server)."""
+    from bapo_trl.toy import build_tiny_model
+
+    previous = os.environ.get("BAPO_TRL_CACHE")
+    os.environ["BAPO_TRL_CACHE"] = str(test_cache)
+    try:
+        return build_tiny_model()
+    finally:
+        if previous is None:
+            del os.environ["BAPO_TRL_CACHE"]
+        else:
+            os.environ["BAPO_TRL_CACHE"] = previous
+
+
+def pytest_collection_modifyitems(config, items):
+    """SmolLM2's tests run last: they need the large model's vLLM server, and only one server lives at a time
+    (tests/test_vllm_server.OneLiveServer); every earlier module then shares the tiny model's server."""
+    items.sort(key=lambda item: item.module.__name__ == "test_smollm2")  # stable: the order within stays
 
 
 @pytest.fixture

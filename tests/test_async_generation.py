@@ -287,7 +287,8 @@ def completions_of(batch):
 
 
 @pytest.fixture(scope="module")
-def async_k1(tiny_server, tiny_model_dir, tmp_path_factory):
+def async_k1(start_server, tiny_model_dir, tmp_path_factory):
+    tiny_server = start_server(tiny_model_dir)
     reset_server_weights(tiny_server.url, tiny_model_dir)
     snapshots = Snapshots()
     trainer, probe = async_run(tiny_model_dir, tmp_path_factory.mktemp("async") / "out", tiny_server.url,
@@ -355,7 +356,9 @@ def test_every_async_metric_is_registered_and_logged(async_k1):
 def test_k2_runs_up_to_two_batches_ahead_and_no_further(tiny_server, tiny_model_dir, tmp_path):
     reset_server_weights(tiny_server.url, tiny_model_dir)
     snapshots = Snapshots()
-    trainer, probe = async_run(tiny_model_dir, tmp_path, tiny_server.url, callbacks=[snapshots], max_staleness=2)
+    # steps last 1.5 s: on the tiny model a bare step is shorter than the push before the next request (see LongerSteps)
+    trainer, probe = async_run(tiny_model_dir, tmp_path, tiny_server.url, callbacks=[LongerSteps(1.5), snapshots],
+                               max_staleness=2)
     ages = [step - int(b["policy_version"][0]) for step, b in enumerate(probe.batches)]
     assert max(ages) <= 2, ages
     # Pacing: request b+2 is queued when the step on batch b begins (after step b-1 ended), never earlier ...

