@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .clipping import MODES, VARIANTS, BAPOSettings, settings_errors
+from .generation.fleet import normalized_server_urls, server_urls
 from .loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SUPPORTED_LOSS_TYPES
 from .rollout_settings import SAMPLING, rollout_errors
 
@@ -256,6 +257,7 @@ class BAPOConfig(GRPOConfig):
         errors = self.bapo_errors()
         if errors:
             raise ValueError("Invalid BAPOConfig:\n  - " + "\n  - ".join(errors))
+        self.vllm_server_base_url = normalized_server_urls(self.vllm_server_base_url)  # several: a list
         if self.bapo_variant == "verl" and self.delta is None and self._loss.kind == "clip":
             self.delta = VERL_DUAL_CLIP
         super().__post_init__()
@@ -461,6 +463,10 @@ class BAPOConfig(GRPOConfig):
                     f"`positive_contribution_target` <= `target_max` < 1; got target_entropy={self.target_entropy}, "
                     f"target_adapt_rate={self.target_adapt_rate}, target_min={self.target_min}, "
                     f"positive_contribution_target={self.positive_contribution_target}, target_max={self.target_max}.")
+        try:
+            server_urls(self.vllm_server_base_url)
+        except ValueError as exc:
+            errors.append(str(exc))
         return errors + rollout_errors(self)
 
     @property

@@ -49,7 +49,13 @@ SOURCES = {
     "async_inflight": dict(async_generation=True, max_staleness=2, inflight_update_tokens=2),
     "replay_saves_async": dict(async_generation=True, max_staleness=2, replay_buffer_size=8, replay_ratio=0.5,
                                replay_saves_generation=True),
+    "async_k2_two_servers": dict(async_generation=True, max_staleness=2),
 }
+#: Rows that generate on several servers (``vllm_server_base_url`` lists them): every server answers requests and
+#: loads every push, and the guarantees hold as with one.
+SERVERS = {"async_k2_two_servers": 2}
+#: Rows the fast tier leaves to the slow tier (they wait on a slowed server, or start a second one).
+SLOW_ROWS = {"async_inflight", "async_k2_two_servers"}
 #: Rows whose completions depend on timing: with in-flight updates, where a push lands in a request depends on when
 #: it arrives. There a resume trains the same PROMPT multiset (nothing lost, nothing twice) under the same bounds.
 TIMING_DEPENDENT = {"async_inflight"}
@@ -123,9 +129,13 @@ def config(source: str, setting: tuple[int, int, int], out: Path, server: Policy
     if "replay_buffer_size" in extra:  # the youngest age a replayed group can have, and more
         ahead = 1 + extra.get("max_staleness", 1) if extra.get("replay_saves_generation") else 0
         extra["replay_max_staleness"] = (3 + ahead) * updates
-    if server is not None:
-        host, port = server.url.removeprefix("http://").split(":")
+    servers = [] if server is None else server if isinstance(server, list) else [server]
+    if len(servers) == 1:
+        host, port = servers[0].url.removeprefix("http://").split(":")
         extra.update(use_vllm=True, vllm_mode="server", vllm_server_host=host, vllm_server_port=int(port),
+                     vllm_server_timeout=30)
+    elif servers:
+        extra.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=[s.url for s in servers],
                      vllm_server_timeout=30)
     settings = dict(
         output_dir=str(out), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
@@ -188,7 +198,10 @@ def run_row(source: str, setting, model_dir, tmp_path: Path, server=None, atol: 
     stand-in is started here. ``atol``: behaviour log-probs against the trainer's recomputation (the stand-in runs the
     same model code, float32; vLLM's CPU kernels differ by up to ~1e-4)."""
     own_server = server is None and "async" in source
-    server = PolicyServer(model_dir, seconds_per_token=SECONDS_PER_TOKEN.get(source, 0.0)) if own_server else server
+    if own_server:
+        server = [PolicyServer(model_dir, seconds_per_token=SECONDS_PER_TOKEN.get(source, 0.0))
+                  for _ in range(SERVERS.get(source, 1))]
+        server = server[0] if len(server) == 1 else server
     exact = source not in TIMING_DEPENDENT
     try:
         args = config(source, setting, tmp_path / "out", server)
@@ -222,26 +235,30 @@ def run_row(source: str, setting, model_dir, tmp_path: Path, server=None, atol: 
         check_versions_and_staleness(trainer.trained, bound)
         if server is not None:  # it pushed its weights again at its first hand-over
             assert trainer.state.log_history[0]["async/push_seconds"] > 0
+        if isinstance(server, list):  # several servers: each generated, each loaded every push
+            assert all(s.requests["POST", "/v1/completions"] > 0 for s in server), [s.requests for s in server]
+            assert len({s.reloads for s in server}) == 1 and server[0].reloads > 0, [s.reloads for s in server]
     finally:
         if own_server:
-            server.close()
+            for each in server if isinstance(server, list) else [server]:
+                each.close()
 
 
-@pytest.mark.parametrize("source", [pytest.param(s, marks=pytest.mark.slow) if s in TIMING_DEPENDENT else s
-                                    for s in SOURCES])  # the in-flight row waits on a slowed server: slow tier
+@pytest.mark.parametrize("source", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_ROWS else s
+                                    for s in SOURCES])
 def test_guarantees_fast_rows(source, tiny_model_dir, tmp_path):
     run_row(source, FAST, tiny_model_dir, tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", [s for s in SETTINGS if s != FAST], ids=lambda s: "S{}_I{}_GA{}".format(*s))
-@pytest.mark.parametrize("source", list(SOURCES))
+@pytest.mark.parametrize("source", [s for s in SOURCES if s not in SERVERS])  # a fleet adds nothing per setting
 def test_guarantees_slow_rows(source, setting, tiny_model_dir, tmp_path):
     run_row(source, setting, tiny_model_dir, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", [s for s in SOURCES if "async" in s])
+@pytest.mark.parametrize("source", [s for s in SOURCES if "async" in s and s not in SERVERS])
 def test_async_rows_with_the_real_server(source, tiny_server, tiny_model_dir, tmp_path):
     """The async rows against the real vLLM CPU server: its per-request seeds make a resumed run regenerate what the
     uninterrupted one generated, and its log-probs match the trainer's recomputation."""

@@ -36,6 +36,7 @@ from requests.adapters import HTTPAdapter
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 
+from .fleet import ServerFleet, server_urls
 from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError, authorize_session, write_weights
 
 _swap_lock = threading.RLock()
@@ -163,6 +164,17 @@ class HTTPVLLMClient(VLLMClient):
         self._post(f"{self.base_url}/reset_prefix_cache")  # vLLM >= 0.26 answers with JSON
 
 
+def request_client(client, timeout: float):
+    """A client for requests sent from any thread, each sent once and bounded by ``timeout``: ``client`` itself when it
+    is one (:class:`HTTPVLLMClient`, or a fleet of them), else the same server(s) through :class:`HTTPVLLMClient`
+    (TRL's own client, used on CUDA, retries and sets no read timeout)."""
+    clients = client.clients if isinstance(client, ServerFleet) else [client]
+    if all(isinstance(c, HTTPVLLMClient) for c in clients):
+        return client
+    fresh = [HTTPVLLMClient(base_url=c.base_url, connection_timeout=timeout, request_timeout=timeout) for c in clients]
+    return fresh[0] if len(fresh) == 1 else ServerFleet(fresh)
+
+
 class CPUServerVLLMGeneration(VLLMGeneration):
     """TRL's vLLM backend; in server mode on a non-CUDA device, connects over HTTP and syncs weights via disk."""
 
@@ -180,20 +192,24 @@ class CPUServerVLLMGeneration(VLLMGeneration):
         does."""
         return self.mode == "colocate" and self.accelerator.device.type != "cuda"
 
+    @property
+    def server_urls(self) -> list[str]:
+        """Every server of ``vllm_server_base_url`` (or the one at ``vllm_server_host:vllm_server_port``)."""
+        return server_urls(self.server_base_url) or [f"http://{self.server_host}:{self.server_port}"]
+
     def _init_vllm(self):
         if self.mode == "server" and not self.uses_disk_sync:  # CUDA: TRL's code and NCCL, its client sends the key
-            with _patched(_trl_vllm_generation, "VLLMClient", KeyedVLLMClient):
+            with _patched(_trl_vllm_generation, "VLLMClient", self._cuda_client):
                 return super()._init_vllm()
         if not self.uses_disk_sync:
             return super()._init_vllm()  # colocate: TRL's code, unchanged
         error = None
         if self.accelerator.is_main_process:
-            base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
             try:
-                self.vllm_client = HTTPVLLMClient(
-                    base_url=base_url, group_port=self.group_port, connection_timeout=self.server_timeout,
-                    request_timeout=self.server_timeout,
-                )
+                clients = [HTTPVLLMClient(base_url=url, group_port=self.group_port,
+                                          connection_timeout=self.server_timeout, request_timeout=self.server_timeout)
+                           for url in self.server_urls]
+                self.vllm_client = clients[0] if len(clients) == 1 else ServerFleet(clients)
             except requests.ConnectionError as exc:
                 error = VLLMServerUnreachable(f"{exc} On a machine without CUDA, {SERVE_HINT}.")
                 error.__cause__ = exc
@@ -202,7 +218,7 @@ class CPUServerVLLMGeneration(VLLMGeneration):
             else:
                 config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
                 self.disk_sync = DiskWeightSync(
-                    self.vllm_client.base_url, timeout=self.server_timeout,
+                    [client.base_url for client in clients], timeout=self.server_timeout,
                     refresh_output_layers=bool(getattr(config, "tie_word_embeddings", False)),
                 )
                 try:  # the server must read the directory the weights go to (another machine: a shared mount)
@@ -211,6 +227,15 @@ class CPUServerVLLMGeneration(VLLMGeneration):
                     error = exc
         self._raise_everywhere(error)
         self.accelerator.wait_for_everyone()
+
+    def _cuda_client(self, base_url, group_port, connection_timeout):
+        """What TRL's server mode builds as its client on CUDA: TRL's own (sending the API key) for one server; for
+        several, a :class:`~.fleet.ServerFleet` of them, each with a weight-transfer group on a port of its own
+        (``vllm_group_port`` + its index). Never run here (no CUDA on the machines this was built on)."""
+        urls = server_urls(base_url)
+        clients = [KeyedVLLMClient(base_url=url, group_port=group_port + index, connection_timeout=connection_timeout)
+                   for index, url in enumerate(urls)]
+        return clients[0] if len(clients) == 1 else ServerFleet(clients)
 
     def sync_weights(self):
         if self.uses_colocate_reload:

@@ -22,7 +22,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
 
 import torch
@@ -106,10 +106,11 @@ def _remove_all(paths: list[str]) -> None:
 
 
 class DiskWeightSync:
-    """Client for the disk reload path of one vLLM server.
+    """Client for the disk reload path of one vLLM server, or of several (each push is written once and every server
+    loads it, at once; a failure names the server).
 
     Args:
-        base_url: the server, e.g. ``"http://127.0.0.1:8000"``.
+        base_url: the server, e.g. ``"http://127.0.0.1:8000"``, or a list of servers.
         timeout: seconds allowed for each request (the reload itself runs inside it).
         root: parent of the weight directories (default ``$BAPO_VLLM_WEIGHTS_DIR`` or the system temp dir); must be
             readable by the server at the same path.
@@ -117,11 +118,13 @@ class DiskWeightSync:
             tied embeddings on vLLM's CPU backend; the server must run our worker extension, as the serve command does).
     """
 
-    def __init__(self, base_url: str, timeout: float = 240.0, root: str | None = None,
+    def __init__(self, base_url: str | Sequence[str], timeout: float = 240.0, root: str | None = None,
                  refresh_output_layers: bool = False):
         import requests
 
-        self.base_url = base_url.rstrip("/")
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        self.base_urls = [url.rstrip("/") for url in urls]
+        self.base_url = self.base_urls[0]
         self.timeout = float(timeout)
         self.root = root or os.environ.get("BAPO_VLLM_WEIGHTS_DIR") or tempfile.gettempdir()
         self.refresh_output_layers = refresh_output_layers
@@ -134,42 +137,54 @@ class DiskWeightSync:
 
     # -- HTTP --------------------------------------------------------------------------------------------------
 
-    def _post(self, path: str, what: str, json: dict | None = None):
+    def _post(self, path: str, what: str, json: dict | None = None, base_url: str | None = None):
         import requests
 
-        url = f"{self.base_url}{path}"
+        base_url = base_url or self.base_url
+        url = f"{base_url}{path}"
         try:
             response = self.session.post(url, json=json, timeout=self.timeout)
         except VLLMServerAuthError as exc:
             raise WeightSyncError(f"{what}: {exc}") from exc
         except requests.Timeout as exc:
-            raise WeightSyncError(f"{what}: the vLLM server at {self.base_url} did not answer {path} within "
+            raise WeightSyncError(f"{what}: the vLLM server at {base_url} did not answer {path} within "
                                   f"{self.timeout:g} s.") from exc
         except requests.RequestException as exc:
-            raise WeightSyncError(f"{what}: cannot reach the vLLM server at {self.base_url} ({type(exc).__name__}). "
+            raise WeightSyncError(f"{what}: cannot reach the vLLM server at {base_url} ({type(exc).__name__}). "
                                   f"Is it running? If not, {SERVE_HINT}.") from exc
         if response.status_code == 404 and path == "/collective_rpc":
-            raise WeightSyncError(f"{what}: the vLLM server at {self.base_url} has no /collective_rpc endpoint; it must "
+            raise WeightSyncError(f"{what}: the vLLM server at {base_url} has no /collective_rpc endpoint; it must "
                                   f"run with VLLM_SERVER_DEV_MODE=1 ({SERVE_HINT}).")
         if response.status_code != 200:
             try:
                 detail = response.json().get("error", {}).get("message") or response.text
             except ValueError:
                 detail = response.text
-            raise WeightSyncError(f"{what}: the vLLM server at {self.base_url} answered {response.status_code}: "
+            raise WeightSyncError(f"{what}: the vLLM server at {base_url} answered {response.status_code}: "
                                   f"{detail[:500]}")
         return response
 
-    def _rpc(self, method: str, what: str, **kwargs: str):
+    def _rpc(self, method: str, what: str, base_url: str | None = None, **kwargs: str):
         body = {"method": method, "kwargs": kwargs, "timeout": self.timeout}
-        return self._post("/collective_rpc", what, json=body)
+        return self._post("/collective_rpc", what, json=body, base_url=base_url)
+
+    def _on_every_server(self, call) -> list:
+        """``call(base_url)`` for every server, at once; the first failure (naming its server) is raised after all
+        have answered."""
+        if len(self.base_urls) == 1:
+            return [call(self.base_url)]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=len(self.base_urls)) as pool:
+            futures = [pool.submit(call, url) for url in self.base_urls]
+            return [future.result() for future in futures]
 
     # -- start-up check ----------------------------------------------------------------------------------------
 
     def check_shared_directory(self) -> bool:
-        """Write a small file where the weights will go and have the server read it back (worker extension RPC
-        ``bapo_read_probe``). Raises :class:`WeightSyncError` naming ``BAPO_VLLM_WEIGHTS_DIR`` when the server
-        cannot read it or reads something else (another machine's directory of that name). Returns False when the
+        """Write a small file where the weights will go and have every server read it back (worker extension RPC
+        ``bapo_read_probe``). Raises :class:`WeightSyncError` naming ``BAPO_VLLM_WEIGHTS_DIR`` when a server
+        cannot read it or reads something else (another machine's directory of that name). Returns False when a
         server cannot tell (no worker extension; :meth:`push` then reports a reload that failed on the path)."""
         token = secrets.token_hex(16)
         directory = tempfile.mkdtemp(prefix="bapo-vllm-probe-", dir=self.root)
@@ -177,69 +192,75 @@ class DiskWeightSync:
         try:
             with open(path, "w") as f:
                 f.write(token)
-            try:
-                response = self._rpc(PROBE_METHOD, "weight directory check failed", path=path)
-            except WeightSyncError as exc:
-                if PROBE_METHOD in str(exc):  # a server without our worker extension: it cannot tell
-                    return False
-                raise
-            try:
-                results = response.json().get("results")
-            except (ValueError, AttributeError):
-                results = None
-            if not isinstance(results, list) or not results:
-                return False  # not vLLM's answer to a known method (a stand-in server): nothing to check
-            for result in results:  # one per worker (tensor-parallel workers may run on several machines)
-                if not isinstance(result, dict) or result.get("content") != token:
-                    detail = result.get("error") if isinstance(result, dict) else None
-                    if isinstance(result, dict) and result.get("content") is not None:
-                        detail = "it holds another file of that name: not the same directory"
-                    host = result.get("host") if isinstance(result, dict) else None
-                    if host:
-                        detail = f"{detail}; server host {host}" if detail else f"server host {host}"
-                    raise WeightSyncError(not_shared_message(self.base_url, path, detail))
-            return True
+            return all(self._on_every_server(lambda url: self._check_reads(url, path, token)))
         finally:
             shutil.rmtree(directory, ignore_errors=True)
+
+    def _check_reads(self, base_url: str, path: str, token: str) -> bool:
+        try:
+            response = self._rpc(PROBE_METHOD, "weight directory check failed", base_url=base_url, path=path)
+        except WeightSyncError as exc:
+            if PROBE_METHOD in str(exc):  # a server without our worker extension: it cannot tell
+                return False
+            raise
+        try:
+            results = response.json().get("results")
+        except (ValueError, AttributeError):
+            results = None
+        if not isinstance(results, list) or not results:
+            return False  # not vLLM's answer to a known method (a stand-in server): nothing to check
+        for result in results:  # one per worker (tensor-parallel workers may run on several machines)
+            if not isinstance(result, dict) or result.get("content") != token:
+                detail = result.get("error") if isinstance(result, dict) else None
+                if isinstance(result, dict) and result.get("content") is not None:
+                    detail = "it holds another file of that name: not the same directory"
+                host = result.get("host") if isinstance(result, dict) else None
+                if host:
+                    detail = f"{detail}; server host {host}" if detail else f"server host {host}"
+                raise WeightSyncError(not_shared_message(base_url, path, detail))
+        return True
 
     # -- sync --------------------------------------------------------------------------------------------------
 
     def push(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> float:
-        """Write ``tensors`` (checkpoint names, as in the model's ``state_dict``) and make the server load them.
-
-        Returns the seconds the sync took. On failure the new directory is removed and the error raised.
-        """
+        """Write ``tensors`` (checkpoint names, as in the model's ``state_dict``) once and make every server load
+        them (at once). Returns the seconds the sync took. On failure the new directory is removed and the error
+        (naming the server) raised."""
         start = time.perf_counter()
         directory = write_weights(tensors, self.root, "bapo-vllm-weights-")
         self._dirs.append(directory)
         try:
-            try:
-                self._rpc("reload_weights", "weight sync failed", weights_path=directory)
-            except WeightSyncError as exc:
-                if any(sign in str(exc) for sign in (os.path.basename(directory), *PATH_NOT_FOUND)):
-                    raise WeightSyncError(f"{exc}\n{not_shared_message(self.base_url, directory)}") from exc
-                raise
-            if self.refresh_output_layers:
-                try:
-                    self._rpc("bapo_refresh_output_layers", "weight sync (tied LM head refresh) failed")
-                except WeightSyncError as exc:
-                    if "bapo_refresh_output_layers" in str(exc):
-                        raise WeightSyncError(
-                            f"{exc}\nThis model ties its embeddings, and vLLM's CPU backend needs the worker extension "
-                            f"that re-packs the LM head after a reload; {SERVE_HINT}."
-                        ) from exc
-                    raise
-            self._post("/reset_prefix_cache", "weight sync (prefix cache reset) failed")
+            self._on_every_server(lambda url: self._load(url, directory))
         except BaseException:
             shutil.rmtree(self._dirs.pop(), ignore_errors=True)
             raise
-        # The server has read the new directory: older ones are no longer needed.
+        # The servers have read the new directory: older ones are no longer needed.
         for old in self._dirs[:-1]:
             shutil.rmtree(old, ignore_errors=True)
         del self._dirs[:-1]
         self.num_syncs += 1
         self.last_seconds = time.perf_counter() - start
         return self.last_seconds
+
+    def _load(self, base_url: str, directory: str) -> None:
+        """One server: reload the weights from ``directory``, re-pack a tied head, reset the prefix cache."""
+        try:
+            self._rpc("reload_weights", "weight sync failed", base_url=base_url, weights_path=directory)
+        except WeightSyncError as exc:
+            if any(sign in str(exc) for sign in (os.path.basename(directory), *PATH_NOT_FOUND)):
+                raise WeightSyncError(f"{exc}\n{not_shared_message(base_url, directory)}") from exc
+            raise
+        if self.refresh_output_layers:
+            try:
+                self._rpc("bapo_refresh_output_layers", "weight sync (tied LM head refresh) failed", base_url=base_url)
+            except WeightSyncError as exc:
+                if "bapo_refresh_output_layers" in str(exc):
+                    raise WeightSyncError(
+                        f"{exc}\nThis model ties its embeddings, and vLLM's CPU backend needs the worker extension "
+                        f"that re-packs the LM head after a reload; {SERVE_HINT}."
+                    ) from exc
+                raise
+        self._post("/reset_prefix_cache", "weight sync (prefix cache reset) failed", base_url=base_url)
 
     @property
     def current_dir(self) -> str | None:

@@ -133,17 +133,14 @@ class TRLPort:
         identically. Each prompt is sent as a request of its own, with its own seed from :func:`prompt_seeds`, all at
         once (vLLM batches them).
 
-        Sent through a client of its own that sends each request once and bounds it by ``vllm_server_timeout``
-        (:class:`~bapo_trl.generation.cpu_server.HTTPVLLMClient`): TRL's own client, which generation uses on CUDA,
-        retries and sets no read timeout."""
+        Sent through a client that sends each request once and bounds it by ``vllm_server_timeout``
+        (:func:`~bapo_trl.generation.cpu_server.request_client`); with several servers, each request goes to the
+        least-loaded one (:class:`~bapo_trl.generation.fleet.ServerFleet`)."""
         backend = self._trainer.vllm_generation
         if self.request_client is None:
-            from ..generation.cpu_server import HTTPVLLMClient
+            from ..generation.cpu_server import request_client
 
-            client = backend.vllm_client
-            self.request_client = client if isinstance(client, HTTPVLLMClient) else HTTPVLLMClient(
-                base_url=client.base_url, connection_timeout=backend.server_timeout,
-                request_timeout=backend.server_timeout)
+            self.request_client = request_client(backend.vllm_client, backend.server_timeout)
         user_kwargs = backend.generation_kwargs or {}
 
         def generate(some_prompts: list[list[int]], extra: dict) -> dict:

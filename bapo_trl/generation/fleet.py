@@ -1,0 +1,179 @@
+"""Several vLLM servers behind one client: ``vllm_server_base_url`` may name a list of servers.
+
+Why: vLLM 0.14 and later refuse data parallelism for dense models, so generation scales by running several servers
+(each possibly tensor-parallel). TRL's backend talks to one ``VLLMClient``; :class:`ServerFleet` is that client for
+several servers. Each generate call is split into contiguous shares of its prompts, one request per server, sized so
+that every server ends up with about as many prompts in flight (calls arrive from several threads at once: a seeded
+batch goes one prompt per request); the answers are put back in prompt order. Maintenance calls (prefix-cache reset,
+and on CUDA the NCCL weight transfer) reach every server. The disk weight sync reaches every server through
+:class:`~.weight_sync.DiskWeightSync`, which takes the same list.
+
+The fleet only needs what each client offers (``generate``, ``reset_prefix_cache``, ...), so it serves TRL's own
+client on CUDA and the HTTP client without CUDA alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
+
+FIELD = "vllm_server_base_url"
+
+
+def server_urls(value: str | Sequence[str] | None) -> list[str]:
+    """The server URLs in ``vllm_server_base_url``: one URL, a comma-separated string of them (what a command line
+    gives), or a list. Raises ``ValueError`` naming the field for a malformed or repeated URL."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        items = [part.strip() for part in value.split(",")]
+    elif isinstance(value, Sequence) and all(isinstance(part, str) for part in value):
+        items = [part.strip() for part in value]
+    else:
+        raise ValueError(f"`{FIELD}` must be a URL, a comma-separated string of URLs or a list of URLs; got "
+                         f"{type(value).__name__} {value!r}.")
+    urls = []
+    for item in items:
+        parts = urlsplit(item)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"`{FIELD}`: {item!r} is not a server URL such as http://10.0.0.2:8000 "
+                             f"(from {value!r}).")
+        try:
+            parts.port  # noqa: B018 - raises for a port outside 0-65535
+        except ValueError as exc:
+            raise ValueError(f"`{FIELD}`: {item!r} has an invalid port ({exc}).") from None
+        url = item.rstrip("/")
+        if url in urls:
+            raise ValueError(f"`{FIELD}` names {url} twice: each server is listed once (from {value!r}).")
+        urls.append(url)
+    if not urls:
+        raise ValueError(f"`{FIELD}` is empty: name at least one server URL.")
+    return urls
+
+
+def normalized_server_urls(value):
+    """What ``BAPOConfig`` stores: one URL as a string (exactly TRL's field), several as a list of strings."""
+    urls = server_urls(value)
+    if not urls:
+        return None
+    return urls[0] if len(urls) == 1 else urls
+
+
+def shares(count: int, loads: Sequence[int]) -> list[int]:
+    """How many of ``count`` new prompts each server takes, given the prompts it has in flight (``loads``): each
+    prompt goes to the least-loaded server (ties to the first), so loads end as even as they can."""
+    taken = [0] * len(loads)
+    for _ in range(count):
+        index = min(range(len(loads)), key=lambda i: loads[i] + taken[i])
+        taken[index] += 1
+    return taken
+
+
+class ServerFleet:
+    """One client for several vLLM servers (``clients``: a ``VLLMClient`` per server, in the order listed)."""
+
+    def __init__(self, clients: Sequence):
+        if len(clients) < 2:
+            raise ValueError("a ServerFleet joins two or more servers; use the client itself for one")
+        self.clients = list(clients)
+        self._in_flight = [0] * len(self.clients)  # prompts sent to each server and not yet answered
+        self._lock = threading.Lock()
+        self.prompts_sent = [0] * len(self.clients)  # per server, since the start (a metric and a test probe)
+
+    @property
+    def base_urls(self) -> list[str]:
+        return [client.base_url for client in self.clients]
+
+    @property
+    def base_url(self) -> str:
+        """The first server (what code written for one server reads; errors name the server that failed)."""
+        return self.clients[0].base_url
+
+    def __repr__(self) -> str:
+        return f"ServerFleet({', '.join(self.base_urls)})"
+
+    # -- generation -------------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: list, features: list | None = None, **sampling) -> dict[str, list]:
+        """``VLLMClient.generate`` over the fleet: contiguous shares of ``prompts`` to the least-loaded servers, at
+        once; the outputs (prompt-major, ``n`` per prompt) concatenated in prompt order."""
+        with self._lock:
+            taken = shares(len(prompts), self._in_flight)
+            for index, share in enumerate(taken):
+                self._in_flight[index] += share
+                self.prompts_sent[index] += share
+        jobs, start = [], 0
+        for index, share in enumerate(taken):
+            if share:
+                jobs.append((index, start, start + share))
+                start += share
+
+        def run(job):
+            index, begin, end = job
+            try:
+                part = None if features is None else features[begin:end]
+                return self.clients[index].generate(prompts=prompts[begin:end], features=part, **sampling)
+            finally:
+                with self._lock:
+                    self._in_flight[index] -= end - begin
+
+        if len(jobs) <= 1:
+            outputs = [run(job) for job in jobs]
+        else:
+            with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+                outputs = list(pool.map(run, jobs))
+        return merge_outputs(outputs)
+
+    # -- calls every server must receive -----------------------------------------------------------------------------
+
+    def _each(self, method: str, *args, **kwargs) -> list:
+        """``method`` on every client, at once; the first failure is raised (it names its server)."""
+        with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
+            futures = [pool.submit(getattr(client, method), *args, **kwargs) for client in self.clients]
+            return [future.result() for future in futures]
+
+    def reset_prefix_cache(self):
+        return self._each("reset_prefix_cache")
+
+    def init_communicator(self, device=0):
+        """CUDA: one NCCL weight-transfer group per server (each client was given a port of its own)."""
+        for client in self.clients:
+            client.init_communicator(device=device)
+
+    def update_named_params(self, metadata, named_params):
+        """CUDA: every tensor to every server. ``named_params`` is walked once (under ZeRO-3 each item is a collective
+        gather on every rank, so it cannot be walked once per server): inside each server's ``weight_update`` (one
+        prepare and one finalize per server), each tensor is streamed to the servers in turn."""
+        by_name = {entry[0]: entry for entry in metadata}
+        with contextlib.ExitStack() as updating:
+            for client in self.clients:
+                updating.enter_context(client.weight_update())
+            for name, tensor in named_params:
+                for client in self.clients:
+                    client.update_named_params([by_name[name]], iter([(name, tensor)]))
+
+    def update_named_param(self, name, tensor):
+        for client in self.clients:
+            client.update_named_param(name, tensor)
+
+    def close_communicator(self):
+        for client in self.clients:
+            client.close_communicator()
+
+    def get_server_info(self) -> dict:
+        """The first server's (servers of one fleet serve the same model with the same settings)."""
+        return self.clients[0].get_server_info()
+
+
+def merge_outputs(outputs: list[dict]) -> dict[str, list]:
+    """``generate`` answers of consecutive prompt shares as one answer (each key concatenated; None stays None)."""
+    if not outputs:
+        return {"prompt_ids": [], "completion_ids": [], "logprobs": [], "logprob_token_ids": []}
+    merged = {}
+    for key in outputs[0]:
+        values = [output.get(key) for output in outputs]
+        merged[key] = None if any(v is None for v in values) else [item for value in values for item in value]
+    return merged
