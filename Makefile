@@ -24,8 +24,8 @@ train: install
 
 # The slow tier must collect tests: pytest's exit code 5 ("no tests collected") fails the target.
 test: install-test
-	$(PYTHON) -m pytest -m "not slow" -q
+	$(PYTHON) -m pytest -m "not slow" -q --durations=20
 	$(PYTHON) -m pytest -m slow -q --durations=30
 
 test-fast: install-test
-	$(PYTHON) -m pytest -m "not slow" -q
+	$(PYTHON) -m pytest -m "not slow" -q --durations=20

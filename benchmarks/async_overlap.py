@@ -86,15 +86,17 @@ def digit_count(completions, **kwargs) -> list[float]:
 
 
 class Server:
-    def __init__(self, model_dir: str, log: Path):
+    """A real vLLM CPU server pinned to one core (``core``)."""
+
+    def __init__(self, model_dir: str, log: Path, core: int = SERVER_CORE):
         from socket import socket
 
         with socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(SERVER_CORE)}
-        cmd = ["taskset", "-c", str(SERVER_CORE), sys.executable, "-m", "bapo_trl.generation.serve", model_dir,
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+        cmd = ["taskset", "-c", str(core), sys.executable, "-m", "bapo_trl.generation.serve", model_dir,
                "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                      start_new_session=True)
