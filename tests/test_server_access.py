@@ -300,14 +300,17 @@ def test_trls_own_client_sends_the_key_too(dev_server, monkeypatch):
     monkeypatch.setattr(trl_client, "is_vllm_available", lambda *a, **k: True)  # only checked, never used here
     client = KeyedVLLMClient(base_url=server.url)
     assert client.model == "stand-in" and client.session.headers["Authorization"] == f"Bearer {KEY}"
-    # the CUDA path of the backend: TRL's _init_vllm runs with KeyedVLLMClient in place of TRL's class
+    # the CUDA path of the backend: TRL's _init_vllm builds its client (as TRL calls it) as a KeyedVLLMClient
     built = []
-    monkeypatch.setattr(VLLMGeneration, "_init_vllm", lambda self: built.append(trl_generation.VLLMClient))
+    monkeypatch.setattr(VLLMGeneration, "_init_vllm", lambda self: built.append(trl_generation.VLLMClient(
+        base_url=server.url, group_port=51216, connection_timeout=5)))
     monkeypatch.setattr(CPUServerVLLMGeneration, "uses_disk_sync", property(lambda self: False))
     backend = CPUServerVLLMGeneration.__new__(CPUServerVLLMGeneration)
     backend.mode = "server"
     backend._init_vllm()
-    assert built == [KeyedVLLMClient] and trl_generation.VLLMClient is trl_client.VLLMClient  # restored after
+    assert len(built) == 1 and type(built[0]) is KeyedVLLMClient
+    assert built[0].session.headers["Authorization"] == f"Bearer {KEY}"
+    assert trl_generation.VLLMClient is trl_client.VLLMClient  # restored after
 
 
 @pytest.mark.parametrize("env_key, says", [(None, "set VLLM_API_KEY to that key"),

@@ -171,6 +171,60 @@ def test_maintenance_and_the_cuda_weight_stream_reach_every_server():
         ServerFleet([Recording(0)])
 
 
+class Failing(Recording):
+    def generate(self, prompts, features=None, n=1, **kwargs):
+        raise Exception("Request failed: 500, boom")  # what TRL's client raises for an HTTP error answer
+
+    def reset_prefix_cache(self):
+        raise Exception("Request failed: 404")
+
+
+def test_an_error_answer_names_the_server_that_gave_it():
+    fleet = ServerFleet([Recording(0), Failing(1)])
+    with pytest.raises(RuntimeError, match="the vLLM server at http://server1:8000 failed: .*500, boom"):
+        fleet.generate(prompts=[[1], [2]], n=1)
+    with pytest.raises(RuntimeError, match="http://server1:8000 failed: .*404"):
+        fleet.reset_prefix_cache()
+    assert fleet._in_flight == [0, 0]
+
+
+def test_servers_of_a_fleet_must_serve_the_same_model():
+    first, second = Recording(0), Recording(1)
+    first.model, second.model = "a", "b"
+    with pytest.raises(ValueError, match="same model.*'b' at http://server1:8000"):
+        ServerFleet([first, second])
+
+
+def test_on_cuda_each_server_gets_a_client_and_a_group_port_of_its_own(monkeypatch):
+    """What TRL's server mode builds on CUDA (``_cuda_client`` stands in for its ``VLLMClient``): one client per
+    server, each on ``vllm_group_port`` + its index; requests from the async producer then go through HTTP clients
+    for the same servers (TRL's client retries and sets no read timeout)."""
+    from bapo_trl.generation import cpu_server
+
+    made = []
+
+    class RecordingKeyed:
+        def __init__(self, base_url, group_port, connection_timeout):
+            self.base_url, self.group_port, self.model = base_url, group_port, "m"
+            made.append(self)
+
+    class RecordingHTTP(RecordingKeyed):
+        def __init__(self, base_url, connection_timeout, request_timeout):
+            super().__init__(base_url, None, connection_timeout)
+
+    monkeypatch.setattr(cpu_server, "KeyedVLLMClient", RecordingKeyed)
+    one = cpu_server.CPUServerVLLMGeneration._cuda_client(None, "http://a:8000", group_port=51216,
+                                                           connection_timeout=5)
+    assert isinstance(one, RecordingKeyed) and one.group_port == 51216
+    fleet = cpu_server.CPUServerVLLMGeneration._cuda_client(None, ["http://a:8000", "http://b:8000"],
+                                                             group_port=51216, connection_timeout=5)
+    assert isinstance(fleet, ServerFleet) and [c.group_port for c in fleet.clients] == [51216, 51217]
+    monkeypatch.setattr(cpu_server, "HTTPVLLMClient", RecordingHTTP)
+    requests_client = cpu_server.request_client(fleet, timeout=7)
+    assert isinstance(requests_client, ServerFleet) and requests_client.base_urls == fleet.base_urls
+    assert all(isinstance(c, RecordingHTTP) for c in requests_client.clients)
+
+
 # -- against stand-in servers ----------------------------------------------------------------------------------------
 
 

@@ -543,8 +543,8 @@ def test_the_scan_reports_an_unlisted_private_name(source, expected):
      ":4: Mixin.training_step overrides trl.trainer.grpo_trainer.GRPOTrainer.training_step"),
     # a public method of TRL's vLLM client
     ("from trl.generation.vllm_client import VLLMClient\n\nclass Client(VLLMClient):\n"
-     "    def init_communicator(self, device=0):\n        pass\n",
-     ":4: Client.init_communicator overrides trl.generation.vllm_client.VLLMClient.init_communicator"),
+     "    def close_communicator(self):\n        pass\n",
+     ":4: Client.close_communicator overrides trl.generation.vllm_client.VLLMClient.close_communicator"),
     # a callback hook, in a class defined inside a function
     ("def make():\n    from transformers import TrainerCallback\n\n    class Hook(TrainerCallback):\n"
      "        def on_epoch_end(self, args, state, control, **kwargs):\n            pass\n\n    return Hook\n",

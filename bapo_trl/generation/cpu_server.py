@@ -228,13 +228,13 @@ class CPUServerVLLMGeneration(VLLMGeneration):
         self._raise_everywhere(error)
         self.accelerator.wait_for_everyone()
 
-    def _cuda_client(self, base_url, group_port, connection_timeout):
+    def _cuda_client(self, base_url, group_port=51216, connection_timeout=0.0, **kwargs):
         """What TRL's server mode builds as its client on CUDA: TRL's own (sending the API key) for one server; for
         several, a :class:`~.fleet.ServerFleet` of them, each with a weight-transfer group on a port of its own
         (``vllm_group_port`` + its index). Never run here (no CUDA on the machines this was built on)."""
         urls = server_urls(base_url)
-        clients = [KeyedVLLMClient(base_url=url, group_port=group_port + index, connection_timeout=connection_timeout)
-                   for index, url in enumerate(urls)]
+        clients = [KeyedVLLMClient(base_url=url, group_port=group_port + index, connection_timeout=connection_timeout,
+                                   **kwargs) for index, url in enumerate(urls)]
         return clients[0] if len(clients) == 1 else ServerFleet(clients)
 
     def sync_weights(self):

@@ -79,6 +79,10 @@ class ServerFleet:
         if len(clients) < 2:
             raise ValueError("a ServerFleet joins two or more servers; use the client itself for one")
         self.clients = list(clients)
+        models = {client.base_url: getattr(client, "model", None) for client in self.clients}
+        if len(set(models.values())) > 1:  # TRL's client reads the served model's name from /v1/models
+            raise ValueError("the servers of `vllm_server_base_url` must serve the same model; they serve "
+                             + ", ".join(f"{model!r} at {url}" for url, model in models.items()) + ".")
         self._in_flight = [0] * len(self.clients)  # prompts sent to each server and not yet answered
         self._lock = threading.Lock()
         self.prompts_sent = [0] * len(self.clients)  # per server, since the start (a metric and a test probe)
@@ -113,9 +117,14 @@ class ServerFleet:
 
         def run(job):
             index, begin, end = job
+            client = self.clients[index]
             try:
                 part = None if features is None else features[begin:end]
-                return self.clients[index].generate(prompts=prompts[begin:end], features=part, **sampling)
+                return client.generate(prompts=prompts[begin:end], features=part, **sampling)
+            except Exception as exc:
+                if client.base_url in str(exc):
+                    raise
+                raise named(exc, client.base_url) from exc
             finally:
                 with self._lock:
                     self._in_flight[index] -= end - begin
@@ -131,8 +140,16 @@ class ServerFleet:
 
     def _each(self, method: str, *args, **kwargs) -> list:
         """``method`` on every client, at once; the first failure is raised (it names its server)."""
+        def call(client):
+            try:
+                return getattr(client, method)(*args, **kwargs)
+            except Exception as exc:
+                if client.base_url in str(exc):
+                    raise
+                raise named(exc, client.base_url) from exc
+
         with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
-            futures = [pool.submit(getattr(client, method), *args, **kwargs) for client in self.clients]
+            futures = [pool.submit(call, client) for client in self.clients]
             return [future.result() for future in futures]
 
     def reset_prefix_cache(self):
@@ -163,9 +180,20 @@ class ServerFleet:
         for client in self.clients:
             client.close_communicator()
 
+    def image_features(self, images):
+        """Image preprocessing (multimodal prompts) on the first server; the features then travel with their prompts
+        to whichever server generates them."""
+        return self.clients[0].image_features(images)
+
     def get_server_info(self) -> dict:
         """The first server's (servers of one fleet serve the same model with the same settings)."""
         return self.clients[0].get_server_info()
+
+
+def named(error: Exception, base_url: str) -> Exception:
+    """An error naming the server, for one whose message does not (TRL's client raises a bare ``Exception`` for an
+    HTTP error answer; bapo_trl's timeouts and lost connections name it already and are raised as they are)."""
+    return RuntimeError(f"the vLLM server at {base_url} failed: {type(error).__name__}: {error}")
 
 
 def merge_outputs(outputs: list[dict]) -> dict[str, list]:

@@ -128,8 +128,12 @@ class DiskWeightSync:
         self.timeout = float(timeout)
         self.root = root or os.environ.get("BAPO_VLLM_WEIGHTS_DIR") or tempfile.gettempdir()
         self.refresh_output_layers = refresh_output_layers
-        self.session = requests.Session()  # no automatic retries: a failure is reported at once
-        authorize_session(self.session)
+        # One session per server (pushes reach the servers from threads at once); no automatic retries: a failure
+        # is reported at once.
+        self.sessions = {url: requests.Session() for url in self.base_urls}
+        for session in self.sessions.values():
+            authorize_session(session)
+        self.session = self.sessions[self.base_url]
         self._dirs: list[str] = []  # directories written by this client and not yet removed
         self._finalizer = weakref.finalize(self, _remove_all, self._dirs)
         self.last_seconds: float | None = None
@@ -143,7 +147,7 @@ class DiskWeightSync:
         base_url = base_url or self.base_url
         url = f"{base_url}{path}"
         try:
-            response = self.session.post(url, json=json, timeout=self.timeout)
+            response = self.sessions[base_url].post(url, json=json, timeout=self.timeout)
         except VLLMServerAuthError as exc:
             raise WeightSyncError(f"{what}: {exc}") from exc
         except requests.Timeout as exc:
@@ -270,4 +274,5 @@ class DiskWeightSync:
     def close(self) -> None:
         """Remove every weight directory this client wrote."""
         _remove_all(self._dirs)
-        self.session.close()
+        for session in self.sessions.values():
+            session.close()
