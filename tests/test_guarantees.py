@@ -30,7 +30,6 @@ from pathlib import Path
 import pytest
 import torch
 from policy_server import PolicyServer
-from test_vllm_server import start_server, tiny_server, vllm_cpu_venv  # noqa: F401  (fixtures)
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from bapo_trl import BAPOConfig, BAPOTrainer

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vllm_server import start_server, tiny_server, vllm_cpu_venv  # noqa: F401  (fixtures)
 
 import bapo_trl.checkpoints as checkpoints
 

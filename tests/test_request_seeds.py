@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 from policy_server import PolicyServer
-from test_vllm_server import reset_server_weights, start_server, tiny_server, vllm_cpu_venv  # noqa: F401
+from test_vllm_server import reset_server_weights
 
 from bapo_trl.generation.cpu_server import HTTPVLLMClient
 from bapo_trl.rollout.port import TRLPort, prompt_seeds

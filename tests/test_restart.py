@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_vllm_server import reset_server_weights, start_server, vllm_cpu_venv  # noqa: F401  (fixtures)
+from test_vllm_server import reset_server_weights
 
 from launching import REPO
 

