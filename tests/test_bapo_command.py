@@ -60,7 +60,11 @@ def test_setup_cfg_declares_the_console_script():
     assert set(bapo.SUBCOMMANDS) == set(OLD)
 
 
-@pytest.mark.parametrize("sub", list(OLD))
+#: ``train`` imports TRL, transformers and torch twice (13 s a test): slow tier; the others stay fast.
+ENTRY_POINTS = [pytest.param(sub, marks=pytest.mark.slow) if sub == "train" else sub for sub in OLD]
+
+
+@pytest.mark.parametrize("sub", ENTRY_POINTS)
 def test_each_subcommand_has_the_help_of_its_entry_point(sub):
     new, old = run(bapo_cmd(sub, "--help")), run(OLD[sub] + ["--help"])
     assert new.returncode == old.returncode == 0, new.stderr[-2000:]
@@ -68,7 +72,7 @@ def test_each_subcommand_has_the_help_of_its_entry_point(sub):
     assert same_text(new.stdout, f"bapo {sub}", old.stdout, OLD_PROG[sub])
 
 
-@pytest.mark.parametrize("sub", list(OLD))
+@pytest.mark.parametrize("sub", ENTRY_POINTS)
 def test_a_bad_flag_exits_as_the_entry_point_does(sub):
     new, old = run(bapo_cmd(sub, *BAD_FLAG[sub])), run(OLD[sub] + BAD_FLAG[sub])
     assert new.returncode == old.returncode == 2

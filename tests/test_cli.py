@@ -180,6 +180,7 @@ def test_the_note_is_printed_by_rank_0_only(tmp_path, capsys, monkeypatch):
     assert args.use_cpu and NOTE not in capsys.readouterr().out
 
 
+@pytest.mark.slow  # trains a model through train_bapo.py in a subprocess (10 s)
 def test_a_model_of_your_own_trains_without_cpu_flags_and_the_summary_says_search_never_active(tiny_model_dir,
                                                                                              tmp_path):
     """The command that used to end in "Your setup doesn't support bf16/gpu" without `--use_cpu true --bf16 false`;

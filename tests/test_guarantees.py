@@ -267,6 +267,7 @@ def test_async_rows_with_the_real_server(source, tiny_server, tiny_model_dir, tm
     run_row(source, FAST, tiny_model_dir, tmp_path, server=tiny_server, atol=1e-3)
 
 
+@pytest.mark.slow  # waits on a slowed stand-in server (7 s); the fast rows cover the other sources
 def test_in_flight_updates_give_a_completion_tokens_of_several_policies(tiny_model_dir, tmp_path):
     """With ``inflight_update_tokens``, pushes reach requests in flight: some completion holds tokens of two (or more)
     policies, and each token's behaviour log-prob is that of its own version's saved policy."""
@@ -320,7 +321,7 @@ def trl_configured_client(url: str):
         return trl_client.VLLMClient(base_url=url)
 
 
-@pytest.mark.parametrize("client", ["bounded", "trl"])
+@pytest.mark.parametrize("client", ["bounded", pytest.param("trl", marks=pytest.mark.slow)])  # trl's: 9 s
 def test_a_server_stalled_on_a_later_request_ends_in_an_error(client, tiny_model_dir, tmp_path):
     from bapo_trl.rollout.producer import ProducerStalled
 
