@@ -233,17 +233,22 @@ def not_slower(table: dict) -> bool:
     return True
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one round, the balanced setting only (a smoke run)")
+def add_run_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int, completion_length: int) -> None:
+    """The options every server benchmark takes: rounds, timed and warm-up steps, the model, the calibration start."""
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32, help="completions per step to start the calibration from")
-    parser.add_argument("--completion-length", type=int, default=48)
+    parser.add_argument("--completion-length", type=int, default=completion_length)
     parser.add_argument("--json", default=None, help="write the results here")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one round, the balanced setting only (a smoke run)")
+    add_run_arguments(parser, steps=12, warmup=3, completion_length=48)
     opts = parser.parse_args()
     balances = dict(BALANCES)
     if opts.quick:

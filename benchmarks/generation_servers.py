@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from async_overlap import TRAINER_CORE, Server, build_model, calibrate, run, spread  # noqa: E402
+from async_overlap import TRAINER_CORE, Server, add_run_arguments, build_model, calibrate, run, spread  # noqa: E402
 
 CONFIGS = {"sync": {}, "k1": {"async_generation": True, "max_staleness": 1}}
 
@@ -45,15 +45,8 @@ class Fleet:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=32, help="completions per step to start the calibration from")
-    parser.add_argument("--completion-length", type=int, default=64)
+    add_run_arguments(parser, steps=8, warmup=2, completion_length=64)
     parser.add_argument("--balance", type=float, default=3.0, help="t_generate / t_train to calibrate for")
-    parser.add_argument("--json", default=None, help="write the results here")
     opts = parser.parse_args()
     os.sched_setaffinity(0, {TRAINER_CORE})
     torch.set_num_threads(1)

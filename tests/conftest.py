@@ -55,15 +55,9 @@ def tiny_model_dir(test_cache):
     a train_bapo.py launch on the embedded model and an in-process test share one model and one vLLM server)."""
     from bapo_trl.toy import build_tiny_model
 
-    previous = os.environ.get("BAPO_TRL_CACHE")
-    os.environ["BAPO_TRL_CACHE"] = str(test_cache)
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BAPO_TRL_CACHE", str(test_cache))
         return build_tiny_model()
-    finally:
-        if previous is None:
-            del os.environ["BAPO_TRL_CACHE"]
-        else:
-            os.environ["BAPO_TRL_CACHE"] = previous
 
 
 def pytest_collection_modifyitems(config, items):

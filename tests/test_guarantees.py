@@ -196,14 +196,12 @@ def run_row(source: str, setting, model_dir, tmp_path: Path, server=None, atol: 
     """One row of the table (see the module doc); ``server``: a real vLLM server for the async rows, else the
     stand-in is started here. ``atol``: behaviour log-probs against the trainer's recomputation (the stand-in runs the
     same model code, float32; vLLM's CPU kernels differ by up to ~1e-4)."""
-    own_server = server is None and "async" in source
-    if own_server:
-        server = [PolicyServer(model_dir, seconds_per_token=SECONDS_PER_TOKEN.get(source, 0.0))
-                  for _ in range(SERVERS.get(source, 1))]
-        server = server[0] if len(server) == 1 else server
+    own_servers = [PolicyServer(model_dir, seconds_per_token=SECONDS_PER_TOKEN.get(source, 0.0))
+                   for _ in range(SERVERS.get(source, 1))] if server is None and "async" in source else []
+    servers = own_servers or ([] if server is None else [server])
     exact = source not in TIMING_DEPENDENT
     try:
-        args = config(source, setting, tmp_path / "out", server)
+        args = config(source, setting, tmp_path / "out", servers)
         snapshots = Snapshots()
         trainer = build(model_dir, args, callbacks=[snapshots])
         trainer.train()
@@ -225,22 +223,21 @@ def run_row(source: str, setting, model_dir, tmp_path: Path, server=None, atol: 
             assert multiset(trainer.trained, exact) == multiset(after, exact), (source, setting, k)
             check_versions_and_staleness(trainer.trained, bound)
         middle = steps // 2
-        fresh = build(model_dir, config(source, setting, tmp_path / "fresh", server))
+        fresh = build(model_dir, config(source, setting, tmp_path / "fresh", servers))
         fresh.train(resume_from_checkpoint=str(saved / f"checkpoint-{middle}"))
         assert multiset(fresh.trained, exact) == multiset([r for r in full if r["step"] >= middle], exact)
         trainer.trained = []
         trainer.train()  # a second run on the used object: starts over, as a new trainer would
         assert {r["step"] for r in trainer.trained} == set(range(steps))
         check_versions_and_staleness(trainer.trained, bound)
-        if server is not None:  # it pushed its weights again at its first hand-over
+        if servers:  # it pushed its weights again at its first hand-over
             assert trainer.state.log_history[0]["async/push_seconds"] > 0
-        if isinstance(server, list):  # several servers: each generated, each loaded every push
-            assert all(s.requests["POST", "/v1/completions"] > 0 for s in server), [s.requests for s in server]
-            assert len({s.reloads for s in server}) == 1 and server[0].reloads > 0, [s.reloads for s in server]
+        if len(servers) > 1:  # several servers: each generated, each loaded every push
+            assert all(s.requests["POST", "/v1/completions"] > 0 for s in servers), [s.requests for s in servers]
+            assert len({s.reloads for s in servers}) == 1 and servers[0].reloads > 0, [s.reloads for s in servers]
     finally:
-        if own_server:
-            for each in server if isinstance(server, list) else [server]:
-                each.close()
+        for each in own_servers:
+            each.close()
 
 
 @pytest.mark.parametrize("source", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_ROWS else s

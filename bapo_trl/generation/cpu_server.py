@@ -36,7 +36,7 @@ from requests.adapters import HTTPAdapter
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 
-from .fleet import ServerFleet, server_urls
+from .fleet import ServerFleet, one_client, server_urls
 from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError, authorize_session, write_weights
 
 _swap_lock = threading.RLock()
@@ -172,7 +172,7 @@ def request_client(client, timeout: float):
     if all(isinstance(c, HTTPVLLMClient) for c in clients):
         return client
     fresh = [HTTPVLLMClient(base_url=c.base_url, connection_timeout=timeout, request_timeout=timeout) for c in clients]
-    return fresh[0] if len(fresh) == 1 else ServerFleet(fresh)
+    return one_client(fresh)
 
 
 class CPUServerVLLMGeneration(VLLMGeneration):
@@ -209,7 +209,7 @@ class CPUServerVLLMGeneration(VLLMGeneration):
                 clients = [HTTPVLLMClient(base_url=url, group_port=self.group_port,
                                           connection_timeout=self.server_timeout, request_timeout=self.server_timeout)
                            for url in self.server_urls]
-                self.vllm_client = clients[0] if len(clients) == 1 else ServerFleet(clients)
+                self.vllm_client = one_client(clients)
             except requests.ConnectionError as exc:
                 error = VLLMServerUnreachable(f"{exc} On a machine without CUDA, {SERVE_HINT}.")
                 error.__cause__ = exc
@@ -235,7 +235,7 @@ class CPUServerVLLMGeneration(VLLMGeneration):
         urls = server_urls(base_url)
         clients = [KeyedVLLMClient(base_url=url, group_port=group_port + index, connection_timeout=connection_timeout,
                                    **kwargs) for index, url in enumerate(urls)]
-        return clients[0] if len(clients) == 1 else ServerFleet(clients)
+        return one_client(clients)
 
     def sync_weights(self):
         if self.uses_colocate_reload:

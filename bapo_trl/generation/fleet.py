@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -60,6 +60,34 @@ def normalized_server_urls(value):
     if not urls:
         return None
     return urls[0] if len(urls) == 1 else urls
+
+
+def at_once(call: Callable, items: Sequence) -> list:
+    """``call(item)`` for every item, in threads of their own (one item: in this thread); the results in order. The
+    first failure is raised once every call has ended."""
+    if len(items) <= 1:
+        return [call(item) for item in items]
+    with ThreadPoolExecutor(max_workers=len(items)) as pool:
+        futures = [pool.submit(call, item) for item in items]
+        return [future.result() for future in futures]
+
+
+@contextlib.contextmanager
+def naming(base_url: str):
+    """Errors raised inside name the server: one whose message does not (TRL's client raises a bare ``Exception`` for
+    an HTTP error answer) becomes a ``RuntimeError`` that does; bapo_trl's timeouts and lost connections name it
+    already and pass as they are."""
+    try:
+        yield
+    except Exception as exc:
+        if base_url in str(exc):
+            raise
+        raise RuntimeError(f"the vLLM server at {base_url} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def one_client(clients: Sequence):
+    """The client of one server itself, or a :class:`ServerFleet` of several."""
+    return clients[0] if len(clients) == 1 else ServerFleet(clients)
 
 
 def shares(count: int, loads: Sequence[int]) -> list[int]:
@@ -120,37 +148,23 @@ class ServerFleet:
             client = self.clients[index]
             try:
                 part = None if features is None else features[begin:end]
-                return client.generate(prompts=prompts[begin:end], features=part, **sampling)
-            except Exception as exc:
-                if client.base_url in str(exc):
-                    raise
-                raise named(exc, client.base_url) from exc
+                with naming(client.base_url):
+                    return client.generate(prompts=prompts[begin:end], features=part, **sampling)
             finally:
                 with self._lock:
                     self._in_flight[index] -= end - begin
 
-        if len(jobs) <= 1:
-            outputs = [run(job) for job in jobs]
-        else:
-            with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-                outputs = list(pool.map(run, jobs))
-        return merge_outputs(outputs)
+        return merge_outputs(at_once(run, jobs))
 
     # -- calls every server must receive -----------------------------------------------------------------------------
 
     def _each(self, method: str, *args, **kwargs) -> list:
         """``method`` on every client, at once; the first failure is raised (it names its server)."""
         def call(client):
-            try:
+            with naming(client.base_url):
                 return getattr(client, method)(*args, **kwargs)
-            except Exception as exc:
-                if client.base_url in str(exc):
-                    raise
-                raise named(exc, client.base_url) from exc
 
-        with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
-            futures = [pool.submit(call, client) for client in self.clients]
-            return [future.result() for future in futures]
+        return at_once(call, self.clients)
 
     def reset_prefix_cache(self):
         return self._each("reset_prefix_cache")
@@ -188,12 +202,6 @@ class ServerFleet:
     def get_server_info(self) -> dict:
         """The first server's (servers of one fleet serve the same model with the same settings)."""
         return self.clients[0].get_server_info()
-
-
-def named(error: Exception, base_url: str) -> Exception:
-    """An error naming the server, for one whose message does not (TRL's client raises a bare ``Exception`` for an
-    HTTP error answer; bapo_trl's timeouts and lost connections name it already and are raised as they are)."""
-    return RuntimeError(f"the vLLM server at {base_url} failed: {type(error).__name__}: {error}")
 
 
 def merge_outputs(outputs: list[dict]) -> dict[str, list]:

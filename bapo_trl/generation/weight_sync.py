@@ -27,6 +27,8 @@ from urllib.parse import urlsplit
 
 import torch
 
+from .fleet import at_once
+
 SERVE_HINT = "start it with `bapo serve MODEL --port PORT` or `python -m bapo_trl.generation.serve MODEL --port PORT`"
 #: The variable the trainer reads its server's API key from (the name vLLM's server reads it from too).
 API_KEY_ENV = "VLLM_API_KEY"
@@ -175,13 +177,7 @@ class DiskWeightSync:
     def _on_every_server(self, call) -> list:
         """``call(base_url)`` for every server, at once; the first failure (naming its server) is raised after all
         have answered."""
-        if len(self.base_urls) == 1:
-            return [call(self.base_url)]
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=len(self.base_urls)) as pool:
-            futures = [pool.submit(call, url) for url in self.base_urls]
-            return [future.result() for future in futures]
+        return at_once(call, self.base_urls)
 
     # -- start-up check ----------------------------------------------------------------------------------------
 
