@@ -49,6 +49,7 @@ def test_missing_prompt_column_lists_the_columns(tmp_path, capsys):
     assert "'prompt'" in err and "question" in err and "--prompt_column" in err
 
 
+@pytest.mark.slow  # a train_bapo.py process importing TRL and torch (10 s); the messages are checked in-process above
 def test_a_real_process_prints_no_traceback(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "train_bapo.py"), "--ratio_lower_step", "0"],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
