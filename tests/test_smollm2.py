@@ -325,3 +325,18 @@ def test_quickstart_notebook_switched_to_smollm2(smollm2_dir, tmp_path, monkeypa
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == smollm2_dir
     history = json.loads((adapter.parent / "bapo_log_history.json").read_text())["log_history"]
     assert [e["rewards/boxed_accuracy/mean"] for e in history if "rewards/boxed_accuracy/mean" in e]
+
+
+@pytest.mark.slow
+def test_loss_study_on_smollm2_quick_prints_its_summary(smollm2_dir):
+    """benchmarks/loss_study_smollm2.py --quick: the base model and one method (TRL's trainer), trained 2 steps and
+    evaluated on 4 held-out problems, one run at a time (another SmolLM2 server may still be alive)."""
+    import re
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "loss_study_smollm2.py"), "--quick",
+                           "--workers", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    number = r"\d+(?:\.\d+)?"
+    assert re.fullmatch(rf"runs=2 base_avg8=({number}) TRL_dapo_avg8=({number}) minutes=({number})", last), last
