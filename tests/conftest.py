@@ -43,6 +43,23 @@ def _give_memory_back(request):
 
 
 @pytest.fixture(scope="session")
+def fresh_imports():
+    """The bapo_trl modules a fresh interpreter has loaded after ``import bapo_trl.config, bapo_trl.rollout``
+    (``"config"``) and then after ``import bapo_trl.trainer`` (``"trainer"``): one subprocess for the layer tests
+    (importing TRL takes seconds)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "def loaded(): return ' '.join(sorted(m for m in sys.modules if m.startswith('bapo_trl.')))\n"
+            "import bapo_trl.config, bapo_trl.rollout\nprint(loaded())\nimport bapo_trl.trainer\nprint(loaded())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    config, trainer = proc.stdout.splitlines()[-2:]
+    return {"config": set(config.split()), "trainer": set(trainer.split())}
+
+
+@pytest.fixture(scope="session")
 def test_cache(tmp_path_factory):
     """``$BAPO_TRL_CACHE`` for tests that run train_bapo.py on the embedded model: built here once per session,
     never in the user's ``~/.cache/bapo_trl``."""

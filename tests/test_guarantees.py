@@ -53,9 +53,10 @@ SOURCES = {
 #: Rows that generate on several servers (``vllm_server_base_url`` lists them): every server answers requests and
 #: loads every push, and the guarantees hold as with one.
 SERVERS = {"async_k2_two_servers": 2}
-#: Rows the fast tier leaves to the slow tier: they wait on a slowed server, or start a second one, or (async_k2) repeat
-#: what a fast row already checks (K=2 staleness: replay_saves_async runs with max_staleness=2).
-SLOW_ROWS = {"async_inflight", "async_k2_two_servers", "async_k2"}
+#: Rows the fast tier leaves to the slow tier: they wait on a slowed server, or start a second one, or repeat what
+#: fast rows already check in parts: async_k2 (K=2 staleness: replay_saves_async runs with max_staleness=2),
+#: async_partial (partial and async_k1; 16 s, the longest row), replay_async (replay_saves_async replays under async).
+SLOW_ROWS = {"async_inflight", "async_k2_two_servers", "async_k2", "async_partial", "replay_async"}
 #: Rows whose completions depend on timing: with in-flight updates, where a push lands in a request depends on when
 #: it arrives. There a resume trains the same PROMPT multiset (nothing lost, nothing twice) under the same bounds.
 TIMING_DEPENDENT = {"async_inflight"}
