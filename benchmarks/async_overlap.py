@@ -300,7 +300,7 @@ def main() -> None:
     opts = parser.parse_args()
     balances = dict(BALANCES)
     if opts.quick:
-        opts.rounds, opts.steps, opts.warmup = 1, 4, 2
+        opts.rounds, opts.steps, opts.warmup = 1, 3, 2
         balances = {"gen1": 1.0}
     given = parse_batches(opts.batches, balances) if opts.batches else None
     os.sched_setaffinity(0, {TRAINER_CORE})

@@ -5,7 +5,7 @@ problems (avg@8 before and after).
 
     python benchmarks/loss_study_smollm2.py                       # default methods, 2 seeds (under an hour, 2 cores)
     python benchmarks/loss_study_smollm2.py --methods "TRL dapo" "BAPO dapo" --seeds 3
-    python benchmarks/loss_study_smollm2.py --quick               # one method, 2 steps, 4 problems (smoke), temp dir
+    python benchmarks/loss_study_smollm2.py --quick               # one method, 1 step, 2 problems (smoke), temp dir
 
 Training: full fine-tuning in float32 on CPU, transformers generation, 8 prompts x 4 samples x 16 tokens per
 generation, ``steps_per_generation=4`` (each batch is trained on for 4 optimizer steps: up to 3 steps stale), batch
@@ -42,7 +42,7 @@ KEPT = ("step", "loss", "grad_norm", "reward", "entropy", "bapo/clip_low", "bapo
         "cispo_clip_ratio")  # bapo/clip_high is CISPO's cap where BAPO chooses it (docs/loss_types.md)
 TRAINING = dict(per_device_train_batch_size=8, num_generations=4, steps_per_generation=4, max_completion_length=16,
                 temperature=1.0, learning_rate=2e-5, max_steps=20)
-QUICK = dict(TRAINING, steps_per_generation=2, max_steps=2)
+QUICK = dict(TRAINING, per_device_train_batch_size=4, steps_per_generation=1, max_steps=1)  # one generation of 4
 EVALUATION = ["--k", "8", "--max_new_tokens", "16", "--temperature", "1.0", "--threads", "1", "--seed", "0"]
 
 
@@ -51,7 +51,7 @@ def evaluate(model: str, quick: bool) -> dict:
     from bapo_trl.math_recipe import evaluate as ev
 
     report = ev.evaluate(ev.make_parser().parse_args(
-        ["--model", model, "--dataset", TEST, *EVALUATION] + (["--num_problems", "4", "--k", "2"] if quick else [])))
+        ["--model", model, "--dataset", TEST, *EVALUATION] + (["--num_problems", "2", "--k", "2"] if quick else [])))
     return {key: value for key, value in report.items() if key.startswith(("avg@", "pass@", "num_scored", "seconds"))}
 
 
@@ -158,7 +158,7 @@ def main(argv=None):
                         help=f"methods of benchmarks/loss_study.py (default: {', '.join(DEFAULT_METHODS)})")
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="one method, 2 steps, 4 problems x 2 samples (smoke)")
+    parser.add_argument("--quick", action="store_true", help="one method, 1 step, 2 problems x 2 samples (smoke)")
     parser.add_argument("--out", default=None, help="output directory (default: docs/, or a temp dir with --quick)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.methods) - set(tiny_methods()))

@@ -329,8 +329,8 @@ def test_quickstart_notebook_switched_to_smollm2(smollm2_dir, tmp_path, monkeypa
 
 @pytest.mark.slow
 def test_loss_study_on_smollm2_quick_prints_its_summary(smollm2_dir):
-    """benchmarks/loss_study_smollm2.py --quick: the base model and one method (TRL's trainer), trained 2 steps and
-    evaluated on 4 held-out problems, one run at a time (another SmolLM2 server may still be alive)."""
+    """benchmarks/loss_study_smollm2.py --quick: the base model and one method (TRL's trainer), trained 1 step and
+    evaluated on 2 held-out problems, one run at a time (another SmolLM2 server may still be alive)."""
     import re
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
