@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -166,6 +167,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per cell with --options")
     parser.add_argument("--out", default=None, help="results directory (default: docs/, or a temp dir with --quick)")
     parser.add_argument("--lr", type=float, default=2e-3, help="constant learning rate (the study ran 2e-3 and 1e-3)")
+    parser.add_argument("--server-url", default=None, help="a running vLLM server of the embedded model to use "
+                        "instead of starting one (the tests pass theirs); it is not pinned to a core then")
     opts = parser.parse_args()
     from bapo_trl.toy import build_tiny_model
 
@@ -176,7 +179,8 @@ def main() -> None:
     started = time.time()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        server = Server(model_dir, Path(tmp) / "server.log")
+        server = SimpleNamespace(url=opts.server_url, stop=lambda: None) if opts.server_url else \
+            Server(model_dir, Path(tmp) / "server.log")
         try:
             for i, spec in enumerate(runs):
                 results.append(run_one(spec, model_dir, server))

@@ -88,8 +88,9 @@ def test_async_overlap_batches_and_own_efficiency():
     assert bench.own_efficiency(row, {"generate_seconds": 1.8}) == 0.9 and bench.own_efficiency(row) == 0.95
 
 
-def test_async_study_quick_prints_its_summary(vllm_cpu_venv):
-    last = run_quick("async_study.py")
+def test_async_study_quick_prints_its_summary(tiny_server):
+    """On the session's tiny-model server (the study's own model: the embedded one, in the test cache)."""
+    last = run_quick("async_study.py", "--server-url", tiny_server.url)
     assert re.fullmatch(rf"runs=2 k1_speedup=({NUMBER}) bapo_k1_reward=({NUMBER}) fixed_k1_reward=nan", last), last
 
 
