@@ -41,7 +41,9 @@ TEST = os.path.join(REPO, "tests", "data", "chat_arithmetic_test.jsonl")
 DEFAULT_METHODS = ("TRL dapo", "BAPO dapo", "TRL GSPO", "BAPO vespo")
 KEPT = ("step", "loss", "grad_norm", "reward", "entropy", "bapo/clip_low", "bapo/clip_high", "bapo/search_active",
         "bapo/positive_contribution", "bapo/target_met", "bapo/staleness_mean", "clip_ratio/region_mean",
-        "cispo_clip_ratio")  # bapo/clip_high is CISPO's cap where BAPO chooses it (docs/loss_types.md)
+        "cispo_clip_ratio", "bapo/search_exhausted", "bapo/sapo_temperature_pos", "bapo/sapo_temperature_neg",
+        "bapo/vespo_k_pos", "bapo/vespo_lambda_pos", "bapo/vespo_k_neg", "bapo/vespo_lambda_neg")
+# (bapo/clip_high is CISPO's cap where BAPO chooses it, docs/loss_types.md)
 TRAINING = dict(per_device_train_batch_size=8, num_generations=4, steps_per_generation=4, max_completion_length=16,
                 temperature=1.0, learning_rate=2e-5, max_steps=20)
 QUICK = dict(TRAINING, per_device_train_batch_size=4, steps_per_generation=1, max_steps=1)  # one generation of 4
