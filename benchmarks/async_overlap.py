@@ -212,6 +212,8 @@ def calibrate(model_dir: str, server: Server, out: Path, target: float, length: 
 
 
 def spread(values: list[float]) -> str:
+    if not values:  # a figure that does not apply to the row (pipeline efficiency of a synchronous run)
+        return "-"
     return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
 
 
@@ -228,17 +230,21 @@ def own_efficiency(row: dict, twin: dict | None = None) -> float:
 
 
 def parse_batches(text: str, balances: dict) -> dict[str, int]:
-    """``gen0.5=12,gen1=32,gen2=64`` -> completions per step for every balance (each named once, each >= 4)."""
+    """``gen0.5=12,gen1=32,gen2=64`` -> completions per step for every balance run (each named once, a multiple of
+    4); a known balance this run does not time (``--quick`` times gen1 only) is ignored, so a full run's printed
+    line can be pasted."""
     batches = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, value = item.partition("=")
-        if name not in balances or not value.isdigit() or int(value) < 4 or int(value) % 4:
+        if name in batches:
+            raise SystemExit(f"--batches: {name!r} is named twice")
+        if name not in BALANCES or not value.isdigit() or int(value) < 4 or int(value) % 4:
             raise SystemExit(f"--batches: {item!r} must be <balance>=<completions per step, a multiple of 4 >= 4> "
-                             f"with <balance> one of {list(balances)}")
+                             f"with <balance> one of {list(BALANCES)}")
         batches[name] = int(value)
-    if set(batches) != set(balances):
-        raise SystemExit(f"--batches must name every balance: {list(balances)} (got {list(batches)})")
-    return batches
+    if not set(balances) <= set(batches):
+        raise SystemExit(f"--batches must name every balance run: {list(balances)} (got {list(batches)})")
+    return {name: batches[name] for name in balances}
 
 
 def summarize(results: dict) -> dict:
@@ -260,7 +266,7 @@ def summarize(results: dict) -> dict:
             rows[config] = {
                 "steps_per_second": [r["steps_per_second"] for r in rounds], "speedup": speedups,
                 "efficiency": [own_efficiency(r, t) for r, t in zip(rounds, twins)] if is_async else sync_bound,
-                "pipeline_efficiency": [own_efficiency(r) for r in rounds] if is_async else sync_bound,
+                "pipeline_efficiency": [own_efficiency(r) for r in rounds] if is_async else [],
                 "efficiency_vs_sync_bound": sync_bound,
                 "tokens_per_step": statistics.median(r["tokens_per_step"] for r in rounds),
                 "wait_seconds": [r.get("async/wait_seconds", 0.0) for r in rounds],

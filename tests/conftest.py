@@ -51,12 +51,13 @@ def fresh_imports():
     import sys
 
     code = ("import sys\n"
-            "def loaded(): return ' '.join(sorted(m for m in sys.modules if m.startswith('bapo_trl.')))\n"
-            "import bapo_trl.config, bapo_trl.rollout\nprint(loaded())\nimport bapo_trl.trainer\nprint(loaded())\n")
+            "def loaded(tag): print(tag, *sorted(m for m in sys.modules if m.startswith('bapo_trl.')))\n"
+            "import bapo_trl.config, bapo_trl.rollout\nloaded('@config')\nimport bapo_trl.trainer\nloaded('@trainer')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    config, trainer = proc.stdout.splitlines()[-2:]
-    return {"config": set(config.split()), "trainer": set(trainer.split())}
+    lines = {line.split()[0][1:]: set(line.split()[1:]) for line in proc.stdout.splitlines() if line.startswith("@")}
+    assert set(lines) == {"config", "trainer"}, proc.stdout[-2000:]
+    return lines
 
 
 @pytest.fixture(scope="session")

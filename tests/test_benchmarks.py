@@ -77,7 +77,9 @@ def test_async_overlap_batches_and_own_efficiency():
 
     balances = dict(bench.BALANCES)
     assert bench.parse_batches("gen0.5=8, gen1=32,gen2=64", balances) == {"gen0.5": 8, "gen1": 32, "gen2": 64}
-    for bad in ("gen1=32", "gen0.5=8,gen1=30,gen2=64", "gen0.5=8,gen1=32,gen3=64", "gen0.5=x,gen1=32,gen2=64"):
+    assert bench.parse_batches("gen0.5=8,gen1=32,gen2=64", {"gen1": 1.0}) == {"gen1": 32}  # --quick: gen1 only
+    for bad in ("gen1=32", "gen0.5=8,gen1=30,gen2=64", "gen0.5=8,gen1=32,gen3=64", "gen0.5=x,gen1=32,gen2=64",
+                "gen0.5=8,gen1=32,gen1=36,gen2=64"):
         with pytest.raises(SystemExit, match="--batches"):
             bench.parse_batches(bad, balances)
     # a 2 s step that waited 0.5 s: busy 1.5 s; generation alone takes 1 s -> perfect overlap would take 1.5 s
@@ -86,6 +88,29 @@ def test_async_overlap_batches_and_own_efficiency():
     # generation-bound: generation 1.8 s alone (1.9 s beside training), busy 1.0 s -> 1.8 / 2.0 (1.9 / 2.0 pipeline)
     row = {"step_seconds": 2.0, "async/wait_seconds": 1.0, "async/generate_seconds": 1.9}
     assert bench.own_efficiency(row, {"generate_seconds": 1.8}) == 0.9 and bench.own_efficiency(row) == 0.95
+
+
+def test_async_overlap_summary_pairs_each_async_row_with_its_synchronous_twin():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import async_overlap as bench
+
+    def sync(step, generate):
+        return {"step_seconds": step, "steps_per_second": 1 / step, "tokens_per_step": 100.0,
+                "generate_seconds": generate}
+
+    def asynchronous(step, wait, generate):
+        return {"step_seconds": step, "steps_per_second": 1 / step, "tokens_per_step": 100.0,
+                "async/wait_seconds": wait, "async/generate_seconds": generate}
+
+    results = {"gen1": {"sync": [sync(2.0, 1.0)], "sync_replay_saves": [sync(1.5, 0.5)],
+                        "k1": [asynchronous(1.25, 0.5, 1.2)], "k1_replay_saves": [asynchronous(1.0, 0.2, 0.6)]}}
+    rows = bench.summarize(results)["gen1"]["rows"]
+    assert rows["k1"]["efficiency"] == pytest.approx([0.8]) and rows["k1"]["pipeline_efficiency"] == pytest.approx([0.96])
+    # its twin generated half in 0.5 s; its own busy time 0.8 s bounds it: 0.8 / 1.0 (against sync's 1.0 s: 1.0)
+    assert rows["k1_replay_saves"]["efficiency"] == pytest.approx([0.8])
+    assert rows["k1_replay_saves"]["pipeline_efficiency"] == pytest.approx([0.8])
+    assert rows["sync_replay_saves"]["pipeline_efficiency"] == [] and bench.spread([]) == "-"
+    assert rows["k1"]["speedup"] == pytest.approx([1.6])
 
 
 def test_async_study_quick_prints_its_summary(tiny_server):

@@ -53,9 +53,11 @@ SOURCES = {
 #: Rows that generate on several servers (``vllm_server_base_url`` lists them): every server answers requests and
 #: loads every push, and the guarantees hold as with one.
 SERVERS = {"async_k2_two_servers": 2}
-#: Rows the fast tier leaves to the slow tier: they wait on a slowed server, or start a second one, or repeat what
-#: fast rows already check in parts: async_k2 (K=2 staleness: replay_saves_async runs with max_staleness=2),
-#: async_partial (partial and async_k1; 16 s, the longest row), replay_async (replay_saves_async replays under async).
+#: Rows the fast tier leaves to the slow tier: they wait on a slowed server, or start a second one, or are the
+#: longest rows whose parts fast rows check separately: async_k2 (K=2 staleness: replay_saves_async runs with
+#: max_staleness=2), async_partial (16 s; partial and async_k1 are fast, their combination only slow), replay_async
+#: (10 s; replay and async_k1 are fast, and replay_saves_async replays under async, but only the generation-saving
+#: path: plain replay under async is checked in the slow tier only).
 SLOW_ROWS = {"async_inflight", "async_k2_two_servers", "async_k2", "async_partial", "replay_async"}
 #: Rows whose completions depend on timing: with in-flight updates, where a push lands in a request depends on when
 #: it arrives. There a resume trains the same PROMPT multiset (nothing lost, nothing twice) under the same bounds.
