@@ -25,13 +25,13 @@ import math
 import multiprocessing as mp
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from loss_study import methods as tiny_methods  # noqa: E402  (the same settings per method as the tiny study)
+from staleness_study import _fmt, _mean  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "tests", "data", "chat_arithmetic_train.jsonl")
@@ -102,31 +102,21 @@ def _finite(values):
     return [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
 
 
-def _fmt(values, digits=1):
-    values = _finite(values)
-    if not values:
-        return "n/a"
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
-
-
 def summarize(run: dict) -> dict:
     h = run["history"]
     quarter = max(1, len(h) // 4)
     rewards = [e["reward"] for e in h if "reward" in e]  # logged at the steps that generated
     quarter_of_rewards = max(1, len(rewards) // 4)
-    mean = lambda xs: statistics.mean(_finite(xs)) if _finite(xs) else float("nan")  # noqa: E731
     return {
         "avg8": run["eval"].get("avg@8", run["eval"].get("avg@2", float("nan"))),
         "pass8": run["eval"].get("pass@8", float("nan")),
-        "reward_first": mean(rewards[:quarter_of_rewards]),
-        "reward_last": mean(rewards[-quarter_of_rewards:]),
-        "entropy_last": mean([e.get("entropy") for e in h[-quarter:]]),
+        "reward_first": _mean(rewards[:quarter_of_rewards]),
+        "reward_last": _mean(rewards[-quarter_of_rewards:]),
+        "entropy_last": _mean([e.get("entropy") for e in h[-quarter:]]),
         "grad_norm_max": max(_finite([e.get("grad_norm") for e in h]), default=float("nan")),
-        "clip_high": mean([e.get("bapo/clip_high") for e in h if e.get("bapo/search_active")]),
-        "active": mean([e.get("bapo/search_active") for e in h]),
-        "staleness": mean([e.get("bapo/staleness_mean") for e in h]),
+        "clip_high": _mean([e.get("bapo/clip_high") for e in h if e.get("bapo/search_active")]),
+        "active": _mean([e.get("bapo/search_active") for e in h]),
+        "staleness": _mean([e.get("bapo/staleness_mean") for e in h]),
     }
 
 
@@ -141,7 +131,7 @@ def write_report(runs: list[dict], command: str, elapsed: float, quick: bool, wo
         "problems, 8 samples, 16 tokens, temperature 1.0, seed 0. Mean ± standard deviation over seeds; the "
         "training reward is per generation batch of 8 prompts, so it is noisy.\n",
         *(["**Quick mode (smoke): numbers are not meaningful.**\n"] if quick else []),
-        f"Base model: avg@8 {_fmt(base)}%.\n",
+        f"Base model: avg@8 {_fmt(base, 1)}%.\n",
         "| method | seeds | held-out avg@8 (%) | pass@8 (%) | train reward, first quarter | train reward, last "
         "quarter | final entropy | max grad norm | c_high (active updates) | search active | minutes per run |",
         "|" + "---|" * 11,
@@ -152,7 +142,7 @@ def write_report(runs: list[dict], command: str, elapsed: float, quick: bool, wo
         col = lambda key, d=2: _fmt([s[key] for s in sums], d)  # noqa: E731
         lines.append(f"| {method} | {len(members)} | {col('avg8', 1)} | {col('pass8', 1)} | {col('reward_first')} | "
                      f"{col('reward_last')} | {col('entropy_last', 3)} | {col('grad_norm_max')} | {col('clip_high')} | "
-                     f"{col('active')} | {_fmt([r['seconds'] / 60 for r in members])} |")
+                     f"{col('active')} | {_fmt([r['seconds'] / 60 for r in members], 1)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -205,8 +195,7 @@ def main(argv=None):
         json.dump(results, f, indent=1)
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(write_report(results, command, elapsed, args.quick, args.workers))
-    avg = {m: statistics.mean(_finite([summarize(r)["avg8"] for r in results if r["method"] == m]) or [math.nan])
-           for m in order}
+    avg = {m: _mean([summarize(r)["avg8"] for r in results if r["method"] == m]) for m in order}
     print(f"wrote {os.path.join(out_dir, name + '.md')}")
     print(f"runs={len(results)} base_avg8={avg['base']:.1f} "
           + " ".join(f"{m.replace(' ', '_')}_avg8={avg[m]:.1f}" for m in chosen) + f" minutes={elapsed / 60:.1f}")

@@ -9,6 +9,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def run_quick(script: str, *args: str) -> str:
+    """``benchmarks/<script> --quick *args`` in a process of its own; its last line (the machine-readable summary)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--quick", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,26 +3,16 @@
 No timing is asserted: the numbers depend on the machine and its load; only that the scripts work and report.
 """
 
-import os
 import re
-import subprocess
 import sys
 
 import pytest
 
-from launching import REPO
+from launching import REPO, run_quick
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("use_test_cache")]
 
 NUMBER = r"-?\d+(?:\.\d+)?"
-
-
-def run_quick(script: str, *args: str) -> str:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--quick", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return proc.stdout.strip().splitlines()[-1]
 
 
 def test_bound_search_quick_prints_its_summary():

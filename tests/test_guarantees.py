@@ -125,14 +125,15 @@ def multiset(rows: list[dict], exact: bool = True) -> Counter:
     return Counter((r["prompt"], r["completion"], r["versions"]) if exact else r["prompt"] for r in rows)
 
 
-def config(source: str, setting: tuple[int, int, int], out: Path, server: PolicyServer | None, **overrides):
+def config(source: str, setting: tuple[int, int, int], out: Path, servers: list, **overrides):
+    """The row's BAPOConfig; ``servers``: none (TRL's generation), one (host and port, TRL's way) or several (a list
+    in ``vllm_server_base_url``)."""
     steps_per_generation, num_iterations, accumulation = setting
     updates = max(1, -(-steps_per_generation * num_iterations // accumulation))
     extra = dict(SOURCES[source])
     if "replay_buffer_size" in extra:  # the youngest age a replayed group can have, and more
         ahead = 1 + extra.get("max_staleness", 1) if extra.get("replay_saves_generation") else 0
         extra["replay_max_staleness"] = (3 + ahead) * updates
-    servers = [] if server is None else server if isinstance(server, list) else [server]
     if len(servers) == 1:
         host, port = servers[0].url.removeprefix("http://").split(":")
         extra.update(use_vllm=True, vllm_mode="server", vllm_server_host=host, vllm_server_port=int(port),

@@ -18,7 +18,7 @@ import pytest
 from bapo_trl import models
 from bapo_trl.math_recipe.chat_arithmetic import splits
 from bapo_trl.math_recipe.rewards import boxed_accuracy
-from launching import REPO, assert_zero3_partitioned
+from launching import REPO, assert_zero3_partitioned, run_quick
 
 DATA = REPO / "tests" / "data"
 TRAIN = DATA / "chat_arithmetic_train.jsonl"
@@ -333,10 +333,6 @@ def test_loss_study_on_smollm2_quick_prints_its_summary(smollm2_dir):
     evaluated on 2 held-out problems, one run at a time (another SmolLM2 server may still be alive)."""
     import re
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "loss_study_smollm2.py"), "--quick",
-                           "--workers", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    last = proc.stdout.strip().splitlines()[-1]
+    last = run_quick("loss_study_smollm2.py", "--workers", "1")
     number = r"\d+(?:\.\d+)?"
     assert re.fullmatch(rf"runs=2 base_avg8=({number}) TRL_dapo_avg8=({number}) minutes=({number})", last), last
