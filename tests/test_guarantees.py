@@ -275,7 +275,7 @@ def test_in_flight_updates_give_a_completion_tokens_of_several_policies(tiny_mod
     policies, and each token's behaviour log-prob is that of its own version's saved policy."""
     server = PolicyServer(tiny_model_dir, seconds_per_token=0.01)
     try:
-        args = config("async_inflight", (1, 1, 1), tmp_path / "out", server, max_steps=6, save_strategy="no")
+        args = config("async_inflight", (1, 1, 1), tmp_path / "out", [server], max_steps=6, save_strategy="no")
         snapshots = Snapshots()
         trainer = build(tiny_model_dir, args, callbacks=[snapshots])
         trainer.train()
@@ -292,7 +292,7 @@ def test_replay_that_saves_generation_works_under_async(tiny_model_dir, tmp_path
     the generated tokens per batch drop by the replay share, and the batch trained keeps its size."""
     server = PolicyServer(tiny_model_dir)
     try:
-        args = config("replay_saves_async", (1, 1, 1), tmp_path / "out", server, max_steps=8, save_strategy="no")
+        args = config("replay_saves_async", (1, 1, 1), tmp_path / "out", [server], max_steps=8, save_strategy="no")
         trainer = build(tiny_model_dir, args)
         trainer.train()
     finally:
@@ -330,7 +330,7 @@ def test_a_server_stalled_on_a_later_request_ends_in_an_error(client, tiny_model
     timeout = 2
     server = PolicyServer(tiny_model_dir, stall_on=(5,))  # batches 0 and 1 are requests 1-4 (2 prompts each)
     try:
-        args = config("async_k1", (1, 1, 1), tmp_path / "out", server, vllm_server_timeout=timeout, max_steps=6,
+        args = config("async_k1", (1, 1, 1), tmp_path / "out", [server], vllm_server_timeout=timeout, max_steps=6,
                       save_strategy="no")
         trainer = build(tiny_model_dir, args, cls=BAPOTrainer)
         if client == "trl":
