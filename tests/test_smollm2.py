@@ -298,9 +298,9 @@ def test_zero3_two_processes_partial_rollout_through_the_server(smollm2_server, 
 
 @pytest.mark.slow
 def test_quickstart_notebook_switched_to_smollm2(smollm2_dir, tmp_path, monkeypatch):
-    """The quickstart notebook with its SmolLM2 switch on (cut to 2 steps): the converted model, the chat task and
-    the math-verify reward go through the notebook's LoRA training, plots, sample reports and adapter reload.
-    Measured 118 s and 302 s on the loaded 2-core machine; the other SmolLM2 slow tests already take 7-9 minutes."""
+    """The quickstart notebook with its SmolLM2 switch on (cut to 2 steps, its reports to 2 prompts a score): the
+    converted model, the chat task and the math-verify reward go through the notebook's LoRA training, plots, sample
+    reports and adapter reload. Measured 122 s uncut (2 steps 44 s, each report 25 s, the reload check 18 s)."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -315,7 +315,10 @@ def test_quickstart_notebook_switched_to_smollm2(smollm2_dir, tmp_path, monkeypa
         if "if USE_SMOLLM2:" in cell.source and "max_steps=6" in cell.source:
             cell.source = cell.source.replace("max_steps=6", "max_steps=2")
             switched += 1
-    assert switched == 2
+        if "REPORT_PROMPTS, MAX_NEW_TOKENS = 4, 16" in cell.source:
+            cell.source = cell.source.replace("REPORT_PROMPTS, MAX_NEW_TOKENS = 4, 16", "REPORT_PROMPTS, MAX_NEW_TOKENS = 2, 16")
+            switched += 1
+    assert switched == 3
     NotebookClient(notebook, timeout=900, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
     text = "\n".join(o.get("text", "") for c in notebook.cells for o in c.get("outputs", []))

