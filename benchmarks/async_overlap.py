@@ -29,7 +29,8 @@ the other, one torch thread) on a 2-core machine:
   overhead) count against it, not the slowdown of generation while training runs beside it (two processes on two
   cores of one machine share caches and memory bandwidth).
 * ``--batches gen0.5=N,gen1=N,gen2=N`` skips the calibration: a second run times exactly the same work as the first
-  (each run prints its batches and writes them to ``--json``).
+  (each run prints its batches and writes them to ``--json``); ``--compare FIRST.json SECOND.json`` then says, figure
+  by figure, whether each run's median lies within the other's range.
 
 The model is a random-init Llama with the embedded task's tokenizer (``--hidden``, ``--layers``,
 ``--completion-length``); report the sizes with the numbers.
@@ -285,6 +286,38 @@ def not_slower(table: dict) -> bool:
     return True
 
 
+#: The figures two runs are compared on (``--compare``).
+COMPARED = ("steps_per_second", "speedup", "efficiency", "pipeline_efficiency")
+
+
+def agreement(first: dict, second: dict) -> list[dict]:
+    """Two runs' summaries (``summarize``), figure by figure: they agree on a figure when each run's median lies
+    within the other run's range over its rounds (the spread each reports, to the 3 decimals it is printed with).
+    Rows a run lacks are skipped."""
+    rows = []
+    for balance in (b for b in BALANCES if b in first and b in second):
+        for config in (c for c in CONFIGS if c in first[balance]["rows"] and c in second[balance]["rows"]):
+            for figure in COMPARED:
+                a, b = ([round(x, 3) for x in run[balance]["rows"][config][figure]] for run in (first, second))
+                if not a or not b:  # a synchronous row has no pipeline efficiency
+                    continue
+                ma, mb = statistics.median(a), statistics.median(b)
+                rows.append({"balance": balance, "config": config, "figure": figure, "first": a, "second": b,
+                             "agree": min(b) <= ma <= max(b) and min(a) <= mb <= max(a)})
+    return rows
+
+
+def print_agreement(first_path: str, second_path: str) -> None:
+    """``--compare``: the two runs' figures side by side; the last line counts the figures they agree on."""
+    first, second = (json.loads(Path(p).read_text())["table"] for p in (first_path, second_path))
+    rows = agreement(first, second)
+    print(f"{'balance':8s} {'config':18s} {'figure':20s} {'first run':>24s} {'second run':>24s} agree")
+    for r in rows:
+        print(f"{r['balance']:8s} {r['config']:18s} {r['figure']:20s} {spread(r['first']):>24s} "
+              f"{spread(r['second']):>24s} {'yes' if r['agree'] else 'NO'}")
+    print(f"agree={sum(r['agree'] for r in rows)} figures={len(rows)}")
+
+
 def add_run_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int, completion_length: int) -> None:
     """The options every server benchmark takes: rounds, timed and warm-up steps, the model, the calibration start."""
     parser.add_argument("--rounds", type=int, default=3)
@@ -302,8 +335,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one round, the balanced setting only (a smoke run)")
     parser.add_argument("--batches", default=None, help="gen0.5=N,gen1=N,gen2=N: completions per step of every "
                         "balance, instead of calibrating (take them from an earlier run to time the same work)")
+    parser.add_argument("--compare", nargs=2, metavar="RUN.json", default=None,
+                        help="compare two runs' --json files figure by figure (no run)")
     add_run_arguments(parser, steps=12, warmup=3, completion_length=48)
     opts = parser.parse_args()
+    if opts.compare:
+        print_agreement(*opts.compare)
+        return
     balances = dict(BALANCES)
     if opts.quick:
         opts.rounds, opts.steps, opts.warmup = 1, 3, 2

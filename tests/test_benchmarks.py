@@ -103,6 +103,31 @@ def test_async_overlap_summary_pairs_each_async_row_with_its_synchronous_twin():
     assert rows["k1"]["speedup"] == pytest.approx([1.6])
 
 
+def test_two_runs_agree_on_a_figure_when_each_median_lies_in_the_other_runs_range():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import async_overlap as bench
+
+    def table(k1_steps, k1_pipeline, sync_steps):
+        rows = {"sync": {"steps_per_second": sync_steps, "speedup": [1.0], "efficiency": [0.5],
+                         "pipeline_efficiency": []},
+                "k1": {"steps_per_second": k1_steps, "speedup": [1.5], "efficiency": [0.9],
+                       "pipeline_efficiency": k1_pipeline}}
+        return {"gen1": {"rows": rows}}
+
+    first = table([1.0, 1.2, 1.4], [0.90, 0.95, 0.97], [0.5, 0.6, 0.7])
+    # k1 steps/s: medians 1.2 and 1.3, each inside the other's range; pipeline: 0.95 is outside [0.80, 0.85]
+    second = table([1.1, 1.3, 1.5], [0.80, 0.82, 0.85], [0.5, 0.6, 0.7])
+    second["gen2"] = first["gen1"]  # a balance only one run timed is skipped
+    rows = {(r["config"], r["figure"]): r["agree"] for r in bench.agreement(first, second)}
+    assert rows == {("sync", "steps_per_second"): True, ("sync", "speedup"): True, ("sync", "efficiency"): True,
+                    ("k1", "steps_per_second"): True, ("k1", "speedup"): True, ("k1", "efficiency"): True,
+                    ("k1", "pipeline_efficiency"): False}  # the synchronous row's empty pipeline figure: skipped
+    # one-sided is not agreement: 1.2 lies in [1.0, 2.0], but 1.5 lies outside [1.0, 1.4]
+    assert not bench.agreement(first, table([1.0, 1.5, 2.0], [0.9], [0.6]))[3]["agree"]
+    # compared as printed (3 decimals): an efficiency of 1 in every round agrees with 0.9999999
+    assert bench.agreement(table([1.0], [1.0], [0.5]), table([1.0], [0.9999999], [0.5]))[-1]["agree"]
+
+
 def test_async_study_quick_prints_its_summary(tiny_server):
     """On the session's tiny-model server (the study's own model: the embedded one, in the test cache)."""
     last = run_quick("async_study.py", "--server-url", tiny_server.url)
