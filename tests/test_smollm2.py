@@ -185,10 +185,11 @@ ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": 
 #: One small stale-data BAPO job on the shipped task: 4 prompts x 4 samples per generation, 16 tokens, two optimizer
 #: steps per generation (the second on stale data). lr 1e-4 moves this model enough in one step that some token
 #: ratios leave the window; target 0.6 asks positive tokens for a majority share, which they about never have at the
-#: start bounds here (measured ~0.45-0.55), so wherever the search can act it has to widen the window.
+#: start bounds here (measured ~0.45-0.55), so wherever the search can act it has to widen the window. No CPU flags,
+#: as in the README's commands: without CUDA, train_bapo.py chooses the CPU and float32 itself.
 TASK_ARGS = [
     "--model_name_or_path", "smollm2-135m-instruct", "--dataset_name", str(TRAIN), "--reward_funcs", "boxed_accuracy",
-    "--use_cpu", "true", "--bf16", "false", "--gradient_checkpointing", "false", "--torch_threads", "1",
+    "--gradient_checkpointing", "false", "--torch_threads", "1",
     "--per_device_train_batch_size", "8", "--num_generations", "4", "--steps_per_generation", "2",
     "--max_completion_length", "16", "--learning_rate", "1e-4", "--positive_contribution_target", "0.6",
     "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no", "--seed", "0",
