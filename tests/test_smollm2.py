@@ -308,18 +308,15 @@ def test_quickstart_notebook_switched_to_smollm2(smollm2_dir, tmp_path, monkeypa
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     notebook = nbformat.read(REPO / "notebooks" / "bapo_quickstart.ipynb", as_version=4)
-    switched = 0
-    for cell in notebook.cells:
-        if "USE_SMOLLM2 = False" in cell.source:
-            cell.source = cell.source.replace("USE_SMOLLM2 = False", "USE_SMOLLM2 = True")
-            switched += 1
-        if "if USE_SMOLLM2:" in cell.source and "max_steps=6" in cell.source:
-            cell.source = cell.source.replace("max_steps=6", "max_steps=2")
-            switched += 1
-        if "REPORT_PROMPTS, MAX_NEW_TOKENS = 4, 16" in cell.source:
-            cell.source = cell.source.replace("REPORT_PROMPTS, MAX_NEW_TOKENS = 4, 16", "REPORT_PROMPTS, MAX_NEW_TOKENS = 2, 16")
-            switched += 1
-    assert switched == 3
+    edits = [  # (a line the cell must hold, old, new): each must apply to exactly one cell
+        ("USE_SMOLLM2 = False", "USE_SMOLLM2 = False", "USE_SMOLLM2 = True"),
+        ("if USE_SMOLLM2:", "max_steps=6", "max_steps=2"),
+        ("REPORT_PROMPTS, MAX_NEW_TOKENS = 4, 16", "= 4, 16", "= 2, 16"),
+    ]
+    for context, old, new in edits:
+        cells = [cell for cell in notebook.cells if context in cell.source and old in cell.source]
+        assert len(cells) == 1, (context, old)
+        cells[0].source = cells[0].source.replace(old, new)
     NotebookClient(notebook, timeout=900, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
     text = "\n".join(o.get("text", "") for c in notebook.cells for o in c.get("outputs", []))
