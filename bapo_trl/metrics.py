@@ -68,11 +68,12 @@ PARTIAL = (
 )
 #: Staleness buckets (optimizer steps since the token was sampled) of the per-age split.
 AGE_BUCKETS = ("0", "1", "2", "3+")
-#: Logged when async generation is on: the first seven once per generation batch (main process), the rest per update.
+#: Logged when async generation is on: the first eight once per generation batch (main process), the rest per update.
 ASYNC = (
     "async/wait_seconds",
     "async/generate_seconds",
     "async/push_seconds",
+    "async/load_seconds",
     "async/overlap_fraction",
     "async/queue_depth",
     "async/staleness_mean",
@@ -286,13 +287,15 @@ def replay_values(sums: list[float]) -> dict[str, float]:
 
 
 def async_values(versions: list[list[int]], step: int, generate_seconds: float, waited: float,
-                 push_seconds: float, queue_depth: int) -> dict[str, float]:
-    """The per-batch ``async/*`` values of one global batch (per-token policy versions) handed at ``step``."""
+                 push_seconds: float, queue_depth: int, load_seconds: float = 0.0) -> dict[str, float]:
+    """The per-batch ``async/*`` values of one global batch (per-token policy versions) handed at ``step``;
+    ``load_seconds``: the generation thread's time loading pushed weights since the previous hand-over."""
     ages = [step - v for row in versions for v in row] or [0]
     return {
         "async/wait_seconds": waited,
         "async/generate_seconds": generate_seconds,
         "async/push_seconds": push_seconds,
+        "async/load_seconds": load_seconds,
         # share of this batch's generation hidden behind training (1: the trainer never waited for it)
         "async/overlap_fraction": (min(max(1.0 - waited / generate_seconds, 0.0), 1.0) if generate_seconds
                                    else 1.0),

@@ -143,6 +143,10 @@ def async_errors(cfg) -> list[str]:
                       f"under one policy; got {chunk!r}.")
     if not cfg.async_generation:
         return errors
+    if chunk is not None and cfg.lazy_weight_loading:
+        errors.append("`lazy_weight_loading` cannot be combined with `inflight_update_tokens`: in-flight updates load "
+                      "every push between two chunks as soon as it is made, lazy loading defers pushes until a request "
+                      "needs them; use one of them.")
     if chunk is not None and cfg.partial_rollout_budget is not None:
         errors.append("`inflight_update_tokens` cannot be combined with `partial_rollout_budget`: partial rollout "
                       "already grows completions round by round under the newest weights; use one of them.")

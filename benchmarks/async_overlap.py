@@ -5,7 +5,8 @@ the benchmark agree within the spread they report. One server (pinned to one cor
 the other, one torch thread) on a 2-core machine:
 
 * configurations: ``sync`` (TRL's schedule: push, generate, train), async ``k1`` / ``k2`` / ``k4``
-  (``max_staleness`` K), ``k1_inflight`` (in-flight weight updates, ``inflight_update_tokens``), and replay that
+  (``max_staleness`` K), ``k2_lazy`` / ``k4_lazy`` (``lazy_weight_loading``: the server loads a push only when a
+  request needs it), ``k1_inflight`` (in-flight weight updates, ``inflight_update_tokens``), and replay that
   saves generation, synchronous and under async K=1 (``replay_ratio`` 0.5). Same model, data and seed; learning rate
   0 so every run does the same work; ``ignore_eos`` so every completion has the full length.
 * three balances of generation vs training time: the completions per step are calibrated (short synchronous runs)
@@ -76,6 +77,8 @@ CONFIGS = {
     "k1": {**ASYNC, "max_staleness": 1},
     "k2": {**ASYNC, "max_staleness": 2},
     "k4": {**ASYNC, "max_staleness": 4},
+    "k2_lazy": {**ASYNC, "max_staleness": 2, "lazy_weight_loading": True},
+    "k4_lazy": {**ASYNC, "max_staleness": 4, "lazy_weight_loading": True},
     "k1_inflight": {**ASYNC, "max_staleness": 1, "inflight_update_tokens": 16},
     "sync_replay_saves": REPLAY,
     "k1_replay_saves": {**ASYNC, "max_staleness": 1, **REPLAY},
@@ -193,8 +196,8 @@ def run(model_dir: str, server: Server, out: Path, steps: int, warmup: int, batc
               "tokens_per_step": statistics.median(generated)}
     if generate_times:
         result["generate_seconds"] = statistics.mean(generate_times[warmup:])
-    for name in ("async/wait_seconds", "async/generate_seconds", "async/push_seconds", "async/overlap_fraction",
-                 "async/staleness_max"):
+    for name in ("async/wait_seconds", "async/generate_seconds", "async/push_seconds", "async/load_seconds",
+                 "async/overlap_fraction", "async/staleness_max"):
         if logs and name in logs[0]:
             result[name] = statistics.mean(h[name] for h in logs)
     del trainer
@@ -234,6 +237,15 @@ def own_efficiency(row: dict, twin: dict | None = None) -> float:
     busy = row["step_seconds"] - row["async/wait_seconds"]
     generate = twin["generate_seconds"] if twin is not None else row["async/generate_seconds"]
     return max(generate, busy) / row["step_seconds"]
+
+
+def subset(text: str, known: dict, flag: str) -> list[str]:
+    """``a,b`` -> the names, each known and named once; a clear error otherwise."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names or len(set(names)) != len(names):
+        raise SystemExit(f"{flag}: {text!r} must name each of {list(known)} at most once (unknown: {unknown})")
+    return names
 
 
 def parse_batches(text: str, balances: dict) -> dict[str, int]:
@@ -344,6 +356,9 @@ def main() -> None:
                         "balance, instead of calibrating (take them from an earlier run to time the same work)")
     parser.add_argument("--compare", nargs=2, metavar="RUN.json", default=None,
                         help="compare two runs' --json files figure by figure (no run)")
+    parser.add_argument("--balances", default=None, help=f"comma-separated subset of {list(BALANCES)} (default: all)")
+    parser.add_argument("--configs", default=None, help=f"comma-separated subset of {list(CONFIGS)} (default: all; "
+                        "sync and a row's synchronous twin are always run: the speed-ups are against them)")
     add_run_arguments(parser, steps=12, warmup=3, completion_length=48)
     opts = parser.parse_args()
     if opts.compare:
@@ -353,6 +368,13 @@ def main() -> None:
     if opts.quick:
         opts.rounds, opts.steps, opts.warmup = 1, 3, 2
         balances = {"gen1": 1.0}
+    configs = dict(CONFIGS)
+    if opts.balances:
+        balances = {name: BALANCES[name] for name in subset(opts.balances, BALANCES, "--balances")}
+    if opts.configs:  # with sync and each one's synchronous twin: the efficiencies are against them
+        chosen = subset(opts.configs, CONFIGS, "--configs")
+        chosen += [SYNC_TWIN[c] for c in chosen if c in SYNC_TWIN]
+        configs = {name: spec for name, spec in CONFIGS.items() if name == "sync" or name in chosen}
     given = parse_batches(opts.batches, balances) if opts.batches else None
     os.sched_setaffinity(0, {TRAINER_CORE})
     torch.set_num_threads(1)
@@ -366,15 +388,15 @@ def main() -> None:
                                        calibrate(model_dir, server, tmp, target, length, opts.batch))
                                 for name, target in balances.items()}
             print("completions per step: --batches " + ",".join(f"{k}={v}" for k, v in batches.items()), flush=True)
-            results = {name: {config: [] for config in CONFIGS} for name in balances}
-            order = list(CONFIGS)
+            results = {name: {config: [] for config in configs} for name in balances}
+            order = list(configs)
             for round_index in range(opts.rounds):
                 rotated = order[round_index % len(order):] + order[: round_index % len(order)]
                 for balance in balances:
                     for config in rotated:
                         results[balance][config].append(run(
                             model_dir, server, tmp / f"{balance}-{config}-{round_index}", steps=opts.steps,
-                            warmup=opts.warmup, batch=batches[balance], length=length, **CONFIGS[config]))
+                            warmup=opts.warmup, batch=batches[balance], length=length, **configs[config]))
         finally:
             server.stop()
     table = summarize(results)
@@ -391,6 +413,8 @@ def main() -> None:
     if opts.json:
         Path(opts.json).write_text(json.dumps({"options": vars(opts), "batches": batches, "results": results,
                                                "table": table}, indent=1))
+    if set(configs) != set(CONFIGS) or "gen1" not in balances:  # a partial run: its table is its result
+        return
     balanced = table["gen1"]
     rows = balanced["rows"]
 
@@ -400,6 +424,7 @@ def main() -> None:
     print(f"async_speedup={median('k1'):.3f} ideal={statistics.median(balanced['ideal']):.3f} "
           f"efficiency={median('k1', 'efficiency'):.3f} "
           f"pipeline_efficiency={median('k1', 'pipeline_efficiency'):.3f} k2_speedup={median('k2'):.3f} k4_speedup={median('k4'):.3f} "
+          f"k2_lazy_speedup={median('k2_lazy'):.3f} k4_lazy_speedup={median('k4_lazy'):.3f} "
           f"inflight_speedup={median('k1_inflight'):.3f} k2_not_slower={int(not_slower(table))} "
           f"tokens_per_step={rows['sync']['tokens_per_step']:.1f} "
           f"tokens_per_step_replay={rows['sync_replay_saves']['tokens_per_step']:.1f} "

@@ -99,6 +99,40 @@ def test_a_push_waits_for_the_request_in_flight_and_later_batches_carry_its_vers
         producer.close()
 
 
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_lazy_producer_loads_a_push_only_when_the_next_work_needs_it(lazy):
+    """Pushes of steps 1 and 2 are handed over while work queued earlier (min_version 0 and 1) waits: eagerly each
+    request first loads the newest push; lazily the work that weights 0 satisfy runs on them, the work that needs 1
+    loads the newest push (2), and the push is then no longer pending."""
+    generate = ScriptedGenerator()
+    producer = Producer(generate, request_timeout=10, lazy=lazy)
+    loads = []
+
+    def push(step):
+        return (lambda: loads.append(step)), step
+
+    try:
+        generate.release.clear()
+        producer.submit(Work(0, [[1]], n=1, max_tokens=4, min_version=0))
+        assert generate.started.wait(10)
+        producer.push_later(*push(1))
+        producer.push_later(*push(2))  # replaces the push of step 1, not applied yet
+        producer.submit(Work(1, [[2]], n=1, max_tokens=4, min_version=0))
+        producer.submit(Work(2, [[3]], n=1, max_tokens=4, min_version=1))
+        producer.submit(Work(3, [[4]], n=1, max_tokens=4, min_version=2))
+        generate.release.set()
+        versions = [producer.take(i)[0].version for i in range(4)]
+        if lazy:
+            assert versions == [0, 0, 2, 2] and loads == [2]
+        else:
+            assert versions == [0, 2, 2, 2] and loads == [2]
+        assert producer.take_load_seconds() >= 0 and producer.take_load_seconds() == 0.0  # read once
+        for i, work_min in enumerate([0, 0, 1, 2]):
+            assert versions[i] >= work_min
+    finally:
+        producer.close()
+
+
 def test_a_failed_request_is_raised_where_the_trainer_takes_the_batch():
     def broken(work):
         raise ConnectionError("server went away")
@@ -127,6 +161,8 @@ BASE = dict(output_dir="unused", use_cpu=True, bf16=False, report_to="none", per
      r"`inflight_update_tokens` must be an integer >= 1"),
     (dict(async_generation=True, use_vllm=True, vllm_mode="server", partial_rollout_budget=2, max_completion_length=8,
           inflight_update_tokens=2), r"`inflight_update_tokens` cannot be combined with `partial_rollout_budget`"),
+    (dict(async_generation=True, use_vllm=True, vllm_mode="server", max_staleness=2, inflight_update_tokens=2,
+          lazy_weight_loading=True), r"`lazy_weight_loading` cannot be combined with `inflight_update_tokens`"),
 ])
 def test_async_settings_are_checked_before_anything_is_built(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -160,6 +196,14 @@ def test_sync_generation_keeps_trls_handling_of_truncated_sampling():
 def test_async_settings_without_async_warn_that_they_do_nothing(name):
     with pytest.warns(UserWarning, match=rf"`{name}` \(3\) only acts on async generation"):
         BAPOConfig(**BASE, **{name: 3}, steps_per_generation=2)
+
+
+def test_lazy_loading_warns_where_it_can_change_nothing():
+    with pytest.warns(UserWarning, match=r"`lazy_weight_loading` \(True\) only acts on async generation"):
+        BAPOConfig(**BASE, lazy_weight_loading=True, steps_per_generation=2)
+    with pytest.warns(UserWarning, match=r"`lazy_weight_loading` has no effect with `max_staleness`=1"):
+        BAPOConfig(**BASE, lazy_weight_loading=True, async_generation=True, use_vllm=True, vllm_mode="server",
+                   steps_per_generation=2)
 
 
 def test_a_users_rollout_func_is_refused_with_async_generation():
@@ -360,6 +404,26 @@ def test_k2_runs_up_to_two_batches_ahead_and_no_further(tiny_server, tiny_model_
     # ... and it does run while batch b trains (impossible at K=1, where b+2 waits for the step on b+1)
     ahead = [b for b in range(len(probe.batches) - 2) if probe.requests[b + 2] < snapshots.step_ends[b]]
     assert ahead, (probe.requests, snapshots.step_ends)
+
+
+def test_lazy_loading_lets_a_slower_server_skip_reloads_within_the_bound(tiny_model_dir, tmp_path):
+    """Generation the slower side (a slowed stand-in server), K=2: eagerly the server would reload before every
+    request and the data stay one push old (benchmarks/async_overlap.py measured that); lazily it skips the reloads
+    the bound does not need, so requests run on weights up to two pushes old, never older (age at hand-over <= 2)."""
+    server = PolicyServer(tiny_model_dir, seconds_per_token=0.004)
+    try:
+        trainer = train_with_server(tiny_model_dir, tmp_path, server.url, max_steps=10, async_generation=True,
+                                    max_staleness=2, steps_per_generation=1, lazy_weight_loading=True,
+                                    disable_tqdm=True)
+    finally:
+        server.close()
+    ages = [h["async/staleness_max"] for h in trainer.state.log_history if "async/staleness_max" in h]
+    assert len(ages) == 10 and max(ages) <= 2, ages
+    requests = len(server.versions)
+    assert server.reloads < requests - 1, (server.reloads, server.versions)  # loads were skipped ...
+    assert ages.count(2) >= 2, ages  # ... so batches reached the bound
+    loads = [h["async/load_seconds"] for h in trainer.state.log_history if "async/load_seconds" in h]
+    assert 0 < sum(s > 0 for s in loads) < len(loads), loads  # hand-overs with a load since the last, and without
 
 
 @pytest.mark.slow

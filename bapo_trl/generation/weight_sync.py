@@ -12,6 +12,11 @@ checks that once at start, so a directory the server cannot see is one error nam
 reload later. Requests carry ``Authorization: Bearer $VLLM_API_KEY`` when that variable is set (a server started with
 an API key). Each sync writes a fresh directory; older ones are
 deleted once the server has loaded the new one, and the last one when the client is closed or garbage-collected.
+
+A push has two halves that need not run together: writing the directory (the trainer's process) and the servers
+loading it. :meth:`DiskWeightSync.write_later` starts the write on the client's writer thread and
+:meth:`DiskWeightSync.load` finishes the push, so async generation writes the weights while the server is still busy
+with the request in flight and only the reload itself waits between two requests.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ import os
 import secrets
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import torch
@@ -85,15 +92,18 @@ def not_shared_message(base_url: str, path: str, detail: str | None = None) -> s
 
 
 def write_weights(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], root: str | None,
-                  prefix: str) -> str:
+                  prefix: str, on_created=None) -> str:
     """Write ``tensors`` (checkpoint names) as ``model.safetensors`` in a new directory under ``root`` (default
-    ``$BAPO_VLLM_WEIGHTS_DIR`` or the temp dir), for vLLM's ``reload_weights``; returns the directory."""
+    ``$BAPO_VLLM_WEIGHTS_DIR`` or the temp dir), for vLLM's ``reload_weights``; returns the directory.
+    ``on_created(directory)`` is called as soon as the directory exists (so its owner can remove it whatever happens)."""
     from safetensors.torch import save_file
 
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     # Own, contiguous CPU copies: safetensors refuses views and shared storage.
     state = {name: t.detach().to("cpu").contiguous().clone() for name, t in items}
     directory = tempfile.mkdtemp(prefix=prefix, dir=root or os.environ.get("BAPO_VLLM_WEIGHTS_DIR") or None)
+    if on_created is not None:
+        on_created(directory)
     try:
         save_file(state, os.path.join(directory, "model.safetensors"))
     except BaseException:
@@ -105,6 +115,17 @@ def write_weights(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torc
 def _remove_all(paths: list[str]) -> None:
     while paths:
         shutil.rmtree(paths.pop(), ignore_errors=True)
+
+
+class WrittenWeights:
+    """A push whose directory the writer thread is writing (:meth:`DiskWeightSync.write_later`); :meth:`directory`
+    waits for it (and raises the write's error)."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def directory(self) -> str:
+        return self._future.result()
 
 
 class DiskWeightSync:
@@ -136,7 +157,10 @@ class DiskWeightSync:
         for session in self.sessions.values():
             authorize_session(session)
         self.session = self.sessions[self.base_url]
-        self._dirs: list[str] = []  # directories written by this client and not yet removed
+        self._dirs: list[str] = []  # directories written by this client and not yet removed, oldest first
+        self._dirs_lock = threading.Lock()  # the writer thread adds, the loading thread removes
+        self._loaded: str | None = None
+        self._writer: ThreadPoolExecutor | None = None  # one thread: directories are written in push order
         self._finalizer = weakref.finalize(self, _remove_all, self._dirs)
         self.last_seconds: float | None = None
         self.num_syncs = 0
@@ -227,20 +251,50 @@ class DiskWeightSync:
         them (at once). Returns the seconds the sync took. On failure the new directory is removed and the error
         (naming the server) raised."""
         start = time.perf_counter()
-        directory = write_weights(tensors, self.root, "bapo-vllm-weights-")
-        self._dirs.append(directory)
+        self.load(self._write(tensors))
+        self.last_seconds = time.perf_counter() - start
+        return self.last_seconds
+
+    def write_later(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> WrittenWeights:
+        """Start writing ``tensors`` on this client's writer thread and return at once; :meth:`load` finishes the
+        push. The caller must not change the tensors until the write is done (gathered copies, as async generation
+        passes, are safe). Writes happen in call order."""
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bapo-weight-writer")
+        return WrittenWeights(self._writer.submit(self._write, tensors))
+
+    def _write(self, tensors) -> str:
+        def track(directory: str) -> None:
+            with self._dirs_lock:
+                self._dirs.append(directory)
+
+        return write_weights(tensors, self.root, "bapo-vllm-weights-", on_created=track)
+
+    def load(self, written: WrittenWeights | str) -> float:
+        """Make every server load a directory written by this client (waiting for its write first); directories
+        written before it are removed once every server has loaded it, newer ones are kept. Returns the seconds
+        the load took (the wait for the write included). On failure the directory is removed and the error (naming
+        the server) raised."""
+        start = time.perf_counter()
+        directory = written.directory() if isinstance(written, WrittenWeights) else written
         try:
             self._on_every_server(lambda url: self._load(url, directory))
         except BaseException:
-            shutil.rmtree(self._dirs.pop(), ignore_errors=True)
+            with self._dirs_lock:
+                if directory in self._dirs:
+                    self._dirs.remove(directory)
+            shutil.rmtree(directory, ignore_errors=True)
             raise
-        # The servers have read the new directory: older ones are no longer needed.
-        for old in self._dirs[:-1]:
+        # The servers have read the new directory: older ones (loaded before, or replaced before they were loaded)
+        # are no longer needed; newer ones are still to be loaded.
+        with self._dirs_lock:
+            index = self._dirs.index(directory)
+            older, self._dirs[:index] = self._dirs[:index], []
+        for old in older:
             shutil.rmtree(old, ignore_errors=True)
-        del self._dirs[:-1]
+        self._loaded = directory
         self.num_syncs += 1
-        self.last_seconds = time.perf_counter() - start
-        return self.last_seconds
+        return time.perf_counter() - start
 
     def _load(self, base_url: str, directory: str) -> None:
         """One server: reload the weights from ``directory``, re-pack a tied head, reset the prefix cache."""
@@ -265,10 +319,15 @@ class DiskWeightSync:
     @property
     def current_dir(self) -> str | None:
         """The directory the server loaded last (kept until the next sync or :meth:`close`)."""
-        return self._dirs[-1] if self._dirs else None
+        return self._loaded
 
     def close(self) -> None:
-        """Remove every weight directory this client wrote."""
-        _remove_all(self._dirs)
+        """Finish the writes under way, then remove every weight directory this client wrote."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+        with self._dirs_lock:
+            _remove_all(self._dirs)
+        self._loaded = None
         for session in self.sessions.values():
             session.close()

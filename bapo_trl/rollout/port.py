@@ -178,16 +178,21 @@ class TRLPort:
 
     def gather_weights(self):
         """The current weights for a push applied later, from another thread (:meth:`send_weights`); every process
-        calls it (collective under ZeRO-3). ``None`` where only TRL's synchronous push exists (NCCL on CUDA streams
-        the gathered tensors straight to the server): then call :meth:`push_weights`."""
+        calls it (collective under ZeRO-3). On the main process their write to the weight directory starts at once,
+        on the sync's writer thread, so the push applied later only has the server load them. ``None`` where only
+        TRL's synchronous push exists (NCCL on CUDA streams the gathered tensors straight to the server): then call
+        :meth:`push_weights`."""
         backend = self._trainer.vllm_generation
         if not getattr(backend, "uses_disk_sync", False):
             return None
-        return backend.gather_state()
+        state = backend.gather_state()
+        sync = backend.disk_sync  # the main process's
+        return sync.write_later(state) if sync is not None else state
 
-    def send_weights(self, state: dict) -> None:
-        """Main process, any thread: have the server load ``state`` (from :meth:`gather_weights`)."""
-        self._trainer.vllm_generation.disk_sync.push(state)
+    def send_weights(self, state) -> None:
+        """Main process, any thread: have the server load the weights from :meth:`gather_weights` (waiting for their
+        write if it is still under way)."""
+        self._trainer.vllm_generation.disk_sync.load(state)
 
     @property
     def weights_step(self) -> int | None:

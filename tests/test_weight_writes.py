@@ -1,0 +1,107 @@
+"""The disk weight sync in two halves: the write on the sync's writer thread (``write_later``), the servers' load of it
+(``load``). Async generation writes each push while the server is still busy and loads it between two requests, so
+what must hold is: the server loads exactly the weights written for that push, directories written before a loaded
+one go, newer ones (pushes not loaded yet) stay, a failure names its cause and leaves no directory behind.
+
+Against the stand-in server (``tests/policy_server.py``), which reloads a safetensors directory as vLLM's
+``reload_weights`` does; the real server's reload is checked in ``tests/test_vllm_server.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from bapo_trl.generation.weight_sync import DiskWeightSync, WeightSyncError, WrittenWeights
+from policy_server import PolicyServer
+
+pytestmark = pytest.mark.usefixtures("use_test_cache")
+
+
+@pytest.fixture
+def stand_in(tiny_model_dir):
+    server = PolicyServer(tiny_model_dir)
+    yield server
+    server.close()
+
+
+def shifted(server: PolicyServer, by: float) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() + by for name, p in server.model.state_dict().items()}
+
+
+def server_holds(server: PolicyServer, state: dict[str, torch.Tensor]) -> bool:
+    held = server.model.state_dict()
+    return all(torch.equal(held[name], tensor) for name, tensor in state.items())
+
+
+def test_a_written_push_loads_exactly_its_weights_and_only_older_directories_go(stand_in, tmp_path):
+    sync = DiskWeightSync(stand_in.url, timeout=10, root=str(tmp_path))
+    states = [shifted(stand_in, by) for by in (0.1, 0.2, 0.3)]
+    written = [sync.write_later(state) for state in states]
+    assert all(isinstance(w, WrittenWeights) for w in written)
+    directories = [w.directory() for w in written]
+    assert len(set(directories)) == 3 and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        d.rsplit("/", 1)[1] for d in directories)
+
+    sync.load(written[1])  # the first push was replaced before it was loaded (a newer one was handed over)
+    assert server_holds(stand_in, states[1]) and stand_in.reloads == 1
+    assert sync.current_dir == directories[1]
+    assert sorted(str(p) for p in tmp_path.iterdir()) == sorted(directories[1:])  # the third is still to load
+
+    sync.load(written[2])
+    assert server_holds(stand_in, states[2]) and stand_in.reloads == 2
+    assert [str(p) for p in tmp_path.iterdir()] == [directories[2]]
+    sync.close()
+    assert list(tmp_path.iterdir()) == [] and sync.current_dir is None
+
+
+def test_push_is_write_then_load(stand_in, tmp_path):
+    sync = DiskWeightSync(stand_in.url, timeout=10, root=str(tmp_path))
+    state = shifted(stand_in, 0.5)
+    assert sync.push(state) >= 0 and sync.last_seconds is not None
+    assert server_holds(stand_in, state) and stand_in.requests["POST", "/reset_prefix_cache"] == 1
+    assert [str(p) for p in tmp_path.iterdir()] == [sync.current_dir]
+    sync.close()
+
+
+def test_writes_run_on_the_writer_thread_in_push_order(stand_in, tmp_path):
+    sync = DiskWeightSync(stand_in.url, timeout=10, root=str(tmp_path))
+    seen = []
+    real = sync._write
+
+    def recording(tensors):
+        seen.append((threading.current_thread().name, float(next(iter(tensors.values())).flatten()[0])))
+        return real(tensors)
+
+    sync._write = recording
+    written = [sync.write_later({"w": torch.full((4,), float(i))}) for i in range(5)]
+    for w in written:
+        w.directory()
+    assert [value for _, value in seen] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert all(name.startswith("bapo-weight-writer") for name, _ in seen)
+    sync.close()
+
+
+def test_a_failed_load_names_the_server_and_removes_only_its_directory(stand_in, tmp_path):
+    dead = "http://127.0.0.1:9"  # the discard port: nothing listens
+    sync = DiskWeightSync([stand_in.url, dead], timeout=5, root=str(tmp_path))
+    first, second = sync.write_later(shifted(stand_in, 0.1)), sync.write_later(shifted(stand_in, 0.2))
+    kept = second.directory()
+    with pytest.raises(WeightSyncError, match="127.0.0.1:9 "):
+        sync.load(first)
+    assert [str(p) for p in tmp_path.iterdir()] == [kept]
+    sync.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_write_is_raised_by_the_load_and_leaves_no_directory(stand_in, tmp_path):
+    sync = DiskWeightSync(stand_in.url, timeout=10, root=str(tmp_path))
+    written = sync.write_later({1: torch.zeros(2)})  # safetensors refuses a name that is not a string, once the
+    with pytest.raises(TypeError):  # directory exists: the write removes it and the load raises the write's error
+        sync.load(written)
+    assert list(tmp_path.iterdir()) == [] and stand_in.reloads == 0
+    sync.load(sync.write_later(shifted(stand_in, 0.1)))  # the sync still works
+    assert stand_in.reloads == 1 and [str(p) for p in tmp_path.iterdir()] == [sync.current_dir]
+    sync.close()
