@@ -11,8 +11,9 @@ mean reward of 3 consecutive generation rounds first reached 0.5.
 
     python benchmarks/async_study.py            # the study (about 20 minutes on 2 cores), writes docs/
     python benchmarks/async_study.py --quick    # two short runs (CI), writes to a temp dir
-    python benchmarks/async_study.py --options  # the async options: K=1/2/4, in-flight updates, replay that saves
-                                                # generation; BAPO (paper, dual clip) vs the widest fixed window, 3 seeds
+    python benchmarks/async_study.py --options  # the async options: K=1/2/4 (eager and lazy weight loading),
+                                                # in-flight updates, replay that saves generation; BAPO (paper, dual
+                                                # clip) vs the widest fixed window, 3 seeds
 
 The last line is ``runs=N k1_speedup=<sync wall-clock / K=1 wall-clock, BAPO paper> bapo_k4_reward=..
 fixed_k4_reward=..``.
@@ -41,7 +42,8 @@ from staleness_study import METHODS  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 STUDIED = ("fixed [0.8,1.2]", "widest fixed [0.9,3.0]", "BAPO paper", "BAPO verl")
 KEPT = ("step", "loss", "grad_norm", "reward", "entropy", "bapo/clip_low", "bapo/clip_high", "bapo/staleness_max",
-        "bapo/positive_contribution", "async/wait_seconds", "async/staleness_max")
+        "bapo/positive_contribution", "async/wait_seconds", "async/staleness_max", "async/generate_seconds",
+        "async/load_seconds", "async/queue_depth")
 
 
 #: ``--options``: the async settings compared, on top of the method's own.
@@ -50,6 +52,8 @@ OPTION_SETTINGS = {
     "K=1": dict(async_generation=True, max_staleness=1),
     "K=2": dict(async_generation=True, max_staleness=2),
     "K=4": dict(async_generation=True, max_staleness=4),
+    "K=2 lazy": dict(async_generation=True, max_staleness=2, lazy_weight_loading=True),
+    "K=4 lazy": dict(async_generation=True, max_staleness=4, lazy_weight_loading=True),
     "K=2 in-flight": dict(async_generation=True, max_staleness=2, inflight_update_tokens=4),
     "K=1 replay saves": dict(async_generation=True, max_staleness=1, replay_buffer_size=64, replay_ratio=0.5,
                              replay_saves_generation=True, replay_max_staleness=24),

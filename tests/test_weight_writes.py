@@ -13,9 +13,9 @@ import threading
 
 import pytest
 import torch
+from policy_server import PolicyServer
 
 from bapo_trl.generation.weight_sync import DiskWeightSync, WeightSyncError, WrittenWeights
-from policy_server import PolicyServer
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")
 
