@@ -105,6 +105,20 @@ def test_async_overlap_summary_pairs_each_async_row_with_its_synchronous_twin(be
     assert rows["k1_replay_saves"]["pipeline_efficiency"] == pytest.approx([0.8])
     assert rows["sync_replay_saves"]["pipeline_efficiency"] == [] and bench.spread([]) == "-"
     assert rows["k1"]["speedup"] == pytest.approx([1.6])
+    assert "vs_k1" not in rows["k1"]
+
+
+def test_async_overlap_pairs_each_deeper_pipeline_with_k1_in_the_same_round(bench):
+    def asynchronous(step):
+        return {"step_seconds": step, "steps_per_second": 1 / step, "tokens_per_step": 100.0,
+                "async/wait_seconds": 0.1, "async/generate_seconds": 0.5}
+
+    sync = {"step_seconds": 2.0, "steps_per_second": 0.5, "tokens_per_step": 100.0, "generate_seconds": 1.0}
+    # round 2 ran 2x slower for every configuration: the paired ratio does not see that drift
+    results = {"gen2": {"sync": [sync, sync], "k1": [asynchronous(1.0), asynchronous(2.0)],
+                        "k2": [asynchronous(0.8), asynchronous(1.6)], "k4": [asynchronous(1.25), asynchronous(2.5)]}}
+    rows = bench.summarize(results)["gen2"]["rows"]
+    assert rows["k2"]["vs_k1"] == pytest.approx([1.25, 1.25]) and rows["k4"]["vs_k1"] == pytest.approx([0.8, 0.8])
 
 
 def test_two_runs_agree_on_a_figure_when_each_median_lies_in_the_other_runs_range(bench):
