@@ -35,7 +35,10 @@ the other, one torch thread) on a 2-core machine:
   read; ``k2_not_slower`` keeps the issue's wording (the deeper row's median steps/s at least K=1's lowest round).
 * ``--batches gen0.5=N,gen1=N,gen2=N`` skips the calibration: a second run times exactly the same work as the first
   (each run prints its batches and writes them to ``--json``); ``--compare FIRST.json SECOND.json`` then says, figure
-  by figure, whether each run's median lies within the other's range.
+  by figure, whether each run's median lies within the other's range, and counts the agreements twice: all figures,
+  and the ratios timed inside a round alone (a drift of the machine between the runs moves the steps/s, not these).
+  Read the counts against ``identical_runs_agree``, the share two runs of ONE distribution agree on by that rule
+  with these round counts (0.40 with 3 rounds each, 0.82 with 6): with 3 rounds, most disagreements are chance.
 
 The model is a random-init Llama with the embedded task's tokenizer (``--hidden``, ``--layers``,
 ``--completion-length``); report the sizes with the numbers.
@@ -315,8 +318,10 @@ def not_slower(table: dict) -> bool:
     return True
 
 
-#: The figures two runs are compared on (``--compare``).
-COMPARED = ("steps_per_second", "speedup", "efficiency", "pipeline_efficiency")
+#: The figures two runs are compared on (``--compare``): the absolute speed, then the ratios timed inside a round,
+#: which a drift of the machine's speed between the runs leaves alone (``vs_k1``: deeper pipelines only).
+COMPARED = ("steps_per_second", "speedup", "efficiency", "pipeline_efficiency", "vs_k1")
+RATIOS = COMPARED[1:]
 
 
 def agreement(first: dict, second: dict) -> list[dict]:
@@ -327,8 +332,8 @@ def agreement(first: dict, second: dict) -> list[dict]:
     for balance in (b for b in BALANCES if b in first and b in second):
         for config in (c for c in CONFIGS if c in first[balance]["rows"] and c in second[balance]["rows"]):
             for figure in COMPARED:
-                a, b = ([round(x, 3) for x in run[balance]["rows"][config][figure]] for run in (first, second))
-                if not a or not b:  # a synchronous row has no pipeline efficiency
+                a, b = ([round(x, 3) for x in run[balance]["rows"][config].get(figure, [])] for run in (first, second))
+                if not a or not b:  # a synchronous row has no pipeline efficiency, K=1 no vs_k1
                     continue
                 ma, mb = statistics.median(a), statistics.median(b)
                 rows.append({"balance": balance, "config": config, "figure": figure, "first": a, "second": b,
@@ -336,15 +341,32 @@ def agreement(first: dict, second: dict) -> list[dict]:
     return rows
 
 
+def agreement_by_chance(rounds_first: int, rounds_second: int, draws: int = 100_000, seed: int = 0) -> float:
+    """How often two runs that time the SAME distribution agree on a figure (``agreement``'s rule), from their
+    round counts: 0.40 with 3 rounds each, 0.82 with 6, 0.92 with 8. The rate ``--compare`` is read against: with
+    3 rounds, identical runs already disagree on most figures."""
+    generator = torch.Generator().manual_seed(seed)
+    a = torch.randn(draws, rounds_first, generator=generator, dtype=torch.float64)
+    b = torch.randn(draws, rounds_second, generator=generator, dtype=torch.float64)
+    ma, mb = (x.quantile(0.5, dim=1) for x in (a, b))  # the median as statistics.median takes it (the mean of 2)
+    inside = ((b.amin(1) <= ma) & (ma <= b.amax(1)) & (a.amin(1) <= mb) & (mb <= a.amax(1)))
+    return inside.double().mean().item()
+
+
 def print_agreement(first_path: str, second_path: str) -> None:
-    """``--compare``: the two runs' figures side by side; the last line counts the figures they agree on."""
-    first, second = (json.loads(Path(p).read_text())["table"] for p in (first_path, second_path))
+    """``--compare``: the two runs' figures side by side; the last line counts the figures they agree on, all of
+    them and the ratios alone. Both runs are summarized again from their raw rounds, so a run written before a
+    figure existed is compared on it too."""
+    first, second = (summarize(json.loads(Path(p).read_text())["results"]) for p in (first_path, second_path))
     rows = agreement(first, second)
     print(f"{'balance':8s} {'config':18s} {'figure':20s} {'first run':>24s} {'second run':>24s} agree")
     for r in rows:
         print(f"{r['balance']:8s} {r['config']:18s} {r['figure']:20s} {spread(r['first']):>24s} "
               f"{spread(r['second']):>24s} {'yes' if r['agree'] else 'NO'}")
-    print(f"agree={sum(r['agree'] for r in rows)} figures={len(rows)}")
+    ratios = [r for r in rows if r["figure"] in RATIOS]
+    chance = agreement_by_chance(len(rows[0]["first"]), len(rows[0]["second"])) if rows else float("nan")
+    print(f"agree={sum(r['agree'] for r in rows)} figures={len(rows)} "
+          f"ratios_agree={sum(r['agree'] for r in ratios)} ratio_figures={len(ratios)} identical_runs_agree={chance:.2f}")
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int, completion_length: int) -> None:

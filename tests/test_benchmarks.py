@@ -3,7 +3,9 @@
 No timing is asserted: the numbers depend on the machine and its load; only that the scripts work and report.
 """
 
+import random
 import re
+import statistics
 import sys
 
 import pytest
@@ -141,6 +143,22 @@ def test_two_runs_agree_on_a_figure_when_each_median_lies_in_the_other_runs_rang
     assert not bench.agreement(first, table([1.0, 1.5, 2.0], [0.9], [0.6]))[3]["agree"]
     # compared as printed (3 decimals): an efficiency of 1 in every round agrees with 0.9999999
     assert bench.agreement(table([1.0], [1.0], [0.5]), table([1.0], [0.9999999], [0.5]))[-1]["agree"]
+
+
+@pytest.mark.parametrize("rounds", [(3, 3), (6, 6), (3, 8)])
+def test_agreement_by_chance_is_the_rate_agreement_gives_two_runs_of_one_distribution(bench, rounds):
+    """The chance rate ``--compare`` prints, against ``agreement`` itself on 2000 pairs of runs drawn alike."""
+    rng = random.Random(sum(rounds))
+
+    def run(n):
+        return {"gen1": {"rows": {"sync": {"speedup": [rng.gauss(1.0, 0.1) for _ in range(n)]}}}}
+
+    def speedup_only(first, second):  # agreement on the one figure these tables carry
+        return [r for r in bench.agreement(first, second) if r["figure"] == "speedup"][0]["agree"]
+
+    observed = statistics.mean(speedup_only(run(rounds[0]), run(rounds[1])) for _ in range(2000))
+    assert bench.agreement_by_chance(*rounds) == pytest.approx(observed, abs=0.04)
+    assert bench.agreement_by_chance(3, 3) == pytest.approx(0.40, abs=0.01)  # the figure the docs quote
 
 
 def test_async_study_quick_prints_its_summary(tiny_server):
