@@ -38,7 +38,7 @@ the other, one torch thread) on a 2-core machine:
   by figure, whether each run's median lies within the other's range, and counts the agreements twice: all figures,
   and the ratios timed inside a round alone (a drift of the machine between the runs moves the steps/s, not these).
   Read the counts against ``identical_runs_agree``, the share two runs of ONE distribution agree on by that rule
-  with these round counts (0.40 with 3 rounds each, 0.82 with 6): with 3 rounds, most disagreements are chance.
+  with these round counts (0.40 with 3 rounds each, 0.83 with 6): with 3 rounds, most disagreements are chance.
 
 The model is a random-init Llama with the embedded task's tokenizer (``--hidden``, ``--layers``,
 ``--completion-length``); report the sizes with the numbers.
@@ -343,7 +343,7 @@ def agreement(first: dict, second: dict) -> list[dict]:
 
 def agreement_by_chance(rounds_first: int, rounds_second: int, draws: int = 100_000, seed: int = 0) -> float:
     """How often two runs that time the SAME distribution agree on a figure (``agreement``'s rule), from their
-    round counts: 0.40 with 3 rounds each, 0.82 with 6, 0.92 with 8. The rate ``--compare`` is read against: with
+    round counts: 0.40 with 3 rounds each, 0.83 with 6, 0.92 with 8. The rate ``--compare`` is read against: with
     3 rounds, identical runs already disagree on most figures."""
     generator = torch.Generator().manual_seed(seed)
     a = torch.randn(draws, rounds_first, generator=generator, dtype=torch.float64)
