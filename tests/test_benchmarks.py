@@ -57,6 +57,14 @@ def test_gpu_check_cpu_quick_passes_every_check():
     assert int(match[1]) == 6 and float(match[2]) > 0 and float(match[4]) > 0
 
 
+def test_core_contention_quick_prints_its_summary():
+    """Timings are not asserted (a ratio near 1 on an idle machine, larger on a loaded one): the twin starts, is busy
+    while the loop is timed, and is gone afterwards."""
+    last = run_quick("core_contention.py")
+    match = re.fullmatch(rf"beside_over_alone_256=({NUMBER}) beside_over_alone_1024=({NUMBER})", last)
+    assert match and float(match[1]) > 0 and float(match[2]) > 0, last
+
+
 def test_async_overlap_quick_prints_its_summary(vllm_cpu_venv):
     """Real vLLM CPU server: sync vs async K=1/2/4 (eager and lazy loading), in-flight updates, and generation-saving
     replay, synchronous and under async (whose token counts ARE asserted: counts, not timings)."""
