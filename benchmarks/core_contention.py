@@ -75,7 +75,7 @@ def main() -> None:
     if opts.twin is not None:
         twin(opts.twin)
         return
-    rounds = opts.rounds or (2 if opts.quick else 7)
+    rounds = opts.rounds if opts.rounds is not None else (2 if opts.quick else 7)
     if rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {rounds}")
     if os.cpu_count() is None or os.cpu_count() < 2:
