@@ -7,8 +7,8 @@ on a VM, possibly one physical core). This measures that share for plain compute
 weight traffic, so the part of the K=1 efficiency gap that the machine alone explains can be told from the part the
 pipeline could still remove.
 
-* This process on core 0 (``async_overlap.TRAINER_CORE``), the twin on core 1 (``SERVER_CORE``), one torch thread
-  each; the twin runs the same loop without end and says when it is busy, so the timed loop never sees its start-up.
+* This process on ``async_overlap.TRAINER_CORE``, the twin on ``async_overlap.SERVER_CORE`` (the cores that benchmark
+  gives the trainer and the server), one torch thread each; the twin runs the same loop without end and says when it is busy, so the timed loop never sees its start-up.
 * Two sizes: 256 x 256 float32 (fits a core's L2: contention for the shared cache and memory hardly matters) and
   1024 x 1024 (4 MiB a matrix: works through the L3).
 * Interleaved: each round times the loop alone, then beside the twin; ratios beside / alone per round, median
@@ -30,7 +30,6 @@ import time
 import torch
 
 SIZES = {256: 3000, 1024: 60}  # matmuls per timed loop: ~1-2 s each on this machine
-TRAINER_CORE, TWIN_CORE = 0, 1
 
 
 def matmuls(count: int, size: int) -> float:
@@ -41,9 +40,10 @@ def matmuls(count: int, size: int) -> float:
     return time.perf_counter() - start
 
 
-def twin(size: int) -> None:
-    """The other core's load: the same loop, forever; prints ``busy`` once it runs."""
-    os.sched_setaffinity(0, {TWIN_CORE})
+def twin(size: int, core: int) -> None:
+    """The other core's load: the same loop, forever; prints ``busy`` once it runs. Imports torch only (no
+    async_overlap, which loads TRL), so it starts in seconds."""
+    os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
     matmuls(1, size)
     print("busy", flush=True)
@@ -51,8 +51,9 @@ def twin(size: int) -> None:
         matmuls(100, size)
 
 
-def beside_twin(count: int, size: int) -> float:
-    proc = subprocess.Popen([sys.executable, __file__, "--twin", str(size)], stdout=subprocess.PIPE, text=True)
+def beside_twin(count: int, size: int, core: int) -> float:
+    proc = subprocess.Popen([sys.executable, __file__, "--twin", str(size), str(core)], stdout=subprocess.PIPE,
+                            text=True)
     try:
         if proc.stdout.readline().strip() != "busy":
             raise RuntimeError(f"the twin process did not start (exit code {proc.poll()})")
@@ -62,24 +63,22 @@ def beside_twin(count: int, size: int) -> float:
         proc.wait()
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 rounds of short loops (a smoke run)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7; quick 2)")
-    parser.add_argument("--twin", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--twin", type=int, nargs=2, default=None, help=argparse.SUPPRESS)  # SIZE CORE
     opts = parser.parse_args(argv)
     if opts.twin is not None:
-        twin(opts.twin)
+        twin(*opts.twin)
         return
     rounds = opts.rounds if opts.rounds is not None else (2 if opts.quick else 7)
     if rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {rounds}")
     if os.cpu_count() is None or os.cpu_count() < 2:
-        raise SystemExit("core_contention needs 2 cores (this process on core 0, the twin on core 1)")
+        raise SystemExit("core_contention needs 2 cores (this process on one, the twin on the other)")
+    from async_overlap import SERVER_CORE, TRAINER_CORE, spread
+
     os.sched_setaffinity(0, {TRAINER_CORE})
     torch.set_num_threads(1)
     medians = {}
@@ -88,7 +87,7 @@ def main(argv=None) -> None:
         alone, beside = [], []
         for _ in range(rounds):
             alone.append(matmuls(count, size))
-            beside.append(beside_twin(count, size))
+            beside.append(beside_twin(count, size, SERVER_CORE))
         ratios = [b / a for a, b in zip(alone, beside)]
         medians[size] = statistics.median(ratios)
         print(f"{size} x {size}, {count} matmuls: alone {spread(alone)} s, beside the twin {spread(beside)} s, "
