@@ -264,14 +264,15 @@ def test_full_finetuning_through_the_vllm_server_with_replay_then_evaluate(smoll
 @pytest.mark.slow
 def test_lora_on_stale_data_with_transformers_generation(smollm2_dir, tmp_path):
     """train_bapo.py with LoRA (generation by transformers in the trainer): 3 steps on one generation, the last two
-    stale; the adapter is saved and bapo_trl.math_recipe.evaluate merges it onto the converted base model."""
+    stale (with 2, the one stale step's search need not move the bounds: seen once); the adapter is saved against the
+    converted base model. Evaluating an adapter is tested on the tiny model (tests/test_math_recipe.py), evaluating
+    SmolLM2 in the full fine-tuning test above; here it cost ~10 s of the slow tier."""
     out = tmp_path / "lora"
     train_bapo(out, "--max_steps", "3", "--steps_per_generation", "3", "--use_peft", "--lora_r", "16", "--lora_alpha", "32",
                "--lora_target_modules", "q_proj", "v_proj", "--learning_rate", "2e-3")
     assert_bapo_acted(train_logs(out), 3)
     assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == smollm2_dir
-    evaluate(out, tmp_path / "lora_eval.json", num_problems=2, k=2)
 
 
 @pytest.mark.slow
