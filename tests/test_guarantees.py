@@ -9,8 +9,9 @@ every row, one trainer object:
    * every token's policy version is <= the step that trains it, and the staleness is within
      :func:`bapo_trl.rollout_settings.staleness_bound` of the row;
    * behaviour log-probs equal a recomputation with the saved policy of each token's version;
-2. resumes, on the SAME object, from every checkpoint: each resumed run trains exactly the (prompt, completion)
-   multiset the uninterrupted run trained after that checkpoint (nothing lost, nothing twice), with the same versions;
+2. resumes, on the SAME object, from every checkpoint (writing none of its own): each resumed run trains exactly the
+   (prompt, completion) multiset the uninterrupted run trained after that checkpoint (nothing lost, nothing twice),
+   with the same versions - so writing a checkpoint changes nothing that is trained;
 3. then a fresh object resumes from a checkpoint in the middle and trains that same multiset too, and a second plain
    ``train()`` on the used object starts over like a new trainer (versions from step 0, weights pushed).
 
