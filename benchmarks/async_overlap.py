@@ -394,6 +394,24 @@ def add_run_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int, 
     parser.add_argument("--json", default=None, help="write the results here")
 
 
+def summary_line(table: dict) -> str:
+    """The machine-readable last line of a full run (every configuration, the balanced setting timed)."""
+    balanced = table["gen1"]
+    rows = balanced["rows"]
+
+    def median(config, key="speedup"):
+        return statistics.median(rows[config][key])
+
+    return (f"async_speedup={median('k1'):.3f} ideal={statistics.median(balanced['ideal']):.3f} "
+            f"efficiency={median('k1', 'efficiency'):.3f} "
+            f"pipeline_efficiency={median('k1', 'pipeline_efficiency'):.3f} k2_speedup={median('k2'):.3f} "
+            f"k4_speedup={median('k4'):.3f} k2_lazy_speedup={median('k2_lazy'):.3f} "
+            f"k4_lazy_speedup={median('k4_lazy'):.3f} inflight_speedup={median('k1_inflight'):.3f} "
+            f"k2_not_slower={int(not_slower(table))} tokens_per_step={rows['sync']['tokens_per_step']:.1f} "
+            f"tokens_per_step_replay={rows['sync_replay_saves']['tokens_per_step']:.1f} "
+            f"tokens_per_step_k1_replay={rows['k1_replay_saves']['tokens_per_step']:.1f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the balanced setting only, by default one round of 3 "
@@ -465,22 +483,8 @@ def main(argv: list[str] | None = None) -> None:
     if opts.json:
         Path(opts.json).write_text(json.dumps({"options": vars(opts), "batches": batches, "results": results,
                                                "table": table}, indent=1))
-    if set(configs) != set(CONFIGS) or "gen1" not in balances:  # a partial run: its table is its result
-        return
-    balanced = table["gen1"]
-    rows = balanced["rows"]
-
-    def median(config, key="speedup"):
-        return statistics.median(rows[config][key])
-
-    print(f"async_speedup={median('k1'):.3f} ideal={statistics.median(balanced['ideal']):.3f} "
-          f"efficiency={median('k1', 'efficiency'):.3f} "
-          f"pipeline_efficiency={median('k1', 'pipeline_efficiency'):.3f} k2_speedup={median('k2'):.3f} k4_speedup={median('k4'):.3f} "
-          f"k2_lazy_speedup={median('k2_lazy'):.3f} k4_lazy_speedup={median('k4_lazy'):.3f} "
-          f"inflight_speedup={median('k1_inflight'):.3f} k2_not_slower={int(not_slower(table))} "
-          f"tokens_per_step={rows['sync']['tokens_per_step']:.1f} "
-          f"tokens_per_step_replay={rows['sync_replay_saves']['tokens_per_step']:.1f} "
-          f"tokens_per_step_k1_replay={rows['k1_replay_saves']['tokens_per_step']:.1f}")
+    if set(configs) == set(CONFIGS) and "gen1" in balances:  # a partial run: its table is its result
+        print(summary_line(table))
 
 
 if __name__ == "__main__":
