@@ -373,12 +373,13 @@ def print_agreement(first_path: str, second_path: str) -> None:
 
 def positive_int(text: str) -> int:
     """An argparse type: a count of 0 would time nothing (or, as a warm-up, measure from the first step's start)."""
+    message = f"must be a positive integer, got {text!r}"
     try:
         value = int(text)
     except ValueError:
-        value = 0
+        raise argparse.ArgumentTypeError(message) from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(message)
     return value
 
 
@@ -483,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
     if opts.json:
         Path(opts.json).write_text(json.dumps({"options": vars(opts), "batches": batches, "results": results,
                                                "table": table}, indent=1))
-    if set(configs) == set(CONFIGS) and "gen1" in balances:  # a partial run: its table is its result
+    if set(configs) == set(CONFIGS) and "gen1" in balances:  # a partial run's table is its result
         print(summary_line(table))
 
 

@@ -8,7 +8,8 @@ weight traffic, so the part of the K=1 efficiency gap that the machine alone exp
 pipeline could still remove.
 
 * This process on ``async_overlap.TRAINER_CORE``, the twin on ``async_overlap.SERVER_CORE`` (the cores that benchmark
-  gives the trainer and the server), one torch thread each; the twin runs the same loop without end and says when it is busy, so the timed loop never sees its start-up.
+  gives the trainer and the server), one torch thread each; the twin runs the same loop without end and says when it
+  is busy, so the timed loop never sees its start-up.
 * Two sizes: 256 x 256 float32 (fits a core's L2: contention for the shared cache and memory hardly matters) and
   1024 x 1024 (4 MiB a matrix: works through the L3).
 * Interleaved: each round times the loop alone, then beside the twin; ratios beside / alone per round, median

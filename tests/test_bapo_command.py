@@ -35,16 +35,19 @@ BAD_FLAG = {"train": ["--no_such_flag", "1"], "serve": ["MODEL", "--no_such_flag
             "models": ["--no_such_flag"]}
 
 
+def command_env(extra=None) -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(extra or {})}
+
+
 def run(argv, **kwargs):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **kwargs.pop("env", {})}
-    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, **kwargs)
+    return subprocess.run(argv, cwd=REPO, env=command_env(kwargs.pop("env", None)), capture_output=True, text=True,
+                          timeout=300, **kwargs)
 
 
 def run_pair(new_argv, old_argv):
     """Both commands at once: each spends most of its time importing on one core (``bapo train``'s pair: 13 s one
     after the other, 9-10 s together, here)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen(argv, cwd=REPO, env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for argv in (new_argv, old_argv)]
     results = []
     for proc in procs:
