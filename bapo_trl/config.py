@@ -150,7 +150,8 @@ class BAPOConfig(GRPOConfig):
 
         rollout_source (`str`, *optional*, defaults to `"auto"`):
             `"auto"`: TRL's own generation, or the source the settings above turn on (partial rollout, async
-            generation, both). Any other value names a source registered with
+            generation, both). A built-in name (`"trl"`, `"partial"`, `"async"`, `"async_partial"`) must be the one
+            those settings turn on (every check and bound reads them). Any other value names a source registered with
             :func:`bapo_trl.rollout.register_source` (one file and one registration line; see
             ``bapo_trl/rollout/contract.py``). Replay, when on, wraps whichever source is chosen.
     """
@@ -338,6 +339,14 @@ class BAPOConfig(GRPOConfig):
                     f"`replay_ratio` ({self.replay_ratio}) x {groups} groups per generation batch on each process "
                     "rounds to 0 replayed groups: nothing would ever be replayed. Raise `replay_ratio` to at least "
                     f"{0.5 / groups + 1e-9:.3g} (or use `replay_fill_zero_std_groups=True`).")))
+            elif self.replayed_groups_per_batch >= self.groups_per_batch:
+                groups = self.groups_per_batch
+                rows.append(("error", (
+                    f"`replay_ratio` ({self.replay_ratio}) x {groups} group(s) per generation batch on each process "
+                    f"rounds to all {groups}: no fresh group would ever be trained"
+                    f"{' or generated' if self.replay_saves_generation else ''}, only what the queue already holds. "
+                    f"Lower `replay_ratio` below {1 - 0.5 / groups:.3g}, or put more groups in a batch "
+                    "(per_device_train_batch_size x steps_per_generation / num_generations).")))
             elif self.replay_buffer_size < self.replayed_groups_per_batch:
                 rows.append(("warning", (
                     f"`replay_buffer_size` ({self.replay_buffer_size}) holds fewer groups than one batch replays "

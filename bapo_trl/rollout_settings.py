@@ -13,8 +13,9 @@ import json
 #: How the replay queue picks stored groups.
 SAMPLING = ("uniform", "recent", "advantage")
 
-#: Length and stop settings of vLLM / transformers generation that partial rollout cannot honour.
-PARTIAL_ROLLOUT_CLASHING_KWARGS = frozenset({
+#: Length and stop settings of vLLM / transformers generation that chunked generation (partial rollout's rounds,
+#: in-flight updates' chunks) cannot honour: it caps each chunk itself and recognises stops by EOS token ids only.
+CHUNK_CLASHING_KWARGS = frozenset({
     "max_tokens", "min_tokens", "stop", "ignore_eos", "include_stop_str_in_output",  # vLLM SamplingParams
     "max_new_tokens", "min_new_tokens", "max_length", "min_length", "stop_strings",  # transformers GenerationConfig
 })
@@ -121,7 +122,7 @@ def partial_rollout_errors(cfg) -> list[str]:
     # The pool sets each round's length cap and tells a stopped completion from a capped one by its EOS tokens
     # (`stop_token_ids` / `eos_token_id` in generation_kwargs join them); other length or stop settings would
     # override the cap or stop on something it cannot see.
-    clashing = sorted(set(_generation_kwargs(cfg)) & PARTIAL_ROLLOUT_CLASHING_KWARGS)
+    clashing = sorted(set(_generation_kwargs(cfg)) & CHUNK_CLASHING_KWARGS)
     if clashing:
         errors.append(
             f"`generation_kwargs` keys {clashing} cannot be used with `partial_rollout_budget` (it caps each "
@@ -150,6 +151,16 @@ def async_errors(cfg) -> list[str]:
     if chunk is not None and cfg.partial_rollout_budget is not None:
         errors.append("`inflight_update_tokens` cannot be combined with `partial_rollout_budget`: partial rollout "
                       "already grows completions round by round under the newest weights; use one of them.")
+    if is_whole(chunk) and chunk >= cfg.max_completion_length:
+        errors.append(f"`inflight_update_tokens` ({chunk}) must be below `max_completion_length` "
+                      f"({cfg.max_completion_length}): one chunk would hold every completion whole, so no push could "
+                      "ever land inside a request. Set it in [1, max_completion_length), or None.")
+    clashing = sorted(set(_generation_kwargs(cfg)) & CHUNK_CLASHING_KWARGS)
+    if chunk is not None and clashing:
+        errors.append(
+            f"`generation_kwargs` keys {clashing} cannot be used with `inflight_update_tokens` (it caps each chunk "
+            "itself and recognises stops by EOS token ids only: a stop string across two chunks would be missed); "
+            "use `stop_token_ids` / `eos_token_id`.")
     if not (cfg.use_vllm and cfg.vllm_mode == "server"):
         errors.append("`async_generation` needs a vLLM server to generate in (`use_vllm=True`, "
                       f"`vllm_mode='server'`); got use_vllm={cfg.use_vllm}, vllm_mode={cfg.vllm_mode!r}.")
@@ -169,10 +180,36 @@ def async_errors(cfg) -> list[str]:
     return errors
 
 
+#: The built-in sources, each with the settings that turn it on (``rollout_source="auto"`` picks by them).
+BUILT_IN_SOURCES = {
+    "trl": "async_generation=False, partial_rollout_budget=None",
+    "partial": "async_generation=False, partial_rollout_budget set",
+    "async": "async_generation=True, partial_rollout_budget=None",
+    "async_partial": "async_generation=True, partial_rollout_budget set",
+}
+
+
+def auto_source_name(cfg) -> str:
+    """The built-in source the settings turn on (what ``rollout_source="auto"`` builds)."""
+    partial = cfg.partial_rollout_budget is not None
+    if cfg.async_generation:
+        return "async_partial" if partial else "async"
+    return "partial" if partial else "trl"
+
+
 def rollout_source_errors(cfg) -> list[str]:
+    """A built-in source named outright must be the one its settings turn on: every check and bound here (the async
+    checks, the staleness bound, the replay ages) reads the settings, so a source the settings do not describe would
+    run unchecked."""
     name = cfg.rollout_source
     if not isinstance(name, str) or not name.strip():
         return [f"`rollout_source` must be 'auto' or the name of a registered rollout source, got {name!r}."]
+    chosen = auto_source_name(cfg)
+    if name in BUILT_IN_SOURCES and name != chosen:
+        return [f"`rollout_source` {name!r} is a built-in source, turned on by its settings "
+                f"({BUILT_IN_SOURCES[name]}), but these settings (async_generation={cfg.async_generation}, "
+                f"partial_rollout_budget={cfg.partial_rollout_budget}) turn on {chosen!r}: set those settings and "
+                "leave `rollout_source` at 'auto'."]
     return []
 
 

@@ -163,6 +163,13 @@ BASE = dict(output_dir="unused", use_cpu=True, bf16=False, report_to="none", per
           inflight_update_tokens=2), r"`inflight_update_tokens` cannot be combined with `partial_rollout_budget`"),
     (dict(async_generation=True, use_vllm=True, vllm_mode="server", max_staleness=2, inflight_update_tokens=2,
           lazy_weight_loading=True), r"`lazy_weight_loading` cannot be combined with `inflight_update_tokens`"),
+    (dict(async_generation=True, use_vllm=True, vllm_mode="server", max_completion_length=8, inflight_update_tokens=8),
+     r"`inflight_update_tokens` \(8\) must be below `max_completion_length` \(8\)"),
+    (dict(async_generation=True, use_vllm=True, vllm_mode="server", max_completion_length=8, inflight_update_tokens=2,
+          generation_kwargs={"stop": ["\n"], "max_tokens": 4}),
+     r"`generation_kwargs` keys \['max_tokens', 'stop'\] cannot be used with `inflight_update_tokens`"),
+    (dict(async_generation=True, use_vllm=True, vllm_mode="server", max_completion_length=8, inflight_update_tokens=2,
+          generation_kwargs={"ignore_eos": True}), r"\['ignore_eos'\] cannot be used with `inflight_update_tokens`"),
 ])
 def test_async_settings_are_checked_before_anything_is_built(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -212,6 +219,23 @@ def test_a_users_rollout_func_is_refused_with_async_generation():
     args = BAPOConfig(**BASE, async_generation=True, use_vllm=True, vllm_mode="server")
     with pytest.raises(ValueError, match="async generation .*would replace yours"):
         check_source_arguments(args, {"rollout_func": lambda prompts, trainer: {}})
+
+
+def test_resuming_planned_short_batches_without_the_replay_that_fills_them_is_refused():
+    """A checkpoint of async generation with replay_saves_generation holds batches generated (or planned) short, for
+    replay to fill; resumed with it switched off, they would reach TRL short. Refused at load, before generating."""
+    from types import SimpleNamespace
+
+    port = SimpleNamespace(args=SimpleNamespace(max_staleness=2))
+    saved = {"batches_handed": 3, "batches_submitted": 3, "generated": [], "planned": {3: 0, 4: 1},
+             "planned_upto": 5}
+    with pytest.raises(ValueError, match=r"those batches would be short\. Resume with the checkpoint's settings"):
+        AsyncGeneration(port).load_state_dict(saved)
+    planned = AsyncGeneration(port)
+    planned.plan_with(lambda index, ahead: 1)  # what ReplaySource does when replay_saves_generation is on
+    planned.load_state_dict(saved)
+    assert (planned.handed, planned.planned) == (3, {3: 0, 4: 1})
+    AsyncGeneration(port).load_state_dict({**saved, "planned": {3: 0, 4: 0}})  # nothing left out: any settings
 
 
 def test_a_stalled_server_is_an_error_naming_the_timeout(tiny_model_dir, tmp_path, monkeypatch):

@@ -49,6 +49,12 @@ BAD = [
     (dict(replay_buffer_size=4, replay_ratio=0.5, replay_max_staleness=0), "replay_max_staleness", ">= 1"),
     (dict(replay_buffer_size=4, replay_ratio=0.5, replay_sampling="oldest"), "replay_sampling", "'uniform'"),
     (dict(replay_fill_zero_std_groups=True), "replay_buffer_size", ">= 1"),
+    (dict(replay_buffer_size=8, replay_ratio=0.9, per_device_train_batch_size=16, replay_max_staleness=8),
+     "replay_ratio", "below 0.75"),  # 2 groups per batch: 0.9 x 2 rounds to both
+    # a built-in source named outright must be the one the settings turn on (the checks and bounds read them)
+    (dict(rollout_source="async"), "rollout_source", "async_generation=True"),
+    (dict(rollout_source="partial"), "rollout_source", "partial_rollout_budget set"),
+    (dict(rollout_source="trl", partial_rollout_budget=4), "rollout_source", "turn on 'partial'"),
 ]
 
 

@@ -20,6 +20,8 @@ ERRORS = [
      ["`replay_max_staleness` (8) is below the youngest age", "Set `replay_max_staleness` >= 15"]),
     ("--replay_buffer_size 8 --replay_ratio 0.01 --replay_max_staleness 64",
      ["`replay_ratio` (0.01) x 32 groups", "rounds to 0 replayed groups"]),
+    ("--replay_buffer_size 8 --replay_ratio 0.99 --replay_max_staleness 64",
+     ["`replay_ratio` (0.99) x 32 group(s)", "rounds to all 32", "Lower `replay_ratio` below 0.984"]),
     ("--replay_buffer_size 8", ["`replay_buffer_size` is 8 but nothing is ever replayed"]),
     ("--replay_ratio 0.5", ["needs a replay queue: set `replay_buffer_size` >= 1"]),
     ("--partial_rollout_budget 12", ["`partial_rollout_budget` must be an integer in [1, max_completion_length)"]),
@@ -27,6 +29,12 @@ ERRORS = [
     ("--loss_type sapo --ratio_upper_start 1.0", ["`ratio_upper_start` must be > 1 with loss_type='sapo'"]),
     ("--partial_rollout_budget 4 --generation_kwargs {\"max_tokens\":8}",
      ["`generation_kwargs` keys ['max_tokens'] cannot be used with `partial_rollout_budget`"]),
+    ("--async_generation --use_vllm --vllm_mode server --inflight_update_tokens 4 "
+     "--generation_kwargs {\"stop\":[\"x\"]}",
+     ["`generation_kwargs` keys ['stop'] cannot be used with `inflight_update_tokens`"]),
+    ("--async_generation --use_vllm --vllm_mode server --inflight_update_tokens 12",
+     ["`inflight_update_tokens` (12) must be below `max_completion_length` (12)"]),
+    ("--rollout_source async", ["`rollout_source` 'async' is a built-in source", "turn on 'trl'"]),
     ("--replay_saves_generation", ["`replay_saves_generation` needs a replay queue"]),
 ]
 #: (flags, substring of the warning): legitimate but a setting is useless.

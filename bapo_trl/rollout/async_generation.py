@@ -29,7 +29,10 @@ How it stays correct:
   generation batch at a time (each process takes its slice, as TRL's server mode slices the answer). TRL's own
   dataloader still runs; its rows are not used. A checkpoint saves how many batches were handed and, on the main
   process, every batch generated ahead (see :class:`AsyncGeneration`): a resume trains exactly what the uninterrupted
-  run would have, nothing lost, nothing twice.
+  run would have, nothing lost, nothing twice. With ``weight_sync_steps`` > 1 a resume pushes the current weights at
+  its first hand-over (the server's older weights are not in the checkpoint, and it may have been restarted since),
+  so the batches generated after that come from newer weights than the uninterrupted run's: the same prompts,
+  nothing lost, nothing twice, within the same bounds, not the same completions.
 * **Errors, not hangs.** Each request goes through a client that sends it once and bounds it by
   ``vllm_server_timeout``; whatever the client, every wait of the trainer on the producer is bounded too
   (:class:`~.producer.Producer`), and a failure on the main process is raised on every process before any of them
@@ -156,6 +159,13 @@ class AsyncGeneration:
         self._restored = {data["index"]: decode_batch(data) for data in state.get("generated", [])}
         self.planned = dict(state.get("planned", {}))
         self.planned_upto = int(state.get("planned_upto", self.submitted))
+        if self.planner is None and any(self.planned.values()):
+            raise ValueError(
+                "resume_from_checkpoint: this checkpoint's async generation left groups out of batches it generated "
+                "or planned ahead, for replay to stand in for them (`replay_saves_generation=True`), and this run "
+                "does not replay them: those batches would be short. Resume with the checkpoint's settings "
+                "(replay_saves_generation=True and its replay queue); change them after a checkpoint with nothing "
+                "planned ahead, or start a new run.")
 
     # -- the trainer's side -----------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from ..rollout_settings import auto_source_name
 from .contract import RolloutSource, TrainerPort
 
 _SOURCES: dict[str, Any] = {
@@ -42,11 +43,7 @@ def _load(entry: type | str) -> type:
 
 def source_name(args) -> str:
     """The registered name of the source ``args`` choose (before replay wraps it)."""
-    if args.rollout_source != "auto":
-        return args.rollout_source
-    if args.async_generation:
-        return "async_partial" if args.partial_rollout_enabled else "async"
-    return "partial" if args.partial_rollout_enabled else "trl"
+    return args.rollout_source if args.rollout_source != "auto" else auto_source_name(args)
 
 
 def source_classes(args) -> list[type]:
