@@ -1,6 +1,6 @@
 """Every accelerate config is launched for real (2 processes on CPU) and must prove it ran distributed.
 
-Each launch runs `train_bapo.py` itself on the embedded tiny model for two steps. `launch_info/rank<N>.json`
+Each launch runs `train_bapo.py` itself on the embedded tiny model for a few steps. `launch_info/rank<N>.json`
 (written by the script for every rank) says what the launch really did: a config that silently fell back to
 two independent world-size-1 runs, or a ZeRO-3 run that did not partition the weights, fails here.
 """
@@ -11,6 +11,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from launching import REPO, accelerate_launch, accelerate_launch_machines, assert_zero3_partitioned, free_port
 
@@ -118,21 +120,42 @@ def test_single_process_config(tmp_path):
 
 
 def test_two_processes_with_the_replay_queue(tmp_path):
-    """DDP over gloo with replay on: each rank keeps its own queue, saves it, and replayed groups are trained."""
-    out = tmp_path / "run"
-    accelerate_launch(
-        TRAIN, "--max_steps", "4", "--per_device_train_batch_size", "8", "--num_generations", "4",
-        "--steps_per_generation", "2", "--max_completion_length", "8", "--replay_buffer_size", "8",
-        "--replay_ratio", "0.5", "--save_strategy", "steps", "--save_steps", "4", "--output_dir", out,
-        config_file=CONFIGS / "multi_gpu.yaml", extra_launch=NO_MIXED,
-    )
+    """DDP over gloo with replay wrapped around partial rollout: each rank keeps its own queue and pool, saves them,
+    and replayed groups are trained. A second launch resumes from the checkpoint in the MIDDLE of a generation batch
+    (step 3 of batches of 2 updates) and continues exactly as the uninterrupted run did on both ranks: the same
+    metrics (gathered from both ranks) at every later step and the same final weights (CPU, fixed seed)."""
+    run = ["--max_steps", "6", "--per_device_train_batch_size", "8", "--num_generations", "4",
+           "--steps_per_generation", "2", "--max_completion_length", "8", "--replay_buffer_size", "8",
+           "--replay_ratio", "0.5", "--replay_max_staleness", "8", "--partial_rollout_budget", "4",
+           "--save_strategy", "steps", "--save_steps", "3", "--seed", "3"]
+    out, resumed = tmp_path / "run", tmp_path / "resumed"
+    accelerate_launch(TRAIN, *run, "--output_dir", out, config_file=CONFIGS / "multi_gpu.yaml", extra_launch=NO_MIXED)
     info = json.loads((out / "launch_info" / "rank1.json").read_text())
     assert info["world_size"] == 2
-    checkpoint = out / "checkpoint-4"
-    assert (checkpoint / "replay_queue_rank0.pt").exists() and (checkpoint / "replay_queue_rank1.pt").exists()
+    checkpoint = out / "checkpoint-6"
+    for state in ("replay_queue", "partial_rollout"):
+        assert (checkpoint / f"{state}_rank0.pt").exists() and (checkpoint / f"{state}_rank1.pt").exists()
     logs = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
     assert any(h.get("replay/fraction", 0) > 0 for h in logs)
     assert any(h.get("replay/staleness_mean") is not None for h in logs)
+
+    accelerate_launch(TRAIN, *run, "--output_dir", resumed, "--resume_from_checkpoint", out / "checkpoint-3",
+                      config_file=CONFIGS / "multi_gpu.yaml", extra_launch=NO_MIXED)
+    reference = {h["step"]: h for h in logs if "loss" in h}
+    again = {h["step"]: h for h in json.loads((resumed / "checkpoint-6" / "trainer_state.json").read_text())[
+        "log_history"] if "loss" in h}
+    assert sorted(again) == sorted(reference) == list(range(1, 7))  # steps 1-3 come from the checkpoint's history
+    compared = set()
+    for step in range(4, 7):
+        assert again[step].keys() == reference[step].keys(), step
+        for key in ("loss", "grad_norm", "reward", "bapo/clip_low", "bapo/clip_high", "replay/fraction",
+                    "replay/size", "partial/carried"):
+            if key in reference[step]:  # the generation metrics are logged at the steps that generate
+                assert again[step][key] == pytest.approx(reference[step][key], abs=1e-5, nan_ok=True), (step, key)
+                compared.add(key)
+    assert {"loss", "reward", "bapo/clip_high", "replay/fraction", "partial/carried"} <= compared, compared
+    a, b = (load_file(folder / "checkpoint-6" / "model.safetensors") for folder in (out, resumed))
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
 def test_two_processes_zero3_with_partial_rollout(tmp_path):

@@ -29,7 +29,10 @@ How it stays correct:
   generation batch at a time (each process takes its slice, as TRL's server mode slices the answer). TRL's own
   dataloader still runs; its rows are not used. A checkpoint saves how many batches were handed and, on the main
   process, every batch generated ahead (see :class:`AsyncGeneration`): a resume trains exactly what the uninterrupted
-  run would have, nothing lost, nothing twice. With ``weight_sync_steps`` > 1 a resume pushes the current weights at
+  run would have, nothing lost, nothing twice. At K >= 2 a batch queued ahead takes the newest weights handed over
+  before its request starts, which depends on timing where the producer is behind the trainer (a checkpoint's wait
+  for the batches generated ahead changes it too): the same prompts then, within the same bounds, and the same
+  completions wherever the same weights generated them. With ``weight_sync_steps`` > 1 a resume pushes the current weights at
   its first hand-over (the server's older weights are not in the checkpoint, and it may have been restarted since),
   so the batches generated after that come from newer weights than the uninterrupted run's: the same prompts,
   nothing lost, nothing twice, within the same bounds, not the same completions.
