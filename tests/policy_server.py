@@ -47,7 +47,8 @@ class PolicyServer:
     ``/reset_prefix_cache``. Counts requests by (method, path), and RPCs as ("RPC", method); ``versions`` lists, per
     generate request, how many reloads the server had applied when it ran."""
 
-    def __init__(self, model_dir: str, stall_on: tuple[int, ...] = (), seed: int = 0, seconds_per_token: float = 0.0):
+    def __init__(self, model_dir: str, stall_on: tuple[int, ...] = (), seed: int = 0, seconds_per_token: float = 0.0,
+                 busy_resets: int = 0):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -60,6 +61,7 @@ class PolicyServer:
         self.versions: list[int] = []  # reloads applied when each generate request ran
         self.completions: list[int] = []  # completions each generate request returned
         self.stall_on = set(stall_on)
+        self.busy_resets = busy_resets  # answer this many prefix-cache resets as vLLM does while blocks are held
         self.seconds_per_token = seconds_per_token  # a slower server, for requests that outlast a training step
         self.release = threading.Event()
         server = self
@@ -84,6 +86,10 @@ class PolicyServer:
                         server.release.wait(600)  # the stall: accepted, never answered
                         return
                     self.answer(server.complete(body))
+                elif self.path == "/reset_prefix_cache":
+                    with server.counting:
+                        busy, server.busy_resets = server.busy_resets > 0, max(server.busy_resets - 1, 0)
+                    self.answer({"success": not busy})  # vLLM: 200 either way, success false while blocks are held
                 elif self.path == "/collective_rpc":
                     server.requests["RPC", body.get("method")] += 1  # by method: a start-up probe is an RPC too
                     if body.get("method") == "reload_weights":

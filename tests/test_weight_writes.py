@@ -66,6 +66,25 @@ def test_push_is_write_then_load(stand_in, tmp_path):
     sync.close()
 
 
+def test_a_prefix_cache_reset_refused_while_blocks_are_held_is_retried_then_an_error(tiny_model_dir, tmp_path):
+    """vLLM answers a reset with 200 and ``{"success": false}`` while a running request holds KV blocks (the stand-in
+    answers so for its first ``busy_resets``): the sync retries until the cache is really reset, and names the problem
+    when it never is, instead of letting later requests reuse prefixes computed by the old weights."""
+    server = PolicyServer(tiny_model_dir, busy_resets=2)
+    try:
+        sync = DiskWeightSync(server.url, timeout=10, root=str(tmp_path))
+        state = shifted(server, 0.5)
+        sync.push(state)
+        assert server_holds(server, state) and server.requests["POST", "/reset_prefix_cache"] == 3
+        server.busy_resets = 10**6
+        sync.timeout = 0.5
+        with pytest.raises(WeightSyncError, match=r"could not reset its prefix cache within 0.5 s"):
+            sync.push(shifted(server, 0.7))
+        sync.close()
+    finally:
+        server.close()
+
+
 def test_writes_run_on_the_writer_thread_in_push_order(stand_in, tmp_path):
     sync = DiskWeightSync(stand_in.url, timeout=10, root=str(tmp_path))
     seen = []

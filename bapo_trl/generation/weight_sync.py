@@ -314,7 +314,29 @@ class DiskWeightSync:
                         f"that re-packs the LM head after a reload; {SERVE_HINT}."
                     ) from exc
                 raise
-        self._post("/reset_prefix_cache", "weight sync (prefix cache reset) failed", base_url=base_url)
+        self._reset_prefix_cache(base_url)
+
+    def _reset_prefix_cache(self, base_url: str) -> None:
+        """Drop the KV blocks cached under the old weights. vLLM answers 200 with ``{"success": false}`` while a
+        running request holds blocks (e.g. a request the previous ``train()`` left in flight); the cache then keeps
+        serving prefixes computed by the old weights, and the sampler's log-probs are no longer the new policy's. So
+        retry until it succeeds, within the sync's timeout, then fail loudly."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            response = self._post("/reset_prefix_cache", "weight sync (prefix cache reset) failed", base_url=base_url)
+            try:
+                body = response.json()
+            except ValueError:  # older vLLM: an empty 200 means done
+                body = None
+            done = not isinstance(body, dict) or bool(body.get("success", True))
+            if done:
+                return
+            if time.monotonic() > deadline:
+                raise WeightSyncError(
+                    f"weight sync: the vLLM server at {base_url} could not reset its prefix cache within "
+                    f"{self.timeout:g} s (requests still running hold KV blocks computed by the old weights, which "
+                    "later requests would reuse). Is another client generating on this server?")
+            time.sleep(0.05)
 
     @property
     def current_dir(self) -> str | None:
