@@ -107,6 +107,11 @@ def replay_errors(cfg) -> list[str]:
     return errors
 
 
+def _chunk_clashing_kwargs(cfg) -> list[str]:
+    """The ``generation_kwargs`` keys a chunked source cannot honour (see :data:`CHUNK_CLASHING_KWARGS`)."""
+    return sorted(set(_generation_kwargs(cfg)) & CHUNK_CLASHING_KWARGS)
+
+
 def partial_rollout_errors(cfg) -> list[str]:
     budget, resumes = cfg.partial_rollout_budget, cfg.partial_rollout_max_resumes
     if budget is None:
@@ -122,7 +127,7 @@ def partial_rollout_errors(cfg) -> list[str]:
     # The pool sets each round's length cap and tells a stopped completion from a capped one by its EOS tokens
     # (`stop_token_ids` / `eos_token_id` in generation_kwargs join them); other length or stop settings would
     # override the cap or stop on something it cannot see.
-    clashing = sorted(set(_generation_kwargs(cfg)) & CHUNK_CLASHING_KWARGS)
+    clashing = _chunk_clashing_kwargs(cfg)
     if clashing:
         errors.append(
             f"`generation_kwargs` keys {clashing} cannot be used with `partial_rollout_budget` (it caps each "
@@ -155,7 +160,7 @@ def async_errors(cfg) -> list[str]:
         errors.append(f"`inflight_update_tokens` ({chunk}) must be below `max_completion_length` "
                       f"({cfg.max_completion_length}): one chunk would hold every completion whole, so no push could "
                       "ever land inside a request. Set it in [1, max_completion_length), or None.")
-    clashing = sorted(set(_generation_kwargs(cfg)) & CHUNK_CLASHING_KWARGS)
+    clashing = _chunk_clashing_kwargs(cfg)
     if chunk is not None and clashing:
         errors.append(
             f"`generation_kwargs` keys {clashing} cannot be used with `inflight_update_tokens` (it caps each chunk "
@@ -191,7 +196,7 @@ BUILT_IN_SOURCES = {
 
 def auto_source_name(cfg) -> str:
     """The built-in source the settings turn on (what ``rollout_source="auto"`` builds)."""
-    partial = cfg.partial_rollout_budget is not None
+    partial = cfg.partial_rollout_enabled
     if cfg.async_generation:
         return "async_partial" if partial else "async"
     return "partial" if partial else "trl"

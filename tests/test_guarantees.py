@@ -204,14 +204,16 @@ def config(source: str, setting: tuple[int, int, int], out: Path, servers: list,
         output_dir=str(out), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
         per_device_train_batch_size=8, num_generations=4, max_completion_length=8, logging_steps=1, seed=0,
         learning_rate=5e-3, lr_scheduler_type="constant", steps_per_generation=steps_per_generation,
-        num_iterations=num_iterations, gradient_accumulation_steps=accumulation, max_steps=row_steps(source, updates) if regenerate else updates + 2,
+        num_iterations=num_iterations, gradient_accumulation_steps=accumulation,
+        max_steps=row_steps(source, updates, regenerate),
         save_strategy="steps", save_steps=1, disable_tqdm=True)
     return BAPOConfig(**{**settings, **extra, **overrides})
 
 
-def row_steps(source: str, updates: int) -> int:
+def row_steps(source: str, updates: int, regenerate: bool = True) -> int:
+    """u + 2 steps, or, where ``regenerate`` asks for it, as many as MAX_ROW_STEPS explains."""
     extra = SOURCES[source]
-    if extra.get("async_generation") and source not in TIMING_DEPENDENT:
+    if regenerate and extra.get("async_generation") and source not in TIMING_DEPENDENT:
         longer = (extra.get("max_staleness", 1) + 2) * updates + 1
         if longer <= MAX_ROW_STEPS:
             return max(longer, updates + 2)
@@ -335,7 +337,8 @@ def test_guarantees_fast_rows(source, tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", [s for s in SETTINGS if s != FAST], ids=lambda s: "S{}_I{}_GA{}".format(*s))
-@pytest.mark.parametrize("source", [s for s in SOURCES if s not in SERVERS.keys() | ONE_SETTING])  # a fleet adds nothing
+# a fleet adds nothing per setting; ONE_SETTING rows run at the fast setting only
+@pytest.mark.parametrize("source", [s for s in SOURCES if s not in SERVERS.keys() | ONE_SETTING])
 def test_guarantees_slow_rows(source, setting, tiny_model_dir, tmp_path):
     run_row(source, setting, tiny_model_dir, tmp_path)
 

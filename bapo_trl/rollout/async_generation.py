@@ -32,10 +32,10 @@ How it stays correct:
   run would have, nothing lost, nothing twice. At K >= 2 a batch queued ahead takes the newest weights handed over
   before its request starts, which depends on timing where the producer is behind the trainer (a checkpoint's wait
   for the batches generated ahead changes it too): the same prompts then, within the same bounds, and the same
-  completions wherever the same weights generated them. With ``weight_sync_steps`` > 1 a resume pushes the current weights at
-  its first hand-over (the server's older weights are not in the checkpoint, and it may have been restarted since),
-  so the batches generated after that come from newer weights than the uninterrupted run's: the same prompts,
-  nothing lost, nothing twice, within the same bounds, not the same completions.
+  completions wherever the same weights generated them. With ``weight_sync_steps`` > 1 a resume pushes the current
+  weights at its first hand-over (the server's older weights are not in the checkpoint, and it may have been
+  restarted since), so the batches generated after that come from newer weights than the uninterrupted run's: the
+  same prompts, nothing lost, nothing twice, within the same bounds, not the same completions.
 * **Errors, not hangs.** Each request goes through a client that sends it once and bounds it by
   ``vllm_server_timeout``; whatever the client, every wait of the trainer on the producer is bounded too
   (:class:`~.producer.Producer`), and a failure on the main process is raised on every process before any of them
