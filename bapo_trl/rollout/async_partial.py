@@ -65,7 +65,8 @@ class AsyncPartialRollout(AsyncGeneration):
         if todo:  # too few finished groups: generate the oldest unfinished ones to the end, now
             prefixes, caps = pool.request(todo, pool.max_len)
             self.producer.submit(Work(("finish", self.handed), prefixes, 1, max(caps), context=(todo, caps),
-                                      seed=request_seed(self.port.args.seed, 2 * self.handed + 1)))
+                                      seed=request_seed(self.port.args.seed, 2 * self.handed + 1),
+                                      min_version=self.pushed_step))
             batch, extra_wait = self.producer.take(("finish", self.handed))
             pool.apply(todo, caps, batch.completion_ids, batch.logps, batch.logps, batch.version)
             waited, seconds = waited + extra_wait, seconds + batch.seconds
@@ -93,7 +94,7 @@ class AsyncPartialRollout(AsyncGeneration):
         wanted = [pool.budget if c.resumes < pool.max_resumes else pool.max_len for c in todo]
         prefixes, caps = pool.request(todo, wanted)
         work = Work(("round", index), prefixes, 1, max(caps), context=(todo, caps),
-                    seed=request_seed(port.args.seed, 2 * index))
+                    seed=request_seed(port.args.seed, 2 * index), min_version=self.pushed_step)
         if restored is not None:
             self.producer.preload({work.index: decode_batch(restored, context=work.context)})
         else:
