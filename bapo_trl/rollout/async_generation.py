@@ -209,9 +209,9 @@ class AsyncGeneration:
         Where the backend can push from another thread (the disk reload), every process takes part in gathering the
         weights, and the main process hands them to the producer, which loads them before the first request queued
         after them (or, with in-flight updates, the next chunk): the trainer never waits for a request in flight,
-        however many batches ahead it is. Otherwise (TRL's NCCL push on CUDA) the main process first holds the producer between two
-        requests (bounded: a stalled request is an error) and tells every process whether it could, before any of
-        them enters the push (a collective under ZeRO-3)."""
+        however many batches ahead it is. Otherwise (TRL's NCCL push on CUDA) the main process first holds the
+        producer between two requests (bounded: a stalled request is an error) and tells every process whether it
+        could, before any of them enters the push (a collective under ZeRO-3)."""
         port = self.port
         step = port.global_step
         if self.pushed_step is not None and step - self.pushed_step < port.args.weight_sync_steps:

@@ -238,10 +238,9 @@ class Producer:
                     while self._push_wanted.is_set():
                         self.condition.wait(timeout=1.0)
                 with self._request_lock:
-                    if work.min_version is None or self.lazy and self.version < work.min_version:
-                        self.apply_pending()  # the newest
-                    elif not self.lazy:
-                        self.apply_pending(upto=work.min_version)  # exactly the push it was queued after
+                    if not (self.lazy and work.min_version is not None and self.version >= work.min_version):
+                        # eager: exactly the push it was queued after; lazy (the server's weights too old): the newest
+                        self.apply_pending(upto=None if self.lazy else work.min_version)
                     version, start, self.in_flight = self.version, time.perf_counter(), work.index
                     output = self.generate(work)
                     seconds = time.perf_counter() - start
