@@ -158,6 +158,60 @@ def test_a_request_queued_before_a_push_keeps_its_own_push_however_late_it_start
         producer.close()
 
 
+@pytest.mark.parametrize("after", [None, 1])
+def test_a_held_push_waits_until_the_batch_needed_next_has_started(after):
+    """The trainer's own push (the shape of TRL's NCCL push on CUDA: the trainer holds the producer between two
+    requests and loads the weights itself). Batch 1 is queued behind batch 0 in flight when the push comes: held with
+    ``after=1`` (the batch the trainer takes next), the push waits until batch 1 has started and ended, and batch 1
+    keeps the weights it was queued after; without it, the push slips in between the two requests and batch 1 takes
+    the newer weights (the Finding 3 race on the synchronous push)."""
+    generate = ScriptedGenerator()
+    producer = Producer(generate, request_timeout=10)
+    try:
+        generate.release.clear()
+        producer.submit(Work(0, [[1]], n=1, max_tokens=4, min_version=0))
+        assert generate.started.wait(10)
+        producer.submit(Work(1, [[2]], n=1, max_tokens=4, min_version=0))
+        pushed = threading.Event()
+
+        def push():
+            with producer.between_requests(after=after):
+                producer.version = 5
+            pushed.set()
+
+        pusher = threading.Thread(target=push)
+        pusher.start()
+        time.sleep(0.2)
+        assert not pushed.is_set()  # batch 0 is in flight
+        generate.release.set()
+        pusher.join(10)
+        assert pushed.is_set()
+        versions = [producer.take(i)[0].version for i in range(2)]
+        assert versions == ([0, 0] if after is not None else [0, 5])
+    finally:
+        producer.close()
+
+
+def test_a_held_push_waiting_for_a_request_that_never_starts_is_an_error():
+    """Bounded like every wait of the trainer: a request stuck ahead of the batch needed next is a ProducerStalled
+    error naming that batch, not a hang (a scripted generator holding its first request)."""
+    from bapo_trl.rollout.producer import ProducerStalled
+
+    generate = ScriptedGenerator()
+    producer = Producer(generate, request_timeout=0.2)
+    try:
+        generate.release.clear()
+        producer.submit(Work(0, [[1]], n=1, max_tokens=4))
+        assert generate.started.wait(10)
+        producer.submit(Work(1, [[2]], n=1, max_tokens=4))
+        with pytest.raises(ProducerStalled, match=r"batch 1 did not start within 1 s"):
+            with producer.between_requests(after=1):
+                pass
+    finally:
+        generate.release.set()
+        producer.close()
+
+
 def test_a_failed_request_is_raised_where_the_trainer_takes_the_batch():
     def broken(work):
         raise ConnectionError("server went away")

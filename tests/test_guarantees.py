@@ -1,7 +1,8 @@
 """The off-policy guarantees, checked on a table of configurations (issue "Exact off-policy guarantees").
 
 Rows: every rollout source (TRL's generation, replay, partial rollout, async K=1 and K=2, async partial rollout,
-replay with async, in-flight updates, replay saving generation, lazy loading, two servers, pushes every 3 steps) x
+replay with async, in-flight updates, replay saving generation, lazy loading, two servers, pushes every 3 steps, the
+trainer's own held push as on CUDA) x
 settings a user combines (optimizer steps per generation batch through steps_per_generation S,
 num_iterations I, gradient_accumulation_steps GA; pairwise: (S, I, GA) in (1,1,1), (1,2,2), (4,1,2), (4,2,1)). On
 every row, one trainer object:
@@ -37,6 +38,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from bapo_trl import BAPOConfig, BAPOTrainer
 from bapo_trl.numerics import loss_mask
+from bapo_trl.rollout.port import TRLPort
+from bapo_trl.rollout.producer import Producer
 from bapo_trl.rollout_settings import staleness_bound
 from bapo_trl.toy import make_reverse_dataset
 
@@ -45,6 +48,8 @@ SOURCES = {
     "replay": dict(replay_buffer_size=8, replay_ratio=0.5),
     "partial": dict(partial_rollout_budget=3, partial_rollout_max_resumes=2),
     "async_k1": dict(async_generation=True, max_staleness=1),
+    "async_k1_held_push": dict(async_generation=True, max_staleness=1),
+    "async_partial_held_push": dict(async_generation=True, partial_rollout_budget=3, partial_rollout_max_resumes=2),
     "async_k2": dict(async_generation=True, max_staleness=2),
     "async_partial": dict(async_generation=True, partial_rollout_budget=3, partial_rollout_max_resumes=2),
     "replay_async": dict(async_generation=True, replay_buffer_size=8, replay_ratio=0.5),
@@ -59,13 +64,19 @@ SOURCES = {
 #: Rows that generate on several servers (``vllm_server_base_url`` lists them): every server answers requests and
 #: loads every push, and the guarantees hold as with one.
 SERVERS = {"async_k2_two_servers": 2}
+#: Rows whose trainer pushes as TRL's NCCL push does on CUDA: synchronously, holding the producer between two requests
+#: (after the request of the batch it takes next has started), through TRL's own ``sync_weights`` (here the disk push):
+#: ``TRLPort.gather_weights`` is patched to return None, as it does without a deferred push. A STAND-IN for CUDA's
+#: path on CPU: the NCCL transfer itself cannot run here, the hold around it does.
+HELD_PUSH = {"async_k1_held_push", "async_partial_held_push"}
 #: Rows the fast tier leaves to the slow tier: they wait on a slowed server, or start a second one, or are the
 #: longest rows whose parts fast rows check separately: async_k2 (K=2 staleness: replay_saves_async runs with
 #: max_staleness=2), async_k2_lazy (a slowed server; the lazy producer's choice is unit-tested fast in
 #: test_async_generation.py), async_partial (16 s; partial and async_k1 are fast, their combination only slow), replay_async
 #: (10 s; replay and async_k1 are fast, and replay_saves_async replays under async, but only the generation-saving
 #: path: plain replay under async is checked in the slow tier only).
-SLOW_ROWS = {"async_inflight", "async_k2_two_servers", "async_k2", "async_partial", "replay_async", "async_k2_lazy"}
+SLOW_ROWS = {"async_inflight", "async_k2_two_servers", "async_k2", "async_partial", "replay_async", "async_k2_lazy",
+             "async_partial_held_push"}
 #: Rows whose completions depend on timing: with in-flight updates, where a push lands in a request depends on when
 #: it arrives; with lazy loading, whether a request runs before or after the push it could skip. There a resume trains
 #: the same PROMPT multiset (nothing lost, nothing twice) under the same bounds.
@@ -74,9 +85,9 @@ TIMING_DEPENDENT = {"async_inflight", "async_k2_lazy"}
 #: pushes at its first hand-over (the server's older weights are not in the checkpoint), so the batches generated
 #: after it may differ; the prompt multiset and the bounds are the same.
 RESUME_PUSHES = {"async_sync3"}
-#: Rows run at the fast setting only, on the stand-in: weight_sync_steps changes when the trainer pushes, not what a
-#: server or a setting does. 7 steps at u = 2 updates per batch reach staleness 4, past the bound with W = 1 (3).
-ONE_SETTING = {"async_sync3"}
+#: Rows run at the fast setting only, on the stand-in: weight_sync_steps and the held push change when and how the
+#: trainer pushes, not what a server or a setting does. 7 steps at u = 2 updates per batch reach staleness 4, past the bound with W = 1 (3).
+ONE_SETTING = {"async_sync3"} | HELD_PUSH
 #: A slower stand-in server for these rows, so requests outlast a training step and pushes land inside them (or, lazy,
 #: pushes wait while the producer is behind).
 SECONDS_PER_TOKEN = {"async_inflight": 0.004, "async_k2_lazy": 0.004}
@@ -244,6 +255,14 @@ def check_behaviour_logps(rows: list[dict], policies: dict, model_dir, temperatu
     return checked
 
 
+def generation_so_far(own_servers: list, server) -> float:
+    """How much the servers of a row have generated: the stand-ins count their completion requests, the real vLLM
+    server its generated tokens (its /metrics)."""
+    if server is not None:
+        return server.generated_tokens()
+    return sum(each.requests["POST", "/v1/completions"] for each in own_servers)
+
+
 def run_row(source: str, setting, model_dir, tmp_path: Path, server=None, atol: float = 2e-4) -> None:
     """One row of the table (see the module doc); ``server``: a real vLLM server for the async rows, else the
     stand-in is started here. ``atol``: behaviour log-probs against the trainer's recomputation (the stand-in runs the
@@ -252,6 +271,13 @@ def run_row(source: str, setting, model_dir, tmp_path: Path, server=None, atol: 
                    for _ in range(SERVERS.get(source, 1))] if server is None and "async" in source else []
     servers = own_servers or ([] if server is None else [server])
     exact = source not in TIMING_DEPENDENT | RESUME_PUSHES
+    patches, calls = pytest.MonkeyPatch(), []
+    if source in HELD_PUSH:
+        patches.setattr(TRLPort, "gather_weights", lambda self: None)
+        hold, take = Producer.between_requests, Producer.take
+        patches.setattr(Producer, "between_requests", lambda self, after=None: calls.append(("hold", after)) or hold(
+            self, after))
+        patches.setattr(Producer, "take", lambda self, index: calls.append(("take", index)) or take(self, index))
     try:
         args = config(source, setting, tmp_path / "out", servers)
         snapshots, skip_saves = Snapshots(), SkipSaves()
@@ -275,10 +301,10 @@ def run_row(source: str, setting, model_dir, tmp_path: Path, server=None, atol: 
         skip_saves.active = True
         for k in range(1, steps):
             trainer.trained = []
-            requests = sum(each.requests["POST", "/v1/completions"] for each in own_servers)
+            generated = generation_so_far(own_servers, server)
             trainer.train(resume_from_checkpoint=str(saved / f"checkpoint-{k}"))
-            if k == 1 and regenerates and own_servers:  # it generated beyond the batches the checkpoint saved
-                assert sum(each.requests["POST", "/v1/completions"] for each in own_servers) > requests, source
+            if k == 1 and regenerates and servers:  # it generated beyond the batches the checkpoint saved
+                assert generation_so_far(own_servers, server) > generated, source
             after = [r for r in full if r["step"] >= k]
             assert multiset(trainer.trained, exact) == multiset(after, exact), (source, setting, k)
             check_versions_and_staleness(trainer.trained, bound)
@@ -294,11 +320,19 @@ def run_row(source: str, setting, model_dir, tmp_path: Path, server=None, atol: 
         check_versions_and_staleness(trainer.trained, bound)
         if servers:  # it pushed its weights again at its first hand-over, and the generation thread loaded them
             assert trainer.state.log_history[0]["async/push_seconds"] > 0
-            assert trainer.state.log_history[0]["async/load_seconds"] > 0
+            assert trainer.state.log_history[0]["async/load_seconds"] > 0 or source in HELD_PUSH
+        if source in HELD_PUSH:  # the trainer loaded every push itself (the generation thread none), each push held
+            # the producer once the batch the trainer took next had started
+            assert all(h.get("async/load_seconds", 0) == 0 for h in trainer.state.log_history)
+            assert own_servers[0].reloads > 0
+            holds = [i for i, (what, _) in enumerate(calls) if what == "hold"]
+            assert holds and all(calls[i][1] == next(index for what, index in calls[i + 1 :] if what == "take")
+                                 for i in holds), calls
         if len(servers) > 1:  # several servers: each generated, each loaded every push
             assert all(s.requests["POST", "/v1/completions"] > 0 for s in servers), [s.requests for s in servers]
             assert len({s.reloads for s in servers}) == 1 and servers[0].reloads > 0, [s.reloads for s in servers]
     finally:
+        patches.undo()
         for each in own_servers:
             each.close()
 

@@ -142,6 +142,11 @@ class AsyncGeneration:
         """The index of the batch the next hand-over takes."""
         return self.handed
 
+    @property
+    def next_request(self) -> Any:
+        """The producer's index of the request the next hand-over's batch comes from."""
+        return self.handed
+
     # -- checkpoints ------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
@@ -210,7 +215,9 @@ class AsyncGeneration:
         weights, and the main process hands them to the producer, which loads them before the first request queued
         after them (or, with in-flight updates, the next chunk): the trainer never waits for a request in flight,
         however many batches ahead it is. Otherwise (TRL's NCCL push on CUDA) the main process first holds the
-        producer between two requests (bounded: a stalled request is an error) and tells every process whether it
+        producer between two requests, once the request of the batch the trainer takes next has started (so that it
+        keeps the push it was queued after; at K = 1 that is every queued request, at K >= 2 a later batch queued and
+        not started takes this push), bounded: a stalled request is an error; and it tells every process whether it
         could, before any of them enters the push (a collective under ZeRO-3)."""
         port = self.port
         step = port.global_step
@@ -229,7 +236,8 @@ class AsyncGeneration:
             with contextlib.ExitStack() as hold:
                 error = None
                 if self.producer is not None:
-                    error = self._attempt(lambda: hold.enter_context(self.producer.between_requests()))
+                    error = self._attempt(
+                        lambda: hold.enter_context(self.producer.between_requests(after=self.next_request)))
                 self._raise_everywhere(error)
                 port.push_weights()
                 if self.producer is not None:

@@ -29,6 +29,10 @@ class AsyncPartialRollout(AsyncGeneration):
         self.stream_position = 0
         self._restored_round: dict | None = None
 
+    @property
+    def next_request(self) -> tuple:
+        return ("round", self.handed)
+
     def state_dict(self) -> dict:
         position = self.stream.position if self.stream is not None else self.stream_position
         state = {"batches_handed": self.handed, "stream_position": position, "pool": self.pool.state_dict()}
