@@ -57,6 +57,24 @@ def test_a_real_process_prints_no_traceback(tmp_path):
     assert "`ratio_lower_step` must be > 0" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_finished_cpu_job_of_several_processes_exits_0_after_its_exit_handlers(tmp_path):
+    """The end of a multi-process CPU job (gloo) skips the interpreter's finalization, where gloo's worker threads can
+    abort the process (see exit_past_gloo_teardown): exit code 0, the exit handlers ran (the weight directories'
+    cleanup is one), and buffered output is not lost. The launches in test_launch.py run it end to end."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import atexit, sys\n"
+        "from bapo_trl.cli.train import exit_past_gloo_teardown\n"
+        f"atexit.register(lambda: open({str(tmp_path / 'handler')!r}, 'w').write('ran'))\n"
+        "print('buffered', end='')\n"
+        "sys.stderr.write('err')\n"
+        "exit_past_gloo_teardown()\n"
+        "print('never')\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "buffered", "err")
+    assert (tmp_path / "handler").read_text() == "ran"
+
+
 def test_local_jsonl_dataset_with_another_prompt_column(tmp_path):
     from bapo_trl.cli.data import load_prompts
     from bapo_trl.cli.train import parse_args
