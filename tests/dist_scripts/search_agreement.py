@@ -55,3 +55,7 @@ out = {
 with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
     json.dump(out, f)
 accelerator.wait_for_everyone()
+
+from bapo_trl.cli.train import exit_past_gloo_teardown  # noqa: E402
+
+exit_past_gloo_teardown()  # gloo can abort a finished process while the interpreter finalizes (see its docstring)

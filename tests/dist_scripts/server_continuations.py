@@ -41,3 +41,7 @@ for round_index in range(4):
                     "logprob_lengths": [len(x) for x in logprobs], "gap_to_own_prefix": gap})
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump({"rank": rank, "world_size": trainer.accelerator.num_processes, "records": records}, f)
+
+from bapo_trl.cli.train import exit_past_gloo_teardown  # noqa: E402
+
+exit_past_gloo_teardown()  # gloo can abort a finished process while the interpreter finalizes (see its docstring)

@@ -45,3 +45,7 @@ for case in range(8):
                     "clip_high": chosen["clip_high"], "steps": chosen["steps"]})
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump({"world_size": trainer.accelerator.num_processes, "records": records}, f)
+
+from bapo_trl.cli.train import exit_past_gloo_teardown  # noqa: E402
+
+exit_past_gloo_teardown()  # gloo can abort a finished process while the interpreter finalizes (see its docstring)
