@@ -75,6 +75,22 @@ def test_a_finished_cpu_job_of_several_processes_exits_0_after_its_exit_handlers
     assert (tmp_path / "handler").read_text() == "ran"
 
 
+@pytest.mark.parametrize("processes,device,use_vllm,mode,expected", [
+    (2, "cpu", False, "server", True),
+    (2, "cpu", True, "server", True),  # the server is another process: nothing of it to finalize here
+    (2, "cpu", True, "colocate", False),  # vLLM's CPU engine removes its /dev/shm segments only at finalization
+    (1, "cpu", False, "server", False),
+    (2, "cuda", False, "server", False),
+])
+def test_which_jobs_exit_past_the_gloo_teardown(processes, device, use_vllm, mode, expected):
+    from types import SimpleNamespace
+
+    from bapo_trl.cli.train import exits_past_gloo_teardown
+
+    args = SimpleNamespace(use_vllm=use_vllm, vllm_mode=mode)
+    assert exits_past_gloo_teardown(processes, device, args) is expected
+
+
 def test_local_jsonl_dataset_with_another_prompt_column(tmp_path):
     from bapo_trl.cli.data import load_prompts
     from bapo_trl.cli.train import parse_args

@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,8 +43,11 @@ def test_partial_rollout_with_colocated_vllm_on_two_processes(vllm_trainer_pytho
     per-segment log-probs answer its old-logp forward)."""
     env = {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_HOST_IP": "127.0.0.1", "BAPO_TEST_VLLM_TP": str(tensor_parallel)}
+    segments = set(Path("/dev/shm").glob("*cpushm*"))
     accelerate_launch(REPO / "tests" / "dist_scripts" / "colocate_partial_rollout.py", tiny_model_dir, tmp_path,
                       python=vllm_trainer_python, env=env, timeout=900)
+    # the engines removed their shared memory (a segment left behind fails the next engine of that name, errno 17)
+    assert set(Path("/dev/shm").glob("*cpushm*")) <= segments
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     if tensor_parallel == 2:  # one engine: every round's max_tokens agreed by both ranks (their own caps differ)
         assert [cap for cap, _ in results[0]["calls"]] == [cap for cap, _ in results[1]["calls"]]

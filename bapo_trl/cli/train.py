@@ -282,16 +282,25 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
 
 def run(argv: list[str] | None = None, parser: TrlParser | None = None):
     """Parse and train; setup errors print one ``error:`` line on stderr and exit with code 2. A job of several
-    processes on CPU ends through :func:`exit_past_gloo_teardown`."""
+    processes on CPU ends through :func:`exit_past_gloo_teardown` (:func:`exits_past_gloo_teardown` says when)."""
     parser = parser or make_parser()
     args = parse_args(argv, parser=parser)
     try:
         trainer = main(*args)
     except SetupError as err:
         parser.exit(2, f"{parser.prog}: error: {err.message}\n")
-    if trainer.accelerator.num_processes > 1 and trainer.accelerator.device.type == "cpu":
+    if exits_past_gloo_teardown(trainer.accelerator.num_processes, trainer.accelerator.device.type, trainer.args):
         exit_past_gloo_teardown()
     return trainer
+
+
+def exits_past_gloo_teardown(num_processes: int, device_type: str, args) -> bool:
+    """Whether a finished job leaves through :func:`exit_past_gloo_teardown`: several processes on CPU (gloo), and no
+    vLLM engine inside them (``vllm_mode="colocate"``): vLLM's CPU engine removes its shared-memory segments
+    (``/dev/shm/*cpushm*``) only when the interpreter finalizes, and a segment left behind makes the next engine of
+    the same name fail (``create shm in SHMManager failed. errno: 17``)."""
+    colocated = bool(getattr(args, "use_vllm", False)) and getattr(args, "vllm_mode", None) == "colocate"
+    return num_processes > 1 and device_type == "cpu" and not colocated
 
 
 def exit_past_gloo_teardown() -> None:

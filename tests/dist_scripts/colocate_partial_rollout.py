@@ -44,7 +44,3 @@ result = {
 }
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump(result, f)
-
-from bapo_trl.cli.train import exit_past_gloo_teardown  # noqa: E402
-
-exit_past_gloo_teardown()  # gloo can abort a finished process while the interpreter finalizes (see its docstring)
