@@ -86,7 +86,8 @@ TIMING_DEPENDENT = {"async_inflight", "async_k2_lazy"}
 #: after it may differ; the prompt multiset and the bounds are the same.
 RESUME_PUSHES = {"async_sync3"}
 #: Rows run at the fast setting only, on the stand-in: weight_sync_steps and the held push change when and how the
-#: trainer pushes, not what a server or a setting does. 7 steps at u = 2 updates per batch reach staleness 4, past the bound with W = 1 (3).
+#: trainer pushes, not what a server or a setting does. 7 steps at u = 2 updates per batch reach staleness 4, past
+#: the bound with W = 1 (3).
 ONE_SETTING = {"async_sync3"} | HELD_PUSH
 #: A slower stand-in server for these rows, so requests outlast a training step and pushes land inside them (or, lazy,
 #: pushes wait while the producer is behind).

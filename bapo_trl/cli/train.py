@@ -299,7 +299,7 @@ def exits_past_gloo_teardown(num_processes: int, device_type: str, args) -> bool
     vLLM engine inside them (``vllm_mode="colocate"``): vLLM's CPU engine removes its shared-memory segments
     (``/dev/shm/*cpushm*``) only when the interpreter finalizes, and a segment left behind makes the next engine of
     the same name fail (``create shm in SHMManager failed. errno: 17``)."""
-    colocated = bool(getattr(args, "use_vllm", False)) and getattr(args, "vllm_mode", None) == "colocate"
+    colocated = args.use_vllm and args.vllm_mode == "colocate"
     return num_processes > 1 and device_type == "cpu" and not colocated
 
 

@@ -205,18 +205,9 @@ class Producer:
 
     def _wait_started(self, index) -> None:
         """Wait until the work ``index`` (if queued) has started, within :attr:`batch_bound`."""
-        deadline = time.perf_counter() + self.batch_bound
         with self.condition:
-            while index in self._unstarted and self.error is None:
-                if not self._thread.is_alive():
-                    raise RuntimeError("async generation: the producer thread is gone")
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0:
-                    raise ProducerStalled(f"async generation: the request for batch {index!r} did not start within "
-                                          f"{self.batch_bound:.0f} s (3.5 x vllm_server_timeout)")
-                self.condition.wait(timeout=min(5.0, remaining))
-            if self.error is not None:
-                raise self.error
+            self._wait_while(lambda: index in self._unstarted,
+                             f"the request for batch {index!r} did not start")
 
     def take(self, index) -> tuple[GeneratedBatch, float]:
         """Batch ``index`` (removed) and the seconds waited for it; the producer's error if it failed."""
@@ -228,19 +219,26 @@ class Producer:
 
     def _wait(self, index, pop: bool) -> tuple[GeneratedBatch, float]:
         start = time.perf_counter()
-        deadline = start + self.batch_bound
         with self.condition:
-            while index not in self.ready and self.error is None:
-                if not self._thread.is_alive():
-                    raise RuntimeError("async generation: the producer thread is gone")
-                if not self.condition.wait(timeout=min(5.0, max(deadline - time.perf_counter(), 0.01))) and \
-                        time.perf_counter() > deadline:
-                    raise ProducerStalled(f"async generation: batch {index!r} not generated within "
-                                          f"{deadline - start:.0f} s (3.5 x vllm_server_timeout)")
-            if self.error is not None:
-                raise self.error
+            self._wait_while(lambda: index not in self.ready, f"batch {index!r} not generated")
             batch = self.ready.pop(index) if pop else self.ready[index]
             return batch, time.perf_counter() - start
+
+    def _wait_while(self, busy: Callable[[], bool], stalled: str) -> None:
+        """Every wait of the trainer on this thread (the caller holds :attr:`condition`): while ``busy()``, within
+        :attr:`batch_bound` (past it, :class:`ProducerStalled`: "``stalled`` within N s"); this thread's error, or its
+        death, is raised instead."""
+        deadline = time.perf_counter() + self.batch_bound
+        while busy() and self.error is None:
+            if not self._thread.is_alive():
+                raise RuntimeError("async generation: the producer thread is gone")
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                raise ProducerStalled(f"async generation: {stalled} within {self.batch_bound:.0f} s "
+                                      "(3.5 x vllm_server_timeout)")
+            self.condition.wait(timeout=min(5.0, remaining))
+        if self.error is not None:
+            raise self.error
 
     def depth(self) -> int:
         with self.condition:
