@@ -192,6 +192,28 @@ def test_a_held_push_waits_until_the_batch_needed_next_has_started(after):
         producer.close()
 
 
+def test_the_last_queued_request_older_than_a_push_is_the_one_to_let_run_first():
+    """Evaluation applies the current policy's weights: the requests queued before it with older weights must run
+    first. ``last_queued_older_than`` names the last of them among the work not started (None: none), and a request
+    in flight or done no longer counts."""
+    generate = ScriptedGenerator()
+    producer = Producer(generate, request_timeout=10)
+    try:
+        generate.release.clear()
+        producer.submit(Work(0, [[1]], n=1, max_tokens=4, min_version=0))
+        assert generate.started.wait(10)  # in flight: not counted
+        for index, version in ((1, 2), (2, 2), (3, 4), (4, None)):
+            producer.submit(Work(index, [[index]], n=1, max_tokens=4, min_version=version))
+        assert [producer.last_queued_older_than(v) for v in (0, 1, 2, 3, 4, 5, 9)] == [None, None, None, 2, 2, 3, 3]
+        producer.push_later(lambda: None, 2)
+        producer.drop_pending()
+        generate.release.set()
+        assert [producer.take(i)[0].version for i in range(5)] == [0] * 5  # the dropped push was never applied
+        assert producer.last_queued_older_than(9) is None
+    finally:
+        producer.close()
+
+
 def test_a_held_push_waiting_for_a_request_that_never_starts_is_an_error():
     """Bounded like every wait of the trainer: a request stuck ahead of the batch needed next is a ProducerStalled
     error naming that batch, not a hang (a scripted generator holding its first request)."""

@@ -111,7 +111,7 @@ class Producer:
         self.in_flight: Any = None  # index of the work being requested
         self._load_seconds = 0.0  # time this thread spent applying pushes handed over (since last read)
         self._pending: list[tuple[Callable[[], None], int]] = []  # pushes handed over, not applied yet, in order
-        self._unstarted: list[Any] = []  # indices of the work queued and not started yet, in order
+        self._unstarted: list[Work] = []  # the work queued and not started yet, in order
         self._request_lock = threading.Lock()  # held for each request; a push takes it between two
         self._push_wanted = threading.Event()
         self._closed = False
@@ -130,7 +130,7 @@ class Producer:
 
     def submit(self, work: Work) -> None:
         with self.condition:
-            self._unstarted.append(work.index)
+            self._unstarted.append(work)
         self.work.put(work)
 
     def preload(self, batches: dict[Any, GeneratedBatch]) -> None:
@@ -206,8 +206,20 @@ class Producer:
     def _wait_started(self, index) -> None:
         """Wait until the work ``index`` (if queued) has started, within :attr:`batch_bound`."""
         with self.condition:
-            self._wait_while(lambda: index in self._unstarted,
+            self._wait_while(lambda: any(work.index == index for work in self._unstarted),
                              f"the request for batch {index!r} did not start")
+
+    def last_queued_older_than(self, version: int) -> Any:
+        """Index of the last work queued and not started whose weights (``min_version``) are older than ``version``
+        (None if there is none): the work a push of ``version`` applied now would take from its own weights."""
+        with self.condition:
+            older = [w.index for w in self._unstarted if w.min_version is not None and w.min_version < version]
+        return older[-1] if older else None
+
+    def drop_pending(self) -> None:
+        """Forget the pushes handed over and not applied (a newer push is about to replace them on the server)."""
+        with self.condition:
+            self._pending = []
 
     def take(self, index) -> tuple[GeneratedBatch, float]:
         """Batch ``index`` (removed) and the seconds waited for it; the producer's error if it failed."""
@@ -264,7 +276,7 @@ class Producer:
                         self.apply_pending(upto=None if self.lazy else work.min_version)
                     version, start, self.in_flight = self.version, time.perf_counter(), work.index
                     with self.condition:
-                        self._unstarted.remove(work.index)
+                        self._unstarted.remove(work)
                         self.condition.notify_all()
                     output = self.generate(work)
                     seconds = time.perf_counter() - start
