@@ -599,13 +599,15 @@ def test_lora_with_async_generation(tiny_server, tiny_model_dir, tmp_path):
 def test_zero3_two_processes_async_from_train_bapo(tiny_server, tiny_model_dir, tmp_path, partial):
     """`accelerate launch` ZeRO-3 on 2 processes: every rank takes part in each push (gathering is collective), rank
     0's producer alone talks to the server, and each rank trains its slice of the shared batch (with partial rollout:
-    of the finished groups of rank 0's pool)."""
+    of the finished groups of rank 0's pool). Without partial rollout it also evaluates every 2 steps (TRL's own
+    generation, on every rank, with rank 0's producer held: a failure entering the hold would reach every rank), and
+    the batch queued before an evaluation keeps its weights (staleness 1 at step 2, not 0)."""
     from launching import REPO, accelerate_launch, assert_zero3_partitioned
 
     reset_server_weights(tiny_server.url, tiny_model_dir)
     out = tmp_path / "run"
     extra = ["--partial_rollout_budget", "3", "--max_completion_length", "10"] if partial else \
-        ["--max_completion_length", "8"]
+        ["--max_completion_length", "8", "--eval_strategy", "steps", "--eval_steps", "2"]
     proc = accelerate_launch(
         REPO / "train_bapo.py", "--max_steps", "4",
         "--per_device_train_batch_size", "8", "--num_generations", "4", "--steps_per_generation", "1",
@@ -621,6 +623,7 @@ def test_zero3_two_processes_async_from_train_bapo(tiny_server, tiny_model_dir, 
     assert len(staleness) == 4 and staleness[0] == 0 and min(staleness[1:]) >= 1, staleness
     if not partial:
         assert staleness == [0, 1, 1, 1], staleness
+        assert len(re.findall(r"'eval_loss': '([^']+)'", text)) == 2
     else:
         segments = [float(x) for x in re.findall(r"'partial/segments_per_completion': '([^']+)'", text)]
         assert len(segments) == 4 and max(segments) > 1, segments
