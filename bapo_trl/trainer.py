@@ -14,9 +14,12 @@ Two overrides carry the method; everything else is TRL's code or lives in its ow
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import random
 from typing import Any
 
+import numpy as np
 import torch
 from trl import GRPOTrainer
 
@@ -105,6 +108,13 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
         """The replay source's queue (None without replay)."""
         return next((p.queue for p in parts(self.rollout_source) if p.state_name == "replay_queue"), None)
 
+    def evaluate(self, *args, **kwargs):
+        """TRL's evaluation, with training's random state put back afterwards: evaluating (its dataloader, TRL's own
+        sampling) then changes nothing training draws next (TRL's shuffle of each generation batch, its sampling), so
+        a run trains the same batches and weights with or without ``eval_strategy``."""
+        with training_random_state_kept(self.accelerator.device):
+            return super().evaluate(*args, **kwargs)
+
     # -- data: every batch from the rollout source, stamped with the policy versions that sampled it -----------
 
     def _generate_and_score_completions(self, inputs):
@@ -182,3 +192,17 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
     def _end_of_update(self) -> None:
         if self.target_controller is not None:
             self.target_controller.step()
+
+
+@contextlib.contextmanager
+def training_random_state_kept(device: torch.device):
+    """Save Python's, NumPy's and torch's random states (CPU, and the CUDA device in use) and restore them on exit."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" \
+        else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)

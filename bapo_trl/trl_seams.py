@@ -94,6 +94,8 @@ SEAMS: tuple[Seam, ...] = (
                    "self._buffered_inputs is None")),
     Seam(f"{TRAINER}.train", "resume_from_checkpoint=True resumes from the newest complete checkpoint",
          params=("resume_from_checkpoint", "trial", "ignore_keys_for_eval")),
+    Seam(f"{TRAINER}.evaluate", "evaluation puts training's random state back (TRL shuffles each generation batch "
+         "with the global RNG)", params=("eval_dataset", "ignore_keys", "metric_key_prefix")),
     Seam(f"{TRAINER}._save_checkpoint", "per-rank replay / partial-rollout state joins the checkpoint",
          params=("model", "trial")),
     Seam(f"{TRAINER}._get_output_dir", "the run folder that holds the checkpoint being written", params=("trial",)),

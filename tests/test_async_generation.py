@@ -234,6 +234,28 @@ def test_a_held_push_waiting_for_a_request_that_never_starts_is_an_error():
         producer.close()
 
 
+def test_waiting_for_a_request_behind_several_is_bounded_per_request_not_in_all():
+    """Evaluation at K >= 2 may wait for several queued requests to run before the one it names starts: a healthy
+    server answering each within its timeout must not look stalled, however many are queued (each start restarts
+    the bound of 3.5 x the timeout). Five requests of 0.25 s ahead take ~1.25 s, past one bound (0.7 s)."""
+    class Steady(ScriptedGenerator):
+        def __call__(self, work):
+            time.sleep(0.25)
+            return super().__call__(work)
+
+    producer = Producer(Steady(), request_timeout=0.2)
+    try:
+        for index in range(6):
+            producer.submit(Work(index, [[index]], n=1, max_tokens=4, min_version=0))
+        start = time.perf_counter()
+        with producer.between_requests(after=5):
+            waited = time.perf_counter() - start
+        assert waited > producer.batch_bound, waited  # the case the restarted bound is for
+        assert [producer.take(i)[0].version for i in range(6)] == [0] * 6
+    finally:
+        producer.close()
+
+
 def test_a_failed_request_is_raised_where_the_trainer_takes_the_batch():
     def broken(work):
         raise ConnectionError("server went away")
@@ -599,9 +621,9 @@ def test_lora_with_async_generation(tiny_server, tiny_model_dir, tmp_path):
 def test_zero3_two_processes_async_from_train_bapo(tiny_server, tiny_model_dir, tmp_path, partial):
     """`accelerate launch` ZeRO-3 on 2 processes: every rank takes part in each push (gathering is collective), rank
     0's producer alone talks to the server, and each rank trains its slice of the shared batch (with partial rollout:
-    of the finished groups of rank 0's pool). Without partial rollout it also evaluates every 2 steps (TRL's own
-    generation, on every rank, with rank 0's producer held: a failure entering the hold would reach every rank), and
-    the batch queued before an evaluation keeps its weights (staleness 1 at step 2, not 0)."""
+    of the finished groups of rank 0's pool). Without partial rollout it also evaluates every 2 steps: TRL's own
+    generation on every rank with rank 0's producer held, through the hold's per-batch broadcast (the weights each
+    queued batch keeps are checked by the guarantees matrix's evaluating row, on a server slow enough to queue them)."""
     from launching import REPO, accelerate_launch, assert_zero3_partitioned
 
     reset_server_weights(tiny_server.url, tiny_model_dir)

@@ -97,8 +97,9 @@ class Producer:
 
     Every wait of the trainer on this thread is bounded, whatever the HTTP client does (TRL's own client on CUDA
     retries and sets no read timeout): waiting for the request in flight by ``1.5 x request_timeout``, waiting for a
-    batch by ``3.5 x request_timeout`` (the request in flight, a finishing request, the batch's own, and slack). A
-    stall is then a :class:`ProducerStalled` error, never a hang."""
+    batch by ``3.5 x request_timeout`` (the request in flight, a finishing request, the batch's own, and slack), waiting
+    for a queued request to start by the same bound, restarted at every request that starts on the way. A stall is
+    then a :class:`ProducerStalled` error, never a hang."""
 
     def __init__(self, generate: Callable[[Work], dict], request_timeout: float, lazy: bool = False):
         self.generate, self.request_timeout = generate, request_timeout
@@ -205,9 +206,9 @@ class Producer:
 
     def _wait_started(self, index) -> None:
         """Wait until the work ``index`` (if queued) has started, within :attr:`batch_bound`."""
-        with self.condition:
-            self._wait_while(lambda: any(work.index == index for work in self._unstarted),
-                             f"the request for batch {index!r} did not start")
+        with self.condition:  # the requests ahead of it may be several (evaluation at K >= 2): each start restarts
+            self._wait_while(lambda: any(work.index == index for work in self._unstarted),  # the bound
+                             f"the request for batch {index!r} did not start", progress=lambda: len(self._unstarted))
 
     def last_queued_older_than(self, version: int) -> Any:
         """Index of the last work queued and not started whose weights (``min_version``) are older than ``version``
@@ -236,14 +237,17 @@ class Producer:
             batch = self.ready.pop(index) if pop else self.ready[index]
             return batch, time.perf_counter() - start
 
-    def _wait_while(self, busy: Callable[[], bool], stalled: str) -> None:
+    def _wait_while(self, busy: Callable[[], bool], stalled: str, progress: Callable[[], Any] | None = None) -> None:
         """Every wait of the trainer on this thread (the caller holds :attr:`condition`): while ``busy()``, within
-        :attr:`batch_bound` (past it, :class:`ProducerStalled`: "``stalled`` within N s"); this thread's error, or its
-        death, is raised instead."""
+        :attr:`batch_bound` (past it, :class:`ProducerStalled`: "``stalled`` within N s"), the bound restarting
+        whenever ``progress()`` changes; this thread's error, or its death, is raised instead."""
         deadline = time.perf_counter() + self.batch_bound
+        seen = progress() if progress is not None else None
         while busy() and self.error is None:
             if not self._thread.is_alive():
                 raise RuntimeError("async generation: the producer thread is gone")
+            if progress is not None and progress() != seen:
+                seen, deadline = progress(), time.perf_counter() + self.batch_bound
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 raise ProducerStalled(f"async generation: {stalled} within {self.batch_bound:.0f} s "
