@@ -9,6 +9,7 @@ import torch.distributed as dist
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM
 
+from bapo_trl.cli.train import exit_past_gloo_teardown
 from bapo_trl.toy import build_tiny_model
 
 out_dir = sys.argv[1]
@@ -21,7 +22,5 @@ model = AutoModelForCausalLM.from_pretrained(model_dir)
 with open(os.path.join(out_dir, f"rank{state.process_index}.json"), "w") as f:
     json.dump({"files": sorted(os.listdir(model_dir)), "parameters": sum(p.numel() for p in model.parameters()),
                "initialized": dist.is_initialized()}, f)
-
-from bapo_trl.cli.train import exit_past_gloo_teardown  # noqa: E402
 
 exit_past_gloo_teardown()  # gloo can abort a finished process while the interpreter finalizes (see its docstring)

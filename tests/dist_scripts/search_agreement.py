@@ -11,6 +11,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 
 from bapo_trl import search_clip_bounds
+from bapo_trl.cli.train import exit_past_gloo_teardown
 from bapo_trl.clipping_reference import loop_search
 
 accelerator = Accelerator(cpu=True)
@@ -55,7 +56,5 @@ out = {
 with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
     json.dump(out, f)
 accelerator.wait_for_everyone()
-
-from bapo_trl.cli.train import exit_past_gloo_teardown  # noqa: E402
 
 exit_past_gloo_teardown()  # gloo can abort a finished process while the interpreter finalizes (see its docstring)

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl.cli.train import exit_past_gloo_teardown
 from bapo_trl.toy import make_reverse_dataset, reverse_reward
 
 model_dir, server_url, out_dir = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -41,7 +42,5 @@ for round_index in range(4):
                     "logprob_lengths": [len(x) for x in logprobs], "gap_to_own_prefix": gap})
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump({"rank": rank, "world_size": trainer.accelerator.num_processes, "records": records}, f)
-
-from bapo_trl.cli.train import exit_past_gloo_teardown  # noqa: E402
 
 exit_past_gloo_teardown()  # gloo can abort a finished process while the interpreter finalizes (see its docstring)

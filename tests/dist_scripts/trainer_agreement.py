@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl.cli.train import exit_past_gloo_teardown
 from bapo_trl.toy import make_reverse_dataset, reverse_reward
 
 model_dir, out_dir = sys.argv[1], sys.argv[2]
@@ -45,7 +46,5 @@ for case in range(8):
                     "clip_high": chosen["clip_high"], "steps": chosen["steps"]})
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump({"world_size": trainer.accelerator.num_processes, "records": records}, f)
-
-from bapo_trl.cli.train import exit_past_gloo_teardown  # noqa: E402
 
 exit_past_gloo_teardown()  # gloo can abort a finished process while the interpreter finalizes (see its docstring)
