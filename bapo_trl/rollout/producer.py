@@ -205,9 +205,10 @@ class Producer:
                 self.condition.notify_all()
 
     def _wait_started(self, index) -> None:
-        """Wait until the work ``index`` (if queued) has started, within :attr:`batch_bound`."""
-        with self.condition:  # the requests ahead of it may be several (evaluation at K >= 2): each start restarts
-            self._wait_while(lambda: any(work.index == index for work in self._unstarted),  # the bound
+        """Wait until the work ``index`` (if queued) has started, within :attr:`batch_bound` restarted at every request
+        that starts on the way (several may be ahead of it: evaluation at K >= 2)."""
+        with self.condition:
+            self._wait_while(lambda: any(work.index == index for work in self._unstarted),
                              f"the request for batch {index!r} did not start", progress=lambda: len(self._unstarted))
 
     def last_queued_older_than(self, version: int) -> Any:
@@ -246,8 +247,8 @@ class Producer:
         while busy() and self.error is None:
             if not self._thread.is_alive():
                 raise RuntimeError("async generation: the producer thread is gone")
-            if progress is not None and progress() != seen:
-                seen, deadline = progress(), time.perf_counter() + self.batch_bound
+            if progress is not None and (now := progress()) != seen:
+                seen, deadline = now, time.perf_counter() + self.batch_bound
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 raise ProducerStalled(f"async generation: {stalled} within {self.batch_bound:.0f} s "
