@@ -10,12 +10,15 @@ deepspeed), this script checks, on ``--device cuda``:
    and under :class:`HostSyncGuard`, which fails on any op that reads device values on the host (``.item()``,
    ``.tolist()``, ``bool(tensor)``, ``nonzero``, boolean-mask indexing, host data copied to the device, ...);
 3. **BAPO vs TRL GRPO steps** in bf16 on a randomly initialised model of Qwen2.5-0.5B's shape (Llama
-   architecture, 24 layers, hidden 896, vocabulary 151,936: 494M parameters, built locally, no hub), same batch,
-   learning rate 0 so both do identical work: step-time ratio and peak-memory ratio
-   (``benchmarks/step_overhead.py``'s ``measure``; target: BAPO within 1% of GRPO);
-4. **DeepSpeed**: a 1-process ZeRO-3 launch of ``train_bapo.py`` (``accelerate_configs/deepspeed_zero3.yaml``),
-   and, on CUDA, a JIT build of DeepSpeed's FusedAdam op with the machine's nvcc, then one step of it;
-5. **replay queue** and **partial rollout**, a few BAPO steps each, on the device.
+   architecture, 24 layers, hidden 896, vocabulary 151,936: 494M parameters, built locally, no hub), at two batch
+   sizes, same batch, learning rate 0 so both do identical work: step-time ratio and peak-memory ratio
+   (``benchmarks/step_overhead.py``'s ``measure``; target: BAPO within 1% of GRPO); then, per batch size, one block
+   of BAPO steps under ``torch.profiler``: the search's and BAPO's whole adaptation's (search + metrics) share of
+   the block's device time and host time, and the host syncs the search makes inside those real training steps;
+4. **replay queue** and **partial rollout**, a few BAPO steps each, on the device;
+5. **DeepSpeed**: a 1-process ZeRO-3 launch of ``train_bapo.py`` (``accelerate_configs/deepspeed_zero3.yaml``),
+   and, on CUDA, a JIT build of DeepSpeed's FusedAdam op with the machine's nvcc, then one step of it (last: the
+   longest, and what a short lease can lose).
 
 On CPU (``--device cpu --quick``, in CI's slow tier so the script never rots) the same code runs small: 16k-token
 search, a 2-layer random model, the tiny default in the launch; no memory figures, no op build.
@@ -32,13 +35,13 @@ then send the working tree with ``.gpu_wheels`` (ignored by git, under 64 MiB) a
 
 (``$PWD`` first: the checkout's ``bapo_trl`` is what gets checked; the wheel of it is there for installing without
 the checkout.) About 5-10 minutes on an H100, most of it DeepSpeed's op build and the step timing. ``--skip``
-leaves sections out (``search,steps,deepspeed,replay``).
+leaves sections out (``search,steps,replay,deepspeed``).
 
 Output: one table row per check, then one machine-readable line::
 
     device=<cpu|cuda> checks=<n> failed=<n> search_tokens=<n> speedup_vs_loop=<x> floor_ratio=<x> host_syncs=<n>
-    step_time_ratio=<bapo/grpo> peak_memory_ratio=<bapo/grpo or nan> zero3=<pass|fail|skip> replay=<...>
-    partial_rollout=<...>
+    step_time_ratio=<bapo/grpo> peak_memory_ratio=<bapo/grpo or nan> search_device_share=<x or nan>
+    adapt_host_share=<x> step_syncs=<n> zero3=<pass|fail|skip> replay=<...> partial_rollout=<...>
 
 (all on one line). Exit code 1 if any check failed. Timings are reported, never judged: only wrong results
 (different choices than the loops, a host sync, a launch that did not run ZeRO-3, replay or partial rollout that
@@ -88,6 +91,8 @@ CPU_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num
 #: The step comparison's batch on CUDA: 2 groups of 8 per micro-batch, completions of 128 tokens, stale data.
 GPU_STEP_ARGS = dict(per_device_train_batch_size=16, num_generations=8, steps_per_generation=4,
                      max_completion_length=128)
+#: The micro-batch sizes the step comparison runs at on CUDA (8 completions per group): 2 and 8 groups.
+GPU_STEP_BATCHES = (16, 64)
 
 
 # -- host synchronisation -------------------------------------------------------------------------------------------
@@ -234,9 +239,22 @@ def section_steps(device: str, quick: bool, tmp: str) -> list[dict]:
                                    **(GPU_MODEL if cuda else CPU_MODEL))
     params = sum(p.numel() for p in _load_config_model(model_dir).parameters())
     build_s = time.perf_counter() - start
-    rounds, steps = ((2, 4) if quick else (6, 4)) if cuda else ((2, 4) if quick else (4, 4))
+    rounds, steps = ((2, 4) if quick else (5, 4)) if cuda else ((2, 4) if quick else (4, 4))
+    batches = GPU_STEP_BATCHES if cuda else (None,)
+    rows = []
+    for batch in batches:
+        overrides = (GPU_STEP_ARGS | {"per_device_train_batch_size": batch}) if cuda else {}
+        rows.append(step_row(model_dir, device, overrides, rounds, steps, params, build_s))
+        rows.append(profile_row(model_dir, device, overrides, steps, tmp))
+    return rows
+
+
+def step_row(model_dir: str, device: str, overrides: dict, rounds: int, steps: int, params: int,
+             build_s: float) -> dict:
+    """BAPO vs GRPO, interleaved blocks of ``steps`` steps: the paired step-time ratio and the peak-memory ratio."""
+    cuda = device == "cuda"
     result = step_overhead.measure(model_dir, ("grpo", "bapo"), rounds=rounds, steps=steps, device=device,
-                                   overrides=GPU_STEP_ARGS if cuda else None)
+                                   overrides=overrides or None)
     times = result["times"]
     ratios = [b / g for b, g in zip(times["bapo"], times["grpo"])]
     step_ratio = statistics.median(ratios)
@@ -246,14 +264,15 @@ def section_steps(device: str, quick: bool, tmp: str) -> list[dict]:
     peak = result["peak"]
     memory_ratio = peak["bapo"] / peak["grpo"] if peak else math.nan
     inside = 1e3 * sum(result["inside"]["bapo"].values()) / (rounds * steps)
-    args = step_overhead.common_args("", steps, device, **(GPU_STEP_ARGS if cuda else {}))
+    args = step_overhead.common_args("", steps, device, **overrides)
     memory = (f"; peak memory grpo {peak['grpo'] / 2**30:.2f} GiB, bapo {peak['bapo'] / 2**30:.2f} GiB "
               f"(bapo/grpo {memory_ratio:.4f})" if peak else "; peak memory: CUDA only")
-    return [{
-        "check": "BAPO vs GRPO training steps",
+    batch = args["per_device_train_batch_size"]
+    return {
+        "check": f"BAPO vs GRPO training steps, batch {batch}",
         "ok": same_work,
         "detail": (f"{params / 1e6:.1f}M-parameter random model ({'bf16' if cuda else 'fp32'}, built in "
-                   f"{build_s:.0f} s), batch {args['per_device_train_batch_size']} ({args['num_generations']} per "
+                   f"{build_s:.0f} s), batch {batch} ({args['num_generations']} per "
                    f"group), completions <= {args['max_completion_length']}, steps_per_generation "
                    f"{args['steps_per_generation']}, lr 0; {rounds} interleaved rounds of {steps} steps: grpo "
                    f"{ms['grpo']:.1f} ms/step, bapo {ms['bapo']:.1f} ms/step, paired bapo/grpo {step_ratio:.4f} "
@@ -261,7 +280,84 @@ def section_steps(device: str, quick: bool, tmp: str) -> list[dict]:
                    f"{'met' if step_ratio <= 1.01 else 'not met'}); inside BAPO's own code {inside:.2f} ms/step"
                    f"{memory}; same completion tokens: {same_work}"),
         "step_ratio": step_ratio, "memory_ratio": memory_ratio,
-    }]
+    }
+
+
+def profile_row(model_dir: str, device: str, overrides: dict, steps: int, tmp: str) -> dict:
+    """BAPO's share of real training steps, from ``torch.profiler``, and the search's host syncs inside them.
+
+    One BAPO trainer, three blocks of ``steps`` steps: a warm-up; a block with every search call under
+    :func:`host_sync_guard` (a call that syncs is counted, then repeated unguarded so training goes on); a block
+    under the profiler with the search and the whole adaptation (``_adapt_clip_window``: search + metrics) each in
+    a ``record_function`` range. Device time is what the kernels launched inside a range took on the GPU (over
+    all of the block's kernels); host time is the range's wall time on the CPU (over the block's wall time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import bapo_trl.trainer as trainer_module
+
+    cuda = device == "cuda"
+    trainer, timer = step_overhead.build("bapo", model_dir, os.path.join(tmp, "profiled"), steps, device,
+                                         overrides or None)
+    search, adapt = trainer_module.search_clip_bounds, trainer._adapt_clip_window
+    state = {"guard": False, "calls": 0, "syncs": []}
+
+    def searched(*args, **kwargs):
+        with record_function("bapo.search"):
+            if not state["guard"]:
+                return search(*args, **kwargs)
+            state["calls"] += 1
+            try:
+                with host_sync_guard(device):
+                    return search(*args, **kwargs)
+            except (HostSyncError, RuntimeError) as err:  # CUDA's sync debug mode raises a RuntimeError
+                state["syncs"].append(str(err).splitlines()[0][:200])
+                return search(*args, **kwargs)
+
+    def adapted(*args, **kwargs):
+        with record_function("bapo.adapt"):
+            return adapt(*args, **kwargs)
+
+    trainer._adapt_clip_window = adapted
+    trainer_module.search_clip_bounds = searched
+    try:
+        step_overhead.run_block(trainer, timer, 0)  # warm-up (and the search's constants, uploaded once)
+        state["guard"] = True
+        step_overhead.run_block(trainer, timer, 1)
+        state["guard"] = False
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            wall = step_overhead.run_block(trainer, timer, 2)
+    finally:
+        trainer_module.search_clip_bounds = search
+    events = [e for e in prof.events() if e.device_type == DeviceType.CPU]
+    device_total = sum(e.self_device_time_total for e in events)  # microseconds, every kernel once
+
+    def ranged(name):  # (device us, host us) inside every range of that name
+        found = [e for e in events if e.name == name]
+        return sum(e.device_time_total for e in found), sum(e.cpu_time_total for e in found), len(found)
+
+    search_dev, search_host, calls = ranged("bapo.search")
+    adapt_dev, adapt_host, _ = ranged("bapo.adapt")
+    wall_us = 1e6 * wall
+    batch = step_overhead.common_args("", steps, device, **overrides)["per_device_train_batch_size"]
+    device_part = (f"device time: search {search_dev / 1e3 / steps:.3f} ms/step = "
+                   f"{100 * search_dev / device_total:.3f}% of the kernels' {device_total / 1e3 / steps:.1f} ms/step, "
+                   f"adaptation {adapt_dev / 1e3 / steps:.3f} ms/step = {100 * adapt_dev / device_total:.3f}%; "
+                   if cuda and device_total > 0 else "device time: CUDA only; ")
+    del trainer
+    return {
+        "check": f"BAPO's share of a step (profiler), batch {batch}",
+        "ok": calls > 0 and state["calls"] > 0 and not state["syncs"],
+        "detail": (f"{steps} steps, {calls} searches profiled, {wall_us / 1e3 / steps:.1f} ms/step wall; "
+                   f"{device_part}host time: search {search_host / 1e3 / steps:.3f} ms/step = "
+                   f"{100 * search_host / wall_us:.3f}% of the wall time, adaptation {adapt_host / 1e3 / steps:.3f} "
+                   f"ms/step = {100 * adapt_host / wall_us:.3f}%; host syncs in {state['calls']} guarded searches "
+                   f"inside training steps: {len(state['syncs'])}"
+                   + (" (" + "; ".join(sorted(set(state["syncs"]))) + ")" if state["syncs"] else "")),
+        "search_device_share": search_dev / device_total if device_total else math.nan,
+        "adapt_host_share": adapt_host / wall_us, "step_syncs": len(state["syncs"]),
+    }
 
 
 def _load_config_model(model_dir: str):
@@ -399,8 +495,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true",
                         help="fewest repeats; on CPU also the smallest sizes (CI's slow tier)")
-    parser.add_argument("--skip", default="", help="comma-separated sections to leave out: search,steps,deepspeed,"
-                        "replay")
+    parser.add_argument("--skip", default="", help="comma-separated sections to leave out: search,steps,replay,"
+                        "deepspeed")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no GPU")
@@ -412,8 +508,8 @@ def main(argv=None) -> int:
 
     sections = {"search": lambda tmp: section_search(args.device, args.quick),
                 "steps": lambda tmp: section_steps(args.device, args.quick, tmp),
-                "deepspeed": lambda tmp: section_deepspeed(args.device, tmp),
-                "replay": lambda tmp: section_replay(args.device, tmp)}
+                "replay": lambda tmp: section_replay(args.device, tmp),
+                "deepspeed": lambda tmp: section_deepspeed(args.device, tmp)}
     rows, started = [], time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for name, run in sections.items():
@@ -453,7 +549,8 @@ def main(argv=None) -> int:
     print(f"device={args.device} checks={len(rows)} failed={failed} search_tokens={pick('tokens', 0)} "
           f"speedup_vs_loop={pick('speedup'):.1f} floor_ratio={pick('floor_ratio'):.2f} "
           f"host_syncs={pick('host_syncs', -1)} step_time_ratio={pick('step_ratio'):.4f} "
-          f"peak_memory_ratio={pick('memory_ratio'):.4f} zero3={status('DeepSpeed ZeRO-3 launch of train_bapo.py')} "
+          f"peak_memory_ratio={pick('memory_ratio'):.4f} search_device_share={pick('search_device_share'):.5f} "
+          f"adapt_host_share={pick('adapt_host_share'):.4f} step_syncs={pick('step_syncs', -1)} zero3={status('DeepSpeed ZeRO-3 launch of train_bapo.py')} "
           f"replay={status('replay queue')} partial_rollout={status('partial rollout')}")
     return 1 if failed else 0
 

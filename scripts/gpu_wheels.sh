@@ -40,8 +40,11 @@ done
 
 # What the GPU machine lacks: trl and datasets with datasets' missing needs (dill, multiprocess); deepspeed with its
 # missing needs (hjson, pydantic and pydantic's: pydantic-core, annotated-types, typing-inspection, and a
-# typing-extensions new enough for them); then this package.
-BINARY=(trl datasets dill multiprocess hjson pydantic pydantic-core annotated-types typing-inspection typing-extensions)
+# typing-extensions new enough for them); then this package. Also the versions CI tests of what the machine has
+# older or unpinned (transformers: 5.17 there in 2026-11; peft; fsspec, which datasets caps), so the seams
+# checked at import are the ones CI checks.
+BINARY=(trl datasets dill multiprocess hjson pydantic pydantic-core annotated-types typing-inspection typing-extensions
+        transformers peft fsspec)
 SOURCE=(deepspeed)
 
 pinned() {  # name==version of each distribution as installed for $PYTHON (fails naming any that is missing)

@@ -87,12 +87,12 @@ def test_no_host_sync_check_fails_when_the_search_reads_a_value(monkeypatch):
 
 # -- wheels for the GPU machine -------------------------------------------------------------------------------------
 
-#: What the GPU machine lacks (it has torch, transformers, accelerate, peft, pandas, pyarrow, xxhash, msgpack, ninja,
-#: py-cpuinfo, einops, psutil, ...).
+#: What the GPU machine lacks, and what it has at other versions than CI tests (transformers, peft, fsspec).
 NEEDED = {"trl", "datasets", "dill", "multiprocess", "hjson", "pydantic", "pydantic-core", "annotated-types",
-          "typing-inspection", "typing-extensions", "deepspeed", "bapo_trl"}
-THERE = {"torch", "transformers", "accelerate", "peft", "pandas", "pyarrow", "numpy", "xxhash", "msgpack", "ninja",
-         "py-cpuinfo", "einops", "psutil", "matplotlib", "huggingface-hub", "tokenizers", "safetensors"}
+          "typing-inspection", "typing-extensions", "transformers", "peft", "fsspec", "deepspeed", "bapo_trl"}
+#: What it has and the check uses as they are there.
+THERE = {"torch", "accelerate", "pandas", "pyarrow", "numpy", "xxhash", "msgpack", "ninja", "py-cpuinfo", "einops",
+         "psutil", "matplotlib", "huggingface-hub", "tokenizers", "safetensors"}
 
 
 def wheels(*args, timeout=600):
@@ -124,6 +124,6 @@ def test_wheel_download_gives_one_cp312_wheel_each_under_the_size_limit(tmp_path
     assert names == {n.replace("_", "-").lower() for n in NEEDED} and len(files) == len(NEEDED), files
     assert all(f.endswith("-none-any.whl") or "-cp312-cp312-manylinux" in f for f in files), files
     total = sum((tmp_path / "wheels" / f).stat().st_size for f in files)
-    assert total < 32 * 2**20  # about 7 MiB today; the limit for everything that travels is 64 MiB
+    assert total < 40 * 2**20  # about 21 MiB today; the limit for everything that travels is 64 MiB
     match = re.search(r"with the tracked working tree \(([\d.]+) MiB\): ([\d.]+) of 64 MiB", out)
     assert match and float(match[2]) < 64, out
