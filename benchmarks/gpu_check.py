@@ -410,14 +410,35 @@ def launch_zero3(device: str, out: str) -> dict:
                        "(launch included)")}
 
 
+def deepspeed_arch_list(value: str | None) -> str | None:
+    """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed's op builder can read it, or None where it needs no change.
+
+    DeepSpeed (0.19.8) sorts the listed compute capabilities as integers and fails on an architecture-specific
+    suffix: ``9.0a`` (what the GPU machine's image sets) raises ``ValueError: invalid literal for int() with base
+    10: '0a'`` before nvcc runs. Without the suffix the op builds for sm_90, which FusedAdam needs no more than;
+    ``+PTX`` stays (DeepSpeed reads it)."""
+    if not value:
+        return None
+    parts = [p for p in value.replace(" ", ";").split(";") if p]
+    fixed = []
+    for part in parts:
+        arch, plus, ptx = part.partition("+")
+        fixed.append(arch.rstrip("abcdefghijklmnopqrstuvwxyz") + plus + ptx)
+    fixed_value = ";".join(fixed)
+    return None if fixed == parts else fixed_value
+
+
 def build_deepspeed_op() -> dict:
     """JIT-build DeepSpeed's FusedAdam with the machine's nvcc, then take one step with it."""
     start = time.perf_counter()
+    arch = deepspeed_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"))
+    note = f"; TORCH_CUDA_ARCH_LIST {os.environ['TORCH_CUDA_ARCH_LIST']!r} read as {arch!r}" if arch else ""
     try:
         from deepspeed.ops.adam import FusedAdam
         from deepspeed.ops.op_builder import FusedAdamBuilder
 
-        FusedAdamBuilder().load()
+        with _environ(TORCH_CUDA_ARCH_LIST=arch):
+            FusedAdamBuilder().load()
         build_s = time.perf_counter() - start
         param = torch.nn.Parameter(torch.ones(4096, device="cuda"))
         optimizer = FusedAdam([param], lr=0.1)
@@ -425,10 +446,25 @@ def build_deepspeed_op() -> dict:
         optimizer.step()
         moved = bool((param.detach() < 1).all().item())
         return {"check": "DeepSpeed op build (FusedAdam, nvcc)", "ok": moved,
-                "detail": f"built and loaded in {build_s:.0f} s; one step moved the weights: {moved}"}
+                "detail": f"built and loaded in {build_s:.0f} s; one step moved the weights: {moved}{note}"}
     except Exception as err:  # noqa: BLE001 - reported in the table
         return {"check": "DeepSpeed op build (FusedAdam, nvcc)", "ok": False,
-                "detail": f"{type(err).__name__}: {str(err)[-1500:]}"}
+                "detail": f"{type(err).__name__}: {str(err)[-1500:]}{note}"}
+
+
+@contextlib.contextmanager
+def _environ(**values: str | None):
+    """Set the environment variables given a value (None: leave as is) for the block, then put them back."""
+    saved = {name: os.environ.get(name) for name, value in values.items() if value is not None}
+    os.environ.update({name: value for name, value in values.items() if value is not None})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def section_replay(device: str, tmp: str) -> list[dict]:

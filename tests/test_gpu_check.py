@@ -127,3 +127,27 @@ def test_wheel_download_gives_one_cp312_wheel_each_under_the_size_limit(tmp_path
     assert total < 40 * 2**20  # about 21 MiB today; the limit for everything that travels is 64 MiB
     match = re.search(r"with the tracked working tree \(([\d.]+) MiB\): ([\d.]+) of 64 MiB", out)
     assert match and float(match[2]) < 64, out
+
+
+@pytest.mark.parametrize("value, read", [
+    ("9.0a", "9.0"),  # the GPU machine's image: DeepSpeed failed with "invalid literal for int() ... '0a'"
+    ("8.0;9.0a+PTX", "8.0;9.0+PTX"),
+    ("8.0 10.0f", "8.0;10.0"),
+    ("8.0;9.0+PTX", None),  # DeepSpeed reads these as they are
+    ("", None),
+    (None, None),
+])
+def test_arch_list_is_made_readable_for_deepspeeds_op_builder(value, read):
+    assert gpu_check.deepspeed_arch_list(value) == read
+
+
+def test_deepspeeds_op_builder_reads_the_arch_list_it_is_given(monkeypatch):
+    """DeepSpeed's own parsing (no nvcc needed): it fails on the image's value and reads the mended one."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder  # the CUDA builder, also on a CPU machine
+
+    builder = FusedAdamBuilder()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    with pytest.raises(ValueError, match="0a"):
+        builder.compute_capability_args()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", gpu_check.deepspeed_arch_list("9.0a"))
+    assert builder.compute_capability_args() == ["-gencode=arch=compute_90,code=sm_90"]
