@@ -15,7 +15,7 @@
 # DeepSpeed ships only a source archive, so it is built here into a pure-Python wheel (DS_BUILD_OPS=0: its ops
 # are compiled on the GPU machine, just in time, by its nvcc); bapo_trl is built from this checkout.
 # On the GPU machine (see benchmarks/gpu_check.py's docstring):
-#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu_site .gpu_wheels/*.whl
+#   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/gpu_site .gpu_wheels/*.whl
 #   export PYTHONPATH=$PWD:/tmp/gpu_site
 set -euo pipefail
 cd "$(dirname "$0")/.."
