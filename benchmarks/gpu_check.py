@@ -35,7 +35,8 @@ then send the working tree with ``.gpu_wheels`` (ignored by git, under 64 MiB) a
 
 (``$PWD`` first: the checkout's ``bapo_trl`` is what gets checked; the wheel of it is there for installing without
 the checkout.) 342 s on an H200 (2026-11-26), 293 s of it the step timing; DeepSpeed's op build 32-39 s. ``--skip``
-leaves sections out (``search,steps,replay,deepspeed``).
+leaves sections out (``search,steps,replay,deepspeed``); ``--batches`` and ``--rounds`` set the step comparison's
+micro-batch sizes and rounds (a repeat of it alone: ``--skip search,replay,deepspeed``).
 
 Output: one table row per check, then one machine-readable line::
 
@@ -93,6 +94,8 @@ GPU_STEP_ARGS = dict(per_device_train_batch_size=16, num_generations=8, steps_pe
                      max_completion_length=128)
 #: The micro-batch sizes the step comparison runs at on CUDA (8 completions per group): 2 and 8 groups.
 GPU_STEP_BATCHES = (16, 64)
+#: The sections, in the order they run (``--skip`` names some of them).
+SECTIONS = ("search", "steps", "replay", "deepspeed")
 
 
 # -- host synchronisation -------------------------------------------------------------------------------------------
@@ -231,7 +234,8 @@ def section_search(device: str, quick: bool) -> list[dict]:
     return rows
 
 
-def section_steps(device: str, quick: bool, tmp: str) -> list[dict]:
+def section_steps(device: str, quick: bool, tmp: str, batches=GPU_STEP_BATCHES, rounds: int | None = None
+                  ) -> list[dict]:
     cuda = device == "cuda"
     start = time.perf_counter()
     model_dir = build_random_model(os.path.join(tmp, "random-model"), device=device,
@@ -239,8 +243,9 @@ def section_steps(device: str, quick: bool, tmp: str) -> list[dict]:
                                    **(GPU_MODEL if cuda else CPU_MODEL))
     params = sum(p.numel() for p in _load_config_model(model_dir).parameters())
     build_s = time.perf_counter() - start
-    rounds, steps = ((2, 4) if quick else (5, 4)) if cuda else ((2, 4) if quick else (4, 4))
-    batches = GPU_STEP_BATCHES if cuda else (None,)
+    default_rounds, steps = ((2, 4) if quick else (5, 4)) if cuda else ((2, 4) if quick else (4, 4))
+    rounds = rounds or default_rounds
+    batches = batches if cuda else (None,)  # on CPU the small model's own batch
     rows = []
     for batch in batches:
         overrides = (GPU_STEP_ARGS | {"per_device_train_batch_size": batch}) if cuda else {}
@@ -531,19 +536,35 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true",
                         help="fewest repeats; on CPU also the smallest sizes (CI's slow tier)")
-    parser.add_argument("--skip", default="", help="comma-separated sections to leave out: search,steps,replay,"
-                        "deepspeed")
+    parser.add_argument("--skip", default="", help="comma-separated sections to leave out: "
+                        + ",".join(SECTIONS))
+    parser.add_argument("--batches", default=",".join(map(str, GPU_STEP_BATCHES)),
+                        help="CUDA: comma-separated micro-batch sizes of the step comparison, each a multiple of 8 "
+                             "(whole groups of 8) (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="interleaved rounds of the step comparison (default: 5 on CUDA, 2 with --quick)")
     args = parser.parse_args(argv)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if skip - set(SECTIONS):
+        parser.error(f"--skip: unknown section(s) {','.join(sorted(skip - set(SECTIONS)))}; the sections are "
+                     f"{','.join(SECTIONS)}")
+    try:
+        batches = tuple(int(b) for b in args.batches.split(",") if b.strip())
+    except ValueError:
+        batches = ()
+    if not batches or any(b <= 0 or b % 8 for b in batches):
+        parser.error(f"--batches must be positive multiples of 8 separated by commas, got {args.batches!r}")
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no GPU")
     if args.device == "cpu":
         torch.set_num_threads(1)  # the shared 2-core boxes: one thread is fastest for these sizes
-    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     print(f"# gpu_check on {device_name(args.device)}; {versions()}; Python {platform.python_version()}; repo "
           f"{step_overhead.git_state()}; {time.strftime('%Y-%m-%d %H:%M %Z')}", flush=True)
 
     sections = {"search": lambda tmp: section_search(args.device, args.quick),
-                "steps": lambda tmp: section_steps(args.device, args.quick, tmp),
+                "steps": lambda tmp: section_steps(args.device, args.quick, tmp, batches, args.rounds),
                 "replay": lambda tmp: section_replay(args.device, tmp),
                 "deepspeed": lambda tmp: section_deepspeed(args.device, tmp)}
     rows, started = [], time.perf_counter()

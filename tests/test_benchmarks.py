@@ -76,9 +76,15 @@ def test_core_contention_quick_prints_its_summary():
     ("async_overlap", ["--quick", "--warmup", "0"], "argument --warmup: must be a positive integer, got '0'"),
     ("async_overlap", ["--quick", "--warmup", "1"], "--warmup must be >= 2 (the replay rows generate whole batches"),
     ("async_overlap", ["--steps", "x"], "argument --steps: must be a positive integer, got 'x'"),
+    ("gpu_check", ["--device", "cpu", "--skip", "serach"], "--skip: unknown section(s) serach; the sections are "
+                                                          "search,steps,replay,deepspeed"),
+    ("gpu_check", ["--device", "cpu", "--batches", "16,12"], "--batches must be positive multiples of 8"),
+    ("gpu_check", ["--device", "cpu", "--batches", "x"], "--batches must be positive multiples of 8"),
+    ("gpu_check", ["--device", "cpu", "--rounds", "0"], "--rounds must be >= 1, got 0"),
 ])
-def test_a_bad_count_is_refused_by_name_before_any_work(script, args, says, capsys):
-    """0 used to fall back to the default (``args.rounds or default``); now every count is checked first."""
+def test_a_bad_option_is_refused_by_name_before_any_work(script, args, says, capsys):
+    """0 used to fall back to the default (``args.rounds or default``); now every count, and every list of names or
+    sizes, is checked first."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     module = __import__(script)
     with pytest.raises(SystemExit) as exit_info:
