@@ -64,6 +64,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -442,7 +443,7 @@ def build_deepspeed_op() -> dict:
         from deepspeed.ops.adam import FusedAdam
         from deepspeed.ops.op_builder import FusedAdamBuilder
 
-        with _environ(TORCH_CUDA_ARCH_LIST=arch):
+        with mock.patch.dict(os.environ, {"TORCH_CUDA_ARCH_LIST": arch} if arch else {}):
             FusedAdamBuilder().load()
         build_s = time.perf_counter() - start
         param = torch.nn.Parameter(torch.ones(4096, device="cuda"))
@@ -455,21 +456,6 @@ def build_deepspeed_op() -> dict:
     except Exception as err:  # noqa: BLE001 - reported in the table
         return {"check": "DeepSpeed op build (FusedAdam, nvcc)", "ok": False,
                 "detail": f"{type(err).__name__}: {str(err)[-1500:]}{note}"}
-
-
-@contextlib.contextmanager
-def _environ(**values: str | None):
-    """Set the environment variables given a value (None: leave as is) for the block, then put them back."""
-    saved = {name: os.environ.get(name) for name, value in values.items() if value is not None}
-    os.environ.update({name: value for name, value in values.items() if value is not None})
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def section_replay(device: str, tmp: str) -> list[dict]:
