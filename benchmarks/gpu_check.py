@@ -34,7 +34,8 @@ then send the working tree with ``.gpu_wheels`` (ignored by git, under 64 MiB) a
     python3 benchmarks/gpu_check.py --device cuda 2>&1 | tee gpu_check.log
 
 (``$PWD`` first: the checkout's ``bapo_trl`` is what gets checked; the wheel of it is there for installing without
-the checkout.) 342 s on an H200 (2026-11-26), 293 s of it the step timing; DeepSpeed's op build 32-39 s. ``--skip``
+the checkout.) About 6.5 minutes on an H200 (2026-11-26: 342 s with the op build failing at once; the step timing
+293 s, a passing DeepSpeed section 57-80 s with the op's build 32-39 s). ``--skip``
 leaves sections out (``search,steps,replay,deepspeed``); ``--batches`` and ``--rounds`` set the step comparison's
 micro-batch sizes and rounds (a repeat of it alone: ``--skip search,replay,deepspeed``).
 
@@ -44,7 +45,8 @@ Output: one table row per check, then one machine-readable line::
     step_time_ratio=<bapo/grpo> peak_memory_ratio=<bapo/grpo or nan> search_device_share=<x or nan>
     adapt_host_share=<x> step_syncs=<n> zero3=<pass|fail|skip> replay=<...> partial_rollout=<...>
 
-(all on one line). Exit code 1 if any check failed. Timings are reported, never judged: only wrong results
+(all on one line; over the batch sizes of the step comparison, the ratios and shares are the largest and
+``step_syncs`` the sum). Exit code 1 if any check failed. Timings are reported, never judged: only wrong results
 (different choices than the loops, a host sync, a launch that did not run ZeRO-3, replay or partial rollout that
 did nothing) fail a check.
 """
@@ -53,10 +55,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -296,7 +300,10 @@ def profile_row(model_dir: str, device: str, overrides: dict, steps: int, tmp: s
     :func:`host_sync_guard` (a call that syncs is counted, then repeated unguarded so training goes on); a block
     under the profiler with the search and the whole adaptation (``_adapt_clip_window``: search + metrics) each in
     a ``record_function`` range. Device time is what the kernels launched inside a range took on the GPU (over
-    all of the block's kernels); host time is the range's wall time on the CPU (over the block's wall time)."""
+    all the GPU work of the block); host time is the range's wall time on the CPU (over the block's wall time). The
+    adaptation's metrics read values on the host (one sync per micro-batch, as TRL's own metrics do), so its host
+    time includes waiting for GPU work queued before it: an upper bound on BAPO's own CPU time. The guard covers the
+    search only."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -317,7 +324,7 @@ def profile_row(model_dir: str, device: str, overrides: dict, steps: int, tmp: s
                 with host_sync_guard(device):
                     return search(*args, **kwargs)
             except (HostSyncError, RuntimeError) as err:  # CUDA's sync debug mode raises a RuntimeError
-                state["syncs"].append(str(err).splitlines()[0][:200])
+                state["syncs"].append(f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
                 return search(*args, **kwargs)
 
     def adapted(*args, **kwargs):
@@ -337,7 +344,11 @@ def profile_row(model_dir: str, device: str, overrides: dict, steps: int, tmp: s
     finally:
         trainer_module.search_clip_bounds = search
     events = [e for e in prof.events() if e.device_type == DeviceType.CPU]
-    device_total = sum(e.self_device_time_total for e in events)  # microseconds, every kernel once
+    # microseconds of GPU work: every kernel, copy and set the device ran (user ranges left out: they would count
+    # their kernels twice); the kernels linked to a CPU op (each once) are a cross-check
+    device_total = sum(e.device_time_total for e in prof.events()
+                       if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False))
+    linked_total = sum(e.self_device_time_total for e in events)
 
     def ranged(name):  # (device us, host us) inside every range of that name
         found = [e for e in events if e.name == name]
@@ -348,10 +359,14 @@ def profile_row(model_dir: str, device: str, overrides: dict, steps: int, tmp: s
     wall_us = 1e6 * wall
     batch = step_overhead.common_args("", steps, device, **overrides)["per_device_train_batch_size"]
     device_part = (f"device time: search {search_dev / 1e3 / steps:.3f} ms/step = "
-                   f"{100 * search_dev / device_total:.3f}% of the kernels' {device_total / 1e3 / steps:.1f} ms/step, "
+                   f"{100 * search_dev / device_total:.3f}% of the GPU's {device_total / 1e3 / steps:.1f} ms/step "
+                   f"({linked_total / 1e3 / steps:.1f} ms/step linked to CPU ops), "
                    f"adaptation {adapt_dev / 1e3 / steps:.3f} ms/step = {100 * adapt_dev / device_total:.3f}%; "
                    if cuda and device_total > 0 else "device time: CUDA only; ")
-    del trainer
+    del trainer, prof
+    gc.collect()  # the next batch size's trainers start on an empty GPU
+    if cuda:
+        torch.cuda.empty_cache()
     return {
         "check": f"BAPO's share of a step (profiler), batch {batch}",
         "ok": calls > 0 and state["calls"] > 0 and not state["syncs"],
@@ -426,12 +441,8 @@ def deepspeed_arch_list(value: str | None) -> str | None:
     if not value:
         return None
     parts = [p for p in value.replace(" ", ";").split(";") if p]
-    fixed = []
-    for part in parts:
-        arch, plus, ptx = part.partition("+")
-        fixed.append(arch.rstrip("abcdefghijklmnopqrstuvwxyz") + plus + ptx)
-    fixed_value = ";".join(fixed)
-    return None if fixed == parts else fixed_value
+    fixed = [re.sub(r"^(\d+\.\d+)[a-z]+(\+PTX)?$", r"\1\2", part) for part in parts]  # names stay as they are
+    return None if fixed == parts else ";".join(fixed)
 
 
 def build_deepspeed_op() -> dict:
@@ -580,9 +591,9 @@ def main(argv=None) -> int:
     print()
     print(f"# {len(rows)} checks, {sum(not r['ok'] for r in rows)} failed, {time.perf_counter() - started:.0f} s")
 
-    def pick(key, default=math.nan):
+    def pick(key, default=math.nan, combine=lambda found: found[-1]):
         found = [r[key] for r in rows if key in r]
-        return found[-1] if found else default
+        return combine(found) if found else default
 
     def status(check):
         found = [r for r in rows if r["check"] == check]
@@ -591,9 +602,11 @@ def main(argv=None) -> int:
     failed = sum(not r["ok"] for r in rows)
     print(f"device={args.device} checks={len(rows)} failed={failed} search_tokens={pick('tokens', 0)} "
           f"speedup_vs_loop={pick('speedup'):.1f} floor_ratio={pick('floor_ratio'):.2f} "
-          f"host_syncs={pick('host_syncs', -1)} step_time_ratio={pick('step_ratio'):.4f} "
-          f"peak_memory_ratio={pick('memory_ratio'):.4f} search_device_share={pick('search_device_share'):.5f} "
-          f"adapt_host_share={pick('adapt_host_share'):.4f} step_syncs={pick('step_syncs', -1)} zero3={status('DeepSpeed ZeRO-3 launch of train_bapo.py')} "
+          f"host_syncs={pick('host_syncs', -1)} step_time_ratio={pick('step_ratio', combine=max):.4f} "
+          f"peak_memory_ratio={pick('memory_ratio', combine=max):.4f} "
+          f"search_device_share={pick('search_device_share', combine=max):.5f} "
+          f"adapt_host_share={pick('adapt_host_share', combine=max):.4f} "
+          f"step_syncs={pick('step_syncs', -1, combine=sum)} zero3={status('DeepSpeed ZeRO-3 launch of train_bapo.py')} "
           f"replay={status('replay queue')} partial_rollout={status('partial rollout')}")
     return 1 if failed else 0
 

@@ -134,6 +134,7 @@ def test_wheel_download_gives_one_cp312_wheel_each_under_the_size_limit(tmp_path
     ("8.0;9.0a+PTX", "8.0;9.0+PTX"),
     ("8.0 10.0f", "8.0;10.0"),
     ("8.0;9.0+PTX", None),  # DeepSpeed reads these as they are
+    ("Ampere;9.0a", "Ampere;9.0"),  # a name is left as it is (DeepSpeed would refuse it either way)
     ("", None),
     (None, None),
 ])
