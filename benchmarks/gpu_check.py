@@ -163,6 +163,15 @@ def host_sync_guard(device: str | torch.device = "cpu"):
                 torch.cuda.set_sync_debug_mode(previous)
 
 
+def guarded(device: str, call):
+    """``(call(), None)``, or ``(None, error)`` where the call made a host sync under :func:`host_sync_guard`."""
+    try:
+        with host_sync_guard(device):
+            return call(), None
+    except (HostSyncError, RuntimeError) as err:  # CUDA's sync debug mode raises a RuntimeError
+        return None, err
+
+
 def check_no_host_sync(device: str, shape=(64, 256)) -> dict:
     """Run the search for both variants and both modes under :func:`host_sync_guard`, after one unguarded call each
     (the first call for a path on a device uploads the path's constants once; they are cached)."""
@@ -172,12 +181,11 @@ def check_no_host_sync(device: str, shape=(64, 256)) -> dict:
     for variant, mode in combos:
         search_clip_bounds(ratio, advantages, mask, bapo_variant=variant, positive_contribution_mode=mode)
     for variant, mode in combos:
-        try:
-            with host_sync_guard(device):
-                result = search_clip_bounds(ratio, advantages, mask, bapo_variant=variant,
-                                            positive_contribution_mode=mode)
+        result, err = guarded(device, lambda: search_clip_bounds(ratio, advantages, mask, bapo_variant=variant,
+                                                                 positive_contribution_mode=mode))
+        if err is None:
             results[f"{variant}/{mode}"] = result.as_floats()  # read after the guard: ONE transfer
-        except (HostSyncError, RuntimeError) as err:  # CUDA's sync debug mode raises a RuntimeError
+        else:
             errors.append(f"{variant}/{mode}: {err}")
     return {"searches": len(combos), "host_syncs": len(errors), "errors": errors, "results": results,
             "guard": "dispatch/function hooks" + (" + torch.cuda.set_sync_debug_mode('error')"
@@ -320,12 +328,11 @@ def profile_row(model_dir: str, device: str, overrides: dict, steps: int, tmp: s
             if not state["guard"]:
                 return search(*args, **kwargs)
             state["calls"] += 1
-            try:
-                with host_sync_guard(device):
-                    return search(*args, **kwargs)
-            except (HostSyncError, RuntimeError) as err:  # CUDA's sync debug mode raises a RuntimeError
-                state["syncs"].append(f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
-                return search(*args, **kwargs)
+            result, err = guarded(device, lambda: search(*args, **kwargs))
+            if err is None:
+                return result
+            state["syncs"].append(f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+            return search(*args, **kwargs)  # unguarded, so training goes on
 
     def adapted(*args, **kwargs):
         with record_function("bapo.adapt"):
@@ -539,7 +546,8 @@ def main(argv=None) -> int:
                         help="CUDA: comma-separated micro-batch sizes of the step comparison, each a multiple of 8 "
                              "(whole groups of 8) (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="interleaved rounds of the step comparison (default: 5 on CUDA, 2 with --quick)")
+                        help="interleaved rounds of the step comparison (default: 5 on CUDA, 4 on CPU, 2 with "
+                             "--quick)")
     args = parser.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if skip - set(SECTIONS):
