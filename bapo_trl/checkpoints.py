@@ -3,8 +3,11 @@
 Transformers writes ``checkpoint-N`` in place, file after file, and ``resume_from_checkpoint=True`` takes the
 highest N: a run killed while writing would resume from a half-written checkpoint. BAPOTrainer writes a marker
 last (atomically), and resumes from the newest checkpoint that has it; older checkpoints are never touched by a
-new write, so an interrupted write cannot corrupt them. With ``save_total_limit``, older checkpoints are rotated
-out (by transformers' own ``rotate_checkpoints``) only after the new one is marked complete.
+new write, so an interrupted write cannot corrupt them. A folder that already exists is rewritten (a resume from
+an earlier step writes the later steps again; an interrupted write left it): it loses its marker first, then the
+rest of the earlier write, before the first file of the new write lands, so a marker always vouches for the files
+of the write that wrote it and nothing else. With ``save_total_limit``, older checkpoints are rotated out (by
+transformers' own ``rotate_checkpoints``) only after the new one is marked complete.
 """
 
 from __future__ import annotations
@@ -34,7 +37,55 @@ def mark_complete(folder: str, step: int, world_size: int = 1) -> None:
 
 
 def is_complete(folder: str) -> bool:
+    """The folder has a marker. Its files' times are not compared with the marker's: copies (``cp -r``, a git
+    checkout such as tests/data/) and clocks (a step back, another node's on a shared filesystem) reorder them, and
+    :func:`clear_for_rewrite` already removes a marker before any file of a new write lands."""
     return os.path.exists(os.path.join(folder, MARKER))
+
+
+def _fsync_dir(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # a platform that cannot open a directory
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # a filesystem that does not sync directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove(path: str) -> None:
+    """Remove a file or a folder tree; what is already gone is fine (with ``save_on_each_node`` on a shared
+    filesystem, every node's main process clears the same folder)."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            for name in os.listdir(path):
+                _remove(os.path.join(path, name))
+            os.rmdir(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def clear_for_rewrite(folder: str) -> None:
+    """Before the first file of a checkpoint lands in ``folder``: if an earlier write left it (a resume from an earlier
+    step rewrites the later checkpoints; a write cut short left one), remove its marker first, durably, then every
+    other file of that write. A write cut short then leaves a folder without a marker (skipped), never the old marker
+    over new weights and an old optimizer, and the marker written last vouches for this write's files only (no stale
+    file of a write with other settings, such as other shards or another number of processes)."""
+    if not os.path.isdir(folder):
+        return
+    try:
+        os.unlink(os.path.join(folder, MARKER))
+    except FileNotFoundError:
+        pass
+    else:
+        _fsync_dir(folder)  # a power cut after this must not bring the old marker back over the new files
+    for name in os.listdir(folder):
+        _remove(os.path.join(folder, name))
 
 
 def latest_complete_checkpoint(output_dir: str) -> str | None:
@@ -161,7 +212,8 @@ def _to(batch: dict, device) -> dict:
 
 class CheckpointMixin:
     """Trainer overrides (put before ``GRPOTrainer`` in the bases): per-rank rollout state and TRL's generation batch in
-    progress join each checkpoint, the completeness marker is written last, rotation waits for it, and
+    progress join each checkpoint, a folder written again is cleared (its marker first) before the first file lands,
+    the completeness marker is written last, rotation waits for it, and
     ``resume_from_checkpoint=True`` takes the newest complete checkpoint. Every ``train()`` starts from a fresh run
     state (``_begin_run()``), so a second call, or a resume on the same object, behaves as on a new trainer. The
     trainer provides ``_rank_states()`` (file stem -> object with ``state_dict``), ``_begin_run()`` and
@@ -174,6 +226,9 @@ class CheckpointMixin:
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:  # the process that writes the marker removes the earlier write's one, and its files
+            clear_for_rewrite(folder)
+        self.accelerator.wait_for_everyone()  # ... before any rank's file of this write lands
         save_rank_states(folder, self._checkpoint_states(), self.accelerator.process_index)
         # Transformers rotates (save_total_limit) at the end of its own _save_checkpoint, before this checkpoint is
         # marked complete: a crash in between could leave no complete checkpoint. It does not rotate there; this

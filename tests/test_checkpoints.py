@@ -1,9 +1,12 @@
-"""Complete-or-ignored checkpoints: the marker, resume resolution, and rotation that never removes the last
+"""Complete-or-ignored checkpoints: the marker (written after every file of its write; a folder written again loses
+its old marker and files before the first new file lands), resume resolution, and rotation that never removes the last
 complete checkpoint before the new one counts."""
 
+import hashlib
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -52,6 +55,103 @@ def test_a_crash_before_the_new_checkpoint_counts_keeps_the_last_complete_one(ti
         assert (survivor / name).exists(), name
     assert not is_complete(str(tmp_path / "checkpoint-2"))
     assert resolve_resume("latest", str(tmp_path)) == str(survivor)
+
+
+def files(folder) -> dict:
+    """Relative path -> (size, sha256) of every file under ``folder`` (subfolders included), the marker aside."""
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER}
+
+
+def test_the_marker_is_written_after_every_file_of_its_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
+    """The order itself, on a real save: what the folder holds when the marker is written is what it holds once the
+    save is over (no file written, changed or removed after the marker, whatever the clock's resolution), and no
+    file's time is later than the marker's."""
+    at_marking = {}
+    real_mark = checkpoints_module.mark_complete
+
+    def recording(folder, step, *args):
+        assert not os.path.exists(os.path.join(folder, MARKER))
+        at_marking[step] = files(folder)
+        real_mark(folder, step, *args)
+
+    monkeypatch.setattr(checkpoints_module, "mark_complete", recording)
+    build(tiny_model_dir, tmp_path, max_steps=2, save_total_limit=None).train()
+    assert sorted(at_marking) == [1, 2]
+    for step in (1, 2):
+        folder = tmp_path / f"checkpoint-{step}"
+        assert {"model.safetensors", "optimizer.pt", "trainer_state.json", "generation_batch_rank0.pt"} <= set(
+            at_marking[step])
+        assert files(folder) == at_marking[step], step
+        marked = (folder / MARKER).stat().st_mtime_ns
+        assert [str(p) for p in folder.rglob("*") if p.is_file() and p.stat().st_mtime_ns > marked] == [], step
+
+
+@pytest.fixture(scope="module")
+def four_checkpoints(tiny_model_dir, tmp_path_factory):
+    """A run's output_dir with complete checkpoints 1-4 (built once; each test works on a copy)."""
+    out = tmp_path_factory.mktemp("four_checkpoints")
+    build(tiny_model_dir, out, max_steps=4, save_total_limit=None).train()
+    assert all(is_complete(str(out / f"checkpoint-{step}")) for step in (1, 2, 3, 4))
+    return out
+
+
+def crash_after_the_first_file(monkeypatch, folder):
+    """The rewrite of ``folder`` dies right after its first file (a per-rank state, written before transformers'
+    files)."""
+    real_write = checkpoints_module.write_atomically
+
+    def write(path, *args):
+        real_write(path, *args)
+        if os.path.dirname(path) == str(folder) and os.path.basename(path) != MARKER:
+            raise Crash
+
+    monkeypatch.setattr(checkpoints_module, "write_atomically", write)
+
+
+def crash_after_the_weights(monkeypatch, folder):
+    """The rewrite of ``folder`` dies when the new weights are on disk and the optimizer is not yet."""
+    real_save = BAPOTrainer._save_optimizer_and_scheduler
+
+    def save(self, output_dir):
+        if output_dir == str(folder):
+            raise Crash
+        real_save(self, output_dir)
+
+    monkeypatch.setattr(BAPOTrainer, "_save_optimizer_and_scheduler", save)
+
+
+@pytest.mark.parametrize("crash", [crash_after_the_first_file, crash_after_the_weights])
+def test_a_rollback_resume_cut_short_while_rewriting_a_checkpoint_is_never_resumed(
+        crash, four_checkpoints, tiny_model_dir, tmp_path, monkeypatch):
+    """A run had reached checkpoint-4; it resumes from checkpoint-2 in the same output_dir (a rollback), so it writes
+    checkpoints 3 and 4 again, and dies while rewriting checkpoint-4. `latest` must take the rewritten checkpoint-3,
+    never checkpoint-4 (new weights beside the old run's optimizer, scheduler and trainer state), and checkpoint-4
+    holds no file of the old write."""
+    out = tmp_path / "out"
+    shutil.copytree(four_checkpoints, out)
+    old_files = files(out / "checkpoint-4")
+    marked_before = json.loads((out / "checkpoint-3" / MARKER).read_text())["time"]
+    crash(monkeypatch, out / "checkpoint-4")
+    with pytest.raises(Crash):
+        build(tiny_model_dir, out, max_steps=4, save_total_limit=None).train(
+            resume_from_checkpoint=str(out / "checkpoint-2"))
+
+    torn = out / "checkpoint-4"
+    assert not is_complete(str(torn))
+    assert resolve_resume("latest", str(out)) == latest_complete_checkpoint(str(out)) == str(out / "checkpoint-3")
+    assert json.loads((out / "checkpoint-3" / MARKER).read_text())["time"] > marked_before  # written by the resume
+    assert not {"optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} & set(os.listdir(torn))
+    if crash is crash_after_the_first_file:
+        assert set(os.listdir(torn)) == {"generation_batch_rank0.pt"}
+    else:
+        assert "model.safetensors" in os.listdir(torn)
+    assert old_files.keys() > files(torn).keys()
+
+    monkeypatch.undo()  # the resume of the resume: the torn folder is written again, whole, and counts
+    build(tiny_model_dir, out, max_steps=4, save_total_limit=None).train(resume_from_checkpoint="latest")
+    assert is_complete(str(torn)) and files(torn).keys() == old_files.keys()
 
 
 def test_rotation_still_keeps_save_total_limit(tiny_model_dir, tmp_path):

@@ -1,7 +1,9 @@
-"""Nothing a user trained is lost: kill -9 after a checkpoint, resume, and the run continues exactly like one that
-was never interrupted (CPU, fixed seed), with replay, partial rollout, and async generation against the real vLLM CPU
-server. The checkpoint is in the MIDDLE of a generation batch (step 6 of batches of 4 updates): the resumed run
-trains the rest of that batch, then generates what the uninterrupted run generated.
+"""Nothing a user trained is lost: kill -9 inside the write of a checkpoint, resume, and the run continues from the
+complete checkpoint before it exactly like one that was never interrupted (CPU, fixed seed), with replay, partial
+rollout, and async generation against the real vLLM CPU server. The complete checkpoint is in the MIDDLE of a
+generation batch (step 6 of batches of 4 updates): the resumed run trains the rest of that batch, then generates what
+the uninterrupted run generated. The kill lands at a point the run itself signals (no timing): inside the save of
+checkpoint-12, once its weights and per-rank state are on disk and before its optimizer, trainer state and marker.
 
 CPU runs are deterministic, so a run that ignored the checkpoint and started over would log the same history: the
 test also checks that the resumed process ran only the steps after the checkpoint and left the checkpoint alone."""
@@ -9,7 +11,6 @@ test also checks that the resumed process ran only the steps after the checkpoin
 import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,13 +33,35 @@ SOURCES = {
     "async": ["--use_vllm", "--vllm_mode", "server", "--async_generation"],  # + the server's URL
 }
 CHECKPOINT = 6  # mid-batch: 4 updates per generation batch
+TORN = 2 * CHECKPOINT  # the checkpoint whose write the kill cuts short
+
+# train_bapo.py, except that the save of checkpoint-<step> stops once the weights and the per-rank state are on disk
+# (transformers saves the optimizer next), touches <event> and waits there to be killed.
+STOP_IN_SAVE = """
+import pathlib, runpy, sys, threading
+event, step, script = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+from bapo_trl import BAPOTrainer
+save = BAPOTrainer._save_optimizer_and_scheduler
+def stop_in_save(self, output_dir):
+    if self.state.global_step == step:
+        event.touch()
+        threading.Event().wait()
+    save(self, output_dir)
+BAPOTrainer._save_optimizer_and_scheduler = stop_in_save
+sys.argv = sys.argv[3:]
+runpy.run_path(script, run_name="__main__")
+"""
 
 
-def train(out, *extra, env, logs, source=()):
-    """Start train_bapo.py; its stdout and stderr go to files (a pipe nobody reads can fill up and block the child)."""
+def train(out, *extra, env, logs, source=(), stop_in_save=None):
+    """Start train_bapo.py (``stop_in_save=(event, step)``: under STOP_IN_SAVE); its stdout and stderr go to files (a
+    pipe nobody reads can fill up and block the child)."""
+    script = [str(REPO / "train_bapo.py")]
+    if stop_in_save is not None:
+        script = ["-c", STOP_IN_SAVE, str(stop_in_save[0]), str(stop_in_save[1]), *script]
     with open(logs.with_suffix(".out"), "w") as stdout, open(logs.with_suffix(".err"), "w") as stderr:
-        return subprocess.Popen([sys.executable, str(REPO / "train_bapo.py"), *RUN, *source, "--output_dir", str(out),
-                                 *extra], env=env, stdout=stdout, stderr=stderr, text=True)
+        return subprocess.Popen([sys.executable, *script, *RUN, *source, "--output_dir", str(out), *extra], env=env,
+                                stdout=stdout, stderr=stderr, text=True)
 
 
 def tail(logs):
@@ -85,27 +108,24 @@ def test_kill_9_then_resume_continues_exactly(source_flags, tmp_path):
     assert reference.wait(timeout=600) == 0, tail(tmp_path / "reference-log")
     assert len(steps_logged_by(tmp_path / "reference-log")) == 24
 
-    victim = train(tmp_path / "victim", env=env, logs=tmp_path / "victim-log", source=flags)
-    marker = tmp_path / "victim" / f"checkpoint-{CHECKPOINT}" / "bapo_checkpoint_complete.json"
+    event = tmp_path / "inside-the-save"
+    victim = train(tmp_path / "victim", env=env, logs=tmp_path / "victim-log", source=flags, stop_in_save=(event, TORN))
     deadline = time.time() + 600
-    while not marker.exists():
-        assert victim.poll() is None, "the run ended before its first checkpoint"
+    while not event.exists():
+        assert victim.poll() is None, "the run ended before the save it stops in"
         assert time.time() < deadline
-        time.sleep(0.02)
-    victim.send_signal(signal.SIGKILL)
+        time.sleep(0.05)
+    victim.send_signal(signal.SIGKILL)  # the run waits inside the save: the kill lands there, however late it comes
     victim.wait()
     assert victim.returncode == -signal.SIGKILL
 
-    # A later checkpoint whose write was cut short (simulated: files missing, no completion marker) must be
-    # skipped by `--resume_from_checkpoint latest`, and the complete one before it must be intact.
-    kept = f"checkpoint-{CHECKPOINT}"
-    for folder in os.listdir(tmp_path / "victim"):
-        if folder.startswith("checkpoint-") and folder != kept:
-            shutil.rmtree(tmp_path / "victim" / folder)
-    partial = tmp_path / "victim" / f"checkpoint-{2 * CHECKPOINT}"
-    shutil.copytree(tmp_path / "victim" / kept, partial)
-    for file in ("bapo_checkpoint_complete.json", "trainer_state.json", "optimizer.pt"):
-        (partial / file).unlink(missing_ok=True)
+    # The write of checkpoint-12 was cut short (new weights on disk, no optimizer): no marker, so
+    # `--resume_from_checkpoint latest` takes checkpoint-6, which that write left alone.
+    kept, torn = f"checkpoint-{CHECKPOINT}", tmp_path / "victim" / f"checkpoint-{TORN}"
+    assert {n for n in os.listdir(tmp_path / "victim") if n.startswith("checkpoint-")} == {kept, torn.name}
+    assert (torn / "model.safetensors").exists() and not (torn / "optimizer.pt").exists()
+    assert not (torn / "bapo_checkpoint_complete.json").exists()
+    assert (tmp_path / "victim" / kept / "bapo_checkpoint_complete.json").exists()
 
     before = fingerprint(tmp_path / "victim" / kept)
 
@@ -116,6 +136,7 @@ def test_kill_9_then_resume_continues_exactly(source_flags, tmp_path):
     # It resumed: it ran steps 7-24 only (a fresh start would log 24 steps and rewrite the checkpoint at step 6).
     assert len(steps_logged_by(tmp_path / "resumed-log")) == 24 - CHECKPOINT
     assert fingerprint(tmp_path / "victim" / kept) == before
+    assert (torn / "bapo_checkpoint_complete.json").exists() and (torn / "optimizer.pt").exists()  # written again
 
     ref, res = history(tmp_path / "reference"), history(tmp_path / "victim")
     assert sorted(ref) == sorted(res) == list(range(1, 25))  # equal lengths before comparing step by step
