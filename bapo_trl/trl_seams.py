@@ -121,10 +121,14 @@ SEAMS: tuple[Seam, ...] = (
     Seam("trl.generation.vllm_generation:VLLMClient", "on CUDA the server client is swapped for one that sends "
          "$VLLM_API_KEY", mentions=("self.session", "self.check_server(")),
     Seam("trl.generation.vllm_generation:VLLMGeneration.sync_weights", "CPU server: weights through disk"),
+    Seam("trl.generation.vllm_generation:VLLMGeneration.generate", "colocate: the engine (self.llm, wrapped by "
+         "generation/seeding.py's SeededEngine) gives each prompt of a seeded call a seed of its own",
+         mentions=("self.llm.generate(vllm_prompts, sampling_params=sampling_params",)),
     Seam("trl.generation.vllm_generation:VLLMGeneration._iter_named_params", "CPU server gathers weights"),
     Seam(CLIENT, "HTTP client: vLLM is only checked for, and the session exists when __init__ calls check_server",
          mentions=("is_vllm_available()", "self.session", "self.check_server(")),
-    Seam(f"{CLIENT}.generate", "async generation's one request per batch",
+    Seam(f"{CLIENT}.generate", "async generation's one request per batch; a seeded call with several prompts is sent "
+         "one request per prompt, each with a seed of its own (generation/seeding.py)",
          params=("prompts", "features", "n", "repetition_penalty", "temperature", "top_p", "top_k", "min_p",
                  "max_tokens", "logprobs", "structured_outputs_regex", "generation_kwargs")),
     Seam(f"{CLIENT}.weight_update", "several servers on CUDA: one weight update per server around the stream"),
@@ -140,7 +144,6 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{CLIENT}.reset_prefix_cache", "HTTP client: one bounded request, answered with JSON"),
     Seam(f"{CLIENT}._get", "request timeouts", params=("url",)),
     Seam(f"{CLIENT}._post", "request timeouts", params=("url",)),
-    Seam("trl.generation.vllm_client:_DEFAULT_GENERATION_CONCURRENCY", "HTTP client: TRL's connection pool size; seeded requests sent at once (port)"),
     Seam("trl.generation.vllm_client:is_vllm_available", "HTTP client without vllm installed"),
     Seam("trl.trainer.utils:RepeatSampler", "async generation draws its prompts as TRL's sampler does"),
     Seam("trl.trainer.utils:is_async_callable", "async reward functions keep their errors named"),

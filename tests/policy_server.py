@@ -11,8 +11,10 @@ batching, prefix cache and sampling settings other than temperature (it refuses 
 
 A request's ``seed`` is applied as vLLM applies it: every prompt of the request is sampled from a generator seeded
 ``seed`` (its child j: ``seed + j``), so identical prompts in one seeded request get identical completions, exactly
-as on the real server (tests/test_async_generation.py checks that on a real one). It can stall on chosen requests (``stall_on``: the n-th generate request is accepted and never answered), to test
-that a stalled server ends training with an error, not a hang.
+as on the real server (tests/test_request_seeds.py checks that on a real one). It can stall on chosen requests
+(``stall_on``: the n-th generate request is accepted and never answered), to test that a stalled server ends training
+with an error, not a hang; and answer each request ``latency`` seconds late, concurrent requests overlapping (a server
+that batches them).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class PolicyServer:
     generate request, how many reloads the server had applied when it ran."""
 
     def __init__(self, model_dir: str, stall_on: tuple[int, ...] = (), seed: int = 0, seconds_per_token: float = 0.0,
-                 busy_resets: int = 0):
+                 busy_resets: int = 0, latency: float = 0.0):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -63,7 +65,12 @@ class PolicyServer:
         self.stall_on = set(stall_on)
         self.busy_resets = busy_resets  # answer this many prefix-cache resets as vLLM does while blocks are held
         self.seconds_per_token = seconds_per_token  # a slower server, for requests that outlast a training step
+        # each generate request answers this much later, outside the model lock: concurrent requests overlap, as a
+        # server that batches them (vLLM) answers a batch in about one request's time
+        self.latency = latency
+        self.in_flight = self.most_in_flight = 0  # generate requests open at once (now, and the most seen)
         self.release = threading.Event()
+        self.stalled_at: float | None = None  # time.perf_counter() when the first stalled request arrived
         server = self
 
         class Handler(JSONHandler):
@@ -83,9 +90,19 @@ class PolicyServer:
                                               body.get("max_tokens")))
                 if self.path == "/v1/completions":
                     if index in server.stall_on:
+                        server.stalled_at = server.stalled_at or time.perf_counter()
                         server.release.wait(600)  # the stall: accepted, never answered
                         return
-                    self.answer(server.complete(body))
+                    with server.counting:
+                        server.in_flight += 1
+                        server.most_in_flight = max(server.most_in_flight, server.in_flight)
+                    try:
+                        answer = server.complete(body)
+                        time.sleep(server.latency)
+                    finally:
+                        with server.counting:
+                            server.in_flight -= 1
+                    self.answer(answer)
                 elif self.path == "/reset_prefix_cache":
                     with server.counting:
                         busy, server.busy_resets = server.busy_resets > 0, max(server.busy_resets - 1, 0)

@@ -256,6 +256,80 @@ def test_waiting_for_a_request_behind_several_is_bounded_per_request_not_in_all(
         producer.close()
 
 
+class AnsweredInParts(ScriptedGenerator):
+    """One batch answered request by request (a seeded batch: one HTTP request per prompt), ``parts`` answers
+    ``gap`` seconds apart, each counted in ``answered`` (the client's counter), or, ``stall_after``, none after that."""
+
+    def __init__(self, parts: int, gap: float, stall_after: int | None = None):
+        super().__init__()
+        self.parts, self.gap, self.stall_after, self.answered = parts, gap, stall_after, 0
+
+    def __call__(self, work):
+        for part in range(self.parts):
+            if part == self.stall_after:
+                self.release.clear()
+                assert self.release.wait(30)
+            time.sleep(self.gap)
+            self.answered += 1
+        return super().__call__(work)
+
+
+@pytest.mark.parametrize("wait", ["take", "hold"])
+def test_a_large_batch_answered_request_by_request_is_not_a_stall(wait):
+    """A batch of many requests takes longer than one request's bound, but the server answers all along: every bound
+    restarts at each answer (progress), so neither taking the batch (3.5 x timeout = 0.7 s) nor holding the producer for
+    a push (1.5 x timeout = 0.3 s) raises. 12 answers 0.1 s apart: 1.2 s in all. Without the progress the same waits
+    raise (second half). Timing-based (the bounds are times): the margins are 3x (0.1 s gaps under 0.3 s)."""
+    from bapo_trl.rollout.producer import ProducerStalled
+
+    def run(progress: bool):
+        generate = AnsweredInParts(parts=12, gap=0.1)
+        producer = Producer(generate, request_timeout=0.2, progress=(lambda: generate.answered) if progress else None)
+        try:
+            producer.submit(Work(0, [[1]], n=1, max_tokens=4))
+            while producer.in_flight is None and not generate.answered:
+                time.sleep(0.01)
+            if wait == "take":
+                return producer.take(0)[0].version
+            with producer.between_requests():
+                return producer.take(0)[0].version
+        finally:
+            producer.close()
+
+    assert run(progress=True) == 0
+    with pytest.raises(ProducerStalled, match="of the server's last answer"):
+        run(progress=False)
+
+
+@pytest.mark.parametrize("wait, bound", [("take", 3.5), ("hold", 1.5)])
+def test_a_stall_is_an_error_at_its_documented_bound_after_the_last_answer(wait, bound):
+    """The stall bounds at their documented values, counted from the server's last answer: taking a batch 3.5 x the
+    timeout, holding the producer for a push 1.5 x. Asserted from below exactly (no earlier error) and from above with
+    a stated slack of 1.5 s (the waits re-check at least every second; a loaded machine adds delay)."""
+    from bapo_trl.rollout.producer import ProducerStalled
+
+    timeout = 0.4
+    generate = AnsweredInParts(parts=3, gap=0.05, stall_after=2)
+    producer = Producer(generate, request_timeout=timeout, progress=lambda: generate.answered)
+    try:
+        producer.submit(Work(0, [[1]], n=1, max_tokens=4))
+        deadline = time.perf_counter() + 10
+        while generate.answered < 2 and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        last_answer = time.perf_counter()
+        with pytest.raises(ProducerStalled):
+            if wait == "take":
+                producer.take(0)
+            else:
+                with producer.between_requests():
+                    pass
+        waited = time.perf_counter() - last_answer
+        assert bound * timeout <= waited <= bound * timeout + 1.5, (waited, bound * timeout)
+    finally:
+        generate.release.set()
+        producer.close()
+
+
 def test_a_failed_request_is_raised_where_the_trainer_takes_the_batch():
     def broken(work):
         raise ConnectionError("server went away")
@@ -359,6 +433,45 @@ def test_resuming_planned_short_batches_without_the_replay_that_fills_them_is_re
     planned.load_state_dict(saved)
     assert (planned.handed, planned.planned) == (3, {3: 0, 4: 1})
     AsyncGeneration(port).load_state_dict({**saved, "planned": {3: 0, 4: 0}})  # nothing left out: any settings
+
+
+@pytest.mark.slow  # 3 batches of 200 prompts on a server answering 2 s late: ~25 s
+@pytest.mark.parametrize("push", ["handed_over", "held"])
+def test_a_generation_batch_above_the_old_request_pool_trains_within_a_short_timeout(push, tiny_model_dir, tmp_path,
+                                                                                        monkeypatch):
+    """200 prompts per generation batch (TRL's pool sent 64 at a time: 4 waves) on a slowed stand-in answering each
+    request 2 s late (concurrent requests overlap, as vLLM batches them), with a 4 s timeout: shorter than the batch in
+    waves (about 9 s), and the producer's hold bound (1.5 x 4 = 6 s) too. Every request of a batch is in flight at
+    once, so the run trains, with the push handed over (the disk path) or held between two requests (as TRL's NCCL
+    push on CUDA; ``TRLPort.gather_weights`` patched to None, a STAND-IN for that path). With the pool capped at 64
+    the held row raised ProducerStalled (the review's measurement)."""
+    from transformers import AutoTokenizer
+
+    from bapo_trl.rollout.port import TRLPort
+    from bapo_trl.toy import make_reverse_dataset
+
+    monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
+    if push == "held":
+        monkeypatch.setattr(TRLPort, "gather_weights", lambda self: None)
+    server = PolicyServer(tiny_model_dir, latency=2.0)
+    prompts, generations = 200, 2
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        args = BAPOConfig(
+            output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
+            save_strategy="no", per_device_train_batch_size=prompts * generations // 4, steps_per_generation=4,
+            num_generations=generations, max_completion_length=1, max_steps=8, logging_steps=1, seed=0,
+            use_vllm=True, vllm_mode="server", vllm_server_host=host, vllm_server_port=int(port),
+            vllm_server_timeout=4, async_generation=True, max_staleness=1)
+        trainer = BAPOTrainer(model=tiny_model_dir, reward_funcs=completion_length, args=args,
+                              train_dataset=make_reverse_dataset(prompts),
+                              processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+        trainer.train()
+    finally:
+        server.close()
+    assert trainer.state.global_step == 8
+    assert server.most_in_flight >= prompts, server.most_in_flight  # a whole batch in flight at once, not waves
+    assert not server.resent()
 
 
 def test_a_stalled_server_is_an_error_naming_the_timeout(tiny_model_dir, tmp_path, monkeypatch):

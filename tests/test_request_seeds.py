@@ -1,49 +1,77 @@
-"""Seeded requests to the generation server: reproducible, and every sequence draws its own random numbers.
+"""Seeded generation calls: reproducible, and every sequence draws its own random numbers.
 
 vLLM applies a request's ``seed`` to every prompt of the request (child j of a prompt: seed + j), so one seeded
-request holding the same prompt twice samples it twice identically. Partial rollout and in-flight updates send the
-members of a group (and later their prefixes) as separate prompts of one request: with one seed per request every
-group would be sampled as copies of one completion, every advantage would be zero and nothing would train, silently.
-``TRLPort.server_generate`` gives each prompt a seed of its own. Checked on the stand-in (fast) and on a real vLLM
-CPU server (slow), where the first test also shows the server's semantics the stand-in copies.
+request holding the same prompt twice samples it twice identically. Partial rollout, in-flight updates and TRL's
+colocated engine send the members of a group (and later their prefixes) as separate prompts of one call: with one seed
+per call (a request seed, or the user's ``seed`` in ``generation_kwargs``) every group would be sampled as copies of
+one completion, every advantage would be zero and nothing would train, silently. Every seeded call with several
+prompts is sent one request per prompt, each with a seed of its own (``bapo_trl.generation.seeding``), all at once.
+Checked on the stand-in (fast) and on a real vLLM CPU server (slow), where the first check also shows the server's
+semantics the stand-in copies.
 """
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
+import requests
 from policy_server import PolicyServer
 from test_vllm_server import reset_server_weights
 
 from bapo_trl.generation.cpu_server import HTTPVLLMClient
-from bapo_trl.rollout.port import TRLPort, prompt_seeds
+from bapo_trl.generation.fleet import ServerFleet
+from bapo_trl.generation.seeding import SeededEngine, per_prompt_seeds, prompt_seeds
+from bapo_trl.rollout.port import TRLPort
 
 PROMPT = [6, 7, 14, 43]  # a reverse-task prompt of the toy tokenizer
 COPIES = 8
 
 
-def port_for(url: str) -> TRLPort:
+def port_for(url: str, **generation_kwargs) -> TRLPort:
     """A TRLPort over the few facts server_generate reads of a trainer (its vLLM backend's sampling settings)."""
     client = HTTPVLLMClient(base_url=url, connection_timeout=30, request_timeout=60)
     backend = SimpleNamespace(vllm_client=client, server_timeout=60, repetition_penalty=1.0, temperature=1.0,
-                              top_p=1.0, top_k=-1, min_p=0.0, structured_outputs_regex=None, generation_kwargs={})
+                              top_p=1.0, top_k=-1, min_p=0.0, structured_outputs_regex=None,
+                              generation_kwargs=generation_kwargs)
     return TRLPort(SimpleNamespace(vllm_generation=backend))
 
 
-def check_seeded_requests(url: str) -> None:
-    one_seed = HTTPVLLMClient(base_url=url, connection_timeout=30, request_timeout=60).generate(
-        prompts=[PROMPT] * COPIES, n=1, temperature=1.0, max_tokens=8, logprobs=0, generation_kwargs={"seed": 5})
-    assert len({tuple(ids) for ids in one_seed["completion_ids"]}) == 1  # the server's semantics: all copies agree
+def distinct(output: dict) -> int:
+    return len({tuple(ids) for ids in output["completion_ids"]})
 
+
+def check_seeded_requests(url: str) -> None:
+    # The server's semantics, in one raw request: all copies of a prompt agree under one seed.
+    raw = requests.post(f"{url}/v1/completions", timeout=60, json={
+        "model": HTTPVLLMClient(base_url=url, connection_timeout=30).model, "prompt": [PROMPT] * COPIES, "n": 1,
+        "temperature": 1.0, "max_tokens": 8, "seed": 5, "logprobs": 0, "return_token_ids": True}).json()
+    assert len({tuple(choice["token_ids"]) for choice in raw["choices"]}) == 1
+
+    # The client (TRL's own generation path in server mode): the user's seed no longer collapses the copies.
+    client = HTTPVLLMClient(base_url=url, connection_timeout=30, request_timeout=60)
+    sampling = dict(n=1, temperature=1.0, max_tokens=8, logprobs=0)
+    seeded = client.generate(prompts=[PROMPT] * COPIES, generation_kwargs={"seed": 5}, **sampling)
+    assert distinct(seeded) > 1, seeded["completion_ids"]
+    assert client.generate(prompts=[PROMPT] * COPIES, generation_kwargs={"seed": 5}, **sampling) == seeded
+    assert client.generate(prompts=[PROMPT] * COPIES, generation_kwargs={"seed": 6}, **sampling) != seeded
+
+    # The rollout port: a request seed, a user seed, and both.
     port = port_for(url)
     first = port.server_generate([PROMPT] * COPIES, 1, 8, seed=5)
-    assert len({tuple(ids) for ids in first["completion_ids"]}) > 1, first["completion_ids"]
+    assert distinct(first) > 1, first["completion_ids"]
     assert port.server_generate([PROMPT] * COPIES, 1, 8, seed=5) == first  # reproducible
     assert port.server_generate([PROMPT] * COPIES, 1, 8, seed=6) != first
     grouped = port.server_generate([PROMPT, [12, 14, 8, 43]], 4, 8, seed=5)  # n > 1: prompt-major, 4 each
     assert len(grouped["completion_ids"]) == 8 and len({tuple(ids) for ids in grouped["completion_ids"][:4]}) > 1
     assert all(len(lp) == len(ids) for lp, ids in zip(grouped["logps"], grouped["completion_ids"]))
+    for request_seed in (None, 5):  # a continuation chunk has no request seed; a request has one
+        user = port_for(url, seed=7).server_generate([PROMPT] * COPIES, 1, 8, seed=request_seed)
+        assert distinct(user) > 1, user["completion_ids"]
+        assert port_for(url, seed=7).server_generate([PROMPT] * COPIES, 1, 8, seed=request_seed) == user
+        assert port_for(url, seed=8).server_generate([PROMPT] * COPIES, 1, 8, seed=request_seed) != user
+    assert port_for(url, seed=7).server_generate([PROMPT] * COPIES, 1, 8, seed=5) != first  # the user's seed counts
 
 
 def test_prompt_seeds_are_reproducible_and_leave_room_for_each_prompts_children():
@@ -53,12 +81,109 @@ def test_prompt_seeds_are_reproducible_and_leave_room_for_each_prompts_children(
     assert len(set(streams)) == len(streams) and max(streams) < 2**31
 
 
+def test_a_calls_seeds_depend_on_its_seed_and_its_prompts():
+    copies = per_prompt_seeds(5, [PROMPT] * COPIES, 1)
+    assert len(set(copies)) == COPIES and copies == per_prompt_seeds(5, [PROMPT] * COPIES, 1)
+    assert copies != per_prompt_seeds(6, [PROMPT] * COPIES, 1)
+    assert copies != per_prompt_seeds(5, [PROMPT + [1]] * COPIES, 1)  # another call's prompts: other streams
+
+
 def test_each_prompt_of_a_seeded_request_draws_its_own_numbers_on_the_stand_in(tiny_model_dir):
     server = PolicyServer(tiny_model_dir)
     try:
         check_seeded_requests(server.url)
+        # one request per prompt, each with its own seed; an unseeded call stays one request
+        seeds = [body[2] for body in server.bodies[-COPIES:]]
+        assert len(set(seeds)) == COPIES and all(len(body[0]) == 1 for body in server.bodies[-COPIES:])
+        before = len(server.bodies)
+        HTTPVLLMClient(base_url=server.url, connection_timeout=30, request_timeout=60).generate(
+            prompts=[PROMPT] * COPIES, n=1, max_tokens=2, logprobs=0)
+        assert len(server.bodies) == before + 1 and server.bodies[-1][2] is None
     finally:
         server.close()
+
+
+def test_a_fleet_derives_the_same_seeds_as_one_server(tiny_model_dir):
+    """Seeds are derived once, by the outermost client: the same call samples the same completions on one server and
+    on two (the fleet sends each per-prompt request to the least-loaded server)."""
+    servers = [PolicyServer(tiny_model_dir) for _ in range(2)]
+    try:
+        clients = [HTTPVLLMClient(base_url=s.url, connection_timeout=30, request_timeout=60) for s in servers]
+        sampling = dict(n=2, temperature=1.0, max_tokens=6, logprobs=0, generation_kwargs={"seed": 3})
+        alone = clients[0].generate(prompts=[PROMPT] * COPIES, **sampling)
+        fleet = ServerFleet(clients)
+        spread = fleet.generate(prompts=[PROMPT] * COPIES, **sampling)
+        assert spread["completion_ids"] == alone["completion_ids"] and distinct(alone) > 1
+        assert all(count > 0 for count in fleet.prompts_sent)
+        assert fleet.requests.answered == COPIES
+    finally:
+        for server in servers:
+            server.close()
+
+
+class BarrierServer(PolicyServer):
+    """A STAND-IN for a server that batches concurrent requests: every generate request waits until ``expected``
+    requests are in flight at once (or ``patience`` seconds pass), so a client that sends a batch in waves is caught
+    without a clock: its first wave waits out the patience, its answers carry ``full = False``."""
+
+    def __init__(self, model_dir: str, expected: int, patience: float = 20.0):
+        super().__init__(model_dir)
+        self.barrier = threading.Barrier(expected, timeout=patience)
+        self.full: list[bool] = []
+
+    def complete(self, body: dict) -> dict:
+        try:
+            self.barrier.wait()
+            self.full.append(True)
+        except threading.BrokenBarrierError:
+            self.full.append(False)
+        return super().complete(body)
+
+
+def test_a_seeded_batch_larger_than_64_prompts_is_in_flight_at_once(tiny_model_dir):
+    """TRL keeps 64 connections and sends its own concurrent requests 64 at a time; a seeded batch here is one request
+    per prompt, all in flight at once (vLLM batches them), so a batch of 100 is never 2 waves."""
+    prompts = 100
+    server = BarrierServer(tiny_model_dir, expected=prompts)
+    try:
+        client = HTTPVLLMClient(base_url=server.url, connection_timeout=30, request_timeout=60)
+        output = client.generate(prompts=[PROMPT] * prompts, n=1, max_tokens=1, logprobs=0,
+                                 generation_kwargs={"seed": 1})
+        assert len(output["completion_ids"]) == prompts
+        assert server.full == [True] * prompts, f"{server.full.count(False)} requests waited for a later wave"
+        assert client.requests.answered == prompts
+    finally:
+        server.close()
+
+
+class RecordingEngine:
+    """A STAND-IN for ``vllm.LLM``: records the sampling params each prompt gets."""
+
+    def __init__(self):
+        self.calls = []
+        self.other = "engine attribute"
+
+    def generate(self, prompts, sampling_params=None, use_tqdm=True):
+        self.calls.append(sampling_params)
+        return ["output"] * len(prompts)
+
+
+def test_the_colocated_engine_wrapper_with_a_stand_in_sampling_params():
+    class Params(SimpleNamespace):  # a STAND-IN for vllm.SamplingParams: clone() and a seed, n
+        def clone(self):
+            return Params(**vars(self))
+
+    engine = RecordingEngine()
+    wrapped = SeededEngine(engine)
+    prompts = [{"prompt_token_ids": PROMPT}] * 4
+    assert wrapped.generate(prompts, sampling_params=Params(seed=9, n=1), use_tqdm=False) == ["output"] * 4
+    seeds = [p.seed for p in engine.calls[-1]]
+    assert seeds == per_prompt_seeds(9, [PROMPT] * 4, 1) and len(set(seeds)) == 4
+    wrapped.generate(prompts, sampling_params=Params(seed=None, n=1))  # unseeded: the params as given
+    assert engine.calls[-1].seed is None
+    wrapped.generate(prompts[:1], sampling_params=Params(seed=9, n=1))  # one prompt keeps its seed
+    assert engine.calls[-1].seed == 9
+    assert wrapped.other == "engine attribute"
 
 
 @pytest.mark.slow

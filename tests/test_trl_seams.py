@@ -563,7 +563,7 @@ def test_a_private_name_of_our_own_objects_is_not_a_seam():
 
 @pytest.mark.parametrize("removed, reported", [
     ("transformers.trainer:Trainer._load_optimizer_and_scheduler", "bapo_trl/checkpoints.py"),
-    ("trl.generation.vllm_client:_DEFAULT_GENERATION_CONCURRENCY", "bapo_trl/generation/cpu_server.py"),
+    ("trl.generation.vllm_generation:VLLMGeneration._iter_named_params", "bapo_trl/generation/cpu_server.py"),
     ("trl.trainer.grpo_trainer:GRPOTrainer._tag_names", "bapo_trl/trainer.py"),
     ("trl.generation.vllm_client:VLLMClient.check_server", "bapo_trl/generation/cpu_server.py"),
 ])

@@ -37,9 +37,13 @@ from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 
 from .fleet import ServerFleet, one_client, server_urls
+from .seeding import PerPromptSeeds, SeededEngine
 from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError, authorize_session, write_weights
 
 _swap_lock = threading.RLock()
+#: Connections a client keeps open to one server: a seeded batch is one request per prompt, all in flight at once (TRL
+#: keeps 64, so a larger batch would open and drop connections beyond those at every call).
+CONNECTIONS = 4096
 
 
 class VLLMServerUnreachable(requests.ConnectionError, ConnectionError):
@@ -73,17 +77,21 @@ def _patched(module, name: str, value):
             setattr(module, name, original)
 
 
-class KeyedVLLMClient(VLLMClient):
+class KeyedVLLMClient(PerPromptSeeds, VLLMClient):
     """TRL's ``VLLMClient`` (CUDA: NCCL weight transfer) that sends ``$VLLM_API_KEY`` with every request of its
-    session. ``VLLMClient.__init__`` builds the session and then calls ``check_server`` (whose ``/health`` probe needs
-    no key) before its first request that does: the key is added there."""
+    session, keeps :data:`CONNECTIONS` connections open (TRL's retries kept) and sends a seeded call with several
+    prompts one request per prompt (:mod:`.seeding`). ``VLLMClient.__init__`` builds the session and then calls
+    ``check_server`` (whose ``/health`` probe needs no key) before its first request that does: both are set there."""
 
     def check_server(self, total_timeout: float = 0.0, retry_interval: float = 2.0):
+        for prefix in ("http://", "https://"):
+            retries = self.session.get_adapter(prefix).max_retries
+            self.session.mount(prefix, HTTPAdapter(max_retries=retries, pool_maxsize=CONNECTIONS))
         authorize_session(self.session)
         return super().check_server(total_timeout, retry_interval)
 
 
-class HTTPVLLMClient(VLLMClient):
+class HTTPVLLMClient(PerPromptSeeds, VLLMClient):
     """TRL's ``VLLMClient`` for a server in another environment: no ``import vllm`` needed (only the NCCL methods,
     never called here, use vLLM), and a stalled server is an error after one ``request_timeout``.
 
@@ -91,7 +99,8 @@ class HTTPVLLMClient(VLLMClient):
     calls set no timeout, so a stalled server would take about six timeouts to surface, or forever, and a generation
     could be sent again. Here every request is sent once and bounded by ``request_timeout`` (the trainer passes
     ``vllm_server_timeout``): a timeout raises :class:`VLLMServerTimeout` naming the endpoint and the timeout, a lost
-    connection raises :class:`VLLMServerUnreachable`.
+    connection raises :class:`VLLMServerUnreachable`. A seeded call with several prompts goes one request per prompt,
+    all at once (:mod:`.seeding`).
     """
 
     def __init__(self, *args, request_timeout: float = 240.0, **kwargs):
@@ -103,10 +112,10 @@ class HTTPVLLMClient(VLLMClient):
                 super().__init__(*args, **kwargs)
 
     def _send_once(self) -> None:
-        """Replace the retrying adapters TRL mounted on ``self.session`` by ones that never retry (same pool size)."""
-        pool = _trl_vllm_client._DEFAULT_GENERATION_CONCURRENCY
+        """Replace the retrying adapters TRL mounted on ``self.session`` by ones that never retry (and keep
+        :data:`CONNECTIONS` connections: a seeded batch is one request per prompt)."""
         for prefix in ("http://", "https://"):
-            self.session.mount(prefix, _OnceAdapter(self.request_timeout, pool_maxsize=pool))
+            self.session.mount(prefix, _OnceAdapter(self.request_timeout, pool_maxsize=CONNECTIONS))
         authorize_session(self.session)  # $VLLM_API_KEY, when the server was started with a key
 
     def check_server(self, total_timeout: float = 0.0, retry_interval: float = 2.0):
@@ -201,8 +210,11 @@ class CPUServerVLLMGeneration(VLLMGeneration):
         if self.mode == "server" and not self.uses_disk_sync:  # CUDA: TRL's code and NCCL, its client sends the key
             with _patched(_trl_vllm_generation, "VLLMClient", self._cuda_client):
                 return super()._init_vllm()
-        if not self.uses_disk_sync:
-            return super()._init_vllm()  # colocate: TRL's code, unchanged
+        if not self.uses_disk_sync:  # colocate: TRL's code; its engine gives each prompt of a seeded call its own seed
+            super()._init_vllm()
+            if self.mode == "colocate" and not isinstance(self.llm, SeededEngine):
+                self.llm = SeededEngine(self.llm)
+            return
         error = None
         if self.accelerator.is_main_process:
             try:

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from urllib.parse import urlsplit
+
+from .seeding import RequestCounter, at_once, generate_seeded, merge_outputs
+
+__all__ = ["ServerFleet", "at_once", "merge_outputs", "naming", "one_client", "server_urls", "shares"]
 
 FIELD = "vllm_server_base_url"
 
@@ -60,16 +63,6 @@ def normalized_server_urls(value):
     if not urls:
         return None
     return urls[0] if len(urls) == 1 else urls
-
-
-def at_once(call: Callable, items: Sequence) -> list:
-    """``call(item)`` for every item, in threads of their own (one item: in this thread); the results in order. The
-    first failure is raised once every call has ended."""
-    if len(items) <= 1:
-        return [call(item) for item in items]
-    with ThreadPoolExecutor(max_workers=len(items)) as pool:
-        futures = [pool.submit(call, item) for item in items]
-        return [future.result() for future in futures]
 
 
 @contextlib.contextmanager
@@ -114,6 +107,7 @@ class ServerFleet:
         self._in_flight = [0] * len(self.clients)  # prompts sent to each server and not yet answered
         self._lock = threading.Lock()
         self.prompts_sent = [0] * len(self.clients)  # per server, since the start (a metric and a test probe)
+        self.requests = RequestCounter()  # generate requests answered (the producer's progress)
 
     @property
     def base_urls(self) -> list[str]:
@@ -131,7 +125,11 @@ class ServerFleet:
 
     def generate(self, prompts: list, features: list | None = None, **sampling) -> dict[str, list]:
         """``VLLMClient.generate`` over the fleet: contiguous shares of ``prompts`` to the least-loaded servers, at
-        once; the outputs (prompt-major, ``n`` per prompt) concatenated in prompt order."""
+        once; the outputs (prompt-major, ``n`` per prompt) concatenated in prompt order. A seeded call with several
+        prompts goes one prompt per request (:mod:`.seeding`), each to the least-loaded server."""
+        return generate_seeded(self._spread, self.requests, prompts, features, **sampling)
+
+    def _spread(self, prompts: list, features: list | None = None, **sampling) -> dict[str, list]:
         with self._lock:
             taken = shares(len(prompts), self._in_flight)
             for index, share in enumerate(taken):
@@ -202,14 +200,3 @@ class ServerFleet:
     def get_server_info(self) -> dict:
         """The first server's (servers of one fleet serve the same model with the same settings)."""
         return self.clients[0].get_server_info()
-
-
-def merge_outputs(outputs: list[dict]) -> dict[str, list]:
-    """``generate`` answers of consecutive prompt shares as one answer (each key concatenated; None stays None)."""
-    if not outputs:
-        return {"prompt_ids": [], "completion_ids": [], "logprobs": [], "logprob_token_ids": []}
-    merged = {}
-    for key in outputs[0]:
-        values = [output.get(key) for output in outputs]
-        merged[key] = None if any(v is None for v in values) else [item for value in values for item in value]
-    return merged

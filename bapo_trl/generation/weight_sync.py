@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from .fleet import at_once
+from .seeding import at_once
 
 SERVE_HINT = "start it with `bapo serve MODEL --port PORT` or `python -m bapo_trl.generation.serve MODEL --port PORT`"
 #: The variable the trainer reads its server's API key from (the name vLLM's server reads it from too).

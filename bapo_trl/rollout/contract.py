@@ -108,6 +108,8 @@ class TrainerPort(Protocol):
     def server_generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int | None = None
                         ) -> dict[str, list]: ...
 
+    def requests_answered(self) -> int: ...  # generate requests answered so far (a batch's progress, any thread)
+
     def push_weights(self) -> None: ...
 
     def gather_weights(self) -> Any: ...  # None: only the synchronous push_weights exists

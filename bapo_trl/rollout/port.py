@@ -11,19 +11,12 @@ log-prob hook first).
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import torch
 
+from ..generation.seeding import mixed_seed
 from .contract import ReadyCompletions, ScoreFn, right_pad
-
-
-def prompt_seeds(seed: int, count: int, n: int) -> list[int]:
-    """A sampling seed for each of ``count`` prompts of a seeded request, reproducible from ``seed``: drawn apart, so
-    no two prompts (nor their ``n`` children, seeded ``s .. s + n - 1`` by vLLM) share a random stream."""
-    rng = random.Random(seed)
-    return [rng.randrange(2**31 - n) for _ in range(count)]
 
 
 class TRLPort:
@@ -127,45 +120,41 @@ class TRLPort:
         """The vLLM server's completions (any thread): ``n`` of every prompt (token ids), TRL's sampling settings, at
         most ``max_tokens`` each. Returns ``completion_ids`` (prompt-major) and the sampler's ``logps`` per token.
 
-        With ``seed`` (and no seed in ``generation_kwargs``) the sampling is reproducible and every sequence still
-        draws its own random numbers: vLLM gives every prompt of one request the request's seed (child ``j`` of a
-        prompt: seed + j), so the members of a group, or continued prefixes that happen to agree, would be sampled
-        identically. Each prompt is sent as a request of its own, with its own seed from :func:`prompt_seeds`, all at
-        once (vLLM batches them).
+        With ``seed``, or a ``seed`` in ``generation_kwargs`` (then mixed with ``seed``), the sampling is reproducible
+        and every sequence still draws its own random numbers: the client sends each prompt as a request of its own
+        with a seed of its own, all at once (:mod:`bapo_trl.generation.seeding`), since vLLM would give every prompt of
+        one request the same seed and sample a group's members, or continued prefixes that agree, identically.
 
         Sent through a client that sends each request once and bounds it by ``vllm_server_timeout``
         (:func:`~bapo_trl.generation.cpu_server.request_client`); with several servers, each request goes to the
         least-loaded one (:class:`~bapo_trl.generation.fleet.ServerFleet`)."""
         backend = self._trainer.vllm_generation
+        client = self._request_client()
+        kwargs = dict(backend.generation_kwargs or {})
+        if seed is not None:
+            user_seed = kwargs.get("seed")
+            kwargs["seed"] = seed if user_seed is None else mixed_seed(user_seed, seed)
+        output = client.generate(
+            prompts=prompts, n=n, repetition_penalty=backend.repetition_penalty, temperature=backend.temperature,
+            top_p=backend.top_p, top_k=backend.top_k, min_p=0.0 if backend.min_p is None else backend.min_p,
+            max_tokens=max_tokens, logprobs=0, structured_outputs_regex=backend.structured_outputs_regex,
+            generation_kwargs=kwargs,
+        )
+        logps = [[float("nan") if lp[0] is None else float(lp[0]) for lp in seq] for seq in output["logprobs"]]
+        return {"completion_ids": output["completion_ids"], "logps": logps}
+
+    def _request_client(self):
         if self.request_client is None:
             from ..generation.cpu_server import request_client
 
+            backend = self._trainer.vllm_generation
             self.request_client = request_client(backend.vllm_client, backend.server_timeout)
-        user_kwargs = backend.generation_kwargs or {}
+        return self.request_client
 
-        def generate(some_prompts: list[list[int]], extra: dict) -> dict:
-            return self.request_client.generate(
-                prompts=some_prompts, n=n, repetition_penalty=backend.repetition_penalty,
-                temperature=backend.temperature, top_p=backend.top_p, top_k=backend.top_k,
-                min_p=0.0 if backend.min_p is None else backend.min_p, max_tokens=max_tokens,
-                logprobs=0, structured_outputs_regex=backend.structured_outputs_regex,
-                generation_kwargs={**extra, **user_kwargs},
-            )
-
-        if seed is None or "seed" in user_kwargs:  # unseeded: vLLM draws every sequence independently
-            outputs = [generate(prompts, {})]
-        else:
-            from concurrent.futures import ThreadPoolExecutor
-
-            from trl.generation.vllm_client import _DEFAULT_GENERATION_CONCURRENCY
-
-            seeds = prompt_seeds(seed, len(prompts), n)
-            with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), _DEFAULT_GENERATION_CONCURRENCY))) as pool:
-                outputs = list(pool.map(lambda i: generate([prompts[i]], {"seed": seeds[i]}), range(len(prompts))))
-        completion_ids = [ids for output in outputs for ids in output["completion_ids"]]
-        logps = [[float("nan") if lp[0] is None else float(lp[0]) for lp in seq]
-                 for output in outputs for seq in output["logprobs"]]
-        return {"completion_ids": completion_ids, "logps": logps}
+    def requests_answered(self) -> int:
+        """Generate requests the server(s) answered so far (any thread): the progress of a batch in flight."""
+        counter = getattr(self.request_client, "requests", None)  # a client of bapo_trl's counts them
+        return 0 if counter is None else counter.answered
 
     @property
     def max_completion_length(self) -> int:

@@ -98,11 +98,15 @@ class Producer:
     Every wait of the trainer on this thread is bounded, whatever the HTTP client does (TRL's own client on CUDA
     retries and sets no read timeout): waiting for the request in flight by ``1.5 x request_timeout``, waiting for a
     batch by ``3.5 x request_timeout`` (the request in flight, a finishing request, the batch's own, and slack), waiting
-    for a queued request to start by the same bound, restarted at every request that starts on the way. A stall is
-    then a :class:`ProducerStalled` error, never a hang."""
+    for a queued request to start by the same bound. Each bound restarts whenever the server answers a request
+    (``progress()``: a seeded batch is one HTTP request per prompt, a large one takes longer than one request) and, for
+    a queued request, whenever a request starts on the way; so the stall detector is the time since the last answer,
+    and the per-request timeout bounds each answer. A stall is then a :class:`ProducerStalled` error, never a hang."""
 
-    def __init__(self, generate: Callable[[Work], dict], request_timeout: float, lazy: bool = False):
+    def __init__(self, generate: Callable[[Work], dict], request_timeout: float, lazy: bool = False,
+                 progress: Callable[[], Any] | None = None):
         self.generate, self.request_timeout = generate, request_timeout
+        self.progress = progress or (lambda: None)  # changes whenever the server answers a request (any thread)
         self.lazy = lazy  # apply a push handed over only when the next work's min_version needs it
         self.version = 0  # optimizer step of the weights on the server (set under the lock by the pusher)
         self.work: queue.Queue[Work | None] = queue.Queue()
@@ -191,10 +195,7 @@ class Producer:
             self._wait_started(after)
         self._push_wanted.set()
         try:
-            if not self._request_lock.acquire(timeout=self.hold_bound):
-                raise ProducerStalled(
-                    f"async generation: the request for batch {self.in_flight!r} did not end within "
-                    f"{self.hold_bound:.0f} s (1.5 x vllm_server_timeout): the vLLM server is stalled or gone")
+            self._acquire_request_lock()
             try:
                 yield self
             finally:
@@ -204,12 +205,26 @@ class Producer:
             with self.condition:
                 self.condition.notify_all()
 
+    def _acquire_request_lock(self) -> None:
+        """Take the request lock (the request in flight ends first) within :attr:`hold_bound`, restarted whenever the
+        server answers a request of it."""
+        deadline, seen = time.perf_counter() + self.hold_bound, self.progress()
+        while not self._request_lock.acquire(timeout=min(1.0, max(deadline - time.perf_counter(), 0.0))):
+            if (now := self.progress()) != seen:
+                seen, deadline = now, time.perf_counter() + self.hold_bound
+            elif time.perf_counter() >= deadline:
+                raise ProducerStalled(
+                    f"async generation: the request for batch {self.in_flight!r} did not end within "
+                    f"{self.hold_bound:.0f} s (1.5 x vllm_server_timeout) of the server's last answer: the vLLM "
+                    "server is stalled or gone")
+
     def _wait_started(self, index) -> None:
         """Wait until the work ``index`` (if queued) has started, within :attr:`batch_bound` restarted at every request
-        that starts on the way (several may be ahead of it: evaluation at K >= 2)."""
+        that starts on the way (several may be ahead of it: evaluation at K >= 2) and at every answer."""
         with self.condition:
             self._wait_while(lambda: any(work.index == index for work in self._unstarted),
-                             f"the request for batch {index!r} did not start", progress=lambda: len(self._unstarted))
+                             f"the request for batch {index!r} did not start",
+                             progress=lambda: (len(self._unstarted), self.progress()))
 
     def last_queued_older_than(self, version: int) -> Any:
         """Index of the last work queued and not started whose weights (``min_version``) are older than ``version``
@@ -234,7 +249,7 @@ class Producer:
     def _wait(self, index, pop: bool) -> tuple[GeneratedBatch, float]:
         start = time.perf_counter()
         with self.condition:
-            self._wait_while(lambda: index not in self.ready, f"batch {index!r} not generated")
+            self._wait_while(lambda: index not in self.ready, f"batch {index!r} not generated", progress=self.progress)
             batch = self.ready.pop(index) if pop else self.ready[index]
             return batch, time.perf_counter() - start
 
@@ -252,7 +267,7 @@ class Producer:
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 raise ProducerStalled(f"async generation: {stalled} within {self.batch_bound:.0f} s "
-                                      "(3.5 x vllm_server_timeout)")
+                                      "(3.5 x vllm_server_timeout) of the server's last answer")
             self.condition.wait(timeout=min(5.0, remaining))
         if self.error is not None:
             raise self.error
