@@ -11,6 +11,7 @@ mean reward of 3 consecutive generation rounds first reached 0.5.
 
     python benchmarks/async_study.py            # the study (about 20 minutes on 2 cores), writes docs/
     python benchmarks/async_study.py --quick    # two short runs (CI), writes to a temp dir
+    python benchmarks/async_study.py --seeds 100-101   # the study on seeds 100..101 (files *_seeds100-101*)
     python benchmarks/async_study.py --options  # the async options: K=1/2/4 (eager and lazy weight loading),
                                                 # in-flight updates, replay that saves generation; BAPO (paper, dual
                                                 # clip) vs the widest fixed window, 3 seeds
@@ -26,7 +27,6 @@ import gzip
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,15 +35,15 @@ from types import SimpleNamespace
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from async_overlap import TRAINER_CORE, Server  # noqa: E402
-from staleness_study import METHODS  # noqa: E402
+import study  # noqa: E402
+from async_overlap import TRAINER_CORE, Server  # noqa: E402  (the real vLLM CPU server, pinned to a core)
+from study import METHODS, parse_seeds, seed_tag  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 STUDIED = ("fixed [0.8,1.2]", "widest fixed [0.9,3.0]", "BAPO paper", "BAPO verl")
-KEPT = ("step", "loss", "grad_norm", "reward", "entropy", "bapo/clip_low", "bapo/clip_high", "bapo/staleness_max",
-        "bapo/positive_contribution", "async/wait_seconds", "async/staleness_max", "async/generate_seconds",
-        "async/load_seconds", "async/queue_depth")
+#: Kept besides study.KEPT.
+ASYNC_METRICS = ("async/wait_seconds", "async/staleness_max", "async/generate_seconds", "async/load_seconds",
+                 "async/queue_depth")
 
 
 #: ``--options``: the async settings compared, on top of the method's own.
@@ -63,59 +63,37 @@ OPTION_SETTINGS = {
 OPTION_METHODS = {"BAPO paper + dual clip": dict(delta=3.0), "widest fixed [0.9,3.0]": METHODS["widest fixed [0.9,3.0]"]}
 
 
-def plan_options(seeds: int, lr: float) -> list[dict]:
+def plan_options(seeds: list[int], lr: float) -> list[dict]:
     return [dict(method=m, setting=name, k=OPTION_SETTINGS[name].get("max_staleness", 0), seed=s, steps=120, lr=lr)
-            for name in OPTION_SETTINGS for m in OPTION_METHODS for s in range(seeds)]
+            for name in OPTION_SETTINGS for m in OPTION_METHODS for s in seeds]
 
 
-def plan(quick: bool, lr: float) -> list[dict]:
+def plan(quick: bool, lr: float, seeds: list[int] | None = None) -> list[dict]:
     if quick:
-        return [dict(method="BAPO paper", k=k, seed=0, steps=8, lr=lr) for k in (0, 1)]
-    return [dict(method=m, k=k, seed=s, steps=120, lr=lr) for k in (0, 1, 2, 4) for m in STUDIED for s in range(2)]
+        return [dict(method="BAPO paper", k=k, seed=(seeds or [0])[0], steps=8, lr=lr) for k in (0, 1)]
+    return [dict(method=m, k=k, seed=s, steps=120, lr=lr) for k in (0, 1, 2, 4) for m in STUDIED
+            for s in seeds or range(2)]
 
 
-def run_one(spec: dict, model_dir: str, server: Server) -> dict:
-    import torch
-    from transformers import AutoTokenizer, TrainerCallback
-
-    from bapo_trl import BAPOConfig, BAPOTrainer
-    from bapo_trl.toy import evaluate_accuracy, make_reverse_dataset, reverse_reward
-
-    torch.set_num_threads(1)
-    times = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            times.append(time.perf_counter())
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+def run_one(spec: dict, server) -> dict:
+    """study.run_one in the server scenario (``steps_per_generation=4``) with the method's and the async settings;
+    adds the final reward (last 5 generation rounds), the seconds until the reward first reached 0.5 (3 rounds
+    smoothed) and the largest staleness seen."""
     if "setting" in spec:  # --options
         method, asynchronous = OPTION_METHODS[spec["method"]], OPTION_SETTINGS[spec["setting"]]
     else:
         method = METHODS[spec["method"]]
         asynchronous = dict(async_generation=True, max_staleness=spec["k"]) if spec["k"] else {}
-    with tempfile.TemporaryDirectory() as out:
-        args = BAPOConfig(
-            output_dir=out, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
-            save_strategy="no", disable_tqdm=True, logging_steps=1, per_device_train_batch_size=32,
-            num_generations=8, max_completion_length=12, temperature=1.0, lr_scheduler_type="constant",
-            learning_rate=spec["lr"], seed=spec["seed"], max_steps=spec["steps"], steps_per_generation=4,
-            use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, vllm_server_timeout=120,
-            **method, **asynchronous)
-        trainer = BAPOTrainer(model=model_dir, reward_funcs=reverse_reward, args=args, processing_class=tokenizer,
-                              train_dataset=make_reverse_dataset(8192, seed=spec["seed"]), callbacks=[Clock()])
-        start = time.perf_counter()
-        trainer.train()
-        accuracy = evaluate_accuracy(trainer.model, tokenizer, make_reverse_dataset(200, seed=1, split="test"))
-    history = [{k: v for k, v in h.items() if k in KEPT} for h in trainer.state.log_history if "loss" in h]
+    run = study.run_one({**spec, "staleness": "server sync", "settings": {**method, **asynchronous},
+                         "server_url": server.url, "extra_metrics": ASYNC_METRICS})
+    history, times = run["history"], run["step_seconds"]
     # the reward is logged on the steps that generate (every steps_per_generation-th)
     rewarded = [(i, h["reward"]) for i, h in enumerate(history) if "reward" in h]
     rewards = [r for _, r in rewarded]
     window = 3  # generation rounds (12 steps)
     smoothed = [statistics.mean(rewards[max(0, j - window + 1) : j + 1]) for j in range(len(rewards))]
-    reached = next((times[rewarded[j][0]] - start for j, r in enumerate(smoothed) if r >= 0.5 and j >= window - 1),
-                   None)
-    return {**spec, "history": history, "heldout_accuracy": accuracy, "seconds": times[-1] - start,
+    reached = next((times[rewarded[j][0]] for j, r in enumerate(smoothed) if r >= 0.5 and j >= window - 1), None)
+    return {**spec, "history": history, "heldout_accuracy": run["heldout_accuracy"], "seconds": times[-1],
             "final_reward": statistics.mean(rewards[-5:]), "seconds_to_0.5": reached,
             "max_staleness_seen": max(h.get("bapo/staleness_max", 0) for h in history)}
 
@@ -168,7 +146,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--options", action="store_true", help="the async options study (see the module doc)")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per cell with --options")
+    parser.add_argument("--seeds", default=None, help="N (seeds 0..N-1) or A-B (seeds A..B); default: 3 with "
+                        "--options, 2 otherwise")
     parser.add_argument("--out", default=None, help="results directory (default: docs/, or a temp dir with --quick)")
     parser.add_argument("--lr", type=float, default=2e-3, help="constant learning rate (the study ran 2e-3 and 1e-3)")
     parser.add_argument("--server-url", default=None, help="a running vLLM server of the embedded model to use "
@@ -179,7 +158,8 @@ def main() -> None:
     os.sched_setaffinity(0, {TRAINER_CORE})
     out = Path(opts.out or (tempfile.mkdtemp() if opts.quick else REPO / "docs"))
     model_dir = build_tiny_model()
-    runs = plan_options(opts.seeds, opts.lr) if opts.options else plan(opts.quick, opts.lr)
+    seeds = parse_seeds(opts.seeds) if opts.seeds else None
+    runs = plan_options(seeds or parse_seeds(3), opts.lr) if opts.options else plan(opts.quick, opts.lr, seeds)
     started = time.time()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -187,7 +167,7 @@ def main() -> None:
             Server(model_dir, Path(tmp) / "server.log")
         try:
             for i, spec in enumerate(runs):
-                results.append(run_one(spec, model_dir, server))
+                results.append(run_one(spec, server))
                 r = results[-1]
                 print(f"[{i + 1}/{len(runs)}] {r.get('setting', r['k'])} {r['method']} seed {r['seed']}: final reward "
                       f"{r['final_reward']:.2f}, {r['seconds']:.0f} s", flush=True)
@@ -197,13 +177,13 @@ def main() -> None:
     if opts.options:
         text = options_table(results)
         print(text)
-        with gzip.open(out / "async_options_runs.json.gz", "wt") as f:
+        with gzip.open(out / f"async_options_runs{seed_tag(opts.seeds)}.json.gz", "wt") as f:
             json.dump(results, f)
-        (out / "async_options_table.md").write_text(text + f"\n\n{len(runs)} runs, {minutes:.1f} min.\n")
+        (out / f"async_options_table{seed_tag(opts.seeds)}.md").write_text(text + f"\n\n{len(runs)} runs, {minutes:.1f} min.\n")
         return
     text = table(results)
     print(text)
-    tag = f"lr{opts.lr:g}"
+    tag = f"lr{opts.lr:g}{seed_tag(opts.seeds)}"
     with gzip.open(out / f"async_runs_{tag}.json.gz", "wt") as f:
         json.dump(results, f)
     (out / f"async_study_table_{tag}.md").write_text(text + f"\n\n{len(runs)} runs, {minutes:.1f} min.\n")

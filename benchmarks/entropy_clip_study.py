@@ -9,6 +9,7 @@ only on vLLM's importance-sampling weights, which the transformers generation us
 
     python benchmarks/entropy_clip_study.py            # the study (~66 runs, about 20-30 minutes on 2 cores)
     python benchmarks/entropy_clip_study.py --quick    # two short runs (CI smoke), temp dir
+    python benchmarks/entropy_clip_study.py --seeds 100-105   # every cell on seeds 100..105 (files *_seeds100-105*)
 
 Writes ``docs/entropy_clip_results.md`` and ``docs/entropy_clip_runs.json.gz``. The last line is
 ``runs=.. best_adaptive=.. best_adaptive_reward_lr1e-3=.. widest_reward_lr1e-3=.. best_adaptive_reward_lr2e-3=..
@@ -18,19 +19,14 @@ widest_reward_lr2e-3=..``.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import math
-import multiprocessing as mp
 import os
 import sys
-import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from staleness_study import COLLAPSE, METHODS, _fmt, _mean, run_one, summarize  # noqa: E402
+from study import COLLAPSE, METHODS, fmt, mean, output_dir, parse_seeds, run_all, save_runs, seed_tag, summarize
 
-from bapo_trl.entropy_clip import predicted_vs_realised  # noqa: E402
+from bapo_trl.entropy_clip import predicted_vs_realised
 
 #: Settings of each method (the staleness study's fixed windows and BAPO variants, plus the two candidates).
 STUDY = {
@@ -45,14 +41,14 @@ STUDY = {
 ADAPTIVE = ("BAPO paper", "BAPO verl", "BAPO paper + dual clip", "BAPO closed-loop (entropy 0.3)")
 
 
-def plan(quick: bool) -> list[dict]:
+def plan(quick: bool, seeds: list[int] | None = None) -> list[dict]:
     if quick:
-        return [dict(method=m, settings=STUDY[m], staleness="spg 8", lr=1e-3, seed=0, steps=16)
+        return [dict(method=m, settings=STUDY[m], staleness="spg 8", lr=1e-3, seed=(seeds or [0])[0], steps=16)
                 for m in ("widest fixed [0.9,3.0]", "BAPO closed-loop (entropy 0.3)")]
     runs = []
     for lr in (1e-3, 2e-3):
         for method, settings in STUDY.items():
-            for seed in range(3 if method == "fixed [0.8,1.2]" else 6):
+            for seed in seeds or range(3 if method == "fixed [0.8,1.2]" else 6):
                 runs.append(dict(method=method, settings=settings, staleness="spg 32", lr=lr, seed=seed, steps=160))
     return runs
 
@@ -61,11 +57,11 @@ def describe(run: dict) -> dict:
     h = run["history"]
     corr, pairs = predicted_vs_realised(h)
     return {**summarize(run), "correlation": corr, "pairs": pairs,
-            "clip_effect": _mean([e.get("entropy_clip/clip_effect") for e in h]),
-            "predicted": _mean([e.get("entropy_clip/predicted_change") for e in h]),
-            "clipped_pos_low": _mean([e.get("entropy_clip/clipped_pos_low") for e in h]),
-            "clipped_neg_low": _mean([e.get("entropy_clip/clipped_neg_low") for e in h]),
-            "target_final": _mean([e.get("bapo/positive_contribution_target") for e in h[-32:]])}
+            "clip_effect": mean([e.get("entropy_clip/clip_effect") for e in h]),
+            "predicted": mean([e.get("entropy_clip/predicted_change") for e in h]),
+            "clipped_pos_low": mean([e.get("entropy_clip/clipped_pos_low") for e in h]),
+            "clipped_neg_low": mean([e.get("entropy_clip/clipped_neg_low") for e in h]),
+            "target_final": mean([e.get("bapo/positive_contribution_target") for e in h[-32:]])}
 
 
 COLUMNS = [("final reward", "reward_final"), ("collapsed", None), ("max grad norm", "grad_norm_max"),
@@ -86,7 +82,7 @@ def table(runs: list[dict], lr: float) -> str:
             if key is None:
                 cells.append(str(sum(m["reward_final"] < COLLAPSE for m in members)))
             else:
-                cells.append(_fmt([m[key] for m in members], digits[0] if digits else 2))
+                cells.append(fmt([m[key] for m in members], digits[0] if digits else 2))
         lines.append(f"| {method} | {len(members)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -99,9 +95,9 @@ def verdict(runs: list[dict]) -> tuple[str | None, dict]:
         for lr in (1e-3, 2e-3):
             members = [describe(r) for r in runs if r["method"] == method and r["lr"] == lr]
             if members:
-                stats[method, lr] = (_mean([m["reward_final"] for m in members]),
+                stats[method, lr] = (mean([m["reward_final"] for m in members]),
                                      sum(m["reward_final"] < COLLAPSE for m in members),
-                                     _mean([m["grad_norm_max"] for m in members]))
+                                     mean([m["grad_norm_max"] for m in members]))
     widest = "widest fixed [0.9,3.0]"
     passing = [m for m in ADAPTIVE if all((m, lr) in stats and (widest, lr) in stats
                                           and stats[m, lr][0] >= stats[widest, lr][0] and stats[m, lr][1] == 0
@@ -110,32 +106,34 @@ def verdict(runs: list[dict]) -> tuple[str | None, dict]:
     return best, stats
 
 
+def line(i: int, n: int, result: dict) -> str:
+    d = describe(result)
+    return (f"[{i + 1}/{n}] {result['method']:<32} lr {result['lr']} seed {result['seed']}: final reward "
+            f"{d['reward_final']:.3f}, max grad norm {d['grad_norm_max']:.1f}, corr {d['correlation']:.2f} "
+            f"({result['seconds']:.0f}s)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seeds", default=None, help="A-B: every cell on seeds A..B (files get a _seedsA-B suffix)")
     args = parser.parse_args(argv)
-    out_dir = args.out or (tempfile.mkdtemp(prefix="entropy-clip-") if args.quick else
-                           os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs"))
-    os.makedirs(out_dir, exist_ok=True)
+    seeds = parse_seeds(args.seeds) if args.seeds else None
+    out_dir = output_dir(args.out, args.quick, "entropy-clip-")
     from bapo_trl.toy import build_tiny_model
 
     build_tiny_model()
-    runs, started = [], time.time()
-    todo = plan(args.quick)
-    with mp.get_context("spawn").Pool(args.workers) as pool:
-        for i, result in enumerate(pool.imap_unordered(run_one, todo)):
-            runs.append(result)
-            d = describe(result)
-            print(f"[{i + 1}/{len(todo)}] {result['method']:<32} lr {result['lr']} seed {result['seed']}: final reward "
-                  f"{d['reward_final']:.3f}, max grad norm {d['grad_norm_max']:.1f}, corr {d['correlation']:.2f} "
-                  f"({result['seconds']:.0f}s)", flush=True)
+    started = time.time()
+    runs = run_all(plan(args.quick, seeds), args.workers, line)
     elapsed = time.time() - started
-    with gzip.open(os.path.join(out_dir, "entropy_clip_runs.json.gz"), "wt") as f:
-        json.dump([{k: v for k, v in r.items() if k != "settings"} | {"settings": r["settings"]} for r in runs], f)
+    tag = seed_tag(args.seeds)
+    save_runs([{k: v for k, v in r.items() if k != "settings"} | {"settings": r["settings"]} for r in runs],
+              os.path.join(out_dir, f"entropy_clip_runs{tag}.json.gz"))
     best, stats = verdict(runs)
-    command = "python benchmarks/entropy_clip_study.py" + (" --quick" if args.quick else "")
+    command = "python benchmarks/entropy_clip_study.py" + (" --quick" if args.quick else "") + (
+        f" --seeds {args.seeds}" if args.seeds else "")
     report = ["# Entropy-Clip Rule and adaptive settings vs the widest fixed window (tiny scale)\n",
               f"Generated by `{command}` on {time.strftime('%Y-%m-%d')} ({os.cpu_count()} cores, 1 torch thread per "
               f"run, {args.workers} runs in parallel) in {elapsed / 60:.1f} minutes; same task, model and training "
@@ -146,7 +144,7 @@ def main(argv=None) -> int:
         report += [f"\n## lr {lr}\n", table(runs, lr)]
     report.append(f"\nVerdict (mean final reward >= the widest fixed window's at both rates, no collapse, smaller "
                   f"mean largest gradient norm): {best or 'no adaptive setting passes'}.\n")
-    with open(os.path.join(out_dir, "entropy_clip_results.md" if not args.quick else "entropy_clip_quick.md"), "w") as f:
+    with open(os.path.join(out_dir, f"entropy_clip_results{tag}.md" if not args.quick else "entropy_clip_quick.md"), "w") as f:
         f.write("\n".join(report))
     get = lambda m, lr: stats.get((m, lr), (math.nan,))[0]  # noqa: E731
     print(f"runs={len(runs)} best_adaptive={(best or 'none').replace(' ', '_')} "

@@ -4,7 +4,7 @@ SmolLM2-135M-Instruct on the shipped chat arithmetic task, stale data, a few of 
 problems (avg@8 before and after).
 
     python benchmarks/loss_study_smollm2.py                       # default methods, 2 seeds (under an hour, 2 cores)
-    python benchmarks/loss_study_smollm2.py --methods "TRL dapo" "BAPO dapo" --seeds 3
+    python benchmarks/loss_study_smollm2.py --methods "TRL dapo" "BAPO dapo" --seeds 3   # or --seeds 100-102
     python benchmarks/loss_study_smollm2.py --quick               # one method, 1 step, 2 problems (smoke), temp dir
 
 Training: full fine-tuning in float32 on CPU, transformers generation, 8 prompts x 4 samples x 16 tokens per
@@ -29,9 +29,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loss_study import methods as tiny_methods  # noqa: E402  (the same settings per method as the tiny study)
-from staleness_study import _fmt, _mean  # noqa: E402
+from loss_study import methods as tiny_methods  # the same settings per method as the tiny study
+from study import fmt as _fmt
+from study import mean as _mean
+from study import parse_seeds
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "tests", "data", "chat_arithmetic_train.jsonl")
@@ -150,7 +151,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                         help=f"methods of benchmarks/loss_study.py (default: {', '.join(DEFAULT_METHODS)})")
-    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--seeds", default="2", help="N (seeds 0..N-1) or A-B (seeds A..B)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="one method, 1 step, 2 problems x 2 samples (smoke)")
     parser.add_argument("--out", default=None, help="output directory (default: docs/, or a temp dir with --quick)")
@@ -162,8 +163,10 @@ def main(argv=None):
         parser.error(f"--methods: each method once, got {args.methods}")
     if args.workers < 1:
         parser.error("--workers must be >= 1")
-    if args.seeds < 1:
-        parser.error("--seeds must be >= 1")
+    try:
+        seeds = parse_seeds(args.seeds)
+    except ValueError as error:
+        parser.error(str(error))
     out_dir = args.out or (tempfile.mkdtemp(prefix="loss-study-smollm2-") if args.quick else
                            os.path.join(REPO, "docs"))
     os.makedirs(out_dir, exist_ok=True)
@@ -172,7 +175,7 @@ def main(argv=None):
     prepare_model("smollm2")  # once, before the workers race for the cache
     chosen = args.methods[:1] if args.quick else args.methods
     todo = [dict(method="base", seed=0, quick=args.quick)] + [
-        dict(method=m, seed=s, quick=args.quick) for s in range(1 if args.quick else args.seeds) for m in chosen]
+        dict(method=m, seed=s, quick=args.quick) for s in (seeds[:1] if args.quick else seeds) for m in chosen]
     results, started = [], time.time()
     name = "loss_study_smollm2_quick" if args.quick else "loss_study_smollm2"
     with mp.get_context("spawn").Pool(args.workers) as pool:
@@ -189,7 +192,7 @@ def main(argv=None):
     results.sort(key=lambda r: (order.index(r["method"]), r["seed"]))
     command = "python benchmarks/loss_study_smollm2.py" + (" --quick" if args.quick else "") + (
         "" if args.methods == list(DEFAULT_METHODS) else " --methods " + " ".join(f'"{m}"' for m in args.methods)) + (
-        "" if args.seeds == 2 or args.quick else f" --seeds {args.seeds}") + (
+        "" if args.seeds == "2" or args.quick else f" --seeds {args.seeds}") + (
         "" if args.workers == 2 else f" --workers {args.workers}")
     with open(os.path.join(out_dir, f"{name}_runs.json"), "w") as f:
         json.dump(results, f, indent=1)

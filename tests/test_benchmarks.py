@@ -237,3 +237,23 @@ def test_loss_study_quick_prints_its_summary():
     last = run_quick("loss_study.py")
     assert re.fullmatch(rf"runs=12 bapo_default_reward=({NUMBER}) trl_dapo_reward=({NUMBER}) balanced_better=\d/6 "
                         rf"minutes=({NUMBER})", last), last
+
+
+def test_evidence_study_quick_pairs_every_method_and_resumes(tmp_path):
+    """TRL's trainer, M2PO and BAPO at staleness 8 on two seeds, and the BAPOTrainer twins (same loss and window)
+    under partial rollout, whose budget must really pause completions; a second call finds every run in the file
+    and runs none (the study is resumable), and the report pairs the methods by seed."""
+    results, report = tmp_path / "runs.jsonl", tmp_path / "report.md"
+    args = ("--results", str(results), "--report-out", str(report))
+    last = run_quick("evidence_study.py", *args)
+    match = re.fullmatch(rf"runs=8 claims=0 partial_carried=({NUMBER}) minutes=({NUMBER})", last)
+    assert match and float(match[1]) > 0, last  # too few seeds for a claim; completions carried over
+    runs = [json.loads(line) for line in results.read_text().splitlines()]
+    trainers = {(r["staleness"], r["method"]): r["trainer"] for r in runs}
+    assert trainers == {("spg 8", "TRL dapo clip-higher"): "trl", ("spg 8", "M2PO"): "m2po",
+                        ("spg 8", "BAPO paper + dual clip"): "bapo", ("partial rollout", "TRL dapo clip-higher"): "bapo",
+                        ("partial rollout", "M2PO"): "m2po-bapo"}
+    assert all(r["m2po_masked"] is not None for r in runs if r["method"] == "M2PO")
+    assert "| M2PO | TRL dapo clip-higher | 2 |" in report.read_text()
+    again = run_quick("evidence_study.py", *args)
+    assert again.startswith("runs=8 claims=0 ") and len(results.read_text().splitlines()) == 8, again

@@ -1,0 +1,331 @@
+"""What every study of the embedded reversal task shares: the training run, its summary, tables, result files,
+seed ranges and the paired bootstrap. One module, imported the same way (``from study import ...``; a script's own
+directory is on ``sys.path``) by staleness_study, loss_study, entropy_clip_study, async_study, loss_study_smollm2
+and evidence_study, so a change to how a run is trained or summarised reaches every study at once.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+
+from bapo_trl.cli.summary import moved  # one definition of "the bounds moved"
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLLAPSE = 0.1  # final reward below this: the run collapsed
+
+
+def window(low: float, high: float) -> dict:
+    """A fixed clip window [low, high] as a BAPOConfig: a search path of one point (every run logs BAPO's metrics)."""
+    return dict(ratio_lower_start=low, ratio_lower_max=low, ratio_upper_start=high, ratio_upper_max=high)
+
+
+#: Fixed windows and BAPO variants (BAPOConfig fields) shared by the staleness, entropy-clip and async studies.
+METHODS = {
+    "fixed [0.8,1.2]": window(0.8, 1.2),
+    "clip-higher [0.8,1.28]": window(0.8, 1.28),
+    "fixed [0.8,1.5]": window(0.8, 1.5),
+    "fixed [0.5,1.2]": window(0.5, 1.2),
+    "widest fixed [0.9,3.0]": window(0.9, 3.0),
+    "BAPO paper": dict(),
+    "BAPO gradient share": dict(positive_contribution_mode="gradient"),
+    "BAPO verl": dict(bapo_variant="verl"),
+}
+#: Tokens a completion may grow per step in the partial-rollout scenario: right answers are 4 tokens (3 digits +
+#: EOS), wrong ones ramble on up to 12, so a budget of 4 pauses the long (wrong) completions; measured in the quick
+#: check of evidence_study (``partial/carried``).
+PARTIAL_BUDGET = 4
+#: The off-policy scenario of a run (its ``staleness`` field): config fields on top of the method's. ``server``:
+#: generation in a vLLM server (the run's ``server_url``); those scenarios and replay / partial rollout need
+#: BAPOTrainer.
+STALENESS = {
+    "on-policy": dict(steps_per_generation=1),
+    "spg 8": dict(steps_per_generation=8),
+    "spg 16": dict(steps_per_generation=16),
+    "spg 32": dict(steps_per_generation=32),
+    "replay 0.5": dict(steps_per_generation=1, replay_buffer_size=64, replay_ratio=0.5, replay_max_staleness=16),
+    "partial rollout": dict(steps_per_generation=1, partial_rollout_budget=PARTIAL_BUDGET),
+    "server sync": dict(steps_per_generation=4, server=True),
+    "async K=1": dict(steps_per_generation=4, server=True, async_generation=True, max_staleness=1),
+    "async K=2": dict(steps_per_generation=4, server=True, async_generation=True, max_staleness=2),
+}
+BAPO_ONLY = ("replay 0.5", "partial rollout", "server sync", "async K=1", "async K=2")
+#: Per-step metrics kept in the runs files (enough to redo every table and figure).
+KEPT = ("step", "loss", "grad_norm", "reward", "entropy", "bapo/clip_low", "bapo/clip_high",
+        "bapo/positive_contribution", "bapo/positive_contribution_before", "bapo/clip_fraction_negative",
+        "bapo/clip_fraction_positive", "bapo/target_met", "bapo/search_exhausted", "bapo/search_steps",
+        "bapo/staleness_mean", "replay/fraction", "bapo/positive_contribution_target", "entropy_clip/predicted_change",
+        "entropy_clip/predicted_change_all", "entropy_clip/clip_effect", "entropy_clip/clipped_pos_low",
+        "entropy_clip/clipped_pos_high", "entropy_clip/clipped_neg_low", "entropy_clip/clipped_neg_high",
+        "m2po/masked_fraction", "partial/carried", "bapo/staleness_max")
+#: The training every study shares: batch 32 completions (4 prompts x 8), 12 tokens, constant learning rate.
+TRAINING = dict(use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no",
+                disable_tqdm=True, logging_steps=1, per_device_train_batch_size=32, num_generations=8,
+                max_completion_length=12, temperature=1.0, lr_scheduler_type="constant")
+
+
+def parse_seeds(text: str | int, count: bool = True) -> list[int]:
+    """``"A-B"`` -> seeds A..B (inclusive); ``"3,5,8"`` -> those seeds; ``"N"`` -> seeds 0..N-1 (only with
+    ``count``: the older studies' ``--seeds N``; elsewhere a bare 100 would silently mean seeds 0-99)."""
+    text = str(text).strip()
+    try:
+        if not count and text.isdigit():
+            seeds = []
+        elif "," in text:
+            seeds = [int(s) for s in text.split(",")]
+        elif "-" in text.lstrip("-"):
+            first, last = text.split("-")
+            seeds = list(range(int(first), int(last) + 1))
+        else:
+            seeds = list(range(int(text)))
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0:
+        raise ValueError(f"--seeds: expected A-B (e.g. 100-119; one seed: 100-100), a list 3,5,8"
+                         f"{', or N (seeds 0..N-1)' if count else ''}; got {text!r}")
+    return seeds
+
+
+def seed_tag(seeds: str | None) -> str:
+    """File-name suffix of a ``--seeds`` re-run (``_seeds100-119``), so it never overwrites the published files."""
+    return f"_seeds{seeds}".replace(",", "_") if seeds else ""
+
+
+def trainer_classes(kind: str):
+    """``(config class, trainer class)`` of a run's ``trainer`` field: ``"bapo"`` (default), ``"trl"`` (TRL's own
+    GRPOConfig / GRPOTrainer), ``"m2po"`` (M2PO on TRL's trainer), ``"m2po-bapo"`` (M2PO on BAPOTrainer)."""
+    from trl import GRPOConfig
+
+    from bapo_trl import BAPOConfig, BAPOTrainer
+
+    if kind == "trl":
+        from trl import GRPOTrainer
+
+        return GRPOConfig, GRPOTrainer
+    if kind == "m2po":
+        from m2po import M2POTrainer
+
+        return GRPOConfig, M2POTrainer
+    if kind == "m2po-bapo":
+        from m2po import bapo_trainer_class
+
+        return BAPOConfig, bapo_trainer_class()
+    if kind in (None, "bapo"):
+        return BAPOConfig, BAPOTrainer
+    raise ValueError(f"unknown trainer {kind!r}")
+
+
+def run_one(spec: dict) -> dict:
+    """One training run (one torch thread): its per-step history and a summary. ``spec``: method, staleness, lr,
+    seed, steps; optional ``settings`` (config fields; default: ``METHODS[method]``), ``trainer`` (see
+    :func:`trainer_classes`), ``trainer_kwargs``, ``extra_metrics`` (kept besides KEPT), ``server_url`` (the
+    server scenarios). Every method run with one seed sees the same prompts in the same order (the dataset and
+    TRL's sampler are seeded by it). ``step_seconds``: wall-clock from the start of training to the end of each
+    step."""
+    import torch
+
+    torch.set_num_threads(1)
+    from transformers import AutoTokenizer, TrainerCallback
+
+    from bapo_trl.toy import build_tiny_model, evaluate_accuracy, make_reverse_dataset, reverse_reward
+
+    kind = spec.get("trainer", "bapo")
+    if kind in ("trl", "m2po") and spec["staleness"] in BAPO_ONLY:
+        raise ValueError(f"{spec['staleness']} needs BAPOTrainer's rollouts; {spec['method']} runs on TRL's trainer")
+    config_cls, trainer_cls = trainer_classes(kind)
+    kept = KEPT + tuple(spec.get("extra_metrics", ()))
+    scenario = dict(STALENESS[spec["staleness"]])
+    if scenario.pop("server", False):
+        scenario.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=spec["server_url"],
+                        vllm_server_timeout=120)
+    ends = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+    model_dir = build_tiny_model()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    started = time.time()
+    with tempfile.TemporaryDirectory() as out:
+        args = config_cls(output_dir=out, learning_rate=spec["lr"], seed=spec["seed"], max_steps=spec["steps"],
+                          **TRAINING, **spec.get("settings", METHODS.get(spec["method"], {})), **scenario)
+        trainer = trainer_cls(model=model_dir, reward_funcs=reverse_reward, args=args, callbacks=[Clock()],
+                              train_dataset=make_reverse_dataset(8192, seed=spec["seed"]), processing_class=tokenizer,
+                              **spec.get("trainer_kwargs", {}))
+        start = time.perf_counter()
+        trainer.train()
+        accuracy = evaluate_accuracy(trainer.model, tokenizer, make_reverse_dataset(200, seed=1, split="test"))
+    history = [{k: v for k, v in h.items() if k in kept} for h in trainer.state.log_history if "loss" in h]
+    return {**spec, "history": history, "heldout_accuracy": accuracy, "seconds": time.time() - started,
+            "step_seconds": [t - start for t in ends]}
+
+
+def mean(values) -> float:
+    """Mean of the finite values (None and NaN left out); NaN when none."""
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarize(run: dict) -> dict:
+    """One run's figures. Final reward: mean sampled reward over the last 20% of steps."""
+    h = run["history"]
+    rewards = [e["reward"] for e in h if "reward" in e]
+    tail = h[int(len(h) * 0.8):]  # the last 20% of steps
+    return {
+        "reward_first": rewards[0] if rewards else float("nan"),
+        "reward_final": mean([e.get("reward") for e in tail]) if any("reward" in e for e in tail) else rewards[-1],
+        "heldout_accuracy": run["heldout_accuracy"],
+        "entropy_final": mean([e.get("entropy") for e in tail]),
+        "positive_share": mean([e.get("bapo/positive_contribution") for e in h]),
+        "clip_low": mean([e.get("bapo/clip_low") for e in h]),
+        "clip_high": mean([e.get("bapo/clip_high") for e in h]),
+        "clip_frac_neg": mean([e.get("bapo/clip_fraction_negative") for e in h]),
+        "clip_frac_pos": mean([e.get("bapo/clip_fraction_positive") for e in h]),
+        "target_met": mean([e.get("bapo/target_met") for e in h]),
+        "exhausted": mean([e.get("bapo/search_exhausted") for e in h]),
+        "moved": mean([moved(e) for e in h]),  # inactive updates (nothing on the path changes the loss) excluded
+        "grad_norm_max": max((e.get("grad_norm", 0) for e in h), default=float("nan")),
+        "m2po_masked": mean([e.get("m2po/masked_fraction") for e in h]),
+        "partial_carried": mean([e.get("partial/carried") for e in h]),
+    }
+
+
+def fmt(values, digits=2) -> str:
+    """``mean ± sd`` of the finite values (one value: itself; none: n/a)."""
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def table(runs, rows_key, filter_fn, columns) -> str:
+    """Markdown table, one row per value of ``rows_key`` among the runs ``filter_fn`` keeps: n, each column's
+    ``mean ± sd`` over the runs (``(title, summary key[, digits])``), and how many collapsed."""
+    groups: dict = {}
+    for run in runs:
+        if filter_fn(run):
+            groups.setdefault(run[rows_key], []).append(run)
+    header = f"| {rows_key} | n | " + " | ".join(c[0] for c in columns) + " | collapsed |"
+    lines = [header, "|" + "---|" * (len(columns) + 3)]
+    for key, members in groups.items():
+        sums = [summarize(m) for m in members]
+        cells = [fmt([s[c[1]] for s in sums], c[2] if len(c) > 2 else 2) for c in columns]
+        collapsed = sum(s["reward_final"] < COLLAPSE for s in sums)
+        lines.append(f"| {key} | {len(members)} | " + " | ".join(cells) + f" | {collapsed} |")
+    return "\n".join(lines)
+
+
+# -- result files ------------------------------------------------------------------------------------------------
+
+def run_key(run: dict) -> tuple:
+    """What identifies a run: the same key in two files is the same training run."""
+    return run["method"], run["staleness"], run["lr"], run["seed"], run["steps"]
+
+
+def save_runs(runs: list[dict], path: str) -> None:
+    with (gzip.open(path, "wt") if path.endswith(".gz") else open(path, "w")) as f:
+        json.dump(runs, f)
+
+
+def load_runs(path: str) -> list[dict]:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        return json.load(f)
+
+
+def reuse(todo: list[dict], path: str | None) -> tuple[list[dict], list[dict]]:
+    """``(runs of path that todo wants, the rest of todo)``: an earlier runs file's runs are not run again."""
+    if not path:
+        return [], todo
+    wanted = {run_key(r) for r in todo}
+    kept = [r for r in load_runs(path) if run_key(r) in wanted]
+    done = {run_key(r) for r in kept}
+    print(f"reusing {len(kept)} runs from {path}; {len(todo) - len(done)} to run")
+    return kept, [r for r in todo if run_key(r) not in done]
+
+
+def append_jsonl(path: str, record: dict) -> None:
+    """One finished run as one line, flushed at once (a study killed mid-way keeps every run it finished)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The records of a JSON-lines file; a torn last line (a run killed while writing) is ignored."""
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return records
+
+
+def run_all(todo: list[dict], workers: int, line) -> list[dict]:
+    """Run ``todo`` (``workers`` processes; 1: in this process, in order) and print ``line(i, n, result)`` as each
+    finishes; returns the results in the order they finished."""
+    results = []
+    if workers <= 1:
+        outcomes = map(run_one, todo)
+        for i, result in enumerate(outcomes):
+            results.append(result)
+            print(line(i, len(todo), result), flush=True)
+        return results
+    with mp.get_context("spawn").Pool(workers) as pool:
+        for i, result in enumerate(pool.imap_unordered(run_one, todo)):
+            results.append(result)
+            print(line(i, len(todo), result), flush=True)
+    return results
+
+
+def output_dir(out: str | None, quick: bool, prefix: str) -> str:
+    """``out``, else a temp dir in quick mode, else docs/."""
+    path = out or (tempfile.mkdtemp(prefix=prefix) if quick else os.path.join(REPO, "docs"))
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+# -- paired comparisons --------------------------------------------------------------------------------------------
+
+def bootstrap_ci(diffs: list[float], resamples: int = 10000, seed: int = 0, level: float = 0.95) -> tuple:
+    """Percentile bootstrap interval of the mean of ``diffs`` (resampled with replacement, fixed seed)."""
+    import numpy as np
+
+    if not diffs:
+        return float("nan"), float("nan")
+    values = np.asarray(diffs, dtype=float)
+    rng = np.random.default_rng(seed)
+    means = values[rng.integers(0, len(values), size=(resamples, len(values)))].mean(axis=1)
+    low, high = np.percentile(means, [50 * (1 - level), 50 * (1 + level)])
+    return float(low), float(high)
+
+
+def verdict(low: float, high: float, words=("beats", "loses", "ties")) -> str:
+    """``words[0]`` when the interval lies above zero, ``words[1]`` below, ``words[2]`` when it holds zero."""
+    if math.isnan(low) or math.isnan(high):
+        return "n/a"
+    return words[0] if low > 0 else words[1] if high < 0 else words[2]
+
+
+def paired(values: dict, method: str, reference: str, resamples: int = 10000, seed: int = 0) -> dict:
+    """``values[method][seed]`` -> the paired comparison of ``method`` with ``reference`` over the seeds both ran:
+    n, mean difference (method - reference), its bootstrap interval."""
+    seeds = sorted(set(values.get(method, {})) & set(values.get(reference, {})))
+    diffs = [values[method][s] - values[reference][s] for s in seeds]
+    diffs = [d for d in diffs if not math.isnan(d)]
+    low, high = bootstrap_ci(diffs, resamples, seed)
+    return {"n": len(diffs), "diff": mean(diffs), "low": low, "high": high}

@@ -1,0 +1,78 @@
+"""The studies' shared statistics (benchmarks/study.py) and the evidence study's report, on synthetic runs: a
+claim is made only where the paired interval excludes zero, from enough seeds."""
+
+import statistics
+import sys
+
+import pytest
+
+from launching import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import evidence_study  # noqa: E402
+from study import bootstrap_ci, paired, parse_seeds, seed_tag, verdict  # noqa: E402
+
+
+def test_seed_ranges():
+    assert parse_seeds("100-119") == list(range(100, 120)) and parse_seeds("3") == [0, 1, 2]
+    assert parse_seeds(" 5,7 ") == [5, 7] and seed_tag("200-219") == "_seeds200-219" and seed_tag(None) == ""
+    for bad in ("", "x", "5-3", "-2", "0"):
+        with pytest.raises(ValueError, match="--seeds"):
+            parse_seeds(bad)
+    assert parse_seeds("100-100", count=False) == [100]
+    with pytest.raises(ValueError, match="one seed: 100-100"):  # a bare 100 is not seeds 0-99 there
+        parse_seeds("100", count=False)
+
+
+def test_bootstrap_interval_is_fixed_by_its_seed_and_holds_the_mean():
+    diffs = [0.3, -0.1, 0.2, 0.05, 0.4, -0.2, 0.1, 0.15, 0.0, 0.25]
+    low, high = bootstrap_ci(diffs)
+    assert (low, high) == bootstrap_ci(diffs) and low < statistics.mean(diffs) < high
+    assert bootstrap_ci([0.2] * 12) == pytest.approx((0.2, 0.2))
+    wide = bootstrap_ci([(-1) ** i * 0.3 for i in range(20)])  # mean 0: the interval holds it
+    assert wide[0] < 0 < wide[1]
+
+
+def test_verdict_only_when_the_interval_excludes_zero():
+    assert verdict(0.01, 0.2) == "beats" and verdict(-0.3, -0.01) == "loses" and verdict(-0.1, 0.1) == "ties"
+    assert verdict(0.0, 0.1) == "ties" and verdict(float("nan"), 1.0) == "n/a"
+    assert verdict(0.1, 0.2, ("larger", "smaller", "no difference")) == "larger"
+
+
+def test_paired_uses_only_the_seeds_both_methods_ran():
+    values = {"a": {1: 0.9, 2: 0.8, 3: 0.7}, "b": {2: 0.5, 3: 0.6, 4: 0.1}}
+    c = paired(values, "a", "b")
+    assert c["n"] == 2 and c["diff"] == pytest.approx(0.2)
+
+
+def record(method, staleness, lr, seed, reward, grad=5.0, entropy=0.5):
+    return dict(method=method, staleness=staleness, lr=lr, seed=seed, steps=160, trainer="bapo", settings={},
+                commit="abc", seconds=10.0, reward_final=reward, collapsed=int(reward < 0.1), grad_norm_max=grad,
+                entropy_final=entropy)
+
+
+def test_report_claims_a_difference_only_where_the_interval_excludes_zero():
+    runs = []
+    for seed in range(100, 112):
+        base = 0.5 + 0.02 * (seed % 5)
+        runs += [record("TRL dapo clip-higher", "spg 32", 1e-3, seed, base, grad=150.0),
+                 record("BAPO paper", "spg 32", 1e-3, seed, base + 0.1 + 0.01 * (seed % 3), grad=6.0),
+                 record("M2PO", "spg 32", 1e-3, seed, base + (0.05 if seed % 2 else -0.05), grad=150.0)]
+    text, claims = evidence_study.report(runs, str(REPO / "benchmarks" / "results" / "x.jsonl"), resamples=2000)
+    assert "**BAPO paper** beats TRL dapo clip-higher on final reward" in text
+    assert "**BAPO paper** smaller TRL dapo clip-higher on max grad norm" in text
+    assert "**M2PO** beats" not in text and "**M2PO** loses" not in text  # +-0.05 alternating: a tie
+    assert claims == 2 and "## spg 32, lr 0.001 (seeds 100-111)" in text
+    # the same comparison on 5 seeds: no claim, however large the difference
+    few = [r for r in runs if r["seed"] < 105]
+    assert evidence_study.report(few, str(REPO / "x.jsonl"), resamples=2000)[1] == 0
+
+
+def test_plan_runs_the_headline_first_seed_by_seed_and_the_twins_where_only_bapo_runs():
+    todo = evidence_study.plan(["spg 32", "replay 0.5"], [100, 101], [100])
+    head = [r for r in todo if r["staleness"] == "spg 32"]
+    assert todo[: len(head)] == head and len(head) == 2 * 2 * len(evidence_study.METHODS)
+    assert [r["seed"] for r in head] == [100] * (len(head) // 2) + [101] * (len(head) // 2)
+    replay = {r["method"]: r["trainer"] for r in todo if r["staleness"] == "replay 0.5"}
+    assert set(replay) == set(evidence_study.OTHER_METHODS) and "trl" not in replay.values()
+    assert replay["M2PO"] == "m2po-bapo" and replay["TRL GSPO"] == "bapo"
