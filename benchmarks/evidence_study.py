@@ -268,9 +268,9 @@ def comparison_rows(runs, cell, pairs, resamples) -> tuple[list[str], list[str]]
         for title, key, words in FIGURES:
             c = paired(figures[key], method, reference, resamples)
             n = max(n, c["n"])
-            word = verdict(c["low"], c["high"], words)
+            word = verdict(c["low"], c["high"], words) if c["n"] >= MIN_PAIRS else f"(< {MIN_PAIRS} pairs)"
             cols.append(f"{interval(c, 1 if key == 'grad_norm_max' else 3)} {word}")
-            if word not in ("ties", "no difference", "n/a") and c["n"] >= MIN_PAIRS:
+            if word in words[:2]:
                 claims.append(f"- {cell[0]}, lr {cell[1]:g}: **{method}** {word} {reference} on {title}: "
                               f"{interval(c, 1 if key == 'grad_norm_max' else 3)} ({c['n']} paired seeds)")
         rows.append(f"| {method} | {reference} | {n} | " + " | ".join(cols) + " |")
