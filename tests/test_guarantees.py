@@ -118,6 +118,9 @@ SETTINGS = [(1, 1, 1), (1, 2, 2), (4, 1, 2), (4, 2, 1)]
 #: The fast tier runs every source (but the timing-dependent in-flight row) on the setting with the most mid-batch
 #: checkpoints per step that still keeps a row short; the slow tier runs the rest of the table.
 FAST = (4, 1, 2)
+#: Rows whose largest staleness equals the bound (staleness_bound, pinned to the README's formulas in
+#: test_the_staleness_bound_is_the_documented_formula): the bound is tight there, so a looser one fails.
+TIGHT = {"trl", "async_k1", "async_k2"}
 #: The user's own sampling settings: a ``seed`` in ``generation_kwargs`` (which once made every group copies of one
 #: completion wherever a call held a group's members as prompts of their own) and a temperature other than 1 (the
 #: behaviour log-probs are then the tempered policy's). Every source runs with them at USER_SAMPLING_SETTING, and
@@ -167,10 +170,14 @@ class Recorder(BAPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.trained: list[dict] = []
+        self.queue_ages: list[int] = []  # with replay: at every micro-batch, the age of each group the queue holds
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         if model.training:
-            self.trained += rows_of(inputs, self.state.global_step)
+            step = self.state.global_step
+            self.trained += rows_of(inputs, step)
+            if self.replay_queue is not None:
+                self.queue_ages += [step - int(g["policy_version"][0]) for g in self.replay_queue.groups]
         return super().compute_loss(model, inputs, *args, **kwargs)
 
 
@@ -191,12 +198,20 @@ def rows_of(inputs: dict, step: int) -> list[dict]:
             "completion": tuple(inputs["completion_ids"][i, :length].tolist()),
             "versions": tuple(token_versions),
             "old": None if old is None else old[i, :length].tolist(),
+            "replayed": bool(inputs["replayed"][i]) if "replayed" in inputs else False,
         })
     return rows
 
 
 def multiset(rows: list[dict], exact: bool = True) -> Counter:
     return Counter((r["prompt"], r["completion"], r["versions"]) if exact else r["prompt"] for r in rows)
+
+
+def prompts_by_batch(rows: list[dict], updates: int, before: int) -> set:
+    """The prompts each generation batch trains (``updates`` optimizer steps per batch; TRL shuffles a batch's rows
+    over its steps with the global random state, which the first run advanced; a row whose every token is masked is
+    not recorded, so this is a set)."""
+    return {(r["step"] // updates, r["prompt"]) for r in rows if r["step"] < before}
 
 
 def by_step(rows: list[dict]) -> Counter:
@@ -327,6 +342,12 @@ def run_row(source: str, setting, model_dir, tmp_path: Path, server=None, atol: 
         bound = staleness_bound(args)
         assert {r["step"] for r in full} == set(range(steps))
         check_versions_and_staleness(full, bound)
+        if source in TIGHT:  # the bound is reached, so a looser one would not pass unnoticed
+            assert max(r["step"] - min(r["versions"]) for r in full) == bound, (source, setting, bound)
+        if args.replay_buffer_size:  # groups were replayed; the queue holds only groups it may still replay
+            replayed = [r for r in full if r["replayed"]]
+            assert replayed and all(r["step"] > min(r["versions"]) for r in replayed), source
+            assert max(trainer.queue_ages) <= args.replay_max_staleness, (source, max(trainer.queue_ages))
         check_groups_sampled_independently(full)
         checked = check_behaviour_logps(full, snapshots.policies, model_dir, args.temperature, atol)
         on_policy = setting[2] % (setting[0] * setting[1]) == 0  # TRL then skips the behaviour log-probs: ratio 1
@@ -364,6 +385,12 @@ def run_row(source: str, setting, model_dir, tmp_path: Path, server=None, atol: 
         trainer.train()  # a second run on the used object: starts over, as a new trainer would
         assert {r["step"] for r in trainer.trained} == set(range(steps))
         check_versions_and_staleness(trainer.trained, bound)
+        if not SOURCES[source].keys() & {"partial_rollout_budget", "replay_buffer_size"}:
+            # the same prompts in each generation batch as the first run: its weights differ, its data order does not
+            # (with partial rollout which groups finish, with replay which fresh groups give way, depend on weights)
+            u = args.updates_per_generation
+            whole = steps - steps % u  # a batch cut short by max_steps trains the part TRL's shuffle put first
+            assert prompts_by_batch(trainer.trained, u, whole) == prompts_by_batch(full, u, whole), source
         if servers:  # it pushed its weights again at its first hand-over, and the generation thread loaded them
             assert trainer.state.log_history[0]["async/push_seconds"] > 0
             assert trainer.state.log_history[0]["async/load_seconds"] > 0 or source in HELD_PUSH
@@ -409,6 +436,36 @@ def test_async_rows_with_the_real_server(source, tiny_server, tiny_model_dir, tm
 
     reset_server_weights(tiny_server.url, tiny_model_dir)
     run_row(source, FAST, tiny_model_dir, tmp_path, server=tiny_server, atol=1e-3)
+
+
+SERVER = dict(use_vllm=True, vllm_mode="server", async_generation=True)
+
+
+@pytest.mark.parametrize("fields, bound", [
+    # TRL's generation: u - 1, with u = ceil(S x I / GA) updates per generation batch
+    (dict(steps_per_generation=4, gradient_accumulation_steps=2), 1),  # u = 2
+    (dict(steps_per_generation=8, num_iterations=2), 15),  # u = 16
+    (dict(steps_per_generation=1), 0),
+    # partial rollout: (R + 1) u - 1
+    (dict(partial_rollout_budget=3, partial_rollout_max_resumes=2, steps_per_generation=4,
+          gradient_accumulation_steps=2), 5),  # 3 x 2 - 1
+    # async generation: (K + 1) u + W - 2
+    (dict(SERVER, max_staleness=1), 1),  # u = 1: 2 + 1 - 2
+    (dict(SERVER, max_staleness=2, steps_per_generation=4, gradient_accumulation_steps=2), 5),  # 3 x 2 + 1 - 2
+    (dict(SERVER, max_staleness=1, weight_sync_steps=3), 3),  # 2 + 3 - 2
+    # async partial rollout: (K + 1) u + W - 2 + R u
+    (dict(SERVER, partial_rollout_budget=3, partial_rollout_max_resumes=2, steps_per_generation=4,
+          gradient_accumulation_steps=2), 7),  # 2 x 2 + 1 - 2 + 2 x 2
+    # replay: the larger of the source's bound and replay_max_staleness
+    (dict(replay_buffer_size=8, replay_ratio=0.5, replay_max_staleness=6), 6),  # TRL's: 0
+    (dict(SERVER, max_staleness=2, replay_buffer_size=8, replay_ratio=0.5, replay_max_staleness=16), 16),  # async: 2
+])
+def test_the_staleness_bound_is_the_documented_formula(fields, bound):
+    """``staleness_bound`` against the README's formulas, computed by hand for each case (the matrix checks tokens
+    against the function, and TIGHT rows show it is reached)."""
+    args = BAPOConfig(output_dir="unused", use_cpu=True, per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=8, **fields)
+    assert staleness_bound(args) == bound
 
 
 #: Sources that generate through the server under the user's sampling settings; the fast tier runs the two whose calls
@@ -463,7 +520,8 @@ def test_in_flight_updates_give_a_completion_tokens_of_several_policies(tiny_mod
 
 def test_replay_that_saves_generation_works_under_async(tiny_model_dir, tmp_path):
     """Async generation asks the server only for the fresh share of a batch once the replay queue can fill the rest:
-    the generated tokens per batch drop by the replay share, and the batch trained keeps its size."""
+    the generated tokens per batch drop by the replay share, and the batch trained keeps its size; groups age out of
+    the queue step by step although the replayed ones are chosen when a batch is queued."""
     server = PolicyServer(tiny_model_dir)
     try:
         args = config("replay_saves_async", (1, 1, 1), tmp_path / "out", [server], max_steps=8, save_strategy="no")
@@ -481,6 +539,10 @@ def test_replay_that_saves_generation_works_under_async(tiny_model_dir, tmp_path
     fresh = sum(round(8 * (1 - share)) for share in saved)
     assert fresh <= sum(server.completions) <= fresh + 8 * args.max_staleness, (saved, server.completions)
     assert fresh < 8 * len(saved) and not server.resent()
+    # the queue holds only groups it may still replay, at every step, while the replayed ones are chosen ahead: its
+    # size and evictions (the logged replay/size, replay/evicted) count replayable groups
+    assert max(trainer.queue_ages) <= args.replay_max_staleness < len(saved) - 1, trainer.queue_ages
+    assert sum(h["replay/evicted"] > 0 for h in logs) >= 2
 
 
 # -- a server that stalls on a LATER request: an error within the documented bound, not a hang ---------------------

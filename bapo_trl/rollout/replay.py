@@ -121,6 +121,9 @@ class ReplaySource:
         if args.replay_fill_zero_std_groups:
             wanted = max(wanted, has_signal.count(False))
         last_update = port.global_step + args.updates_per_generation - 1
+        # every mix first drops the groups too old to replay at this batch's last update (also where the replayed
+        # groups were chosen ahead: the queue's size and evictions then count replayable groups, step by step)
+        queue.evict_stale(last_update)
         if stand_in:
             replayed, replaced = stand_in, set()
         elif appended:  # the queue holds them (checked on every process before generating)
