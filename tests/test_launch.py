@@ -122,8 +122,9 @@ def test_single_process_config(tmp_path):
 def test_two_processes_with_the_replay_queue(tmp_path):
     """DDP over gloo with replay wrapped around partial rollout: each rank keeps its own queue and pool, saves them,
     and replayed groups are trained. A second launch resumes from the checkpoint in the MIDDLE of a generation batch
-    (step 3 of batches of 2 updates) and continues exactly as the uninterrupted run did on both ranks: the same
-    metrics (gathered from both ranks) at every later step and the same final weights (CPU, fixed seed)."""
+    (step 3 of batches of 2 updates) and continues exactly as the uninterrupted run did on both ranks: it runs steps 4-6
+    only, with the same metrics (gathered from both ranks) at every later step and the same final weights (CPU, fixed
+    seed)."""
     run = ["--max_steps", "6", "--per_device_train_batch_size", "8", "--num_generations", "4",
            "--steps_per_generation", "2", "--max_completion_length", "8", "--replay_buffer_size", "8",
            "--replay_ratio", "0.5", "--replay_max_staleness", "8", "--partial_rollout_budget", "4",
@@ -139,8 +140,12 @@ def test_two_processes_with_the_replay_queue(tmp_path):
     assert any(h.get("replay/fraction", 0) > 0 for h in logs)
     assert any(h.get("replay/staleness_mean") is not None for h in logs)
 
-    accelerate_launch(TRAIN, *run, "--output_dir", resumed, "--resume_from_checkpoint", out / "checkpoint-3",
-                      config_file=CONFIGS / "multi_gpu.yaml", extra_launch=NO_MIXED)
+    proc = accelerate_launch(TRAIN, *run, "--output_dir", resumed, "--resume_from_checkpoint", out / "checkpoint-3",
+                             config_file=CONFIGS / "multi_gpu.yaml", extra_launch=NO_MIXED)
+    # It resumed (a deterministic fresh start would end the same): rank 0 printed steps 4-6 only, and wrote no
+    # checkpoint-3 of its own.
+    assert len([line for line in proc.stdout.splitlines() if line.startswith("{'loss'")]) == 3, proc.stdout[-3000:]
+    assert not (resumed / "checkpoint-3").exists() and (resumed / "checkpoint-6").exists()
     reference = {h["step"]: h for h in logs if "loss" in h}
     again = {h["step"]: h for h in json.loads((resumed / "checkpoint-6" / "trainer_state.json").read_text())[
         "log_history"] if "loss" in h}
