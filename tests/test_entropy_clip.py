@@ -149,3 +149,15 @@ def test_closed_loop_target_moves_and_survives_a_resume(tiny_model_dir, tmp_path
     after = [h["bapo/positive_contribution_target"] for h in resumed.state.log_history if "loss" in h][3:]
     assert after == pytest.approx(targets[3:])  # a fresh controller would restart at 0.5
     assert resumed.target_controller.value == pytest.approx(full.target_controller.value)
+
+
+def test_a_second_train_restarts_the_closed_loop_target(tiny_model_dir, tmp_path):
+    """A second ``train()`` on the same object starts from ``positive_contribution_target``, as a new trainer does
+    (the controller is run state), not from where the first run left it."""
+    trainer = build(tiny_model_dir, tmp_path / "run", max_steps=3, save_strategy="no", target_entropy=50.0,
+                    target_adapt_rate=0.02, target_max=0.7)
+    runs = []
+    for _ in range(2):
+        trainer.train()
+        runs.append([h["bapo/positive_contribution_target"] for h in trainer.state.log_history if "loss" in h])
+    assert runs[0] == runs[1] == pytest.approx([0.5, 0.52, 0.54])
