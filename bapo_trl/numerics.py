@@ -5,13 +5,18 @@ position (vLLM returns NaN for tokens it could not score) poisons the step. Two 
 
 * :func:`mask_nonfinite_inputs`, BEFORE ``GRPOTrainer.compute_loss`` (TRL binds its loss mask at the start of
   ``_compute_loss``, so a later edit would not reach the loss): real tokens with a non-finite input
-  (old/reference/sampling log-prob, IS weight, advantage) are counted and, when ``mask_nonfinite`` is on, dropped
-  from the LOSS only, through ``tool_mask`` (TRL multiplies it into the loss mask, never into the attention mask):
-  the later tokens of the completion are still scored with the dropped token in their context, as their behaviour
-  and reference log-probs were;
+  (behaviour or reference log-prob, IS weight, advantage: :data:`DROPPING_KEYS`) are counted and, when
+  ``mask_nonfinite`` is on, dropped from the LOSS only, through ``tool_mask`` (TRL multiplies it into the loss mask,
+  never into the attention mask): the later tokens of the completion are still scored with the dropped token in
+  their context, as their behaviour and reference log-probs were. The sampler's own log-prob
+  (``sampling_per_token_logps``; vLLM gives NaN for a token it could not score) drops a token only where it IS the
+  behaviour log-prob (async generation, its partial rollout and in-flight chunks: the NaN is then in
+  ``old_per_token_logps`` too). On the synchronous paths the behaviour log-prob is the trainer's own and TRL trains
+  such a token, with IS weight 1 (its correction turns the NaN difference into 0): so does bapo_trl;
 * :func:`sanitize_after_forward`, after the policy forward and before TRL reads the inputs: non-finite values left
-  anywhere (padding, or real tokens when masking is off) are replaced (log-probs by the current log-prob, so the
-  ratio is 1; importance weights by 1), and the log-ratio to the behaviour (and reference) policy is clamped to
+  anywhere (padding, real tokens when masking is off, a sampler's log-prob that TRL trains with) are replaced
+  (log-probs by the current log-prob, so the ratio is 1 and TRL's off-policy mask reads no divergence there, as its
+  own ``nan_to_num`` does; importance weights by 1), and the log-ratio to the behaviour (and reference) policy is clamped to
   ``[-max_log_ratio, max_log_ratio]`` (the official code clamps at 20), so ``exp`` cannot overflow for tokens the
   other policy all but ruled out (TRL's KL estimate ``exp(ref - logp)`` overflows otherwise).
 
@@ -23,7 +28,11 @@ from __future__ import annotations
 
 import torch
 
+#: The per-token log-probs TRL's loss may read: non-finite values left in them are filled after the forward.
 LOGP_KEYS = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")
+#: The per-token inputs whose non-finite value on a real token drops it from the loss (with the row's advantage):
+#: the behaviour and reference log-probs and TRL's IS weight, not the sampler's log-prob (see the module doc).
+DROPPING_KEYS = ("old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio")
 
 
 def loss_mask(batch: dict) -> torch.Tensor:
@@ -37,11 +46,11 @@ def _real(inputs: dict) -> torch.Tensor:
 
 
 def _nonfinite_inputs(inputs: dict, shape: torch.Size) -> torch.Tensor:
-    """Per token: some per-token input (or the row's advantage) is NaN or inf."""
+    """Per token: an input that drops it (:data:`DROPPING_KEYS`, or the row's advantage) is NaN or inf."""
     advantages = inputs["advantages"]
     bad = ~torch.isfinite(advantages)
     bad = (bad[:, None] if advantages.dim() == 1 else bad).expand(shape).clone()
-    for key in LOGP_KEYS + ("importance_sampling_ratio",):
+    for key in DROPPING_KEYS:
         value = inputs.get(key)
         if value is not None and value.shape == shape:
             bad |= ~torch.isfinite(value)

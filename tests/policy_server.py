@@ -14,12 +14,15 @@ A request's ``seed`` is applied as vLLM applies it: every prompt of the request 
 as on the real server (tests/test_request_seeds.py checks that on a real one). It can stall on chosen requests
 (``stall_on``: the n-th generate request is accepted and never answered), to test that a stalled server ends training
 with an error, not a hang; and answer each request ``latency`` seconds late, concurrent requests overlapping (a server
-that batches them).
+that batches them). It can report another ``--logprobs-mode`` in ``/server_info`` (``logprobs_mode``; None: no such
+field, as an older vLLM) and answer NaN for the log-prob of every k-th token it samples (``nan_logprob_every``, counted
+over the server's life, so that completions of one group differ), as vLLM does for a token it could not score.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections import Counter
@@ -50,7 +53,8 @@ class PolicyServer:
     generate request, how many reloads the server had applied when it ran."""
 
     def __init__(self, model_dir: str, stall_on: tuple[int, ...] = (), seed: int = 0, seconds_per_token: float = 0.0,
-                 busy_resets: int = 0, latency: float = 0.0):
+                 busy_resets: int = 0, latency: float = 0.0, logprobs_mode: str | None = "processed_logprobs",
+                 nan_logprob_every: int = 0):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -69,6 +73,10 @@ class PolicyServer:
         # server that batches them (vLLM) answers a batch in about one request's time
         self.latency = latency
         self.in_flight = self.most_in_flight = 0  # generate requests open at once (now, and the most seen)
+        # what /server_info reports (its sampled tokens' log-probs are processed ones whatever it reports)
+        self.model_config = {} if logprobs_mode is None else {"logprobs_mode": logprobs_mode}
+        self.nan_logprob_every = nan_logprob_every  # every k-th token sampled is answered with a NaN log-prob
+        self.tokens_sampled = 0
         self.release = threading.Event()
         self.stalled_at: float | None = None  # time.perf_counter() when the first stalled request arrived
         server = self
@@ -77,7 +85,7 @@ class PolicyServer:
             def do_GET(self):
                 server.requests["GET", self.path.split("?")[0]] += 1
                 answers = {"/v1/models": {"data": [{"id": "stand-in"}]},
-                           "/server_info": {"vllm_config": {"model_config": {"logprobs_mode": "processed_logprobs"}}}}
+                           "/server_info": {"vllm_config": {"model_config": server.model_config}}}
                 self.answer(answers.get(self.path.split("?")[0], {}))
 
             def do_POST(self):
@@ -153,7 +161,9 @@ class PolicyServer:
                         log_probs = torch.log_softmax(logits, -1)
                         token = int(torch.multinomial(log_probs.exp(), 1, generator=generator))
                         ids.append(token)
-                        logps.append(float(log_probs[token]))
+                        self.tokens_sampled += 1
+                        unscored = self.nan_logprob_every and self.tokens_sampled % self.nan_logprob_every == 0
+                        logps.append(math.nan if unscored else float(log_probs[token]))
                         if self.seconds_per_token:
                             time.sleep(self.seconds_per_token)
                         if token == eos:

@@ -17,11 +17,17 @@ Why each piece exists (TRL 1.16):
 * A server started with an API key (``bapo serve --api-key``, or ``VLLM_API_KEY``) refuses requests without it:
   every client here sends ``Authorization: Bearer $VLLM_API_KEY`` when that variable is set, TRL's own
   ``VLLMClient`` on CUDA included (:class:`KeyedVLLMClient`, swapped in while TRL builds its backend).
+* Wherever training uses the sampler's log-probs (async generation: as the behaviour log-probs; TRL's
+  importance-sampling correction and off-policy mask: against the trainer's), every server must report
+  ``--logprobs-mode processed_logprobs`` (:func:`check_logprobs_mode`, at start-up, on CUDA too): vLLM's default,
+  ``raw_logprobs``, is taken before temperature, so at a temperature other than 1 every ratio would carry an offset.
+  TRL only warns, about the first server, and only with its correction on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 import threading
 import time
@@ -36,7 +42,8 @@ from requests.adapters import HTTPAdapter
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 
-from .fleet import ServerFleet, one_client, server_urls
+from ..rollout_settings import BUILT_IN_SOURCES
+from .fleet import ServerFleet, naming, one_client, server_urls
 from .seeding import PerPromptSeeds, SeededEngine
 from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError, authorize_session, write_weights
 
@@ -52,6 +59,61 @@ class VLLMServerUnreachable(requests.ConnectionError, ConnectionError):
 
 class VLLMServerTimeout(requests.Timeout, TimeoutError):
     """The server accepted a request but did not answer within ``vllm_server_timeout`` (catchable as either)."""
+
+
+class VLLMLogprobsModeError(ValueError):
+    """A server whose log-probs are not those of the distribution it samples from, where training uses them."""
+
+
+#: The only ``--logprobs-mode`` whose log-probs are the sampling distribution's (after temperature and the other
+#: logit processors). vLLM's default is ``raw_logprobs`` (the model's, before any of them).
+PROCESSED_LOGPROBS = "processed_logprobs"
+
+
+def sampler_logprobs_use(args) -> str | None:
+    """What training does with the server's log-probs of the sampled tokens, for the error; None: nothing (TRL then
+    receives them and ignores them), so any ``--logprobs-mode`` will do."""
+    if getattr(args, "async_generation", False):
+        return "async generation trains with them as the behaviour log-probs"
+    source = getattr(args, "rollout_source", "auto")
+    if source != "auto" and source not in BUILT_IN_SOURCES:
+        return (f"the rollout source {source!r} (`rollout_source`) may train with them as the behaviour log-probs "
+                "(TRLPort.server_generate)")
+    if getattr(args, "vllm_importance_sampling_correction", False):
+        return "TRL's importance-sampling correction (`vllm_importance_sampling_correction`) divides by them"
+    if getattr(args, "off_policy_mask_threshold", None) is not None:
+        return "TRL's off-policy sequence mask (`off_policy_mask_threshold`) compares them with the policy's"
+    return None
+
+
+def server_logprobs_mode(client) -> str | None:
+    """The ``logprobs_mode`` a server reports in ``/server_info`` (TRL's client returns its ``vllm_config``); None
+    when it reports none."""
+    info = client.get_server_info()
+    model_config = info.get("model_config") if isinstance(info, dict) else None
+    return model_config.get("logprobs_mode") if isinstance(model_config, dict) else None
+
+
+def check_logprobs_mode(client, use: str) -> None:
+    """Every server of ``client`` (one client, or a :class:`~.fleet.ServerFleet`) must report
+    ``processed_logprobs``; raises :class:`VLLMLogprobsModeError` naming each server that does not, what it reports,
+    and the flag to set. A server that reports no mode (a vLLM older than the field, or not vLLM) is refused too: its
+    log-probs cannot be shown to be the sampling distribution's."""
+    problems = []
+    for each in client.clients if isinstance(client, ServerFleet) else [client]:
+        with naming(each.base_url):
+            mode = server_logprobs_mode(each)
+        if mode == PROCESSED_LOGPROBS:
+            continue
+        problems.append(f"the vLLM server at {each.base_url} "
+                        + (f"runs with `--logprobs-mode {mode}`" if mode is not None
+                           else "reports no `logprobs_mode` in /server_info (an older vLLM, or not vLLM)"))
+    if problems:
+        raise VLLMLogprobsModeError(
+            "; ".join(problems) + f". Training needs the log-probs of the distribution each token was sampled from "
+            f"(after temperature and the other sampling settings), because {use}; any other mode puts an offset "
+            f"into every ratio (vLLM's default, raw_logprobs, is taken before temperature). Restart the server with "
+            f"`--logprobs-mode {PROCESSED_LOGPROBS}` (`bapo serve` and `trl vllm-serve` set it).")
 
 
 class _OnceAdapter(HTTPAdapter):
@@ -188,6 +250,12 @@ class CPUServerVLLMGeneration(VLLMGeneration):
     """TRL's vLLM backend; in server mode on a non-CUDA device, connects over HTTP and syncs weights via disk."""
 
     disk_sync: DiskWeightSync | None = None
+    #: What training does with the sampler's log-probs (:func:`sampler_logprobs_use`); None: no check of the servers.
+    sampler_logprobs_use: str | None = None
+
+    def __init__(self, *args, sampler_logprobs_use: str | None = None, **kwargs):
+        self.sampler_logprobs_use = sampler_logprobs_use  # TRL's __init__ ends with _init_vllm, which checks it
+        super().__init__(*args, **kwargs)
 
     @property
     def uses_disk_sync(self) -> bool:
@@ -209,7 +277,16 @@ class CPUServerVLLMGeneration(VLLMGeneration):
     def _init_vllm(self):
         if self.mode == "server" and not self.uses_disk_sync:  # CUDA: TRL's code and NCCL, its client sends the key
             with _patched(_trl_vllm_generation, "VLLMClient", self._cuda_client):
-                return super()._init_vllm()
+                super()._init_vllm()
+            if self.sampler_logprobs_use is not None:  # the same on every process: all join the broadcast
+                error = None
+                if self.accelerator.is_main_process:  # TRL builds the client there only
+                    try:
+                        self._check_logprobs_mode()
+                    except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
+                        error = exc
+                self._raise_everywhere(error)
+            return
         if not self.uses_disk_sync:  # colocate: TRL's code; its engine gives each prompt of a seeded call its own seed
             super()._init_vllm()
             if self.mode == "colocate" and not isinstance(self.llm, SeededEngine):
@@ -222,6 +299,7 @@ class CPUServerVLLMGeneration(VLLMGeneration):
                                           connection_timeout=self.server_timeout, request_timeout=self.server_timeout)
                            for url in self.server_urls]
                 self.vllm_client = one_client(clients)
+                self._check_logprobs_mode()  # before anything is written or generated
             except requests.ConnectionError as exc:
                 error = VLLMServerUnreachable(f"{exc} On a machine without CUDA, {SERVE_HINT}.")
                 error.__cause__ = exc
@@ -239,6 +317,12 @@ class CPUServerVLLMGeneration(VLLMGeneration):
                     error = exc
         self._raise_everywhere(error)
         self.accelerator.wait_for_everyone()
+
+    def _check_logprobs_mode(self) -> None:
+        """Main process: every server must report ``processed_logprobs`` where training uses the sampler's
+        log-probs (:func:`check_logprobs_mode`)."""
+        if self.sampler_logprobs_use is not None:
+            check_logprobs_mode(self.vllm_client, self.sampler_logprobs_use)
 
     def _cuda_client(self, base_url, group_port=51216, connection_timeout=0.0, **kwargs):
         """What TRL's server mode builds as its client on CUDA: TRL's own (sending the API key) for one server; for
@@ -291,7 +375,8 @@ class CPUServerVLLMGeneration(VLLMGeneration):
             box = [None if error is None else (type(error).__name__, str(error))]
             broadcast_object_list(box, from_process=0)
             if box[0] is not None and error is None:  # another rank's failure
-                kind = WeightSyncError if box[0][0] == "WeightSyncError" else ConnectionError
+                kind = {"WeightSyncError": WeightSyncError, "VLLMLogprobsModeError": VLLMLogprobsModeError}.get(
+                    box[0][0], ConnectionError)
                 raise kind(f"on the main process: {box[0][0]}: {box[0][1]}")
         if error is not None:
             raise error
@@ -311,7 +396,9 @@ class CPUServerSyncMixin:
     def __init__(self, model, reward_funcs, args=None, **kwargs):
         if args is not None and getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) in (
                 "server", "colocate"):
-            with _patched(_trl_grpo_trainer, "VLLMGeneration", CPUServerVLLMGeneration):
+            use = sampler_logprobs_use(args) if args.vllm_mode == "server" else None  # colocate: TRL sets the mode
+            backend = functools.partial(CPUServerVLLMGeneration, sampler_logprobs_use=use)
+            with _patched(_trl_grpo_trainer, "VLLMGeneration", backend):
                 super().__init__(model, reward_funcs, args=args, **kwargs)
         else:
             super().__init__(model, reward_funcs, args=args, **kwargs)

@@ -198,5 +198,6 @@ class ServerFleet:
         return self.clients[0].image_features(images)
 
     def get_server_info(self) -> dict:
-        """The first server's (servers of one fleet serve the same model with the same settings)."""
+        """The first server's (what TRL reads). Settings may differ between servers: the trainer checks the log-prob
+        mode of every server itself (:func:`~.cpu_server.check_logprobs_mode`)."""
         return self.clients[0].get_server_info()
