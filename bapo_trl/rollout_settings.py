@@ -14,9 +14,10 @@ import json
 SAMPLING = ("uniform", "recent", "advantage")
 
 #: Length and stop settings of vLLM / transformers generation that chunked generation (partial rollout's rounds,
-#: in-flight updates' chunks) cannot honour: it caps each chunk itself and recognises stops by EOS token ids only.
+#: in-flight updates' chunks) cannot honour: it caps each chunk itself and recognises stops by token ids only (EOS, or
+#: with vLLM's ``ignore_eos`` none but ``stop_token_ids``, which it does honour).
 CHUNK_CLASHING_KWARGS = frozenset({
-    "max_tokens", "min_tokens", "stop", "ignore_eos", "include_stop_str_in_output",  # vLLM SamplingParams
+    "max_tokens", "min_tokens", "stop", "include_stop_str_in_output",  # vLLM SamplingParams
     "max_new_tokens", "min_new_tokens", "max_length", "min_length", "stop_strings",  # transformers GenerationConfig
 })
 

@@ -166,7 +166,7 @@ class PolicyServer:
                         logps.append(math.nan if unscored else float(log_probs[token]))
                         if self.seconds_per_token:
                             time.sleep(self.seconds_per_token)
-                        if token == eos:
+                        if token == eos and not body.get("ignore_eos"):
                             break
                     tokens = ids[len(prompt):]
                     choices.append({"prompt_token_ids": list(prompt), "token_ids": tokens, "logprobs": {

@@ -365,8 +365,6 @@ BASE = dict(output_dir="unused", use_cpu=True, bf16=False, report_to="none", per
     (dict(async_generation=True, use_vllm=True, vllm_mode="server", max_completion_length=8, inflight_update_tokens=2,
           generation_kwargs={"stop": ["\n"], "max_tokens": 4}),
      r"`generation_kwargs` keys \['max_tokens', 'stop'\] cannot be used with `inflight_update_tokens`"),
-    (dict(async_generation=True, use_vllm=True, vllm_mode="server", max_completion_length=8, inflight_update_tokens=2,
-          generation_kwargs={"ignore_eos": True}), r"\['ignore_eos'\] cannot be used with `inflight_update_tokens`"),
 ])
 def test_async_settings_are_checked_before_anything_is_built(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -472,6 +470,28 @@ def test_a_generation_batch_above_the_old_request_pool_trains_within_a_short_tim
     assert trainer.state.global_step == 8
     assert server.most_in_flight >= prompts, server.most_in_flight  # a whole batch in flight at once, not waves
     assert not server.resent()
+
+
+@pytest.mark.parametrize("chunking", [dict(async_generation=True, max_staleness=2, inflight_update_tokens=2),
+                                      dict(partial_rollout_budget=3, partial_rollout_max_resumes=3)])
+def test_ignore_eos_runs_every_chunked_completion_to_the_cap(chunking, tiny_model_dir, tmp_path, monkeypatch):
+    """vLLM's ``ignore_eos`` generates past EOS to ``max_tokens``; chunked generation (in-flight chunks, partial
+    rollout's rounds through TRL's vLLM generation) takes no EOS for a stop then, so every completion handed to TRL
+    is as long as without chunks: ``max_completion_length`` (it ended at the first chunk holding an EOS before)."""
+    from bapo_trl.rollout.port import TRLPort
+
+    lengths = []
+    score = TRLPort.score_completions
+    monkeypatch.setattr(TRLPort, "score_completions", lambda self, fn, rows, ready: lengths.extend(
+        len(ids) for ids in ready.completion_ids) or score(self, fn, rows, ready))
+    monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
+    server = PolicyServer(tiny_model_dir)
+    try:
+        train_with_server(tiny_model_dir, tmp_path / "out", server.url, max_steps=3, reward=completion_length,
+                          generation_kwargs={"ignore_eos": True}, **chunking)
+    finally:
+        server.close()
+    assert lengths and set(lengths) == {8}, lengths
 
 
 def test_a_stalled_server_is_an_error_naming_the_timeout(tiny_model_dir, tmp_path, monkeypatch):

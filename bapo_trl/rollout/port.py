@@ -71,10 +71,11 @@ class TRLPort:
         return self._trainer._tokenizer.pad_token_id  # TRL's tokenizer (also inside a processor)
 
     def stop_token_ids(self) -> list[int]:
-        """Every token id that ends a generation: TRL's EOS ids plus generation_kwargs' ``stop_token_ids`` (vLLM) and
-        ``eos_token_id`` (transformers); partial rollout needs them to tell a stopped completion from a capped one."""
-        ids = list(self._trainer.eos_token_ids)
+        """Every token id that ends a generation: TRL's EOS ids (not with vLLM's ``ignore_eos``, under which vLLM
+        generates past them) plus generation_kwargs' ``stop_token_ids`` (vLLM) and ``eos_token_id`` (transformers);
+        partial rollout and in-flight chunks need them to tell a stopped completion from a capped one."""
         kwargs = self.args.generation_kwargs or {}
+        ids = [] if kwargs.get("ignore_eos") and self._trainer.use_vllm else list(self._trainer.eos_token_ids)
         for key in ("stop_token_ids", "eos_token_id"):
             extra = kwargs.get(key)
             ids += [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
