@@ -8,6 +8,7 @@ through train_bapo.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import threading
@@ -190,6 +191,36 @@ def test_a_held_push_waits_until_the_batch_needed_next_has_started(after):
         assert versions == ([0, 0] if after is not None else [0, 5])
     finally:
         producer.close()
+
+
+@pytest.mark.parametrize("lazy, defers, inflight, waits", [
+    (False, True, None, True),   # exact pushes: the queued requests with older weights run first
+    (True, True, None, False),   # lazy, pushes handed over (the disk reload): they may take the newest anyway
+    (True, False, None, True),   # lazy, but pushes held between requests (TRL's NCCL push on CUDA): lazy does nothing
+    (False, True, 2, False),     # in-flight updates take the newest weights between chunks
+])
+def test_evaluation_waits_for_the_queued_requests_wherever_pushes_are_exact(lazy, defers, inflight, waits):
+    """Which evaluations first let the queued requests with older weights run: every one but where those requests
+    take the newest weights anyway. ``lazy_weight_loading`` acts only on pushes handed over to the producer; with
+    pushes held between two requests (CUDA) it once turned the wait off although every push there is exact."""
+    from types import SimpleNamespace
+
+    holds = []
+
+    @contextlib.contextmanager
+    def between_requests(after=None):
+        holds.append(after)
+        yield
+
+    producer = SimpleNamespace(lazy=lazy, last_queued_older_than=lambda version: 7, apply_pending=lambda: None,
+                               between_requests=between_requests)
+    source = AsyncGeneration.__new__(AsyncGeneration)
+    source.producer, source.defers_pushes = producer, defers
+    source.port = SimpleNamespace(args=SimpleNamespace(inflight_update_tokens=inflight), global_step=5,
+                                  weights_step=4)
+    with source._held_for_evaluation():
+        pass
+    assert holds == [7 if waits else None]
 
 
 def test_the_last_queued_request_older_than_a_push_is_the_one_to_let_run_first():

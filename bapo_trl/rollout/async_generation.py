@@ -123,6 +123,7 @@ class AsyncGeneration:
         self.handed = 0  # generation batches handed to the trainer (checkpointed)
         self.submitted = 0  # batches queued for the producer (main process)
         self.pushed_step: int | None = None  # optimizer step of the last weight push
+        self.defers_pushes = False  # the last push was handed over to the producer (the disk reload), not held
         self.producer: Producer | None = None
         self.stream: PromptStream | None = None
         self._restored: dict[Any, GeneratedBatch] = {}  # generated before the checkpoint we resumed from
@@ -225,6 +226,7 @@ class AsyncGeneration:
             return 0.0
         start = time.perf_counter()
         state = port.gather_weights()
+        self.defers_pushes = state is not None
         if state is not None:
             push = (lambda: port.send_weights(state), step)
             if self.producer is not None:
@@ -290,7 +292,9 @@ class AsyncGeneration:
         with the server on the newest push handed over unless TRL's generation is about to push the current weights
         (then that push would only be replaced)."""
         producer, port = self.producer, self.port
-        exact = not (producer.lazy or port.args.inflight_update_tokens)
+        # lazy loading acts on pushes handed over (the disk reload); a push held between two requests (TRL's NCCL
+        # push on CUDA) is exact, lazy or not
+        exact = not ((producer.lazy and self.defers_pushes) or port.args.inflight_update_tokens)
         after = producer.last_queued_older_than(port.global_step) if exact else None
         with producer.between_requests(after=after):
             if port.weights_step == port.global_step:  # TRL does not push (it did, for this evaluation's first batch)
