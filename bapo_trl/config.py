@@ -111,12 +111,13 @@ class BAPOConfig(GRPOConfig):
         > Partial rollout (the paper's other off-policy scenario)
 
         partial_rollout_budget (`int` or `None`, *optional*, defaults to `None`):
-            Tokens a completion may grow per training step (off when `None`). Unfinished completions are kept with
-            the log-probs of the policy that produced each token and continued in later steps; a group is scored
-            and trained once all its completions are finished. Works with transformers generation and vLLM.
+            Tokens a completion may grow per round (off when `None`); one round per generation batch, so every
+            `steps_per_generation` x `num_iterations` / `gradient_accumulation_steps` optimizer steps. Unfinished
+            completions are kept with the log-probs of the policy that produced each token and continued in later
+            rounds; a group is scored and trained once all its completions are finished. Works with transformers generation and vLLM.
             `generation_kwargs` may add stop token ids, but not length or string-stop settings.
         partial_rollout_max_resumes (`int`, *optional*, defaults to `4`):
-            A completion carried over this many steps is generated to the end at its next round (>= 1).
+            A completion carried over this many rounds is generated to the end at its next round (>= 1).
 
         > Async generation (generation overlaps training)
 
@@ -234,11 +235,12 @@ class BAPOConfig(GRPOConfig):
 
     partial_rollout_budget: int | None = field(
         default=None,
-        metadata={"help": "Partial rollout: tokens a completion may grow per step (None = off); unfinished "
-                  "completions carry over to later steps."},
+        metadata={"help": "Partial rollout: tokens a completion may grow per round, one round per generation batch "
+                  "(None = off); unfinished completions carry over to later rounds."},
     )
     partial_rollout_max_resumes: int = field(
-        default=4, metadata={"help": "Partial rollout: after this many carry-overs a completion is generated to the end."}
+        default=4, metadata={"help": "Partial rollout: after this many carry-overs (rounds) a completion is generated "
+                             "to the end."}
     )
 
     async_generation: bool = field(

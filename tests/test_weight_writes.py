@@ -124,3 +124,24 @@ def test_a_failed_write_is_raised_by_the_load_and_leaves_no_directory(stand_in, 
     sync.load(sync.write_later(shifted(stand_in, 0.1)))  # the sync still works
     assert stand_in.reloads == 1 and [str(p) for p in tmp_path.iterdir()] == [sync.current_dir]
     sync.close()
+
+
+def test_a_push_of_gathered_copies_is_written_without_a_second_copy(tmp_path):
+    """A push's gathered weights are already CPU copies the trainer hands over: writing them copies only what
+    safetensors cannot write as it is (a view, a tensor sharing storage with an earlier one: tied weights), so a push
+    holds one CPU copy of the model while it is written. Live tensors (no hand-over) are all copied, and either way the
+    file holds exactly the tensors."""
+    from safetensors.torch import load_file
+
+    from bapo_trl.generation.weight_sync import writable, write_weights
+
+    base = torch.randn(4, 6)
+    gathered = {"owned": torch.randn(3, 5), "tied": base, "tied_again": base, "view": base[:, :3],
+                "transposed": torch.randn(5, 3).t()}
+    state, copied = writable(gathered.items())
+    assert copied == ["tied_again", "view", "transposed"]
+    assert state["owned"].data_ptr() == gathered["owned"].data_ptr() and state["tied"].data_ptr() == base.data_ptr()
+    for handed_over in (True, False):
+        directory = write_weights(gathered, str(tmp_path), "push-", handed_over=handed_over)
+        written = load_file(f"{directory}/model.safetensors")
+        assert written.keys() == gathered.keys() and all(torch.equal(written[k], v) for k, v in gathered.items())

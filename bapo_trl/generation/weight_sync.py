@@ -92,15 +92,19 @@ def not_shared_message(base_url: str, path: str, detail: str | None = None) -> s
 
 
 def write_weights(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], root: str | None,
-                  prefix: str, on_created=None) -> str:
+                  prefix: str, on_created=None, handed_over: bool = False) -> str:
     """Write ``tensors`` (checkpoint names) as ``model.safetensors`` in a new directory under ``root`` (default
     ``$BAPO_VLLM_WEIGHTS_DIR`` or the temp dir), for vLLM's ``reload_weights``; returns the directory.
-    ``on_created(directory)`` is called as soon as the directory exists (so its owner can remove it whatever happens)."""
+    ``on_created(directory)`` is called as soon as the directory exists (so its owner can remove it whatever happens).
+    With ``handed_over`` the caller gives the tensors up (a push's gathered copies), and those safetensors can write
+    as they are are not copied again (:func:`writable`); otherwise (live parameters) every one is copied first."""
     from safetensors.torch import save_file
 
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
-    # Own, contiguous CPU copies: safetensors refuses views and shared storage.
-    state = {name: t.detach().to("cpu").contiguous().clone() for name, t in items}
+    if handed_over:
+        state, _ = writable(items)
+    else:  # own, contiguous CPU copies: safetensors refuses views and shared storage
+        state = {name: t.detach().to("cpu").contiguous().clone() for name, t in items}
     directory = tempfile.mkdtemp(prefix=prefix, dir=root or os.environ.get("BAPO_VLLM_WEIGHTS_DIR") or None)
     if on_created is not None:
         on_created(directory)
@@ -110,6 +114,26 @@ def write_weights(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torc
         shutil.rmtree(directory, ignore_errors=True)
         raise
     return directory
+
+
+def writable(items: Iterable[tuple[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Tensors handed over for writing, as safetensors writes them, and the names that had to be copied: a CPU tensor
+    that owns its whole storage (as the gathered copies of a push do) is written as it is; a GPU tensor, a view or a
+    tensor sharing its storage with an earlier one (tied weights) is copied. So a push of gathered weights holds one
+    CPU copy of the model while it is written, not two."""
+    state, copied, seen = {}, [], set()
+    for name, tensor in items:
+        tensor = tensor.detach()
+        storage = tensor.untyped_storage() if tensor.device.type == "cpu" else None
+        owns = (storage is not None and tensor.is_contiguous() and tensor.storage_offset() == 0
+                and storage.nbytes() == tensor.numel() * tensor.element_size() and storage.data_ptr() not in seen)
+        if owns:
+            seen.add(storage.data_ptr())
+        else:
+            tensor = tensor.to("cpu").contiguous().clone()
+            copied.append(name)
+        state[name] = tensor
+    return state, copied
 
 
 def _remove_all(paths: list[str]) -> None:
@@ -268,7 +292,7 @@ class DiskWeightSync:
             with self._dirs_lock:
                 self._dirs.append(directory)
 
-        return write_weights(tensors, self.root, "bapo-vllm-weights-", on_created=track)
+        return write_weights(tensors, self.root, "bapo-vllm-weights-", on_created=track, handed_over=True)
 
     def load(self, written: WrittenWeights | str) -> float:
         """Make every server load a directory written by this client (waiting for its write first); directories

@@ -1,4 +1,5 @@
-"""Partial rollout as a rollout source: completions grow by a token budget per step, through TRL's own generation.
+"""Partial rollout as a rollout source: completions grow by a token budget per round (one round per generation batch),
+through TRL's own generation.
 
 Each step the new prompts join the pool (topped up from the train set to two steps' worth of groups, so completions
 can stay in flight), every unfinished completion grows by one budget, the oldest groups are finished if fewer than
