@@ -18,6 +18,11 @@ The plain loops this replaces live in :mod:`bapo_trl.clipping_reference` and the
 Caveat (documented on purpose): under the *value* share, raising ``c_low`` LOWERS rho, because a clipped
 negative token counts ``c_low * |A|``; only raising ``c_high`` raises it. Under the *gradient* share, raising
 ``c_low`` removes negatives from the gradient and so raises rho.
+
+TRL's two-sided clip ``delta`` (``coef_1 = clamp(r, max=delta)`` before ``-min(coef_1 A, coef_2 A)``; the ``verl``
+variant's dual clip) takes the gradient from a negative token with ``r > delta`` (its loss is ``-delta A``), so the
+gradient share leaves such tokens out (:attr:`BAPOSettings.delta`; one more bin in the same pass, still one
+collective). Positives are untouched (their gradient stops at ``c_high <= delta``), and so is the value share.
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ class BAPOSettings:
 
     Validated at construction: every bad value raises ``ValueError`` naming the field, the value and the allowed
     range, so a bad setting fails before any model is loaded.
+
+    ``delta``: TRL's two-sided clip of the clipped losses (None: none), which :attr:`BAPOConfig.bapo_settings` sets
+    only for those losses (TRL ignores it elsewhere), with ``ratio_upper_max <= delta``. The gradient share leaves
+    out the negative tokens above it (no gradient there); the value share and the path do not read it.
     """
 
     positive_contribution_target: float = 0.5
@@ -57,6 +66,7 @@ class BAPOSettings:
     ratio_upper_step: float = 0.05
     bapo_variant: str = "paper"
     positive_contribution_mode: str = "value"
+    delta: float | None = None
 
     def __post_init__(self):
         for error in settings_errors(**asdict(self)):
@@ -77,6 +87,7 @@ def settings_errors(
     ratio_upper_step,
     bapo_variant,
     positive_contribution_mode,
+    delta=None,
 ) -> list[str]:
     """Every problem with a set of search settings, as messages naming the field, the value and the allowed range."""
     errors = []
@@ -127,6 +138,11 @@ def settings_errors(
         errors.append(f"`bapo_variant` must be one of {VARIANTS}, got {bapo_variant!r}.")
     if positive_contribution_mode not in MODES:
         errors.append(f"`positive_contribution_mode` must be one of {MODES}, got {positive_contribution_mode!r}.")
+    if delta is not None and not (_is_real(delta) and delta >= ratio_upper_max):
+        errors.append(
+            f"`delta` must be None or a finite number >= `ratio_upper_max` ({ratio_upper_max}) (TRL's two-sided clip "
+            f"caps every ratio there, so no c_high may exceed it), got {delta!r}."
+        )
     return errors
 
 
@@ -145,6 +161,9 @@ class SearchPath:
     ``negatives_on_high``: the negative tokens' sums depend on the UPPER bound too (a cap on every ratio, as CISPO's;
     :func:`cap_path`): they are then measured on ``high_grid`` and indexed by ``high_index``, and ``low_grid`` is
     ``(0.0,)``, a lower bound of 0 on a ratio, i.e. none.
+
+    ``delta``: TRL's two-sided clip (:attr:`BAPOSettings.delta`), None when off: the negatives above it carry no
+    gradient (:func:`grid_sums` bins them apart).
     """
 
     low_grid: tuple[float, ...]
@@ -154,6 +173,7 @@ class SearchPath:
     low_step: float
     high_step: float
     negatives_on_high: bool = False
+    delta: float | None = None
 
     def __len__(self) -> int:
         return len(self.low_index)
@@ -182,7 +202,8 @@ def search_path(settings: BAPOSettings) -> SearchPath:
         low = _grid(s.ratio_lower_start, s.ratio_lower_max, s.ratio_lower_step)
         high = _grid(s.ratio_upper_start, s.ratio_upper_max, s.ratio_upper_step)
         if len(low) == 1:  # `c_low + d- <= b-` fails at once: Algorithm 1 takes no step at all
-            return SearchPath(tuple(low), tuple(high[:1]), (0,), (0,), s.ratio_lower_step, s.ratio_upper_step)
+            return SearchPath(tuple(low), tuple(high[:1]), (0,), (0,), s.ratio_lower_step, s.ratio_upper_step,
+                              delta=s.delta)
         low_index = [0] * len(high) + list(range(1, len(low)))
         high_index = list(range(len(high))) + [len(high) - 1] * (len(low) - 1)
     else:
@@ -191,7 +212,8 @@ def search_path(settings: BAPOSettings) -> SearchPath:
         low_index = list(range(len(low))) + [len(low) - 1] * (len(high) - 1)
         high_index = [0] * len(low) + list(range(1, len(high)))
     return SearchPath(
-        tuple(low), tuple(high), tuple(low_index), tuple(high_index), s.ratio_lower_step, s.ratio_upper_step
+        tuple(low), tuple(high), tuple(low_index), tuple(high_index), s.ratio_lower_step, s.ratio_upper_step,
+        delta=s.delta,
     )
 
 
@@ -243,19 +265,22 @@ class SearchResult:
         return dict(zip(names, values))
 
 
-def _side_table(grid: tuple[float, ...], step: float, positive: bool, offset: int) -> list[float]:
-    """Per-side constants for :func:`_histogram`: ``[start, 1/step, step, k_max, last, nudge, offset]``.
+def _side_table(grid: tuple[float, ...], step: float, positive: bool, offset: int,
+                delta: float | None = None) -> list[float]:
+    """Per-side constants for :func:`_histogram`: ``[start, 1/step, step, k_max, last, nudge, offset, beyond]``.
 
     Points ``0 .. n-2`` of a grid lie on the lattice ``start + k * step`` (built with that very expression, so the
     lattice recomputed on device is bit-identical); the last point (``max``, off the lattice in the ``verl`` path
     when the range is not a whole number of steps) is compared on its own. ``nudge`` turns ``c <= r`` into
-    ``c < r`` for negatives: ``r * (1 - 2**-53)`` is the double just below a positive ``r``.
+    ``c < r`` for negatives: ``r * (1 - 2**-53)`` is the double just below a positive ``r``. ``beyond``
+    (``delta``, else inf): a token with ``r > beyond`` (after the nudge) goes one bin past the last.
     """
     n = len(grid)
     assert all(grid[0] + k * step == grid[k] for k in range(n - 1)), "grid points 0 .. n-2 must be on the lattice"
     last = grid[-1] if n > 1 else math.inf
     nudge = 1.0 if positive else 1.0 - 2.0**-53
-    return [grid[0], 1.0 / step, step, float(max(n - 2, 0)), last, nudge, float(offset)]
+    beyond = math.inf if delta is None else float(delta)
+    return [grid[0], 1.0 / step, step, float(max(n - 2, 0)), last, nudge, float(offset), beyond]
 
 
 def _negative_grid(path: SearchPath) -> tuple[float, ...]:
@@ -265,14 +290,15 @@ def _negative_grid(path: SearchPath) -> tuple[float, ...]:
 
 @lru_cache(maxsize=64)
 def _device_table(path: SearchPath, device: torch.device) -> torch.Tensor:
-    """``(2, 7)`` rows ``(negative side, positive side)`` of :func:`_side_table`, on ``device``, made once:
+    """``(2, 8)`` rows ``(negative side, positive side)`` of :func:`_side_table`, on ``device``, made once:
     negatives bin against the ``c_low`` grid (the ``c_high`` grid for a cap path, with the positives' rule
-    ``#{c <= r}``) after the ``H + 1`` positive bins."""
+    ``#{c <= r}``) after the ``H + 1`` positive bins; with ``path.delta``, negatives above it in one more bin."""
     high = _side_table(path.high_grid, path.high_step, positive=True, offset=0)
     if path.negatives_on_high:
         low = _side_table(path.high_grid, path.high_step, positive=True, offset=len(path.high_grid) + 1)
     else:
-        low = _side_table(path.low_grid, path.low_step, positive=False, offset=len(path.high_grid) + 1)
+        low = _side_table(path.low_grid, path.low_step, positive=False, offset=len(path.high_grid) + 1,
+                          delta=path.delta)
     return torch.tensor([low, high], dtype=torch.float64, device=device)
 
 
@@ -285,22 +311,27 @@ def _at_or_above(r: torch.Tensor, c: torch.Tensor, out: torch.Tensor) -> torch.T
 def _histogram(r: torch.Tensor, side: torch.Tensor, weight: torch.Tensor, path: SearchPath) -> torch.Tensor:
     """``(2, H + 1 + L + 1)`` sums of ``weight`` and ``r * weight`` per bin: bin ``j <= H`` holds positives with
     ``#{c_high <= r} = j``, bin ``H + 1 + j`` negatives with ``#{c_low < r} = j`` (on a cap path: ``L = H`` and
-    ``#{c_high <= r} = j``). ``r`` (float64, finite) is overwritten.
+    ``#{c_high <= r} = j``). With ``path.delta`` one more bin, ``H + 1 + L + 1``, holds the negatives with
+    ``r > delta`` (above every ``c_low``: ``delta >= 1``). ``r`` (float64, finite) is overwritten.
 
     Replaces a binary search per token (``torch.bucketize``, formerly the slowest step) by arithmetic: round ``r``
     to the nearest lattice point ``k`` (its neighbours then lie on known sides), compare exactly with that one grid
     value and with the last one. ``side`` (``A > 0``) picks the constants per row (or per token).
     """
     table = _device_table(path, r.device)
-    start, inv_step, step, k_max, last, nudge, offset = torch.where(side[..., None], table[1], table[0]).unbind(-1)
+    start, inv_step, step, k_max, last, nudge, offset, beyond = torch.where(
+        side[..., None], table[1], table[0]).unbind(-1)
     r.mul_(nudge)  # moves negatives' ratios by one ulp (relative 1e-16), which no sum can notice
     k = (r - start).mul_(inv_step).round_().clamp_min_(0.0).clamp_max_(k_max)
     scratch = torch.mul(k, step).add_(start)  # exactly grid[k]: the same float expression the grid was built with
     k.add_(_at_or_above(r, scratch, out=scratch))
-    k.add_(_at_or_above(r, last, out=scratch)).add_(offset)
+    k.add_(_at_or_above(r, last, out=scratch))
+    if path.delta is not None:  # negatives above TRL's two-sided clip: one bin further (positives: beyond = inf)
+        k.add_(_at_or_above(r, beyond, out=scratch))
+    k.add_(offset)
     bins = scratch.view(torch.int64).copy_(k).flatten()  # reuses the scratch memory: fresh pages cost on CPU
     weight = weight.flatten()
-    n_bins = len(path.high_grid) + len(_negative_grid(path)) + 2
+    n_bins = len(path.high_grid) + len(_negative_grid(path)) + 2 + (path.delta is not None)
     sums = torch.zeros(2, n_bins, dtype=torch.float64, device=r.device)
     sums[0].scatter_add_(0, bins, weight)  # (deterministic on CUDA when asked, unlike a weighted bincount)
     sums[1].scatter_add_(0, bins, r.flatten().mul_(weight))
@@ -355,15 +386,21 @@ def grid_sums(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     """
     r, a, weight, counts = prepared(ratio, advantages, mask)
     # Positives: value min(r, c_high) * A; they keep a gradient while r < c_high (weight r * A).
-    # Negatives: value max(r, c_low) * |A|; they keep a gradient while r > c_low (weight r * |A|).
+    # Negatives: value max(r, c_low) * |A|; they keep a gradient while c_low < r (<= delta, TRL's two-sided clip,
+    # when set: above it the loss is -delta * A, a constant) (weight r * |A|).
     sums = _histogram(r, a > 0, weight, path)
     H = len(path.high_grid)
     high_grid, low_grid = _device_grids(path, sums.device)
     below_w, below_rw, above_w, _ = _below_above(sums[:, : H + 1])
     pos_value = below_rw + high_grid * above_w
     pos_gradient = below_rw
-    below_w, _, _, above_rw = _below_above(sums[:, H + 1 :])
+    negatives = sums[:, H + 1 :]
+    if path.delta is not None:  # the last bin: negatives above delta, in every value sum, in no gradient sum
+        negatives, beyond = negatives[:, :-1], negatives[1, -1]
+    below_w, _, _, above_rw = _below_above(negatives)
     neg_value = low_grid * below_w + above_rw
+    if path.delta is not None:
+        neg_value = neg_value + beyond
     neg_gradient = above_rw
     return torch.cat([pos_value, pos_gradient, neg_value, neg_gradient, counts])
 

@@ -20,6 +20,7 @@ bucketing of :mod:`bapo_trl.clipping`; they are slow on purpose. Grid points are
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Callable
 
 import torch
@@ -35,14 +36,16 @@ def _flat_valid(ratio, advantages, mask):
     return ratio[valid].double(), advantages[valid].double()
 
 
-def contributions(r, a, c_low, c_high, mode):
-    """``(pos, neg)`` straight from the spec's definitions, for one candidate."""
+def contributions(r, a, c_low, c_high, mode, delta=None):
+    """``(pos, neg)`` straight from the spec's definitions, for one candidate. ``delta``: TRL's two-sided clip (None:
+    off); in the gradient share a negative above it has no gradient (its loss is ``-delta A``) and does not count."""
     if mode == "value":
         pos = (torch.minimum(r, torch.tensor(c_high, dtype=r.dtype)) * a)[a > 0].sum()
         neg = (torch.maximum(r, torch.tensor(c_low, dtype=r.dtype)) * a.abs())[a < 0].sum()
     else:
         pos = (r * a)[(a > 0) & (r < c_high)].sum()
-        neg = (r * a.abs())[(a < 0) & (r > c_low)].sum()
+        below_delta = torch.ones_like(r, dtype=torch.bool) if delta is None else r <= delta
+        neg = (r * a.abs())[(a < 0) & (r > c_low) & below_delta].sum()
     return pos, neg
 
 
@@ -62,9 +65,9 @@ def _share(pos, neg):
 def paper_loop_search(ratio, advantages, mask, reduce_fn: Callable | None = None, contributions_fn=None,
                       **settings) -> dict:
     """Algorithm 1, literally (variant "paper"). ``contributions_fn``: the share's ``(pos, neg)`` at one candidate
-    (default :func:`contributions`, the clipped surrogate's)."""
-    contributions_fn = contributions_fn or contributions
+    (default :func:`contributions`, the clipped surrogate's, with the settings' ``delta``)."""
     s = BAPOSettings(**{**settings, "bapo_variant": "paper"})
+    contributions_fn = contributions_fn or partial(contributions, delta=s.delta)
     r, a = _flat_valid(ratio, advantages, mask)
     a_lo, b_lo, d_lo = s.ratio_lower_start, s.ratio_lower_max, s.ratio_lower_step
     a_hi, b_hi, d_hi = s.ratio_upper_start, s.ratio_upper_max, s.ratio_upper_step
@@ -101,8 +104,8 @@ def verl_loop_search(ratio, advantages, mask, reduce_fn: Callable | None = None,
                      **settings) -> dict:
     """The official code's loop (variant "verl"): lower bound first, ``min(cur + step, max)``, then the upper
     bound; sums all-reduced and read back to the host for every candidate."""
-    contributions_fn = contributions_fn or contributions
     s = BAPOSettings(**{**settings, "bapo_variant": "verl"})
+    contributions_fn = contributions_fn or partial(contributions, delta=s.delta)
     r, a = _flat_valid(ratio, advantages, mask)
     c_low, c_high = s.ratio_lower_start, s.ratio_upper_start
     k_lo = k_hi = steps = 0

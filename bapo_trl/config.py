@@ -62,7 +62,8 @@ class BAPOConfig(GRPOConfig):
             How rho is measured. `"value"` (the paper): every token counts at its clipped value,
             ``pos = sum_{A>0} min(r, c_high) A``, ``neg = sum_{A<0} max(r, c_low) |A|``. Note: raising ``c_low``
             LOWERS this share. `"gradient"` (not in the paper): only tokens that still carry a gradient count,
-            each with weight ``r |A|``; raising ``c_low`` raises this share.
+            each with weight ``r |A|`` (so not a negative above `delta`, TRL's two-sided clip); raising ``c_low``
+            raises this share.
 
         mask_nonfinite_tokens (`bool`, *optional*, defaults to `True`):
             Drop real tokens whose behaviour/reference log-prob, importance weight or advantage is NaN or inf from
@@ -510,15 +511,20 @@ class BAPOConfig(GRPOConfig):
         return self.replay_buffer_size > 0
 
     def _settings_dict(self) -> dict:
-        return {name: getattr(self, name) for name in BAPOSettings.__dataclass_fields__}
+        """The search settings as set; ``delta`` (TRL's field, checked in :meth:`bapo_errors`) joins in
+        :attr:`bapo_settings`."""
+        return {name: getattr(self, name) for name in BAPOSettings.__dataclass_fields__ if name != "delta"}
 
     @property
     def bapo_settings(self) -> BAPOSettings:
         """The search settings as the frozen object :func:`bapo_trl.search_clip_bounds` takes. With a clipped loss
-        and ``delta`` below ``ratio_upper_max`` the upper path ends at ``delta`` (TRL caps every ratio there)."""
+        and ``delta`` set, the settings carry it (the gradient share leaves out the negatives above it, which TRL's
+        two-sided clip gives no gradient), and below ``ratio_upper_max`` the upper path ends at ``delta`` (TRL caps
+        every ratio there). Other loss types ignore ``delta``, as TRL does."""
         settings = self._settings_dict()
-        if self._loss.kind == "clip" and self.delta is not None and self.delta < self.ratio_upper_max:
-            settings["ratio_upper_max"] = self.delta
+        if self._loss.kind == "clip" and self.delta is not None:
+            settings["delta"] = self.delta
+            settings["ratio_upper_max"] = min(self.ratio_upper_max, self.delta)
         return BAPOSettings(**settings)
 
 

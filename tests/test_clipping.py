@@ -113,6 +113,82 @@ def test_matches_loop_with_custom_ranges(variant, mode):
             assert_same_choice(search_clip_bounds(ratio, adv, mask, **kw), loop_search(ratio, adv, mask, **kw))
 
 
+# -- TRL's two-sided clip `delta`: a negative above it has no gradient (loss -delta A) ---------------------------------
+
+#: (delta, settings): at the end of the upper path (as BAPOConfig ends it there) or above it.
+DELTAS = [(3.0, {}), (4.5, {}), (2.03, dict(ratio_upper_max=2.03)), (1.2, dict(ratio_upper_max=1.2))]
+
+
+def same_float(x, y, rel=1e-9):
+    return (math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=rel, abs=1e-12)
+
+
+@pytest.mark.parametrize("variant,mode", VARIANT_MODES)
+def test_matches_loop_with_delta_on_random_batches(variant, mode):
+    """With `delta` the fast path still equals the loops (many ratios above delta, NaN / inf on padding, masked-out
+    tokens); the gradient share reported for the metrics (whatever the mode) leaves out the negatives above delta;
+    the value share and its choice are the ones without delta."""
+    gen = torch.Generator().manual_seed(2)
+    stops, excluded = set(), 0
+    for case in range(300):
+        delta, extra = DELTAS[case % len(DELTAS)]
+        batch, length = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(1, 12, (1,), generator=gen))
+        spread = float(torch.rand(1, generator=gen)) * 2.5
+        ratio, adv, mask = random_batch(gen, batch, length, spread, float(torch.randn(1, generator=gen)))
+        kw = dict(bapo_variant=variant, positive_contribution_mode=mode, delta=delta, **extra,
+                  positive_contribution_target=float(torch.rand(1, generator=gen) * 0.9 + 0.05))
+        r, a = ratio[mask != 0].double(), adv[:, None].expand_as(ratio)[mask != 0].double()
+        if case % 2:  # aim the target at a random point of the path so the search stops mid-way
+            path = search_path(BAPOSettings(**{k: v for k, v in kw.items() if k != "positive_contribution_target"}))
+            k = int(torch.randint(0, len(path), (1,), generator=gen))
+            pos, neg = contributions(r, a, path.clip_low[k], path.clip_high[k], mode, delta)
+            if pos + neg > 0 and 0.01 < float(pos / (pos + neg)) < 0.99:
+                kw["positive_contribution_target"] = float(pos / (pos + neg)) - 1e-7
+        fast = search_clip_bounds(ratio, adv, mask, **kw)
+        stops.add(int(fast.steps))
+        assert_same_choice(fast, loop_search(ratio, adv, mask, **kw))
+        f = fast.as_floats()
+        pos, neg = contributions(r, a, f["clip_low"], f["clip_high"], "gradient", delta)
+        assert same_float(f["gradient_share"], float(pos / (pos + neg)) if pos + neg > 0 else math.nan)
+        excluded += bool(((a < 0) & (r > delta)).any())
+        if mode == "value":
+            without = search_clip_bounds(ratio, adv, mask, **{**kw, "delta": None}).as_floats()
+            for key in ("clip_low", "clip_high", "steps", "value_share", "positive_contribution_before"):
+                assert same_float(f[key], without[key]), key
+    assert len(stops) > 15 and excluded > 100, (sorted(stops), excluded)
+
+
+@pytest.mark.parametrize("variant,mode", VARIANT_MODES)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=adversarial_batches(), target=st.floats(0.01, 0.99), delta=st.sampled_from(range(3)))
+def test_matches_loop_with_delta_on_adversarial_batches(variant, mode, data, target, delta):
+    """Ratios exactly at delta (3.0, 3.5, 2.0 are among the adversarial grid points) keep their gradient: TRL's clamp
+    passes it at the bound."""
+    ratio, adv, mask = data
+    delta, extra = [(3.0, {}), (3.5, {}), (2.0, dict(ratio_upper_max=2.0))][delta]
+    kw = dict(bapo_variant=variant, positive_contribution_mode=mode, positive_contribution_target=target,
+              delta=delta, **extra)
+    assert_same_choice(search_clip_bounds(ratio, adv, mask, **kw), loop_search(ratio, adv, mask, **kw))
+
+
+def test_delta_takes_negatives_above_it_out_of_the_gradient_share_only():
+    ratio = torch.tensor([[1.0, 1.0], [5.0, 1.0]])  # one negative token far above delta = 3
+    adv = torch.tensor([1.0, -1.0])
+    kw = dict(positive_contribution_mode="gradient", positive_contribution_target=0.1)
+    plain = search_clip_bounds(ratio, adv, torch.ones(2, 2), **kw).as_floats()
+    dual = search_clip_bounds(ratio, adv, torch.ones(2, 2), delta=3.0, **kw).as_floats()
+    assert plain["gradient_share"] == pytest.approx(2 / 8) and dual["gradient_share"] == pytest.approx(2 / 3)
+    assert plain["value_share"] == dual["value_share"] == pytest.approx(2 / 8)
+    at_delta = search_clip_bounds(ratio.clamp(max=3.0), adv, torch.ones(2, 2), delta=3.0, **kw).as_floats()
+    assert at_delta["gradient_share"] == pytest.approx(2 / 6)  # r == delta: the clamp still passes the gradient
+
+
+def test_delta_below_the_upper_path_is_refused():
+    for bad in (2.0, float("nan"), "3"):
+        with pytest.raises(ValueError, match=r"`delta` must be None or a finite number >= `ratio_upper_max` \(3.0\)"):
+            BAPOSettings(delta=bad)
+    assert search_path(BAPOSettings(delta=2.0, ratio_upper_max=2.0)).delta == 2.0
+
 def test_default_path_has_52_points_and_reaches_the_maxima():
     path = search_path(BAPOSettings())
     assert len(path) == 1 + 36 + 15

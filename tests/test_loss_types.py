@@ -150,19 +150,21 @@ def test_one_collective_per_search(name):
     assert doubled["clip_high"] == local["clip_high"] and doubled["num_tokens"] == 2 * local["num_tokens"]
 
 
-@pytest.mark.parametrize("name", ["dapo", "cispo", "sapo", "vespo"])
-def test_the_search_never_reads_a_tensor_back_to_the_host(name, monkeypatch):
+@pytest.mark.parametrize("name,extra", [("dapo", {}), ("dapo", dict(delta=3.0, positive_contribution_mode="gradient")),
+                                        ("cispo", {}), ("sapo", {}), ("vespo", {})])
+def test_the_search_never_reads_a_tensor_back_to_the_host(name, extra, monkeypatch):
     """A stand-in for CUDA's sync check on CPU: every way a tensor reaches Python raises during the search."""
     ratio, adv, mask = random_batch(torch.Generator().manual_seed(9), 6, 7, 0.8, -0.2)
     row = bound_row(name)
-    fast_search(row, ratio, adv, mask)  # warm the per-path caches (built once, from Python floats)
+    search = lambda *args: fast_search(*args, **extra)  # noqa: E731
+    search(row, ratio, adv, mask)  # warm the per-path caches (built once, from Python floats)
 
     def host_transfer(*args, **kwargs):
         raise AssertionError("host transfer in the search")
 
     for attr in ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__"):
         monkeypatch.setattr(torch.Tensor, attr, host_transfer)
-    result = fast_search(row, ratio, adv, mask)
+    result = search(row, ratio, adv, mask)
     monkeypatch.undo()
     assert result.as_floats()["num_tokens"] > 0
 
@@ -344,6 +346,77 @@ def test_verl_dual_clip_only_where_trl_reads_delta():
     for loss_type in ("cispo", "sapo", "vespo"):
         assert BAPOConfig(output_dir="unused", use_cpu=True, bapo_variant="verl", loss_type=loss_type).delta is None
 
+
+def test_delta_reaches_the_search_settings_of_the_clipped_losses_only():
+    def settings(**kw):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return BAPOConfig(output_dir="unused", use_cpu=True, **kw).bapo_settings
+
+    assert settings().delta is None and settings(bapo_variant="verl").delta == 3.0
+    assert settings(delta=4.0).delta == 4.0 and settings(delta=4.0).ratio_upper_max == 3.0
+    assert (settings(delta=2.03).delta, settings(delta=2.03).ratio_upper_max) == (2.03, 2.03)
+    for loss_type in ("cispo", "sapo", "vespo"):  # TRL reads delta in the clipped losses only
+        assert settings(loss_type=loss_type, delta=4.0).delta is None
+
+
+GRADIENT_CASES = [  # (loss_type, importance_sampling_level, settings): TRL's two-sided clip on
+    ("dapo", "token", dict(bapo_variant="verl")), ("grpo", "token", dict(delta=2.5)),
+    ("bnpo", "sequence", dict(delta=3.0)),
+]
+
+
+@pytest.mark.parametrize("loss_type,level,extra", GRADIENT_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{'-'.join(c[2])}" for c in GRADIENT_CASES])
+def test_gradient_share_is_the_share_of_the_gradient_trls_loss_carries(tiny_model_dir, tmp_path, monkeypatch,
+                                                                       loss_type, level, extra):
+    """positive_contribution_mode="gradient" with `delta`: the tokens of TRL's loss with a nonzero gradient w.r.t.
+    their log-prob are exactly the ones the share counts (positives below c_high; negatives above c_low and not above
+    delta, where TRL's clamp leaves the loss -delta A), and the share of that gradient's size by sign is the share
+    the search reports (each such gradient is r |A| times the token's weight in the loss)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        bapo = make_trainer(BAPOTrainer, BAPOConfig, tiny_model_dir, tmp_path, loss_type=loss_type,
+                            importance_sampling_level=level, positive_contribution_mode="gradient", **extra)
+    delta = bapo.args.delta
+    assert delta is not None and bapo.args.bapo_settings.delta == delta
+    forwards = []
+    policy_forward = bapo._get_per_token_logps_and_entropies
+
+    def keep_logps(*args, **kwargs):
+        logps, entropies, aux = policy_forward(*args, **kwargs)
+        logps.retain_grad()
+        forwards.append(logps)
+        return logps, entropies, aux
+
+    monkeypatch.setattr(bapo, "_get_per_token_logps_and_entropies", keep_logps)
+    above_delta = 0
+    for seed in range(4):
+        batch = stale_batch(bapo, seed, noise=0.9, adv_shift=0.2 * seed - 0.4)
+        lift = torch.zeros(4, 6)  # behaviour log-probs lowered: ratios far above 1, many above delta
+        if level == "token":
+            lift[:, :2] = 1.6  # the first two tokens of every row
+        else:
+            lift[1], lift[3] = 2.0, 0.3  # two rows of negative advantage: one above delta, one below
+        batch["old_per_token_logps"] = batch["old_per_token_logps"] - lift
+        forwards.clear()
+        bapo.model.zero_grad()
+        bapo.compute_loss(bapo.model, dict(batch)).backward()
+        chosen = bapo.last_search.as_floats()
+        logps = forwards[0]
+        mask = batch["completion_mask"] != 0
+        ratio = trl_ratios(logps.detach() - batch["old_per_token_logps"], mask.float(), level, batch)
+        adv = batch["advantages"][:, None].expand_as(ratio)
+        carried = (logps.grad != 0) & mask
+        positive, negative = mask & (adv > 0), mask & (adv < 0)
+        assert torch.equal(carried & positive, positive & (ratio < chosen["clip_high"]))
+        assert torch.equal(carried & negative, negative & (ratio > chosen["clip_low"]) & (ratio <= delta))
+        size = logps.grad.abs().double()
+        pos, neg = size[positive].sum(), size[negative].sum()
+        assert chosen["gradient_share"] == pytest.approx(float(pos / (pos + neg)), rel=1e-5)
+        assert chosen["positive_contribution"] == chosen["gradient_share"]
+        above_delta += int((negative & (ratio > delta)).sum())
+    assert above_delta, "the scripted batches must hold negative tokens above delta"
 
 #: GRPOConfig fields whose non-default value the walk below cannot pick from the type and default alone:
 #: value (and the companion settings GRPOConfig itself needs for it).
