@@ -32,7 +32,7 @@ import time
 from loss_study import methods as tiny_methods  # the same settings per method as the tiny study
 from study import fmt as _fmt
 from study import mean as _mean
-from study import parse_seeds
+from study import parse_seeds, trainer_classes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "tests", "data", "chat_arithmetic_train.jsonl")
@@ -60,6 +60,32 @@ def evaluate(model: str, quick: bool) -> dict:
     return {key: value for key, value in report.items() if key.startswith(("avg@", "pass@", "num_scored", "seconds"))}
 
 
+def train(spec: dict, model_dir: str, out: str, training: dict) -> tuple[str, list[dict]]:
+    """Train one seed of one method (``spec``: seed, and ``trainer`` / ``settings`` / ``trainer_kwargs`` as in
+    ``study.trainer_classes``, else the method's fields in ``benchmarks/loss_study.py``) on the shipped training
+    split with ``training``'s config fields; returns the saved model's directory (under ``out``) and the kept
+    history."""
+    from transformers import AutoTokenizer
+
+    from bapo_trl.cli.data import load_split, prepare_prompts
+    from bapo_trl.math_recipe.rewards import boxed_accuracy
+
+    fields = spec if "settings" in spec else tiny_methods()[spec["method"]]
+    config_cls, trainer_cls = trainer_classes(fields["trainer"])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    args = config_cls(output_dir=out, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
+                      save_strategy="no", disable_tqdm=True, logging_steps=1, seed=spec["seed"], **training,
+                      **fields["settings"])
+    trainer = trainer_cls(model=model_dir, reward_funcs=boxed_accuracy, args=args,
+                          train_dataset=prepare_prompts(load_split(TRAIN, None, "train")), processing_class=tokenizer,
+                          **fields.get("trainer_kwargs", {}))
+    trainer.train()
+    trained = os.path.join(out, "model")
+    trainer.save_model(trained)
+    tokenizer.save_pretrained(trained)
+    return trained, [{k: v for k, v in h.items() if k in KEPT} for h in trainer.state.log_history if "loss" in h]
+
+
 def run_one(spec: dict) -> dict:
     """One seed of one method in a fresh process: train, save, evaluate. ``spec["method"] == "base"``: evaluate only."""
     import torch
@@ -71,30 +97,10 @@ def run_one(spec: dict) -> dict:
     started = time.time()
     if spec["method"] == "base":
         return {**spec, "history": [], "eval": evaluate(model_dir, spec["quick"]), "seconds": time.time() - started}
-    from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-
-    from bapo_trl import BAPOConfig, BAPOTrainer
-    from bapo_trl.cli.data import load_split, prepare_prompts
-    from bapo_trl.math_recipe.rewards import boxed_accuracy
-
-    fields = tiny_methods()[spec["method"]]
-    config_cls, trainer_cls = (GRPOConfig, GRPOTrainer) if fields["trainer"] == "trl" else (BAPOConfig, BAPOTrainer)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    train = prepare_prompts(load_split(TRAIN, None, "train"))
     with tempfile.TemporaryDirectory() as out:
-        args = config_cls(output_dir=out, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
-                          save_strategy="no", disable_tqdm=True, logging_steps=1, seed=spec["seed"],
-                          **(QUICK if spec["quick"] else TRAINING), **fields["settings"])
-        trainer = trainer_cls(model=model_dir, reward_funcs=boxed_accuracy, args=args, train_dataset=train,
-                              processing_class=tokenizer)
-        trainer.train()
-        trained = os.path.join(out, "model")
-        trainer.save_model(trained)
-        tokenizer.save_pretrained(trained)
+        trained, history = train(spec, model_dir, out, QUICK if spec["quick"] else TRAINING)
         train_seconds = time.time() - started
         result = evaluate(trained, spec["quick"])
-    history = [{k: v for k, v in h.items() if k in KEPT} for h in trainer.state.log_history if "loss" in h]
     return {**spec, "history": history, "eval": result, "train_seconds": train_seconds,
             "seconds": time.time() - started}
 

