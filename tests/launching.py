@@ -1,6 +1,9 @@
 """Helpers to run real `accelerate launch` jobs from tests: a free port each, one at a time, results in files."""
 
+import contextlib
 import os
+import random
+import re
 import socket
 import subprocess
 import sys
@@ -18,26 +21,78 @@ def run_quick(script: str, *args: str) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
+#: what a process prints when the port it was told to listen on was taken meanwhile: Python's OSError (vLLM's server),
+#: torch's TCPStore ("EADDRINUSE"), accelerate's own check on machine 0 of several. (One machine: accelerate, finding
+#: the port taken, picks one itself; only a port taken after its check and before the bind is then a clash.)
+PORT_CLASH = re.compile(r"EADDRINUSE|address already in use|another process is utilizing it", re.IGNORECASE)
+#: launches retried with a new port after a clash (a clash twice in a row on random ports is not chance)
+PORT_ATTEMPTS = 3
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, for a process started later to listen on (it cannot be held until then: the child binds it).
+
+    The race, and what is done about it: asking the kernel for a free port (bind to port 0) returns one from the
+    ephemeral range, the range every outgoing connection and every other bind-to-0 also draws its local port from, so
+    on a busy machine (parallel test runs, gloo's connections) that port could be taken before the child binds it.
+    This picks a random port OUTSIDE that range (20000 up to it), which only an explicit bind of that very port can
+    take; checked free on every interface. What is left (another process binding the same random port in between) is
+    handled where a process is launched: a launch whose output shows :data:`PORT_CLASH` is retried on a new port."""
+    low, high = _ephemeral_range()
+    ranges = [r for r in (range(20000, low), range(high + 1, 65536)) if len(r) > 1000]
+    for _ in range(200) if ranges else ():
+        port = random.choice(random.choice(ranges))
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        return port
+    with socket.socket() as s:  # no room outside the ephemeral range on this machine: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_clash(output: str) -> bool:
+    """Whether a launch failed because its port was taken before it bound it (then launch it again on a new one)."""
+    return bool(PORT_CLASH.search(output))
+
+
+@contextlib.contextmanager
+def refused_port():
+    """A port where nothing listens, for the block: bound here and never listening, so a connection to it is refused
+    and no other process can start listening on it meanwhile (a port merely found free could be taken)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
 
 
 def accelerate_launch(script, *args, num_processes=2, config_file=None, extra_launch=(), timeout=900, env=None,
                       python=sys.executable):
     """Run `accelerate launch` (with ``python``'s environment) and return the CompletedProcess; raise with the tail of
     the output on failure."""
-    cmd = [python, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes),
-           "--main_process_port", str(free_port())]
-    if config_file is not None:
-        cmd += ["--config_file", str(config_file)]
-    else:
-        cmd += ["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    cmd += list(extra_launch) + [str(script), *map(str, args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
                 "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    for attempt in range(PORT_ATTEMPTS):  # the rendezvous port taken before rank 0 bound it: again, on another
+        cmd = [python, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes),
+               "--main_process_port", str(free_port())]
+        if config_file is not None:
+            cmd += ["--config_file", str(config_file)]
+        else:
+            cmd += ["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+        cmd += list(extra_launch) + [str(script), *map(str, args)]
+        proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode == 0 or not port_clash(proc.stdout + proc.stderr) or attempt == PORT_ATTEMPTS - 1:
+            break
+        print(f"launch: port clash on attempt {attempt + 1}, launching again on a new port")
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-6000:]
         raise AssertionError(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
@@ -64,13 +119,30 @@ def accelerate_launch_machines(script, *args, num_machines=2, processes_per_mach
     --main_process_ip 127.0.0.1 --main_process_port P`` (the same free port for all), as a user starts them on N
     nodes. ``machine_env`` (optional) maps a machine rank to environment variables of that launcher only. Returns
     the output (stdout + stderr) of each launcher, by machine rank; raises with the tails when one fails, after ending
-    the others (only the process groups started here)."""
-    import signal
+    the others (only the process groups started here). A launch whose rendezvous port was taken before machine 0
+    bound it is launched again on a new port (:func:`free_port`)."""
     import tempfile
+
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="machines-"))
+    for attempt in range(PORT_ATTEMPTS):
+        outputs, failure = _launch_machines_once(
+            free_port(), log_dir / f"attempt{attempt}" if attempt else log_dir, script, args, num_machines,
+            processes_per_machine, config_file, extra_launch, timeout, env, machine_env, python)
+        if failure is None:
+            return outputs
+        if not any(port_clash(out) for out in outputs) or attempt == PORT_ATTEMPTS - 1:
+            raise AssertionError(failure)
+        print(f"multi-machine launch: port clash on attempt {attempt + 1}, launching again on a new port")
+
+
+def _launch_machines_once(port, log_dir, script, args, num_machines, processes_per_machine, config_file,
+                          extra_launch, timeout, env, machine_env, python) -> tuple[list[str], str | None]:
+    """One launch of :func:`accelerate_launch_machines` on ``port``: every launcher's output, and what failed (None
+    if all succeeded)."""
+    import signal
     import time
 
-    port = free_port()
-    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="machines-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
     base_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
                 "PYTHONUNBUFFERED": "1", **(env or {})}
     procs, logs, cmds = [], [], []
@@ -91,7 +163,9 @@ def accelerate_launch_machines(script, *args, num_machines=2, processes_per_mach
         logs.append(log)
         cmds.append(cmd)
         if rank == 0:
-            time.sleep(1)  # machine 0 opens the rendezvous port (static rendezvous: the others connect to it)
+            # Not a bound: the others' rendezvous clients retry until machine 0's store listens (static
+            # rendezvous), however long it takes; this only lets machine 0 usually bind its port first.
+            time.sleep(1)
 
     def stop_all():
         for proc in procs:
@@ -117,5 +191,5 @@ def accelerate_launch_machines(script, *args, num_machines=2, processes_per_mach
     if failed is not None or timed_out:
         what = f"machine {failed} failed ({procs[failed].returncode})" if failed is not None else f"timeout {timeout} s"
         tails = "\n".join(f"--- machine {r}: {' '.join(cmds[r])}\n{out[-4000:]}" for r, out in enumerate(outputs))
-        raise AssertionError(f"multi-machine launch: {what}\n{tails}")
-    return outputs
+        return outputs, f"multi-machine launch: {what}\n{tails}"
+    return outputs, None

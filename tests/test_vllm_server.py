@@ -22,7 +22,7 @@ import requests
 import torch
 from policy_server import PolicyServer
 
-from launching import free_port
+from launching import refused_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("use_test_cache")  # train_bapo.py launches build the embedded model there
@@ -340,9 +340,9 @@ def test_tied_embeddings_need_and_get_the_lm_head_refresh(start_server, tied_mod
 
 
 def test_unreachable_server_is_a_clear_error_within_the_timeout(tiny_model_dir, tmp_path):
-    port = free_port()  # nothing listens there
-    with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}.*after 3"):  # names the timeout it waited
-        train_with_server(tiny_model_dir, tmp_path, f"http://127.0.0.1:{port}", vllm_server_timeout=3)
+    with refused_port() as port:  # nothing listens there, and nothing can start to meanwhile
+        with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}.*after 3"):  # names the timeout it waited
+            train_with_server(tiny_model_dir, tmp_path, f"http://127.0.0.1:{port}", vllm_server_timeout=3)
 
 
 def test_a_stalled_generation_is_one_request_and_an_error_naming_the_timeout(tiny_model_dir, tmp_path, monkeypatch):
@@ -362,9 +362,10 @@ def test_a_stalled_generation_is_one_request_and_an_error_naming_the_timeout(tin
 def test_weight_sync_to_a_dead_server_is_a_clear_error(tmp_path):
     from bapo_trl.generation.weight_sync import DiskWeightSync, WeightSyncError
 
-    sync = DiskWeightSync(f"http://127.0.0.1:{free_port()}", timeout=5, root=str(tmp_path))
-    with pytest.raises(WeightSyncError, match="cannot reach the vLLM server"):
-        sync.push({"w": torch.ones(2)})
+    with refused_port() as port:
+        sync = DiskWeightSync(f"http://127.0.0.1:{port}", timeout=5, root=str(tmp_path))
+        with pytest.raises(WeightSyncError, match="cannot reach the vLLM server"):
+            sync.push({"w": torch.ones(2)})
     assert os.listdir(tmp_path) == []  # the half-done directory was removed
 
 

