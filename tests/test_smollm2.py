@@ -459,6 +459,17 @@ def test_quickstart_notebook_switched_to_smollm2(smollm2_dir, tmp_path, monkeypa
 
 
 @pytest.mark.slow
+def test_loss_study_on_smollm2_quick_prints_its_summary(smollm2_dir):
+    """benchmarks/loss_study_smollm2.py --quick, its default smoke invocation: the base model and one method (TRL's
+    trainer), trained 1 step and evaluated on 2 held-out problems, one run at a time."""
+    import re
+
+    number = r"\d+(?:\.\d+)?"
+    last = run_quick("loss_study_smollm2.py", "--workers", "1")
+    assert re.fullmatch(rf"runs=2 base_avg8=({number}) TRL_dapo_avg8=({number}) minutes=({number})", last), last
+
+
+@pytest.mark.slow
 def test_evidence_study_on_smollm2_quick_trains_evaluates_and_resumes(smollm2_dir, tmp_path):
     """benchmarks/evidence_smollm2.py --quick: the base model and one method (BAPOTrainer, through
     loss_study_smollm2's training), trained 1 step and evaluated on 2 held-out problems by the batched sampler, which
