@@ -92,10 +92,10 @@ METHODS = {
     "M2PO": dict(trainer="m2po", settings=dict(m2po.SETTINGS), trainer_kwargs=dict(m2po_tau=m2po.TAU),
                  bapo=dict(trainer="m2po-bapo", settings=dict(m2po.BAPO_SETTINGS),
                            trainer_kwargs=dict(m2po_tau=m2po.TAU))),
-    "BAPO paper": dict(trainer="bapo", settings={}),
+    "BAPO paper": dict(trainer="bapo", settings=dict(dual_clip=False)),
     "BAPO paper + dual clip": dict(trainer="bapo", settings=dict(delta=3.0)),
     "BAPO verl": dict(trainer="bapo", settings=dict(bapo_variant="verl")),
-    "BAPO GSPO": dict(trainer="bapo", settings=dict(GSPO)),
+    "BAPO GSPO": dict(trainer="bapo", settings=dict(GSPO, dual_clip=False)),
     "BAPO GSPO + dual clip": dict(trainer="bapo", settings=dict(GSPO, delta=3.0)),
 }
 OTHER_METHODS = ("TRL dapo clip-higher", "TRL GSPO", "widest fixed [0.9,3.0]", "M2PO", "BAPO paper",

@@ -2,7 +2,7 @@
 ships", item 6), on the embedded reversal task.
 
 At staleness 32 (steps_per_generation=32), lr 1e-3 and 2e-3, 6 seeds each: each TRL loss with its defaults, run by
-TRL's own GRPOTrainer, against the same loss balanced by BAPO (docs/loss_types.md), plus BAPO's default (dapo,
+TRL's own GRPOTrainer, against the same loss balanced by BAPO (docs/loss_types.md), plus the paper's BAPO (dapo,
 token level). Recorded per run: final reward, held-out accuracy, collapse (final reward < 0.1), the largest
 gradient norm, final entropy, and for BAPO runs the window / gate it chose.
 
@@ -17,7 +17,8 @@ Settings of the TRL baselines ("defaults" where TRL has one that trains):
 - GSPO: loss_type grpo, importance_sampling_level sequence, epsilon 0.2 (TRL's default);
 - off-policy sequence mask: dapo with off_policy_mask_threshold 0.5 (TRL has no default; 0.5 nats of mean KL).
 The BAPO version of each is the same settings in a BAPOConfig (BAPO then chooses the window, cap or gate; epsilon /
-epsilon_high are ignored); "BAPO dapo" is BAPO's default, the balanced version of dapo clip-higher.
+epsilon_high are ignored; no dual clip, ``BAPO_EXTRA``); "BAPO dapo" is the paper's BAPO, the balanced version of
+dapo clip-higher.
 
 Writes ``docs/loss_study.md`` and ``docs/loss_study_runs.json.gz``. The last line is
 ``runs=.. bapo_default_reward=.. trl_dapo_reward=.. balanced_better=../.. minutes=..``.
@@ -42,8 +43,9 @@ LOSSES = {
     "GSPO": dict(loss_type="grpo", importance_sampling_level="sequence"),
     "dapo + off-policy mask": dict(loss_type="dapo", off_policy_mask_threshold=0.5),
 }
-#: BAPO-only settings on top of a loss's (none: BAPO's defaults).
-BAPO_EXTRA: dict[str, dict] = {}
+#: BAPO-only settings on top of every loss's: the balanced version of a TRL loss is that loss with BAPO's window and
+#: nothing else (no dual clip, which BAPOConfig adds by default to the clipped losses).
+BAPO_EXTRA: dict = dict(dual_clip=False)
 GATE_METRICS = ("bapo/sapo_temperature_pos", "bapo/sapo_temperature_neg", "bapo/vespo_k_pos", "bapo/vespo_lambda_pos",
                 "bapo/vespo_k_neg", "bapo/vespo_lambda_neg", "bapo/search_active", "bapo/positive_gradient_share")
 LEARNING_RATES = (1e-3, 2e-3)
@@ -57,7 +59,7 @@ def methods() -> dict[str, dict]:
     for loss, settings in LOSSES.items():
         out[f"TRL {loss}"] = dict(trainer="trl", settings=dict(settings))
         bapo = {k: v for k, v in settings.items() if not k.startswith("epsilon")}  # BAPO chooses the window itself
-        out[f"BAPO {loss}"] = dict(trainer="bapo", settings={**bapo, **BAPO_EXTRA.get(loss, {})})
+        out[f"BAPO {loss}"] = dict(trainer="bapo", settings={**bapo, **BAPO_EXTRA})
     return out
 
 

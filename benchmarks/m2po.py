@@ -33,7 +33,7 @@ SETTINGS = dict(loss_type="dapo", epsilon=1.0, epsilon_high=1e5)
 #: The same unclipped loss for BAPOTrainer (a one-point search path: the window is fixed), for the scenarios only
 #: BAPOTrainer runs (replay, partial rollout, async generation).
 BAPO_SETTINGS = dict(loss_type="dapo", ratio_lower_start=1e-6, ratio_lower_max=1e-6, ratio_upper_start=1e5,
-                     ratio_upper_max=1e5)
+                     ratio_upper_max=1e5, dual_clip=False)
 
 
 def m2po_mask(log_ratio: torch.Tensor, mask: torch.Tensor, tau: float = TAU) -> torch.Tensor:

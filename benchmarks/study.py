@@ -22,8 +22,10 @@ COLLAPSE = 0.1  # final reward below this: the run collapsed
 
 
 def window(low: float, high: float) -> dict:
-    """A fixed clip window [low, high] as a BAPOConfig: a search path of one point (every run logs BAPO's metrics)."""
-    return dict(ratio_lower_start=low, ratio_lower_max=low, ratio_upper_start=high, ratio_upper_max=high)
+    """A fixed clip window [low, high] as a BAPOConfig: a search path of one point (every run logs BAPO's metrics),
+    with TRL's one-sided clip (no dual clip), as a fixed window runs in TRL."""
+    return dict(ratio_lower_start=low, ratio_lower_max=low, ratio_upper_start=high, ratio_upper_max=high,
+                dual_clip=False)
 
 
 #: Fixed windows and BAPO variants (BAPOConfig fields) shared by the staleness, entropy-clip and async studies.
@@ -33,8 +35,8 @@ METHODS = {
     "fixed [0.8,1.5]": window(0.8, 1.5),
     "fixed [0.5,1.2]": window(0.5, 1.2),
     "widest fixed [0.9,3.0]": window(0.9, 3.0),
-    "BAPO paper": dict(),
-    "BAPO gradient share": dict(positive_contribution_mode="gradient"),
+    "BAPO paper": dict(dual_clip=False),  # the paper's objective: no dual clip (BAPOConfig's default adds it)
+    "BAPO gradient share": dict(positive_contribution_mode="gradient", dual_clip=False),
     "BAPO verl": dict(bapo_variant="verl"),
 }
 #: Tokens a completion may grow per step in the partial-rollout scenario: right answers are 4 tokens (3 digits +

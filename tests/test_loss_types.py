@@ -341,10 +341,11 @@ def test_useless_settings_of_a_loss_type_warn(overrides, fragment):
     assert any(fragment in str(w.message) for w in record), [str(w.message) for w in record]
 
 
-def test_verl_dual_clip_only_where_trl_reads_delta():
-    assert BAPOConfig(output_dir="unused", use_cpu=True, bapo_variant="verl", loss_type="luspo").delta == 3.0
-    for loss_type in ("cispo", "sapo", "vespo"):
-        assert BAPOConfig(output_dir="unused", use_cpu=True, bapo_variant="verl", loss_type=loss_type).delta is None
+def test_the_dual_clip_only_where_trl_reads_delta():
+    for variant in ("paper", "verl"):
+        assert BAPOConfig(output_dir="unused", use_cpu=True, bapo_variant=variant, loss_type="luspo").delta == 3.0
+        for loss_type in ("cispo", "sapo", "vespo"):
+            assert BAPOConfig(output_dir="unused", use_cpu=True, bapo_variant=variant, loss_type=loss_type).delta is None
 
 
 def test_delta_reaches_the_search_settings_of_the_clipped_losses_only():
@@ -353,7 +354,7 @@ def test_delta_reaches_the_search_settings_of_the_clipped_losses_only():
             warnings.simplefilter("ignore", UserWarning)
             return BAPOConfig(output_dir="unused", use_cpu=True, **kw).bapo_settings
 
-    assert settings().delta is None and settings(bapo_variant="verl").delta == 3.0
+    assert settings().delta == 3.0 and settings(bapo_variant="verl").delta == 3.0 and settings(dual_clip=False).delta is None
     assert settings(delta=4.0).delta == 4.0 and settings(delta=4.0).ratio_upper_max == 3.0
     assert (settings(delta=2.03).delta, settings(delta=2.03).ratio_upper_max) == (2.03, 2.03)
     for loss_type in ("cispo", "sapo", "vespo"):  # TRL reads delta in the clipped losses only
@@ -552,7 +553,8 @@ def test_loss_equals_trls_loss_at_the_reported_window(tiny_model_dir, tmp_path, 
         chosen = bapo.last_search.as_floats()
         moved += 0 < chosen["steps"]
         grpo = make_trainer(GRPOTrainer, GRPOConfig, tiny_model_dir, tmp_path / f"g{seed}",
-                            **{k: v for k, v in kw.items() if k != "bapo_variant"}, **trl_settings(bapo, chosen))
+                            **{k: v for k, v in kw.items() if k not in ("bapo_variant", "delta")},
+                            delta=bapo.args.delta, **trl_settings(bapo, chosen))  # the dual clip: TRL's delta
         loss_g = grpo.compute_loss(grpo.model, dict(batch))
         assert torch.allclose(loss_b, loss_g, atol=1e-6), (seed, loss_b, loss_g, chosen)
         assert {name: getattr(bapo.args, name) for name in bapo.loss.reads} == start  # the gate's start, restored

@@ -88,10 +88,12 @@ def test_loss_equals_trl_when_window_is_pinned(tiny_model_dir, tmp_path, loss_ty
     assert bapo._metrics["train"]["clip_ratio/region_mean"] == pytest.approx(grpo._metrics["train"]["clip_ratio/region_mean"])
 
 
-@pytest.mark.parametrize("variant", ["paper", "verl"])
-def test_loss_uses_the_chosen_window(tiny_model_dir, tmp_path, variant):
-    """With the adaptive search on, the loss equals TRL's loss at the window the search reports."""
-    bapo = make_trainer(BAPOTrainer, BAPOConfig, tiny_model_dir, tmp_path / "b", bapo_variant=variant)
+@pytest.mark.parametrize("variant, dual_clip", [("paper", True), ("paper", False), ("verl", True)])
+def test_loss_uses_the_chosen_window(tiny_model_dir, tmp_path, variant, dual_clip):
+    """With the adaptive search on, the loss equals TRL's loss at the window the search reports (with TRL's
+    two-sided clip at delta = 3 where the dual clip is on, the default)."""
+    bapo = make_trainer(BAPOTrainer, BAPOConfig, tiny_model_dir, tmp_path / "b", bapo_variant=variant,
+                        dual_clip=dual_clip)
     moved = 0
     for seed in range(4):
         batch = stale_batch(bapo, seed, noise=0.9, adv_shift=-0.4)
@@ -101,29 +103,35 @@ def test_loss_uses_the_chosen_window(tiny_model_dir, tmp_path, variant):
         grpo = make_trainer(
             GRPOTrainer, GRPOConfig, tiny_model_dir, tmp_path / f"g{seed}",
             epsilon=1 - chosen["clip_low"], epsilon_high=chosen["clip_high"] - 1,
-            delta=3.0 if variant == "verl" else None,
+            delta=3.0 if dual_clip else None,
         )
         loss_g = grpo.compute_loss(grpo.model, dict(batch))
         assert torch.allclose(loss_b, loss_g, atol=1e-6), (seed, loss_b, loss_g, chosen)
     assert moved, "the scripted stale batches must make the search move"
 
 
-def test_verl_variant_dual_clips_negative_tokens(tiny_model_dir, tmp_path):
-    """Negative-advantage tokens with a huge ratio: the paper variant lets their loss grow with the ratio, the verl
-    variant caps each at delta |A| = 3 |A| (the official code's dual clip)."""
-    assert BAPOConfig(output_dir="unused", use_cpu=True, bapo_variant="verl").delta == 3.0
-    assert BAPOConfig(output_dir="unused", use_cpu=True).delta is None
-    losses = {}
+def test_the_dual_clip_caps_negative_tokens_by_default(tiny_model_dir, tmp_path):
+    """Negative-advantage tokens with a huge ratio: by default (``dual_clip``, both variants, as the official code)
+    each is capped at delta |A| = 3 |A|; with ``dual_clip=False`` (TRL's one-sided clip) their loss grows with the
+    ratio."""
     for variant in ("paper", "verl"):
-        trainer = make_trainer(BAPOTrainer, BAPOConfig, tiny_model_dir, tmp_path / variant, bapo_variant=variant)
+        assert BAPOConfig(output_dir="unused", use_cpu=True, bapo_variant=variant).delta == 3.0
+    assert BAPOConfig(output_dir="unused", use_cpu=True, dual_clip=False).delta is None
+    assert BAPOConfig(output_dir="unused", use_cpu=True, ratio_upper_max=4.0).delta == 4.0  # the path is never cut
+    assert BAPOConfig(output_dir="unused", use_cpu=True, dual_clip=False, delta=2.5).delta == 2.5  # delta set: kept
+    losses = {}
+    for variant, dual_clip in (("paper", False), ("verl", True), ("paper", True)):
+        trainer = make_trainer(BAPOTrainer, BAPOConfig, tiny_model_dir, tmp_path / f"{variant}{dual_clip}",
+                               bapo_variant=variant, dual_clip=dual_clip)
         batch = stale_batch(trainer, seed=0, noise=0.0)
         batch["old_per_token_logps"] = batch["old_per_token_logps"] - 5.0  # ratio e^5 ~ 148 on every token
         batch["advantages"] = torch.tensor([-1.0, -1.5, -0.5, -0.8])  # all negative
-        losses[variant] = trainer.compute_loss(trainer.model, batch).item()
+        losses[variant, dual_clip] = trainer.compute_loss(trainer.model, batch).item()
         mask = batch["completion_mask"]
     capped = (3.0 * batch["advantages"].abs()[:, None] * mask).sum() / mask.sum()  # every token at 3 |A|
-    assert losses["verl"] == pytest.approx(capped.item(), rel=1e-5)
-    assert losses["paper"] == pytest.approx(math.exp(5.0) * capped.item() / 3.0, rel=1e-3)  # uncapped: r |A|
+    assert losses["verl", True] == pytest.approx(capped.item(), rel=1e-5)
+    assert losses["paper", True] == pytest.approx(capped.item(), rel=1e-5)
+    assert losses["paper", False] == pytest.approx(math.exp(5.0) * capped.item() / 3.0, rel=1e-3)  # uncapped: r |A|
 
 
 def test_training_moves_bounds_updates_weights_and_logs_every_metric(tiny_model_dir, tmp_path):
