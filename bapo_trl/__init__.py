@@ -5,6 +5,8 @@ bound search as a pure function. Every name is imported lazily, on first use: th
 loading TRL, and a command that needs neither (``bapo plot``, ``bapo --help``) does not load torch.
 """
 
+from . import _compat
+
 __version__ = "0.1.0"
 
 __all__ = ["BAPOConfig", "BAPOSettings", "BAPOTrainer", "SearchResult", "search_clip_bounds", "__version__"]
@@ -12,7 +14,7 @@ __all__ = ["BAPOConfig", "BAPOSettings", "BAPOTrainer", "SearchResult", "search_
 
 def __getattr__(name):
     if name in ("BAPOSettings", "SearchResult", "search_clip_bounds"):
-        from . import clipping
+        from .core import clipping
 
         return getattr(clipping, name)
     if name == "BAPOConfig":
@@ -24,3 +26,6 @@ def __getattr__(name):
 
         return BAPOTrainer
     raise AttributeError(f"module 'bapo_trl' has no attribute {name!r}")
+
+
+_compat.install()  # the 0.1 import paths (bapo_trl.clipping, bapo_trl.config, ...): see _compat.py

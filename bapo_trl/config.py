@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .clipping import MODES, VARIANTS, BAPOSettings, settings_errors
+from .core.clipping import MODES, VARIANTS, BAPOSettings, settings_errors
+from .core.loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SUPPORTED_LOSS_TYPES
 from .generation.fleet import normalized_server_urls, server_urls
-from .loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SUPPORTED_LOSS_TYPES
 from .rollout_settings import SAMPLING, rollout_errors
 
 #: The official code caps the loss of negative-advantage tokens at ``3.0 * |A|`` (dual clip); in TRL that is the
@@ -86,7 +86,7 @@ class BAPOConfig(GRPOConfig):
             weights them. Off (the official code): the search sees unweighted contributions and the IS weights are
             applied after it.
         target_entropy (`float` or `None`, *optional*, defaults to `None`):
-            Experimental closed loop (:mod:`bapo_trl.target_controller`): after every update, raise
+            Experimental closed loop (:mod:`bapo_trl.core.target_controller`): after every update, raise
             ``positive_contribution_target`` by ``target_adapt_rate`` while the policy entropy (all processes) is
             below this value, lower it while above, within ``[target_min, target_max]``. Logged as
             ``bapo/positive_contribution_target``; checkpointed. Off when `None`.
@@ -417,7 +417,7 @@ class BAPOConfig(GRPOConfig):
 
     @property
     def _loss(self):
-        """The loss type's row (:mod:`bapo_trl.loss_types`); the clipped surrogate's for an unknown one (refused)."""
+        """The loss type's row (:mod:`bapo_trl.core.loss_types`); the clipped surrogate's for an unknown one (refused)."""
         return LOSS_TYPES.get(self.loss_type, LOSS_TYPES["dapo"])
 
     def _loss_type_rows(self) -> list[tuple[str, str]]:

@@ -1,6 +1,6 @@
 """What ``BAPOTrainer``'s loss hook does between TRL's policy forward and TRL's clip, as functions of the trainer's
 state: the tokens TRL's loss keeps, the ratios and advantages the search balances (the loss type's row,
-:mod:`bapo_trl.loss_types`), and installing what the search chose where TRL's loss reads it (restored after the
+:mod:`bapo_trl.core.loss_types`), and installing what the search chose where TRL's loss reads it (restored after the
 loss call when it is a config field).
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .loss_types import LossType
-from .numerics import loss_mask
+from .core.loss_types import LossType
+from .core.numerics import loss_mask
 
 
 def optimised_tokens(trainer, mask: torch.Tensor, logps: torch.Tensor, entropies: torch.Tensor | None,

@@ -10,7 +10,7 @@ import os
 import shutil
 
 from .config import BAPOConfig
-from .metrics import is_active
+from .core.metrics import is_active
 
 PAPER_CITATION = """\
 @article{xi2025bapo,

@@ -392,7 +392,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m bapo_trl.plot
         parser.error(str(err))
     width, height = (fig.get_size_inches() * DPI).round().astype(int)
     print(f"wrote {args.output} ({width}x{height} px; panels: {', '.join(fig.bapo_panels)})")
-    from .entropy_clip import predicted_vs_realised
+    from .core.entropy_clip import predicted_vs_realised
 
     for label, run in zip(args.labels or args.runs, args.runs):
         corr, pairs = predicted_vs_realised(load_run(run)["log_history"])

@@ -8,7 +8,7 @@ Two overrides carry the method; everything else is TRL's code or lives in its ow
   and calls nothing we could hook between the policy forward and the clip, except the log-prob function itself. So
   ``compute_loss`` arms the search with the micro-batch, the first ``_get_per_token_logps_and_entropies`` of that
   loss (the policy forward) runs the search on ``exp(logp - old_logp)`` and installs the window through the loss
-  type's row (:mod:`bapo_trl.loss_types`), and TRL's own loss and ``clip_ratio/*`` metrics use it (no host sync in
+  type's row (:mod:`bapo_trl.core.loss_types`), and TRL's own loss and ``clip_ratio/*`` metrics use it (no host sync in
   the search; the ``bapo/*`` metrics read their sums back once per micro-batch, as TRL's own metrics do).
 """
 
@@ -21,27 +21,28 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from . import metrics
 from .checkpoints import CheckpointMixin
-from .clipping import SearchResult, search_clip_bounds
 from .config import BAPOConfig, trainer_config
+from .core import metrics
+from .core.clipping import SearchResult, search_clip_bounds
+from .core.loss_types import LOSS_TYPES
+from .core.numerics import loss_mask, mask_nonfinite_inputs, sanitize_after_forward
+from .core.target_controller import TargetController
 from .generation.cpu_server import CPUServerSyncMixin  # vLLM server mode on CPU (disk weight sync)
 from .loss_hook import install, optimised_tokens, restore, search_inputs
-from .loss_types import LOSS_TYPES
 from .model_card import PAPER_CITATION, ModelCardMixin
-from .numerics import loss_mask, mask_nonfinite_inputs, sanitize_after_forward
 from .reward_errors import name_errors
 from .rollout.contract import parts, stamp_policy_version
 from .rollout.port import TRLPort
 from .rollout.registry import build_source, check_source_arguments
-from .target_controller import AtEachUpdate, TargetController
 from .trl_seams import check_trl_seams
 
 check_trl_seams()  # a TRL that moved a private method we override fails here, loudly, not mid-training
 
-#: Names of the per-step metrics (registered in :mod:`bapo_trl.metrics`), stable for dashboards and the plot command.
+#: Names of the per-step metrics (registered in :mod:`bapo_trl.core.metrics`), stable for dashboards and the plot command.
 BAPO_METRICS = metrics.SEARCH + metrics.ENTROPY_CLIP
 #: Logged when the replay queue is on.
 REPLAY_METRICS = metrics.REPLAY
@@ -175,7 +176,7 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
         self._log_search(result, ratio, advantages, mask, inputs, per_token_logps, entropies)
 
     def _log_search(self, result: SearchResult, ratio, advantages, mask, inputs, logps, entropies=None) -> None:
-        """The micro-batch's metrics (:func:`bapo_trl.metrics.update_values`); its entropy joins the closed-loop
+        """The micro-batch's metrics (:func:`bapo_trl.core.metrics.update_values`); its entropy joins the closed-loop
         target's update, if on."""
         mode, settings = "train" if self.model.training else "eval", self._bapo_settings
         values, entropy = metrics.update_values(
@@ -206,3 +207,13 @@ def training_random_state_kept(device: torch.device):
     finally:
         random.setstate(python_state)
         np.random.set_state(numpy_state)
+
+
+class AtEachUpdate(TrainerCallback):
+    """Calls ``end_of_update`` once per optimizer step, after the optimizer stepped and before a checkpoint is saved."""
+
+    def __init__(self, end_of_update):
+        self.end_of_update = end_of_update
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.end_of_update()

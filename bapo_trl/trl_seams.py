@@ -57,7 +57,7 @@ SEAMS: tuple[Seam, ...] = (
                                                 'self.loss_type != "vespo"',
                                                 'if self.loss_type in ["grpo", "sapo"]:',
                                                 "(per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)")),
-    Seam(f"{GRPO}.get_gamma_weights", "VESPO's sequence weight and gamma shape, mirrored by bapo_trl.gates",
+    Seam(f"{GRPO}.get_gamma_weights", "VESPO's sequence weight and gamma shape, mirrored by bapo_trl.core.gates",
          params=("advantages", "log_ratio_per_token", "mask", "importance_sampling_ratio", "k_pos", "lambda_pos",
                  "k_neg", "lambda_neg"),
          mentions=("torch.clamp(log_ratio_per_token, -20.0, 20.0)",

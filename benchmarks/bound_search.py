@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 
 from bapo_trl import search_clip_bounds
-from bapo_trl.clipping import BAPOSettings, search_path
-from bapo_trl.clipping_reference import paper_loop_search, verl_loop_search
+from bapo_trl.core.clipping import BAPOSettings, search_path
+from bapo_trl.core.clipping_reference import paper_loop_search, verl_loop_search
 
 REPO = Path(__file__).resolve().parent.parent
 #: (B, T): 16k, 256k and 1M tokens.

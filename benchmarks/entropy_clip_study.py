@@ -26,7 +26,7 @@ import time
 
 from study import COLLAPSE, METHODS, fmt, mean, output_dir, parse_seeds, run_all, save_runs, seed_tag, summarize
 
-from bapo_trl.entropy_clip import predicted_vs_realised
+from bapo_trl.core.entropy_clip import predicted_vs_realised
 
 #: Settings of each method (the staleness study's fixed windows and BAPO variants, plus the two candidates).
 STUDY = {

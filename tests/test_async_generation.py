@@ -761,7 +761,7 @@ def test_behaviour_logps_are_those_of_the_saved_sampling_policy(async_k1, tiny_m
 
 @pytest.mark.slow
 def test_every_async_metric_is_registered_and_logged(async_k1):
-    from bapo_trl.metrics import REGISTRY
+    from bapo_trl.core.metrics import REGISTRY
 
     trainer, _, _ = async_k1
     logged = {k for h in trainer.state.log_history for k in h if k.startswith(("async/", "bapo/"))}

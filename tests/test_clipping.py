@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bapo_trl import search_clip_bounds
-from bapo_trl.clipping import BAPOSettings, search_path
-from bapo_trl.clipping_reference import contributions, loop_search
+from bapo_trl.core.clipping import BAPOSettings, search_path
+from bapo_trl.core.clipping_reference import contributions, loop_search
 
 VARIANT_MODES = [("paper", "value"), ("paper", "gradient"), ("verl", "value"), ("verl", "gradient")]
 

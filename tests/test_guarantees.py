@@ -40,7 +40,7 @@ from policy_server import PolicyServer
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from bapo_trl import BAPOConfig, BAPOTrainer
-from bapo_trl.numerics import loss_mask
+from bapo_trl.core.numerics import loss_mask
 from bapo_trl.rollout.port import TRLPort
 from bapo_trl.rollout.producer import Producer
 from bapo_trl.rollout_settings import staleness_bound

@@ -18,11 +18,11 @@ CORE, ROLLOUT, TRAINER, OUTER = 0, 1, 2, 3
 NAMES = {CORE: "core", ROLLOUT: "rollout sources", TRAINER: "trainer", OUTER: "command line and recipes"}
 #: Module (or package prefix) -> layer. The longest matching prefix wins.
 LAYERS = {
-    "bapo_trl.clipping": CORE, "bapo_trl.clipping_reference": CORE, "bapo_trl.loss_types": CORE,
-    "bapo_trl.gates": CORE, "bapo_trl.loss_hook": CORE,
-    "bapo_trl.config": CORE, "bapo_trl.rollout_settings": CORE, "bapo_trl.metrics": CORE,
-    "bapo_trl.entropy_clip": CORE, "bapo_trl.numerics": CORE, "bapo_trl.checkpoints": CORE,
-    "bapo_trl.target_controller": CORE, "bapo_trl.reward_errors": CORE, "bapo_trl.reward_funcs": CORE,
+    "bapo_trl.core.clipping": CORE, "bapo_trl.core.clipping_reference": CORE, "bapo_trl.core.loss_types": CORE,
+    "bapo_trl.core.gates": CORE, "bapo_trl.loss_hook": CORE,
+    "bapo_trl.config": CORE, "bapo_trl.rollout_settings": CORE, "bapo_trl.core.metrics": CORE,
+    "bapo_trl.core.entropy_clip": CORE, "bapo_trl.core.numerics": CORE, "bapo_trl.checkpoints": CORE,
+    "bapo_trl.core.target_controller": CORE, "bapo_trl.reward_errors": CORE, "bapo_trl.reward_funcs": CORE,
     "bapo_trl.datasets_io": CORE, "bapo_trl.trl_seams": CORE, "bapo_trl.model_card": CORE, "bapo_trl.toy": CORE,
     "bapo_trl.models": CORE, "bapo_trl.generation": CORE,  # the vLLM plumbing the trainer mixes in
     "bapo_trl.rollout": ROLLOUT,
@@ -31,7 +31,7 @@ LAYERS = {
     "bapo_trl.generation.serve": OUTER,  # the `bapo serve` command
 }
 #: Modules placed by their exact name only (no prefix match: a new top-level module must be placed on purpose).
-EXACT = {"bapo_trl": OUTER}  # the package face: lazy names for users
+EXACT = {"bapo_trl": OUTER, "bapo_trl._compat": OUTER}  # the package face: lazy names for users
 
 
 def module_name(path: Path) -> str:

@@ -19,8 +19,8 @@ from test_trainer import make_trainer, stale_batch
 from trl import GRPOConfig, GRPOTrainer
 
 from bapo_trl import BAPOConfig, BAPOTrainer, search_clip_bounds
-from bapo_trl.clipping import BAPOSettings, cap_path, search_path
-from bapo_trl.clipping_reference import (
+from bapo_trl.core.clipping import BAPOSettings, cap_path, search_path
+from bapo_trl.core.clipping_reference import (
     cap_loop_search,
     loop_search,
     sapo_contributions,
@@ -29,9 +29,9 @@ from bapo_trl.clipping_reference import (
     vespo_contributions,
     vespo_sequence_weights,
 )
-from bapo_trl.gates import vespo_log_weights, vespo_weight
+from bapo_trl.core.gates import vespo_log_weights, vespo_weight
+from bapo_trl.core.loss_types import LOSS_TYPES, SUPPORTED_LOSS_TYPES, trl_ratios
 from bapo_trl.loss_hook import search_inputs
-from bapo_trl.loss_types import LOSS_TYPES, SUPPORTED_LOSS_TYPES, trl_ratios
 
 TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 VARIANTS = ("paper", "verl")

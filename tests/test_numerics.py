@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bapo_trl import BAPOConfig, BAPOTrainer, search_clip_bounds
-from bapo_trl.clipping import BAPOSettings, search_path
-from bapo_trl.numerics import loss_mask, sanitize_micro_batch
+from bapo_trl.core.clipping import BAPOSettings, search_path
+from bapo_trl.core.numerics import loss_mask, sanitize_micro_batch
 from bapo_trl.toy import make_reverse_dataset, reverse_reward
 
 NASTY = [math.nan, math.inf, -math.inf, 1e30, 1e-30, 0.0, 1e38]

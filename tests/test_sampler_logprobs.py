@@ -25,13 +25,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOTrainer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl.core.numerics import loss_mask
 from bapo_trl.generation.cpu_server import (
     CPUServerVLLMGeneration,
     VLLMLogprobsModeError,
     check_logprobs_mode,
     sampler_logprobs_use,
 )
-from bapo_trl.numerics import loss_mask
 from bapo_trl.toy import make_reverse_dataset
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")

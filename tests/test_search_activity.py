@@ -63,7 +63,7 @@ def test_undefined_metric_on_one_micro_batch_does_not_turn_the_logged_mean_nan(t
     (dict(partial_rollout_budget=4), ("search", "entropy_clip", "partial")),
 ], ids=["replay", "partial_rollout"])
 def test_every_logged_metric_is_registered_and_every_registered_one_logged(tiny_model_dir, tmp_path, extra, groups):
-    from bapo_trl.metrics import REGISTRY
+    from bapo_trl.core.metrics import REGISTRY
 
     trainer, _ = train(tiny_model_dir, tmp_path, max_steps=4, **extra)
     logged = {k for h in trainer.state.log_history for k in h

@@ -317,9 +317,9 @@ def test_the_closed_loop_target_moves_once_per_update(tiny_model_dir, tmp_path):
 def test_age_buckets_count_tokens_by_their_own_version_when_replayed_rows_are_mixed_in():
     """Async partial rollout with replay: a completion spans policies, so its tokens fall in different age buckets;
     the replay split (per completion) must not replace the per-token ages."""
-    from bapo_trl.clipping import BAPOSettings, search_clip_bounds, search_path
-    from bapo_trl.loss_types import CLIPPED_SURROGATE
-    from bapo_trl.metrics import update_values
+    from bapo_trl.core.clipping import BAPOSettings, search_clip_bounds, search_path
+    from bapo_trl.core.loss_types import CLIPPED_SURROGATE
+    from bapo_trl.core.metrics import update_values
 
     ratio = torch.ones(2, 4)
     advantages = torch.tensor([1.0, -1.0])

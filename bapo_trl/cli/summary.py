@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..metrics import is_active
+from ..core.metrics import is_active
 
 
 def _mean(values):

@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..metrics import async_values
+from ..core.metrics import async_values
 from .contract import ReadyCompletions, ScoreFn, TrainerPort, is_iterable_dataset, stamp_token_versions
 from .producer import GeneratedBatch, Producer, PromptStream, Work
 

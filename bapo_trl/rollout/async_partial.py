@@ -9,7 +9,7 @@ the round in flight (waiting for it to end), so a resume continues exactly where
 
 from __future__ import annotations
 
-from ..metrics import partial_sums, partial_values
+from ..core.metrics import partial_sums, partial_values
 from .async_generation import AsyncGeneration, Handover, decode_batch, encode_batch, request_seed
 from .contract import TrainerPort
 from .pool import Completion, PartialRolloutPool

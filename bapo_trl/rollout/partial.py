@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..metrics import partial_sums, partial_values
+from ..core.metrics import partial_sums, partial_values
 from .contract import (
     NothingInBackground,
     ReadyCompletions,

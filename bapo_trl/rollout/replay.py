@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..metrics import replay_sums, replay_values
-from ..numerics import loss_mask
+from ..core.metrics import replay_sums, replay_values
+from ..core.numerics import loss_mask
 from .contract import RolloutSource, ScoreFn, TrainerPort
 from .queue import ReplayQueue, groups_to_replace, pad_and_stack, split_groups
 

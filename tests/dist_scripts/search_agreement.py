@@ -12,7 +12,7 @@ from accelerate import Accelerator
 
 from bapo_trl import search_clip_bounds
 from bapo_trl.cli.train import exit_past_gloo_teardown
-from bapo_trl.clipping_reference import loop_search
+from bapo_trl.core.clipping_reference import loop_search
 
 accelerator = Accelerator(cpu=True)
 rank, world = accelerator.process_index, accelerator.num_processes

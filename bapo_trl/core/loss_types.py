@@ -159,11 +159,11 @@ class LossType:
         to_trl: ``(c_low, c_high)`` (0-dim tensors, or floats) -> what TRL's loss reads: a ``GRPOTrainer`` attribute,
             or ``"args.<field>"`` for a config field (set for the loss call only, then restored).
         grid_sums: the positive/negative sums of the share for every point of the search path
-            (:func:`bapo_trl.clipping.grid_sums` signature), reduced over processes and searched by
-            :func:`bapo_trl.clipping.choose_bounds`.
+            (:func:`bapo_trl.core.clipping.grid_sums` signature), reduced over processes and searched by
+            :func:`bapo_trl.core.clipping.choose_bounds`.
         clipped: ``(ratio, advantages, c_low, c_high)`` -> ``(low, high)`` boolean masks of the clipped tokens.
-        path: the search settings -> the candidates (:func:`bapo_trl.clipping.search_path`, or
-            :func:`bapo_trl.clipping.cap_path` for a loss without a lower bound).
+        path: the search settings -> the candidates (:func:`bapo_trl.core.clipping.search_path`, or
+            :func:`bapo_trl.core.clipping.cap_path` for a loss without a lower bound).
         ratios: ``(log_ratio, loss mask, importance_sampling_level, inputs)`` -> the ``(B, T)`` ratios the loss's clip
             or gate acts on (per token, or the sequence's ratio on each of its tokens).
         aggregation: the loss mask -> each token's weight in TRL's loss (``(B, 1)``), or None when every token counts

@@ -1,7 +1,7 @@
 """Plain, loop-by-loop versions of the bound search, kept as the ground truth for tests and benchmarks.
 
 Reference code: the trainer never imports it. It ships in the package only so that the tests, the benchmarks and a
-user checking the fast path on their own batches can import it (``from bapo_trl.clipping_reference import ...``).
+user checking the fast path on their own batches can import it (``from bapo_trl.core.clipping_reference import ...``).
 
 * :func:`paper_loop_search` is Algorithm 1 of the paper written as the paper writes it: a ``while`` loop that
   re-scores the batch for every candidate.
@@ -13,7 +13,7 @@ user checking the fast path on their own batches can import it (``from bapo_trl.
   :func:`sequence_mean_weights`).
 
 Both compute every sum directly from the definitions (``min(r, c_high) * A`` ...), in float64, with none of the
-bucketing of :mod:`bapo_trl.clipping`; they are slow on purpose. Grid points are ``start + k * step`` with integer
+bucketing of :mod:`bapo_trl.core.clipping`; they are slow on purpose. Grid points are ``start + k * step`` with integer
 ``k`` (no accumulated floating drift), the same convention as the fast path.
 """
 
@@ -263,7 +263,7 @@ def sequence_mean_weights(mask) -> list[float]:
 
 
 def entropy_clip_reference(logps, ratio, advantages, mask, clip_low: float, clip_high: float) -> dict[str, float]:
-    """:mod:`bapo_trl.entropy_clip`'s metrics for one batch, token by token from the definitions (Python floats)."""
+    """:mod:`bapo_trl.core.entropy_clip`'s metrics for one batch, token by token from the definitions (Python floats)."""
     from .entropy_clip import QUADRANTS
 
     rows, cols = len(ratio), len(ratio[0])

@@ -11,9 +11,6 @@ so every rank holds the same rho0; its state is saved with the checkpoint.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
-
-from transformers import TrainerCallback
 
 
 @dataclass
@@ -48,13 +45,3 @@ class TargetController:
 
     def load_state_dict(self, state: dict) -> None:
         self.value = float(state["value"])
-
-
-class AtEachUpdate(TrainerCallback):
-    """Calls ``end_of_update`` once per optimizer step, after the optimizer stepped and before a checkpoint is saved."""
-
-    def __init__(self, end_of_update: Callable[[], None]):
-        self.end_of_update = end_of_update
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.end_of_update()

@@ -13,7 +13,7 @@ is scored in one vectorised pass:
 * the first candidate meeting the target is picked on device (``argmax`` over a boolean vector): no Python loop
   over candidates and no host sync.
 
-The plain loops this replaces live in :mod:`bapo_trl.clipping_reference` and the tests compare the two.
+The plain loops this replaces live in :mod:`bapo_trl.core.clipping_reference` and the tests compare the two.
 
 Caveat (documented on purpose): under the *value* share, raising ``c_low`` LOWERS rho, because a clipped
 negative token counts ``c_low * |A|``; only raising ``c_high`` raises it. Under the *gradient* share, raising
@@ -411,7 +411,7 @@ def cap_sums(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, 
     gradient ``min(r, c) A grad log pi`` carries. Every token keeps a gradient, so the value and the gradient share
     are one: the layout of :func:`grid_sums` with ``L = H`` and each share twice."""
     if not path.negatives_on_high:
-        raise ValueError("cap_sums needs a cap path (bapo_trl.clipping.cap_path): its negatives are capped by c too.")
+        raise ValueError("cap_sums needs a cap path (bapo_trl.core.clipping.cap_path): its negatives are capped by c too.")
     r, a, weight, counts = prepared(ratio, advantages, mask)
     sums = _histogram(r, a > 0, weight, path)
     H = len(path.high_grid)
@@ -492,7 +492,7 @@ def search_clip_bounds(
         reduce_fn: sums a float64 vector over processes (e.g. ``lambda t: accelerator.reduce(t, "sum")``). Called
             exactly once, by every rank, even with an empty batch, so ranks always agree on the bounds.
         config: a ready :class:`BAPOSettings` (the trainer passes its own); keyword ``settings`` override it.
-        sums_fn: the share's per-grid sums (the loss type's, :mod:`bapo_trl.loss_types`); default
+        sums_fn: the share's per-grid sums (the loss type's, :mod:`bapo_trl.core.loss_types`); default
             :func:`grid_sums`, the clipped surrogate's.
         path: the candidates (the loss type's path of ``config``); default :func:`search_path`.
         **settings: :class:`BAPOSettings` fields (``positive_contribution_target``, ``ratio_lower_start``, ...).

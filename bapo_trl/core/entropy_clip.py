@@ -47,7 +47,7 @@ def entropy_clip_sums(logps: torch.Tensor, ratio: torch.Tensor, advantages: torc
     """Local float64 sums (length :data:`NUM_SUMS`) for one micro-batch. ``logps``/``ratio``/``mask``: ``(B, T)``;
     ``advantages``: ``(B,)``, ``(B, 1)`` or ``(B, T)``. Tokens off the mask, or with a non-finite log-prob, ratio or
     advantage, are left out (NaN on padding is harmless). ``clipped``: the loss type's clip flags
-    (:mod:`bapo_trl.loss_types`)."""
+    (:mod:`bapo_trl.core.loss_types`)."""
     logps, ratio = logps.detach().double(), ratio.detach().double()
     adv = advantages.detach().double()
     adv = (adv[:, None] if adv.dim() == 1 else adv).expand_as(ratio)
