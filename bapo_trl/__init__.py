@@ -18,11 +18,11 @@ def __getattr__(name):
 
         return getattr(clipping, name)
     if name == "BAPOConfig":
-        from .config import BAPOConfig
+        from .trainer.bapo_config import BAPOConfig
 
         return BAPOConfig
     if name == "BAPOTrainer":
-        from .trainer import BAPOTrainer
+        from .trainer.bapo_trainer import BAPOTrainer
 
         return BAPOTrainer
     raise AttributeError(f"module 'bapo_trl' has no attribute {name!r}")

@@ -23,6 +23,9 @@ MOVED: dict[str, str] = {
     **{f"bapo_trl.{name}": f"bapo_trl.core.{name}" for name in (
         "clipping", "clipping_reference", "loss_types", "gates", "metrics", "entropy_clip", "numerics",
         "target_controller")},
+    "bapo_trl.config": "bapo_trl.trainer.bapo_config",
+    **{f"bapo_trl.{name}": f"bapo_trl.trainer.{name}" for name in (
+        "loss_hook", "checkpoints", "model_card", "trl_seams", "reward_errors")},
 }
 #: old module -> the module ``python -m <old module>`` runs now, where the command left the module it was in
 COMMANDS: dict[str, str] = {}

@@ -319,7 +319,7 @@ def write_log_history(path: str, state, args=None) -> None:
     data = {"global_step": state.global_step,
             "positive_contribution_target": getattr(args, "positive_contribution_target", None),
             "log_history": state.log_history}
-    from .checkpoints import write_atomically
+    from .trainer.checkpoints import write_atomically
 
     def write(tmp: str) -> None:
         with open(tmp, "w") as f:

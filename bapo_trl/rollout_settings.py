@@ -1,6 +1,6 @@
 """Checks of the rollout settings (replay, partial rollout, async generation), one place for the config and the sources.
 
-Core layer: :class:`~bapo_trl.config.BAPOConfig` validates its fields with these functions before anything is built,
+Core layer: :class:`~bapo_trl.trainer.bapo_config.BAPOConfig` validates its fields with these functions before anything is built,
 and the replay queue checks its own arguments with :func:`queue_settings_errors`; neither needs the other, and the
 config never imports the rollout package. Each function takes the config (any object with the fields) and returns
 messages that name the field, the allowed range and the value given.
@@ -246,3 +246,19 @@ def staleness_bound(cfg) -> int:
 def rollout_errors(cfg) -> list[str]:
     """Every problem with the rollout settings of ``cfg``."""
     return replay_errors(cfg) + partial_rollout_errors(cfg) + async_errors(cfg) + rollout_source_errors(cfg)
+
+
+def sampler_logprobs_use(args) -> str | None:
+    """What training does with the server's log-probs of the sampled tokens, for the error; None: nothing (TRL then
+    receives them and ignores them), so any ``--logprobs-mode`` will do."""
+    if getattr(args, "async_generation", False):
+        return "async generation trains with them as the behaviour log-probs"
+    source = getattr(args, "rollout_source", "auto")
+    if source != "auto" and source not in BUILT_IN_SOURCES:
+        return (f"the rollout source {source!r} (`rollout_source`) may train with them as the behaviour log-probs "
+                "(TRLPort.server_generate)")
+    if getattr(args, "vllm_importance_sampling_correction", False):
+        return "TRL's importance-sampling correction (`vllm_importance_sampling_correction`) divides by them"
+    if getattr(args, "off_policy_mask_threshold", None) is not None:
+        return "TRL's off-policy sequence mask (`off_policy_mask_threshold`) compares them with the policy's"
+    return None

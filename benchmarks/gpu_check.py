@@ -315,7 +315,7 @@ def profile_row(model_dir: str, device: str, overrides: dict, steps: int, tmp: s
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    import bapo_trl.trainer as trainer_module
+    import bapo_trl.trainer.bapo_trainer as trainer_module
 
     cuda = device == "cuda"
     trainer, timer = step_overhead.build("bapo", model_dir, os.path.join(tmp, "profiled"), steps, device,

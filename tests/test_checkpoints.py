@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-import bapo_trl.checkpoints as checkpoints_module
+import bapo_trl.trainer.checkpoints as checkpoints_module
 from bapo_trl import BAPOConfig, BAPOTrainer
-from bapo_trl.checkpoints import (
+from bapo_trl.toy import make_reverse_dataset, reverse_reward
+from bapo_trl.trainer.checkpoints import (
     MARKER,
     is_complete,
     latest_complete_checkpoint,
@@ -21,7 +22,6 @@ from bapo_trl.checkpoints import (
     resolve_resume,
     saved_world_size,
 )
-from bapo_trl.toy import make_reverse_dataset, reverse_reward
 
 
 def build(model_dir, out, **overrides):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import bapo_trl.checkpoints as checkpoints
+import bapo_trl.trainer.checkpoints as checkpoints
 
 FIXTURES = Path(__file__).parent / "data" / "checkpoints_0a2653b"
 

@@ -31,7 +31,7 @@ from bapo_trl.core.clipping_reference import (
 )
 from bapo_trl.core.gates import vespo_log_weights, vespo_weight
 from bapo_trl.core.loss_types import LOSS_TYPES, SUPPORTED_LOSS_TYPES, trl_ratios
-from bapo_trl.loss_hook import search_inputs
+from bapo_trl.trainer.loss_hook import search_inputs
 
 TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 VARIANTS = ("paper", "verl")

@@ -159,7 +159,7 @@ def test_the_trainer_imports_nothing_from_the_command_line_or_the_recipes(fresh_
     loaded = fresh_imports["trainer"]
     outer = {m for m in loaded if m.split(".")[1] in ("cli", "math_recipe", "toy")}
     assert outer | (loaded & {"bapo_trl.models"}) == set()
-    assert "bapo_trl.trainer" in loaded
+    assert "bapo_trl.trainer.bapo_trainer" in loaded
 
 
 def imports_from_the_package(source: str, module: str) -> list[tuple[str, str | None]]:

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from bapo_trl import BAPOConfig, BAPOTrainer
 from bapo_trl.rollout import ReplaySource
 from bapo_trl.toy import make_reverse_dataset, reverse_reward
-from bapo_trl.trainer import REPLAY_METRICS
+from bapo_trl.trainer.bapo_trainer import REPLAY_METRICS
 
 REPLAY = dict(
     use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", per_device_train_batch_size=16,

@@ -11,7 +11,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
 from bapo_trl.toy import make_reverse_dataset, reverse_reward
-from bapo_trl.trainer import BAPO_METRICS
+from bapo_trl.trainer.bapo_trainer import BAPO_METRICS
 
 COMMON = dict(
     use_cpu=True,
@@ -224,7 +224,7 @@ def test_model_card_names_bapo_and_its_settings(tiny_model_dir, tmp_path):
 def test_num_iterations_makes_the_second_pass_off_policy_and_bapo_acts(tiny_model_dir, tmp_path, monkeypatch):
     """num_iterations=2: each generation batch is trained twice; the first pass is on-policy (ratio 1), the second
     comes after an optimizer step, so the ratio the search sees differs from 1 and the window can move."""
-    import bapo_trl.trainer as trainer_module
+    import bapo_trl.trainer.bapo_trainer as trainer_module
 
     seen = []
     search = trainer_module.search_clip_bounds

@@ -20,7 +20,7 @@ import pytest
 from trl import GRPOTrainer
 
 import bapo_trl
-from bapo_trl.trl_seams import SEAMS, TESTED_TRL_VERSIONS, Seam, check_trl_seams, seam_problems
+from bapo_trl.trainer.trl_seams import SEAMS, TESTED_TRL_VERSIONS, Seam, check_trl_seams, seam_problems
 
 
 def test_the_installed_trl_has_every_seam():
@@ -56,7 +56,7 @@ def test_each_seam_is_listed_once():
 
 def test_importing_the_trainer_fails_loudly_when_a_seam_is_gone():
     code = ("import trl.trainer.grpo_trainer as g; del g.GRPOTrainer._generate_and_score_completions; "
-            "import bapo_trl.trainer")
+            "import bapo_trl.trainer.bapo_trainer")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "ImportError: bapo_trl was tested with TRL" in proc.stderr
@@ -443,7 +443,7 @@ def scan_seams(seams=SEAMS, extra_sources: dict[str, str] | None = None) -> Seam
 
     targets, names = _listed(seams)
     reported = {}
-    hint = "add a Seam to bapo_trl/trl_seams.py"
+    hint = "add a Seam to bapo_trl/trainer/trl_seams.py"
     for module in modules:
         for use in module.uses:
             if use.owner is not None and use.owner not in result.facing:
@@ -477,7 +477,7 @@ def _runtime_checked_classes(scan: SeamScan) -> list[type]:
     """The classes bapo_trl builds on TRL that can be imported: the trainer and the vLLM classes, and every one the
     scan found (a class defined inside a function and not exposed is checked by the scan only)."""
     from bapo_trl.generation.cpu_server import CPUServerVLLMGeneration, HTTPVLLMClient
-    from bapo_trl.trainer import BAPOTrainer
+    from bapo_trl.trainer.bapo_trainer import BAPOTrainer
 
     found = {BAPOTrainer, CPUServerVLLMGeneration, HTTPVLLMClient}
     for key in scan.facing:
@@ -533,7 +533,7 @@ SNIPPET = "bapo_trl/_seam_scan_snippet.py"
 def test_the_scan_reports_an_unlisted_private_name(source, expected):
     unlisted = scan_seams(extra_sources={SNIPPET: source}).unlisted
     assert [line for line in unlisted if line.startswith(SNIPPET + expected)], unlisted
-    assert all("add a Seam to bapo_trl/trl_seams.py" in line for line in unlisted)
+    assert all("add a Seam to bapo_trl/trainer/trl_seams.py" in line for line in unlisted)
 
 
 @pytest.mark.parametrize("source, expected", [
@@ -562,9 +562,9 @@ def test_a_private_name_of_our_own_objects_is_not_a_seam():
 
 
 @pytest.mark.parametrize("removed, reported", [
-    ("transformers.trainer:Trainer._load_optimizer_and_scheduler", "bapo_trl/checkpoints.py"),
+    ("transformers.trainer:Trainer._load_optimizer_and_scheduler", "bapo_trl/trainer/checkpoints.py"),
     ("trl.generation.vllm_generation:VLLMGeneration._iter_named_params", "bapo_trl/generation/cpu_server.py"),
-    ("trl.trainer.grpo_trainer:GRPOTrainer._tag_names", "bapo_trl/trainer.py"),
+    ("trl.trainer.grpo_trainer:GRPOTrainer._tag_names", "bapo_trl/trainer/bapo_trainer.py"),
     ("trl.generation.vllm_client:VLLMClient.check_server", "bapo_trl/generation/cpu_server.py"),
 ])
 def test_a_seam_removed_from_the_list_is_reported(removed, reported):
@@ -600,5 +600,5 @@ def test_every_override_in_the_real_mro_is_a_seam():
                 if owner is not None and name not in targets:
                     unlisted.append(f"{_defined_at(ours, name)}: {ours.__qualname__}.{name} overrides "
                                     f"{owner.__module__}.{owner.__qualname__}.{name} (in {cls.__name__}'s MRO), "
-                                    "but no seam has it as target: add a Seam to bapo_trl/trl_seams.py")
+                                    "but no seam has it as target: add a Seam to bapo_trl/trainer/trl_seams.py")
     assert not unlisted, "\n".join(sorted(set(unlisted)))

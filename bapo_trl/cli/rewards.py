@@ -8,7 +8,7 @@ from typing import Callable
 
 from .. import reward_funcs
 from ..math_recipe import rewards as math_rewards  # names and loaders only: nothing heavy is imported
-from ..reward_errors import RewardFunctionError, name_errors  # noqa: F401  (re-exported with the registry)
+from ..trainer.reward_errors import RewardFunctionError, name_errors  # noqa: F401  (re-exported with the registry)
 
 #: name -> zero-argument loader (lazy, so optional dependencies such as math-verify load only when used).
 REWARD_FUNCS: dict[str, Callable[[], Callable]] = {**reward_funcs.REWARD_FUNCS, **math_rewards.REWARD_FUNCS}

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, TrlParser
 
-from ..config import BAPOConfig
+from ..trainer.bapo_config import BAPOConfig
 
 #: Training settings of the embedded default job (applied only when no model is given; flags still override).
 EMBEDDED_DEFAULTS = dict(
@@ -233,7 +233,7 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
     from trl import get_peft_config, get_quantization_config
 
     from ..plot import PlotDynamicsCallback
-    from ..trainer import BAPOTrainer
+    from ..trainer.bapo_trainer import BAPOTrainer
     from .launch_info import LaunchInfoCallback
     from .summary import format_summary
 

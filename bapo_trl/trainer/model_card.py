@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import shutil
 
-from .config import BAPOConfig
-from .core.metrics import is_active
+from ..core.metrics import is_active
+from .bapo_config import BAPOConfig
 
 PAPER_CITATION = """\
 @article{xi2025bapo,

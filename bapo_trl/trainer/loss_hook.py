@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .core.loss_types import LossType
-from .core.numerics import loss_mask
+from ..core.loss_types import LossType
+from ..core.numerics import loss_mask
 
 
 def optimised_tokens(trainer, mask: torch.Tensor, logps: torch.Tensor, entropies: torch.Tensor | None,

@@ -14,31 +14,28 @@ Two overrides carry the method; everything else is TRL's code or lives in its ow
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import random
 from typing import Any
 
-import numpy as np
 import torch
-from transformers import TrainerCallback
 from trl import GRPOTrainer
 
+from ..core import metrics
+from ..core.clipping import SearchResult, search_clip_bounds
+from ..core.loss_types import LOSS_TYPES
+from ..core.numerics import loss_mask, mask_nonfinite_inputs, sanitize_after_forward
+from ..core.target_controller import TargetController
+from ..rollout.contract import parts, stamp_policy_version
+from ..rollout.port import TRLPort
+from ..rollout.registry import build_source, check_source_arguments
+from .bapo_config import BAPOConfig, trainer_config
 from .checkpoints import CheckpointMixin
-from .config import BAPOConfig, trainer_config
-from .core import metrics
-from .core.clipping import SearchResult, search_clip_bounds
-from .core.loss_types import LOSS_TYPES
-from .core.numerics import loss_mask, mask_nonfinite_inputs, sanitize_after_forward
-from .core.target_controller import TargetController
-from .generation.cpu_server import CPUServerSyncMixin  # vLLM server mode on CPU (disk weight sync)
+from .loop_hooks import AtEachUpdate, training_random_state_kept
 from .loss_hook import install, optimised_tokens, restore, search_inputs
 from .model_card import PAPER_CITATION, ModelCardMixin
 from .reward_errors import name_errors
-from .rollout.contract import parts, stamp_policy_version
-from .rollout.port import TRLPort
-from .rollout.registry import build_source, check_source_arguments
 from .trl_seams import check_trl_seams
+from .vllm_backend import CPUServerSyncMixin  # vLLM server mode on CPU (disk weight sync)
 
 check_trl_seams()  # a TRL that moved a private method we override fails here, loudly, not mid-training
 
@@ -51,7 +48,7 @@ REPLAY_METRICS = metrics.REPLAY
 class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrainer):
     """GRPO with BAPO's adaptive clipping window (Xi et al., 2025).
 
-    Mixins, each beside the code it uses: vLLM server mode without CUDA (``generation/cpu_server.py``), checkpoints
+    Mixins, each beside the code it uses: vLLM server mode without CUDA (``vllm_backend.py``), checkpoints
     (``checkpoints.py``), TRL's model card with a BAPO section (``model_card.py``).
 
     Takes exactly :class:`trl.GRPOTrainer`'s arguments, with ``args`` a :class:`BAPOConfig`. On on-policy
@@ -193,27 +190,3 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
     def _end_of_update(self) -> None:
         if self.target_controller is not None:
             self.target_controller.step()
-
-
-@contextlib.contextmanager
-def training_random_state_kept(device: torch.device):
-    """Save Python's, NumPy's and torch's random states (CPU, and the CUDA device in use) and restore them on exit."""
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" \
-        else []
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
-
-
-class AtEachUpdate(TrainerCallback):
-    """Calls ``end_of_update`` once per optimizer step, after the optimizer stepped and before a checkpoint is saved."""
-
-    def __init__(self, end_of_update):
-        self.end_of_update = end_of_update
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.end_of_update()

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .core.clipping import MODES, VARIANTS, BAPOSettings, settings_errors
-from .core.loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SUPPORTED_LOSS_TYPES
-from .generation.fleet import normalized_server_urls, server_urls
-from .rollout_settings import SAMPLING, rollout_errors
+from ..core.clipping import MODES, VARIANTS, BAPOSettings, settings_errors
+from ..core.loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SUPPORTED_LOSS_TYPES
+from ..generation.fleet import normalized_server_urls, server_urls
+from ..rollout_settings import SAMPLING, rollout_errors
 
 #: The official code caps the loss of negative-advantage tokens at ``3.0 * |A|`` (dual clip); in TRL that is the
 #: two-sided clipping ``delta``, identical as long as ``c_high <= delta``. BAPOConfig applies it by default

@@ -1,0 +1,33 @@
+"""The trainer, as TRL lays a trainer out: ``bapo_config.py`` (``BAPOConfig(GRPOConfig)``) and ``bapo_trainer.py``
+(``BAPOTrainer(GRPOTrainer)``: the loss hook and the dispatcher), with the glue that works on the trainer object:
+
+* ``loss_hook.py``: between TRL's policy forward and its clip: the tokens TRL's loss keeps, the ratios and weights the
+  search balances, installing and restoring the window;
+* ``checkpoints.py``: complete-or-ignored checkpoints with the per-process rollout state;
+* ``model_card.py``: TRL's model card with a BAPO section; ``reward_errors.py``: reward functions named in their
+  errors; ``vllm_backend.py``: TRL's vLLM backend swapped for one that also serves CPU machines;
+* ``loop_hooks.py``: a callback at each optimizer step, evaluation that leaves training's random state alone;
+* ``trl_seams.py``: every private TRL name and override, checked when the trainer is imported.
+
+Names load lazily: importing the config does not import the trainer (nor TRL's trainer).
+"""
+
+import importlib
+import warnings
+
+_EXPORTS = {"BAPOConfig": "bapo_config", "BAPOTrainer": "bapo_trainer"}
+#: Names of the 0.1 module ``bapo_trl.trainer`` that live in one of its modules now (deprecated here).
+_MOVED = {"BAPO_METRICS": "bapo_trainer", "REPLAY_METRICS": "bapo_trainer", "AtEachUpdate": "loop_hooks",
+          "training_random_state_kept": "loop_hooks"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        module = f"{__name__}.{_MOVED[name]}"
+        warnings.warn(f"bapo_trl.trainer.{name} moved to {module}.{name}; the old path is deprecated and goes away in "
+                      "bapo_trl 0.2.", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(module), name)
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
