@@ -26,6 +26,7 @@ MOVED: dict[str, str] = {
     "bapo_trl.config": "bapo_trl.trainer.bapo_config",
     **{f"bapo_trl.{name}": f"bapo_trl.trainer.{name}" for name in (
         "loss_hook", "checkpoints", "model_card", "trl_seams", "reward_errors")},
+    "bapo_trl.rollout_settings": "bapo_trl.rollout.settings",
 }
 #: old module -> the module ``python -m <old module>`` runs now, where the command left the module it was in
 COMMANDS: dict[str, str] = {}

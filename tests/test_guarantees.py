@@ -9,7 +9,7 @@ every row, one trainer object:
 
 1. trains uninterrupted, with a checkpoint at EVERY step, recording what each micro-batch trains;
    * every token's policy version is <= the step that trains it, and the staleness is within
-     :func:`bapo_trl.rollout_settings.staleness_bound` of the row;
+     :func:`bapo_trl.rollout.settings.staleness_bound` of the row;
    * behaviour log-probs equal a recomputation with the saved policy of each token's version;
 2. resumes, on the SAME object, from every checkpoint (writing none of its own): each resumed run trains exactly the
    (prompt, completion) multiset the uninterrupted run trained after that checkpoint (nothing lost, nothing twice),
@@ -43,7 +43,7 @@ from bapo_trl import BAPOConfig, BAPOTrainer
 from bapo_trl.core.numerics import loss_mask
 from bapo_trl.rollout.port import TRLPort
 from bapo_trl.rollout.producer import Producer
-from bapo_trl.rollout_settings import staleness_bound
+from bapo_trl.rollout.settings import staleness_bound
 from bapo_trl.toy import make_reverse_dataset
 
 #: Evaluation at every step (TRL's own generation, on the current policy), on a 2-prompt eval set.

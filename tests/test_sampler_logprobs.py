@@ -31,7 +31,7 @@ from bapo_trl.generation.cpu_server import (
     VLLMLogprobsModeError,
     check_logprobs_mode,
 )
-from bapo_trl.rollout_settings import sampler_logprobs_use
+from bapo_trl.rollout.settings import sampler_logprobs_use
 from bapo_trl.toy import make_reverse_dataset
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")

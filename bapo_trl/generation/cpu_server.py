@@ -231,7 +231,7 @@ class CPUServerVLLMGeneration(VLLMGeneration):
     """TRL's vLLM backend; in server mode on a non-CUDA device, connects over HTTP and syncs weights via disk."""
 
     disk_sync: DiskWeightSync | None = None
-    #: What training does with the sampler's log-probs (:func:`bapo_trl.rollout_settings.sampler_logprobs_use`); None:
+    #: What training does with the sampler's log-probs (:func:`bapo_trl.rollout.settings.sampler_logprobs_use`); None:
     #: no check of the servers.
     sampler_logprobs_use: str | None = None
 

@@ -24,7 +24,7 @@ How it stays correct:
   that older policy no longer exist, so TRL's sampler-mismatch weight is 1 on async batches (its
   ``sampling/sampling_logp_difference`` reads 0); the mismatch (~1e-5 in float32 on CPU) stays inside BAPO's ratio.
   Sampling settings that truncate or penalise the sampler's distribution are refused with async generation
-  (:func:`bapo_trl.rollout_settings.sampling_changes`): their log-probs are not the policy's.
+  (:func:`bapo_trl.rollout.settings.sampling_changes`): their log-probs are not the policy's.
 * **Prompts drawn as TRL draws them**: TRL's ``RepeatSampler`` over the train set with the run's seed, one global
   generation batch at a time (each process takes its slice, as TRL's server mode slices the answer). TRL's own
   dataloader still runs; its rows are not used. A checkpoint saves how many batches were handed and, on the main

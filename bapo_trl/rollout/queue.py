@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..rollout_settings import queue_settings_errors
+from .settings import queue_settings_errors
 
 #: Keys padded on the LEFT (prompts are left-aligned against the completion in TRL).
 LEFT_PADDED = ("prompt_ids", "prompt_mask")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ..rollout_settings import auto_source_name
 from .contract import RolloutSource, TrainerPort
+from .settings import auto_source_name
 
 _SOURCES: dict[str, Any] = {
     "trl": "bapo_trl.rollout.trl_generation:TRLGeneration",

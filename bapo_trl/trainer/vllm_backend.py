@@ -10,7 +10,7 @@ import functools
 import trl.trainer.grpo_trainer as _trl_grpo_trainer
 
 from ..generation.cpu_server import CPUServerVLLMGeneration, patched
-from ..rollout_settings import sampler_logprobs_use
+from ..rollout.settings import sampler_logprobs_use
 
 
 class CPUServerSyncMixin:
