@@ -16,6 +16,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import types
 import warnings
 
 #: old module (a package's submodules follow it) -> the module it became
@@ -27,9 +28,19 @@ MOVED: dict[str, str] = {
     **{f"bapo_trl.{name}": f"bapo_trl.trainer.{name}" for name in (
         "loss_hook", "checkpoints", "model_card", "trl_seams", "reward_errors")},
     "bapo_trl.rollout_settings": "bapo_trl.rollout.settings",
+    "bapo_trl.toy": "bapo_trl.recipes.toy",
+    "bapo_trl.math_recipe": "bapo_trl.recipes.math_reasoning",
+    "bapo_trl.reward_funcs": "bapo_trl.recipes.reward_funcs",
+    "bapo_trl.datasets_io": "bapo_trl.recipes.datasets_io",
+    "bapo_trl.plot": "bapo_trl.cli.plot",
+    "bapo_trl.generation.serve": "bapo_trl.cli.serve",
 }
-#: old module -> the module ``python -m <old module>`` runs now, where the command left the module it was in
-COMMANDS: dict[str, str] = {}
+#: old module that was split in two -> (the module with its functions, the command's module, whose ``main`` and
+#: ``make_parser`` it held); ``python -m <old module>`` runs the command
+SPLIT: dict[str, tuple[str, str]] = {
+    "bapo_trl.models": ("bapo_trl.recipes.models", "bapo_trl.cli.models"),
+    "bapo_trl.math_recipe.evaluate": ("bapo_trl.recipes.math_reasoning.evaluate", "bapo_trl.cli.evaluate"),
+}
 #: old modules kept for good, without a warning
 PERMANENT = frozenset({"bapo_trl.config"})
 #: the release that drops the deprecated paths
@@ -37,7 +48,10 @@ REMOVED_IN = "0.2"
 
 
 def new_name(old: str) -> str | None:
-    """The module an old path became (longest moved prefix wins), or None for a path that did not move."""
+    """The module an old path became (longest moved prefix wins; a split one: where its functions went), or None for a
+    path that did not move."""
+    if old in SPLIT:
+        return SPLIT[old][0]
     matches = [name for name in MOVED if old == name or old.startswith(name + ".")]
     if not matches:
         return None
@@ -65,6 +79,9 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec):
         new = new_name(spec.name)
+        if spec.name in SPLIT:
+            deprecated(spec.name, " and ".join(SPLIT[spec.name]), stacklevel=_callers_level())
+            return _split_module(spec.name)
         if spec.name not in PERMANENT:
             deprecated(spec.name, new, stacklevel=_callers_level())
         module = importlib.import_module(new)
@@ -72,18 +89,35 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return module
 
     def exec_module(self, module):
+        if module.__name__ in SPLIT:
+            return
         old = next(name for name, spec in self._specs.items() if spec.name == module.__name__)
         module.__spec__ = self._specs.pop(old)
 
     def get_code(self, fullname):
         """``python -m <old path>``: warn, then run the command that took its place as ``__main__``."""
-        new = COMMANDS.get(fullname, new_name(fullname))
+        new = SPLIT[fullname][1] if fullname in SPLIT else new_name(fullname)
         message = (f"python -m {fullname} moved to python -m {new}; the old form is deprecated and goes away in "
                    f"bapo_trl {REMOVED_IN}.")
         source = ("import runpy, warnings\n"
                   f"warnings.warn({message!r}, DeprecationWarning)\n"
                   f"runpy.run_module({new!r}, run_name='__main__', alter_sys=True)\n")
         return compile(source, f"<{fullname}, moved to {new}>", "exec")
+
+
+def _split_module(old: str) -> types.ModuleType:
+    """A module standing for one that was split: each name comes from the first of its new modules that has it."""
+    module = types.ModuleType(old, f"Deprecated: {old} is now {' and '.join(SPLIT[old])}.")
+
+    def __getattr__(name):
+        for new in SPLIT[old]:
+            found = getattr(importlib.import_module(new), name, module)
+            if found is not module:
+                return found
+        raise AttributeError(f"module {old!r} has no attribute {name!r}")
+
+    module.__getattr__ = __getattr__
+    return module
 
 
 def _callers_level() -> int:

@@ -75,7 +75,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM, TrainerCallback
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 
 from bapo_trl import BAPOConfig, BAPOTrainer  # noqa: E402
-from bapo_trl.toy import build_tokenizer, make_reverse_dataset, model_config  # noqa: E402
+from bapo_trl.recipes.toy import build_tokenizer, make_reverse_dataset, model_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SERVER_CORE, TRAINER_CORE = 1, 0
@@ -131,7 +131,7 @@ class Server:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
-        cmd = ["taskset", "-c", str(core), sys.executable, "-m", "bapo_trl.generation.serve", model_dir,
+        cmd = ["taskset", "-c", str(core), sys.executable, "-m", "bapo_trl.cli.serve", model_dir,
                "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                      start_new_session=True)

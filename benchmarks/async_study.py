@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--server-url", default=None, help="a running vLLM server of the embedded model to use "
                         "instead of starting one (the tests pass theirs); it is not pinned to a core then")
     opts = parser.parse_args()
-    from bapo_trl.toy import build_tiny_model
+    from bapo_trl.recipes.toy import build_tiny_model
 
     os.sched_setaffinity(0, {TRAINER_CORE})
     out = Path(opts.out or (tempfile.mkdtemp() if opts.quick else REPO / "docs"))

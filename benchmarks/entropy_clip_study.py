@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     seeds = parse_seeds(args.seeds) if args.seeds else None
     out_dir = output_dir(args.out, args.quick, "entropy-clip-")
-    from bapo_trl.toy import build_tiny_model
+    from bapo_trl.recipes.toy import build_tiny_model
 
     build_tiny_model()
     started = time.time()

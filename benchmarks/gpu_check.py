@@ -81,13 +81,13 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from bapo_trl import search_clip_bounds  # noqa: E402
-from bapo_trl.toy import build_tiny_model  # noqa: E402
+from bapo_trl.recipes.toy import build_tiny_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 #: (B, T) of the search: 256k, 1M, 4M tokens on CUDA; 16k on CPU with --quick (16k, 256k without).
 CUDA_SHAPES = [(512, 512), (1024, 1024), (2048, 2048)]
 CPU_SHAPES = [(64, 256), (512, 512)]
-#: Qwen2.5-0.5B's shape (Llama architecture: see bapo_trl.toy on qwen2 configs and this tokenizer): 494M parameters.
+#: Qwen2.5-0.5B's shape (Llama architecture: see bapo_trl.recipes.toy on qwen2 configs and this tokenizer): 494M parameters.
 GPU_MODEL = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096,
                  rope_theta=1e6)

@@ -53,7 +53,7 @@ EVALUATION = ["--k", "8", "--max_new_tokens", "16", "--temperature", "1.0", "--t
 
 def evaluate(model: str, quick: bool) -> dict:
     """avg@8 / pass@k of ``model`` on the held-out split (the README's evaluation command, in this process)."""
-    from bapo_trl.math_recipe import evaluate as ev
+    from bapo_trl.recipes.math_reasoning import evaluate as ev
 
     report = ev.evaluate(ev.make_parser().parse_args(
         ["--model", model, "--dataset", TEST, *EVALUATION] + (["--num_problems", "2", "--k", "2"] if quick else [])))
@@ -68,7 +68,7 @@ def train(spec: dict, model_dir: str, out: str, training: dict) -> tuple[str, li
     from transformers import AutoTokenizer
 
     from bapo_trl.cli.data import load_split, prepare_prompts
-    from bapo_trl.math_recipe.rewards import boxed_accuracy
+    from bapo_trl.recipes.math_reasoning.rewards import boxed_accuracy
 
     fields = spec if "settings" in spec else tiny_methods()[spec["method"]]
     config_cls, trainer_cls = trainer_classes(fields["trainer"])
@@ -91,7 +91,7 @@ def run_one(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from bapo_trl.models import prepare_model
+    from bapo_trl.recipes.models import prepare_model
 
     model_dir = prepare_model("smollm2")
     started = time.time()
@@ -176,7 +176,7 @@ def main(argv=None):
     out_dir = args.out or (tempfile.mkdtemp(prefix="loss-study-smollm2-") if args.quick else
                            os.path.join(REPO, "docs"))
     os.makedirs(out_dir, exist_ok=True)
-    from bapo_trl.models import prepare_model
+    from bapo_trl.recipes.models import prepare_model
 
     prepare_model("smollm2")  # once, before the workers race for the cache
     chosen = args.methods[:1] if args.quick else args.methods

@@ -161,7 +161,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     seeds = parse_seeds(args.seeds) if args.seeds else None
     out_dir = output_dir(args.out, args.quick, "staleness-")
-    from bapo_trl.toy import build_tiny_model
+    from bapo_trl.recipes.toy import build_tiny_model
 
     build_tiny_model()  # once, before the workers race for the cache
     results, todo = reuse(plan(args.quick, seeds), args.reuse)

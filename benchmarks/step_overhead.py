@@ -18,7 +18,7 @@ in one process:
 Usage: ``python benchmarks/step_overhead.py [--quick] [--rounds N] [--steps N]``. The last line is
 ``bapo_overhead=<ratio-1> replay_overhead=<ratio-1>``.
 
-``--model smollm2-135m-instruct`` (a registry name of :mod:`bapo_trl.models`, or a model directory) measures GRPO
+``--model smollm2-135m-instruct`` (a registry name of :mod:`bapo_trl.recipes.models`, or a model directory) measures GRPO
 against BAPO on that model instead, on the shipped chat arithmetic task with its math-verify reward (replay is left
 out to keep the run short), and adds each trainer's peak process memory (RSS high-water mark, reset before every
 block; both trainers stay resident, so compare the two, not the absolute values). The last line is then
@@ -45,7 +45,7 @@ from transformers.trainer_callback import PrinterCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from bapo_trl import BAPOConfig, BAPOTrainer  # noqa: E402
-from bapo_trl.toy import build_tiny_model, make_reverse_dataset, reverse_reward  # noqa: E402
+from bapo_trl.recipes.toy import build_tiny_model, make_reverse_dataset, reverse_reward  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 0
@@ -150,11 +150,11 @@ def resident_bytes(trainer) -> int:
 
 
 def chat_arithmetic_task():
-    """The shipped chat arithmetic task (bapo_trl.math_recipe.chat_arithmetic) and its math-verify reward, for real models."""
+    """The shipped chat arithmetic task (bapo_trl.recipes.math_reasoning.chat_arithmetic) and its math-verify reward, for real models."""
     from datasets import Dataset
 
-    from bapo_trl.math_recipe.chat_arithmetic import splits
-    from bapo_trl.math_recipe.rewards import boxed_accuracy
+    from bapo_trl.recipes.math_reasoning.chat_arithmetic import splits
+    from bapo_trl.recipes.math_reasoning.rewards import boxed_accuracy
 
     rows = splits()["train"]
     return boxed_accuracy, Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
@@ -240,7 +240,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="3 rounds of 4 steps (< 1 minute)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 12; quick 3)")
     parser.add_argument("--steps", type=int, default=None, help="steps per block, a multiple of 4 (default 8)")
-    parser.add_argument("--model", default=None, help="a real model (bapo_trl.models registry name or directory): "
+    parser.add_argument("--model", default=None, help="a real model (bapo_trl.recipes.models registry name or directory): "
                         "GRPO vs BAPO on the chat arithmetic task, with peak memory")
     args = parser.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
@@ -293,7 +293,7 @@ def main(argv=None) -> None:
 
 def main_model(args) -> None:
     """GRPO vs BAPO on a real model: step time, BAPO's own code per step, peak process memory."""
-    from bapo_trl.models import resolve_model
+    from bapo_trl.recipes.models import resolve_model
 
     rounds = args.rounds if args.rounds is not None else (2 if args.quick else 4)
     steps = args.steps if args.steps is not None else 4

@@ -135,7 +135,7 @@ def run_one(spec: dict) -> dict:
     torch.set_num_threads(1)
     from transformers import AutoTokenizer, TrainerCallback
 
-    from bapo_trl.toy import build_tiny_model, evaluate_accuracy, make_reverse_dataset, reverse_reward
+    from bapo_trl.recipes.toy import build_tiny_model, evaluate_accuracy, make_reverse_dataset, reverse_reward
 
     kind = spec.get("trainer", "bapo")
     if kind in ("trl", "m2po") and spec["staleness"] in BAPO_ONLY:

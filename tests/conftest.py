@@ -72,7 +72,7 @@ def test_cache(tmp_path_factory):
 def tiny_model_dir(test_cache):
     """The embedded model (warm-started), built once in the test cache, at the path train_bapo.py resolves there (so
     a train_bapo.py launch on the embedded model and an in-process test share one model and one vLLM server)."""
-    from bapo_trl.toy import build_tiny_model
+    from bapo_trl.recipes.toy import build_tiny_model
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("BAPO_TRL_CACHE", str(test_cache))

@@ -532,8 +532,8 @@ def test_a_generation_batch_above_the_old_request_pool_trains_within_a_short_tim
     the held row raised ProducerStalled (the review's measurement)."""
     from transformers import AutoTokenizer
 
+    from bapo_trl.recipes.toy import make_reverse_dataset
     from bapo_trl.rollout.port import TRLPort
-    from bapo_trl.toy import make_reverse_dataset
 
     monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
     if push == "held":
@@ -936,7 +936,7 @@ def test_zero3_two_processes_async_from_train_bapo(tiny_server, tiny_model_dir, 
 
 @pytest.mark.slow
 def test_dynamics_plot_draws_the_async_panels_from_a_real_async_run(async_k1):
-    from bapo_trl.plot import plot_dynamics
+    from bapo_trl.cli.plot import plot_dynamics
 
     trainer, _, _ = async_k1
     history = trainer.state.log_history
@@ -953,7 +953,7 @@ def test_evaluation_during_async_training_holds_the_producer_and_records_its_pus
                                                                                   tmp_path):
     """Evaluation generates through TRL's own path with the producer held; TRL's push of the current weights is
     recorded, so the batches generated after it carry that version (never an older one: staleness stays <= K)."""
-    from bapo_trl.toy import make_reverse_dataset
+    from bapo_trl.recipes.toy import make_reverse_dataset
 
     reset_server_weights(tiny_server.url, tiny_model_dir)
 
@@ -1055,7 +1055,7 @@ def test_a_stalled_server_ends_every_process_of_a_two_process_run(stalled, tmp_p
     collectives. A batch is 4 requests here (2 x 8 rows / 4 completions: one seeded request per prompt)."""
     from policy_server import PolicyServer
 
-    from bapo_trl.toy import build_tiny_model
+    from bapo_trl.recipes.toy import build_tiny_model
     from launching import REPO, accelerate_launch
 
     prompts_per_batch = 4

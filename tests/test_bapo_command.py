@@ -21,14 +21,14 @@ from launching import REPO
 #: subcommand -> the command it stands for (run from the repository root)
 OLD = {
     "train": [sys.executable, "train_bapo.py"],
-    "serve": [sys.executable, "-m", "bapo_trl.generation.serve"],
-    "evaluate": [sys.executable, "-m", "bapo_trl.math_recipe.evaluate"],
-    "plot": [sys.executable, "-m", "bapo_trl.plot"],
-    "models": [sys.executable, "-m", "bapo_trl.models"],
+    "serve": [sys.executable, "-m", "bapo_trl.cli.serve"],
+    "evaluate": [sys.executable, "-m", "bapo_trl.cli.evaluate"],
+    "plot": [sys.executable, "-m", "bapo_trl.cli.plot"],
+    "models": [sys.executable, "-m", "bapo_trl.cli.models"],
 }
-OLD_PROG = {"train": "train_bapo.py", "serve": "python -m bapo_trl.generation.serve",
-            "evaluate": "python -m bapo_trl.math_recipe.evaluate", "plot": "python -m bapo_trl.plot",
-            "models": "python -m bapo_trl.models"}
+OLD_PROG = {"train": "train_bapo.py", "serve": "python -m bapo_trl.cli.serve",
+            "evaluate": "python -m bapo_trl.cli.evaluate", "plot": "python -m bapo_trl.cli.plot",
+            "models": "python -m bapo_trl.cli.models"}
 #: a bad flag, after what each subcommand requires
 BAD_FLAG = {"train": ["--no_such_flag", "1"], "serve": ["MODEL", "--no_such_flag"],
             "evaluate": ["--model", "m", "--dataset", "d", "--no_such_flag"], "plot": ["run", "--no_such_flag"],
@@ -101,7 +101,7 @@ def test_plot_of_a_missing_directory_is_the_same_error(tmp_path):
     new, old = run(bapo_cmd("plot", *args)), run(OLD["plot"] + list(map(str, args)))
     assert new.returncode == old.returncode == 2
     assert str(tmp_path / "nothing") in new.stderr.splitlines()[-1]
-    assert new.stderr.splitlines()[-1] == old.stderr.splitlines()[-1].replace("python -m bapo_trl.plot", "bapo plot")
+    assert new.stderr.splitlines()[-1] == old.stderr.splitlines()[-1].replace("python -m bapo_trl.cli.plot", "bapo plot")
     assert not (tmp_path / "out.png").exists()
 
 
@@ -157,8 +157,8 @@ def test_only_the_chosen_subcommand_is_imported(sub):
 def test_the_exit_code_is_the_entry_points(monkeypatch):
     """What each `python -m` form exits with: plot/models return their code; serve/evaluate/train return something
     that is not one (None, the evaluation report, the trainer), which exits 0."""
-    import bapo_trl.math_recipe.evaluate as evaluate
-    import bapo_trl.models as models
+    import bapo_trl.cli.evaluate as evaluate
+    import bapo_trl.cli.models as models
 
     calls = []
     monkeypatch.setattr(evaluate, "main", lambda argv, prog: calls.append((argv, prog)) or {"avg@16": 50.0})
@@ -177,8 +177,7 @@ def test_every_bapo_command_in_the_docs_names_a_subcommand():
 
 def test_readme_evaluate_and_serve_commands_parse():
     """The README's `bapo evaluate` / `bapo serve` lines are valid for those parsers (train lines: test_readme)."""
-    from bapo_trl.generation import serve
-    from bapo_trl.math_recipe import evaluate
+    from bapo_trl.cli import evaluate, serve
 
     readme = (REPO / "README.md").read_text()
     lines = [line.split("#")[0].strip() for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S)

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 import bapo_trl.trainer.checkpoints as checkpoints_module
 from bapo_trl import BAPOConfig, BAPOTrainer
-from bapo_trl.toy import make_reverse_dataset, reverse_reward
+from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 from bapo_trl.trainer.checkpoints import (
     MARKER,
     is_complete,

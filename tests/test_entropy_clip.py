@@ -9,11 +9,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bapo_trl import BAPOConfig, BAPOTrainer, search_clip_bounds
+from bapo_trl.cli.plot import main as plot_main
 from bapo_trl.core.clipping_reference import entropy_clip_reference
 from bapo_trl.core.entropy_clip import METRICS, entropy_clip_metrics, entropy_clip_sums, predicted_vs_realised
 from bapo_trl.core.target_controller import TargetController
-from bapo_trl.plot import main as plot_main
-from bapo_trl.toy import make_reverse_dataset, reverse_reward
+from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 
 
 def random_batch(rng: random.Random):

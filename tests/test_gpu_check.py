@@ -22,7 +22,8 @@ from launching import REPO
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_check  # noqa: E402
 
-from bapo_trl import clipping, search_clip_bounds  # noqa: E402
+from bapo_trl import search_clip_bounds  # noqa: E402
+from bapo_trl.core import clipping  # noqa: E402  # noqa: E402
 
 x = torch.arange(1.0, 4.0)
 

@@ -41,10 +41,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from bapo_trl import BAPOConfig, BAPOTrainer
 from bapo_trl.core.numerics import loss_mask
+from bapo_trl.recipes.toy import make_reverse_dataset
 from bapo_trl.rollout.port import TRLPort
 from bapo_trl.rollout.producer import Producer
 from bapo_trl.rollout.settings import staleness_bound
-from bapo_trl.toy import make_reverse_dataset
 
 #: Evaluation at every step (TRL's own generation, on the current policy), on a 2-prompt eval set.
 EVALUATING = dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=8)

@@ -1,34 +1,29 @@
-"""Layers, checked from the code: core < rollout sources < trainer < command line and recipes.
+"""Layers, read from the folders: core < generation < rollout sources < trainer < recipes < command line.
 
-Every module of the package has a layer below; an import (anywhere in the module: top level, inside a function, under
-``TYPE_CHECKING``) of a module of a HIGHER layer fails the test, and so does a module nobody placed. Same-layer
-imports are allowed. Why: a lower layer that knows an upper one (the rollout sources calling back into the trainer,
-the config loading the rollout package) is how cycles and untestable modules start.
+A module's layer is the folder of ``bapo_trl/`` it is in; the package face (``bapo_trl/__init__.py`` and the table of
+0.1 import paths, ``_compat.py``) sits above them all, and any other module outside the folders fails. An import
+(anywhere in the module: top level, inside a function, under ``TYPE_CHECKING``) of a module of a HIGHER layer fails
+the test; same-layer imports are allowed, as long as no chain of imports runs in a circle. Why: a lower layer that
+knows an upper one (the rollout sources calling back into the trainer, the config loading a rollout source) is how
+cycles and untestable modules start.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "bapo_trl"
 
-CORE, ROLLOUT, TRAINER, OUTER = 0, 1, 2, 3
-NAMES = {CORE: "core", ROLLOUT: "rollout sources", TRAINER: "trainer", OUTER: "command line and recipes"}
-#: Module (or package prefix) -> layer. The longest matching prefix wins.
-LAYERS = {
-    "bapo_trl.core": CORE,
-    "bapo_trl.reward_funcs": CORE,
-    "bapo_trl.datasets_io": CORE, "bapo_trl.toy": CORE,
-    "bapo_trl.models": CORE, "bapo_trl.generation": CORE,  # the vLLM plumbing the trainer mixes in
-    "bapo_trl.rollout": ROLLOUT,
-    "bapo_trl.trainer": TRAINER,
-    "bapo_trl.cli": OUTER, "bapo_trl.math_recipe": OUTER, "bapo_trl.plot": OUTER,
-    "bapo_trl.generation.serve": OUTER,  # the `bapo serve` command
-}
-#: Modules placed by their exact name only (no prefix match: a new top-level module must be placed on purpose).
-EXACT = {"bapo_trl": OUTER, "bapo_trl._compat": OUTER}  # the package face: lazy names for users
+#: The layers, lowest first: one folder of bapo_trl/ each.
+LAYERS = ("core", "generation", "rollout", "trainer", "recipes", "cli")
+FACE = len(LAYERS)
+NAMES = {**dict(enumerate(("core", "generation", "rollout sources", "trainer", "recipes", "command line"))),
+         FACE: "package face"}
+#: The modules outside the folders: the package face.
+EXACT = {"bapo_trl": FACE, "bapo_trl._compat": FACE}
 
 
 def module_name(path: Path) -> str:
@@ -37,10 +32,11 @@ def module_name(path: Path) -> str:
 
 
 def layer_of(module: str) -> int | None:
+    """The layer of a module: its folder's; None for a module outside every layer's folder."""
     if module in EXACT:
         return EXACT[module]
-    matches = [prefix for prefix in LAYERS if module == prefix or module.startswith(prefix + ".")]
-    return LAYERS[max(matches, key=len)] if matches else None
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[0] == "bapo_trl" and parts[1] in LAYERS else None
 
 
 def imports(path: Path, source: str | None = None) -> list[tuple[int, str]]:
@@ -70,7 +66,7 @@ def upward_imports(files: dict[Path, str | None]) -> list[str]:
         here = module_name(path)
         mine = layer_of(here)
         if mine is None:
-            problems.append(f"{here} has no layer: add it to tests/test_layers.py LAYERS")
+            problems.append(f"{here} has no layer: move it into the folder of its layer, one of {', '.join(LAYERS)}")
             continue
         for line, target in imports(path, source):
             theirs = layer_of(target)
@@ -104,7 +100,8 @@ def test_an_upward_import_is_caught():
 
 def test_a_module_without_a_layer_is_reported():
     problems = upward_imports({PACKAGE / "brand_new.py": "import os\n"})
-    assert problems == ["bapo_trl.brand_new has no layer: add it to tests/test_layers.py LAYERS"]
+    assert problems == ["bapo_trl.brand_new has no layer: move it into the folder of its layer, one of core, generation, "
+                        "rollout, trainer, recipes, cli"]
 
 
 def test_importing_the_config_or_the_rollout_package_loads_no_source(fresh_imports):
@@ -112,3 +109,60 @@ def test_importing_the_config_or_the_rollout_package_loads_no_source(fresh_impor
     imports lazily."""
     rollout = {m for m in fresh_imports["config"] if m == "bapo_trl.rollout" or m.startswith("bapo_trl.rollout.")}
     assert rollout == {"bapo_trl.rollout", "bapo_trl.rollout.settings"}
+
+
+def import_cycles(files: dict[Path, str | None]) -> list[list[str]]:
+    """Every circle of imports between the package's modules (any import, wherever it stands), each once."""
+    known = {module_name(path) for path in files}
+    graph = {}
+    for path, source in files.items():
+        targets = set()
+        for _, target in imports(path, source):
+            while target and target not in known:  # `from .x import name`: the module is x
+                target = target.rpartition(".")[0]
+            if target and target != module_name(path):
+                targets.add(target)
+        graph[module_name(path)] = targets
+    cycles, state = [], {}
+
+    def visit(module, stack):
+        state[module] = "open"
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == "open":
+                cycles.append(stack[stack.index(target):] + [target])
+            elif target not in state:
+                visit(target, stack + [target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    return cycles
+
+
+def test_no_import_cycle():
+    """Inside a layer too (a package's face importing its own modules lazily is no cycle: they never import it)."""
+    cycles = import_cycles(package_files())
+    assert cycles == [], "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_an_import_cycle_is_caught():
+    pool, queue = PACKAGE / "rollout" / "pool.py", PACKAGE / "rollout" / "replay_queue.py"
+    assert import_cycles({pool: "from .replay_queue import ReplayQueue\n", queue: "from . import pool\n"}) == [
+        ["bapo_trl.rollout.pool", "bapo_trl.rollout.replay_queue", "bapo_trl.rollout.pool"]]
+
+
+def test_core_imports_torch_and_the_standard_library_only():
+    """The method stays a set of pure tensor functions: nothing of TRL, transformers or the rest of the package."""
+    problems = []
+    for path in sorted((PACKAGE / "core").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module]
+            else:
+                continue
+            problems += [f"{path.relative_to(ROOT)}:{node.lineno}: {name}" for name in names
+                         if name.split(".")[0] not in sys.stdlib_module_names | {"torch"}]
+    assert problems == []

@@ -10,11 +10,12 @@ import pytest
 import yaml
 from datasets import Dataset
 
+from bapo_trl.cli import evaluate as evaluate_command
 from bapo_trl.cli.rewards import resolve_reward_funcs
 from bapo_trl.cli.train import parse_args, prepare
-from bapo_trl.math_recipe import evaluate as math_eval
-from bapo_trl.math_recipe.data import SYSTEM_PROMPT, resolve_format, to_math_prompts
-from bapo_trl.math_recipe.rewards import SOFT_OVERLONG, boxed_accuracy, boxed_format_reward
+from bapo_trl.recipes.math_reasoning import evaluate as math_eval
+from bapo_trl.recipes.math_reasoning.data import SYSTEM_PROMPT, resolve_format, to_math_prompts
+from bapo_trl.recipes.math_reasoning.rewards import SOFT_OVERLONG, boxed_accuracy, boxed_format_reward
 from launching import REPO
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")  # train_bapo.py builds the embedded model there
@@ -165,7 +166,7 @@ def every_other_sample(completions, **kwargs):
 
 
 def run_eval(model_dir, output, *extra):
-    return math_eval.main(["--model", model_dir, "--dataset", str(PROBLEMS), "--k", "2", "--num_problems", "3",
+    return evaluate_command.main(["--model", model_dir, "--dataset", str(PROBLEMS), "--k", "2", "--num_problems", "3",
                            "--max_new_tokens", "8", "--output", str(output), *extra])
 
 
@@ -195,12 +196,12 @@ def test_evaluation_of_a_lora_adapter(tiny_model_dir, tmp_path):
 def test_evaluation_accepts_every_reward_name_training_does():
     """``evaluate --reward`` resolves through the recipe's own registry (no import of the command line): the same
     names as ``--reward_funcs``, to the same functions, and the same error for an unknown one."""
-    from bapo_trl import reward_funcs
     from bapo_trl.cli.rewards import REWARD_FUNCS
+    from bapo_trl.recipes import reward_funcs
 
     assert list(math_eval.REWARD_FUNCS) == list(REWARD_FUNCS)
     assert {"reverse", "accuracy_reward", "boxed_accuracy", "soft_overlong_8k"} <= set(REWARD_FUNCS)
-    names = ["reverse", "think_format_reward", "boxed_format_reward", "bapo_trl.toy.reverse_reward"]
+    names = ["reverse", "think_format_reward", "boxed_format_reward", "bapo_trl.recipes.toy.reverse_reward"]
     assert reward_funcs.resolve(names, math_eval.REWARD_FUNCS) == resolve_reward_funcs(names)
     for registry in (math_eval.REWARD_FUNCS, REWARD_FUNCS):
         with pytest.raises(ValueError, match="Unknown reward function 'nope'.*'boxed_accuracy'"):
@@ -209,7 +210,7 @@ def test_evaluation_accepts_every_reward_name_training_does():
 
 def test_evaluation_errors_are_one_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        math_eval.main(["--model", "/nonexistent/model", "--dataset", "/nonexistent/problems.jsonl"])
+        evaluate_command.main(["--model", "/nonexistent/model", "--dataset", "/nonexistent/problems.jsonl"])
     assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
 
 
@@ -262,7 +263,7 @@ def test_cpu_recipe_trains_two_steps(tmp_path):
     assert (out / "model.safetensors").exists()
     assert "rewards/boxed_accuracy/mean" in proc.stdout + proc.stderr and "BAPO run summary" in proc.stdout
     # the evaluation command on the training checkpoint, as a user would run it
-    proc = subprocess.run([sys.executable, "-m", "bapo_trl.math_recipe.evaluate", "--model", str(out / "checkpoint-2"),
+    proc = subprocess.run([sys.executable, "-m", "bapo_trl.cli.evaluate", "--model", str(out / "checkpoint-2"),
                            "--dataset", "tests/data/math_problems.jsonl", "--k", "2", "--num_problems", "2",
                            "--max_new_tokens", "8", "--output", str(out / "eval.json")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from bapo_trl import BAPOConfig, BAPOTrainer, search_clip_bounds
 from bapo_trl.core.clipping import BAPOSettings, search_path
 from bapo_trl.core.numerics import loss_mask, sanitize_micro_batch
-from bapo_trl.toy import make_reverse_dataset, reverse_reward
+from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 
 NASTY = [math.nan, math.inf, -math.inf, 1e30, 1e-30, 0.0, 1e38]
 ratio_values = st.floats(1e-30, 1e30, allow_nan=False) | st.sampled_from([1.0, 0.6, 1.2, 3.0, 1e-30, 1e30])

@@ -158,13 +158,13 @@ def test_the_trainer_imports_nothing_from_the_command_line_or_the_recipes(fresh_
     launch record, model registry) and without the math recipe or the toy task."""
     loaded = fresh_imports["trainer"]
     outer = {m for m in loaded if m.split(".")[1] in ("cli", "math_recipe", "toy")}
-    assert outer | (loaded & {"bapo_trl.models"}) == set()
+    assert outer | (loaded & {"bapo_trl.recipes.models"}) == set()
     assert "bapo_trl.trainer.bapo_trainer" in loaded
 
 
 def imports_from_the_package(source: str, module: str) -> list[tuple[str, str | None]]:
     """``(absolute bapo_trl module, imported name or None)`` for every import of the package in ``source``, the code
-    of module ``module`` (``bapo_trl.math_recipe.evaluate``; a package as ``bapo_trl.math_recipe.__init__``), with
+    of module ``module`` (``bapo_trl.recipes.math_reasoning.evaluate``; a package as ``bapo_trl.recipes.math_reasoning.__init__``), with
     relative imports resolved. ``from .. import cli`` gives ``("bapo_trl.cli", None)``."""
     package = module.rsplit(".", 1)[0]  # a module's package; an __init__'s package is itself
     found = []
@@ -192,7 +192,7 @@ def layering_problems(files: dict[str, str]) -> list[str]:
     problems = []
     for module, source in files.items():
         for target, name in imports_from_the_package(source, module):
-            if module.startswith("bapo_trl.math_recipe.") and _is_cli(target):
+            if module.startswith("bapo_trl.recipes.math_reasoning.") and _is_cli(target):
                 problems.append(f"{module} imports {target} (the math recipe must not depend on the command line)")
             if not _is_cli(module) and _is_cli(target) and name and name.startswith("_"):
                 problems.append(f"{module} imports the private {target}.{name}")
@@ -203,23 +203,23 @@ def test_the_math_recipe_imports_nothing_from_the_command_line():
     files = {".".join(p.relative_to(ROOT).with_suffix("").parts): p.read_text()
              for p in sorted((ROOT / "bapo_trl").rglob("*.py"))}
     files["train_bapo"] = (ROOT / "train_bapo.py").read_text()
-    assert len(files) > 40 and "bapo_trl.math_recipe.evaluate" in files
+    assert len(files) > 40 and "bapo_trl.recipes.math_reasoning.evaluate" in files
     assert layering_problems(files) == []
 
 
 def test_the_layering_check_catches_what_it_should():
-    """The check itself, on the imports the recipe had before bapo_trl.datasets_io / bapo_trl.reward_funcs."""
+    """The check itself, on the imports the recipe had before bapo_trl.recipes.datasets_io / bapo_trl.recipes.reward_funcs."""
     recipe = "def load():\n    from ..cli.data import _load\n    from ..cli.rewards import resolve_reward_funcs\n"
-    assert layering_problems({"bapo_trl.math_recipe.evaluate": recipe}) == [
-        "bapo_trl.math_recipe.evaluate imports bapo_trl.cli.data (the math recipe must not depend on the command line)",
-        "bapo_trl.math_recipe.evaluate imports bapo_trl.cli.rewards (the math recipe must not depend on the command "
+    assert layering_problems({"bapo_trl.recipes.math_reasoning.evaluate": recipe}) == [
+        "bapo_trl.recipes.math_reasoning.evaluate imports bapo_trl.cli.data (the math recipe must not depend on the command line)",
+        "bapo_trl.recipes.math_reasoning.evaluate imports bapo_trl.cli.rewards (the math recipe must not depend on the command "
         "line)",
-        "bapo_trl.math_recipe.evaluate imports the private bapo_trl.cli.data._load",
+        "bapo_trl.recipes.math_reasoning.evaluate imports the private bapo_trl.cli.data._load",
     ]
-    assert layering_problems({"bapo_trl.math_recipe.__init__": "from .. import cli\n"}) == [
-        "bapo_trl.math_recipe.__init__ imports bapo_trl.cli (the math recipe must not depend on the command line)"]
-    assert layering_problems({"bapo_trl.plot": "from bapo_trl.cli.train import _helper\n"}) == [
-        "bapo_trl.plot imports the private bapo_trl.cli.train._helper"]
+    assert layering_problems({"bapo_trl.recipes.math_reasoning.__init__": "from .. import cli\n"}) == [
+        "bapo_trl.recipes.math_reasoning.__init__ imports bapo_trl.cli (the math recipe must not depend on the command line)"]
+    assert layering_problems({"bapo_trl.cli.plot": "from bapo_trl.cli.train import _helper\n"}) == [
+        "bapo_trl.cli.plot imports the private bapo_trl.cli.train._helper"]
     # inside the command line, and public names elsewhere, are fine
     assert layering_problems({"bapo_trl.cli.train": "from .data import _prompts\n",
-                              "bapo_trl.generation.serve": "from ..cli.train import run\n"}) == []
+                              "bapo_trl.cli.serve": "from ..cli.train import run\n"}) == []

@@ -9,8 +9,8 @@ from probes import source_of
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 from bapo_trl.rollout import PartialRollout, PartialRolloutPool
-from bapo_trl.toy import make_reverse_dataset, reverse_reward
 
 EOS = 99
 
@@ -161,7 +161,7 @@ def test_completions_span_several_steps_and_training_is_finite(partial_run):
 
 
 def test_dynamics_plot_shows_the_partial_rollout_panel(partial_run):
-    from bapo_trl.plot import plot_dynamics
+    from bapo_trl.cli.plot import plot_dynamics
 
     trainer, _ = partial_run
     fig = plot_dynamics(trainer.state.log_history)

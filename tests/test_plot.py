@@ -8,7 +8,7 @@ import sys
 import matplotlib.image
 import pytest
 
-from bapo_trl.plot import DPI, LOG_HISTORY_NAME, PlotDynamicsCallback, load_run, plot_dynamics
+from bapo_trl.cli.plot import DPI, LOG_HISTORY_NAME, PlotDynamicsCallback, load_run, plot_dynamics
 
 CORE = ["reward", "entropy", "clip_bounds", "positive_share", "clip_fractions", "entropy_clip", "staleness"]
 
@@ -19,7 +19,7 @@ def run(tiny_model_dir, tmp_path_factory):
     from transformers import AutoTokenizer
 
     from bapo_trl import BAPOConfig, BAPOTrainer
-    from bapo_trl.toy import make_reverse_dataset, reverse_reward
+    from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 
     out = tmp_path_factory.mktemp("plot") / "bapo-run"
     args = BAPOConfig(
@@ -42,7 +42,7 @@ def replay_run(tiny_model_dir, tmp_path_factory):
     from transformers import AutoTokenizer
 
     from bapo_trl import BAPOConfig, BAPOTrainer
-    from bapo_trl.toy import make_reverse_dataset, reverse_reward
+    from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 
     args = BAPOConfig(
         output_dir=str(tmp_path_factory.mktemp("plot-replay")), use_cpu=True, bf16=False,
@@ -126,13 +126,13 @@ def test_command_line_overlays_runs_and_writes_png_of_the_figure_size(run, tmp_p
     second.mkdir()
     (second / "trainer_state.json").write_text(json.dumps({"global_step": 8, "log_history": history}))
     png = tmp_path / "sub" / "dynamics.png"
-    proc = subprocess.run([sys.executable, "-m", "bapo_trl.plot", str(out), str(second), "-o", str(png),
+    proc = subprocess.run([sys.executable, "-m", "bapo_trl.cli.plot", str(out), str(second), "-o", str(png),
                            "--labels", "a", "b"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "panels: " + ", ".join(CORE) in proc.stdout
     expected = plot_dynamics([out, second], labels=["a", "b"]).get_size_inches() * DPI
     assert matplotlib.image.imread(png).shape[:2] == (round(expected[1]), round(expected[0]))
 
-    bad = subprocess.run([sys.executable, "-m", "bapo_trl.plot", str(tmp_path / "nothing"), "-o", str(png)],
+    bad = subprocess.run([sys.executable, "-m", "bapo_trl.cli.plot", str(tmp_path / "nothing"), "-o", str(png)],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no such run directory" in bad.stderr and "Traceback" not in bad.stderr

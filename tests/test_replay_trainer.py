@@ -9,8 +9,8 @@ from probes import source_of
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 from bapo_trl.rollout import ReplaySource
-from bapo_trl.toy import make_reverse_dataset, reverse_reward
 from bapo_trl.trainer.bapo_trainer import REPLAY_METRICS
 
 REPLAY = dict(

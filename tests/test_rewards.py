@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
 from bapo_trl.cli.rewards import RewardFunctionError, resolve_reward_funcs
-from bapo_trl.toy import make_reverse_dataset, reverse_reward
+from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 
 
 def trainer_with(reward, model_dir, tmp_path):
@@ -39,10 +39,10 @@ def test_none_rewards_are_skipped_as_trl_documents(tiny_model_dir, tmp_path):
 
 
 def test_registry_resolves_names_and_paths():
-    funcs = resolve_reward_funcs(["reverse", "bapo_trl.toy.reverse_reward"])
+    funcs = resolve_reward_funcs(["reverse", "bapo_trl.recipes.toy.reverse_reward"])
     assert funcs[0] is reverse_reward and funcs[1] is reverse_reward
     with pytest.raises(ValueError, match="no attribute|has no reward function"):
-        resolve_reward_funcs(["bapo_trl.toy.nope"])
+        resolve_reward_funcs(["bapo_trl.recipes.toy.nope"])
 
 
 class AsyncReward:

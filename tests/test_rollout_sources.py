@@ -17,9 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl.recipes.toy import build_tokenizer, make_reverse_dataset
 from bapo_trl.rollout import ReadyCompletions, ReplaySource, register_source
 from bapo_trl.rollout.contract import NothingInBackground, RolloutSource, TrainerPort, stamp_policy_version
-from bapo_trl.toy import build_tokenizer, make_reverse_dataset
 
 #: The completions, as text; each is followed by EOS. Two right answers' shapes and two wrong ones of other lengths.
 TEXTS = ("321", "12", "99999", "1")

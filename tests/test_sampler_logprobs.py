@@ -31,8 +31,8 @@ from bapo_trl.generation.cpu_server import (
     VLLMLogprobsModeError,
     check_logprobs_mode,
 )
+from bapo_trl.recipes.toy import make_reverse_dataset
 from bapo_trl.rollout.settings import sampler_logprobs_use
-from bapo_trl.toy import make_reverse_dataset
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")
 RAW = "raw_logprobs"

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
 from bapo_trl.cli.summary import format_summary
-from bapo_trl.toy import make_reverse_dataset, reverse_reward
+from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 from bapo_trl.trainer.model_card import bapo_card_section
 
 #: A run whose every stale update moves some ratio past a path bound (without the dual clip, which slows the policy:

@@ -32,7 +32,7 @@ import requests
 import torch
 from policy_server import JSONHandler
 
-from bapo_trl.generation import serve
+from bapo_trl.cli import serve
 from launching import PORT_ATTEMPTS, REPO, free_port, port_clash
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")
@@ -254,7 +254,7 @@ def build_trainer(model_dir: str, output_dir: Path, url: str, **overrides):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bapo_trl import BAPOConfig, BAPOTrainer
-    from bapo_trl.toy import make_reverse_dataset, reverse_reward
+    from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 
     args = BAPOConfig(output_dir=str(output_dir), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
                       per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_steps=1,
@@ -443,7 +443,7 @@ def test_a_real_server_with_a_key_and_a_directory_it_does_not_see(vllm_cpu_venv,
     def start(attempt: int):
         """The server on a port found free; (process, url, log), or None if the port was taken before it bound it."""
         port = free_port()
-        serve_cmd = [sys.executable, "-m", "bapo_trl.generation.serve", tiny_model_dir, "--port", str(port)]
+        serve_cmd = [sys.executable, "-m", "bapo_trl.cli.serve", tiny_model_dir, "--port", str(port)]
         script = f"mount -t tmpfs bapo-hidden {hidden} && exec {' '.join(serve_cmd)}"
         log = tmp_path / f"server{attempt}.log"
         with open(log, "wb") as out:

@@ -1,7 +1,7 @@
 """Every generation-server command the docs give would start: a dry run, no GPU, nothing launched.
 
 Found in README.md and docs/*.md (bash blocks) and in every recipe (comments included, continuation lines joined):
-``trl vllm-serve ...``, ``bapo serve ...`` and ``python -m bapo_trl.generation.serve ...``. Each is parsed by the
+``trl vllm-serve ...``, ``bapo serve ...`` and ``python -m bapo_trl.cli.serve ...``. Each is parsed by the
 parser that would run it (the installed TRL's ``vllm-serve`` parser, imported from ``trl.scripts.vllm_serve``
 without starting anything; the project's own for ``bapo serve``), turned into the ``vllm serve`` command line that
 would be executed, and checked against vLLM's rule for dense models (:func:`vllm_parallelism_error`).
@@ -29,7 +29,7 @@ HUB_MODELS = {
 }
 #: config.json keys that only mixture-of-experts models set (to a number > 1)
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-SERVER_PREFIXES = (["trl", "vllm-serve"], ["bapo", "serve"], ["python", "-m", "bapo_trl.generation.serve"])
+SERVER_PREFIXES = (["trl", "vllm-serve"], ["bapo", "serve"], ["python", "-m", "bapo_trl.cli.serve"])
 
 
 def vllm_parallelism_error(vllm_argv: list[str], moe: bool) -> str | None:
@@ -123,7 +123,7 @@ def vllm_command(command: str) -> tuple[list[str], str, dict[str, str]]:
         # `trl vllm-serve` forwards unknown flags to `vllm serve` unchecked: the docs use only TRL's own
         assert not unknown, f"flags TRL's parser does not know (forwarded to vllm serve unchecked): {unknown}"
         return build_command(script_args)[3:], script_args.model, env
-    from bapo_trl.generation import serve
+    from bapo_trl.cli import serve
 
     rest = argv[2:] if argv[0] == "bapo" else argv[3:]
     extra = rest[rest.index("--") + 1:] if "--" in rest else []
@@ -174,7 +174,7 @@ def test_the_rule_cites_trls_own_help_text():
     ("trl vllm-serve --model Qwen/Qwen3-30B-A3B --data_parallel_size 2", False),  # MoE: data parallel is allowed
     ("bapo serve deepseek-ai/DeepSeek-R1-Distill-Qwen-7B -- --data-parallel-size 2", True),
     ("bapo serve deepseek-ai/DeepSeek-R1-Distill-Qwen-7B -- -dp 4", True),
-    ("python -m bapo_trl.generation.serve MODEL -- --data-parallel-size=2", True),
+    ("python -m bapo_trl.cli.serve MODEL -- --data-parallel-size=2", True),
     ("bapo serve MODEL -- --tensor-parallel-size 2", False),
 ])
 def test_the_check_refuses_data_parallelism_for_a_dense_model(command, refused):

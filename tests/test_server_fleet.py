@@ -295,7 +295,7 @@ def train_through(servers, model_dir, out, **overrides):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bapo_trl import BAPOTrainer
-    from bapo_trl.toy import make_reverse_dataset
+    from bapo_trl.recipes.toy import make_reverse_dataset
 
     settings = dict(output_dir=str(out), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=8,
                     num_generations=4, max_completion_length=8, logging_steps=1, seed=0, learning_rate=5e-3,

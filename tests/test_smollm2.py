@@ -3,7 +3,7 @@
 Fast tier: the registry, the error paths (no wheel, a wrong file, no gguf package), the shipped task, the held-out
 set of the SmolLM2 evidence study and the SmolLM2 studies' reports. Slow tier: the real conversion, and the converted
 model through every path (train_bapo.py: LoRA on stale data, and full fine-tuning with ZeRO-3 on 2 processes, the
-vLLM CPU server with weight sync and partial rollout; bapo_trl.math_recipe.evaluate; the quickstart notebook; the
+vLLM CPU server with weight sync and partial rollout; bapo_trl.cli.evaluate; the quickstart notebook; the
 evidence study's training and batched evaluation). The
 real-model runs are kept to 2-3 steps of 4 prompts x 4 samples x 16 tokens (each costs 15-40 s on 2 shared cores).
 """
@@ -17,9 +17,10 @@ import sys
 
 import pytest
 
-from bapo_trl import models
-from bapo_trl.math_recipe.chat_arithmetic import splits
-from bapo_trl.math_recipe.rewards import boxed_accuracy
+from bapo_trl.cli import models as models_command
+from bapo_trl.recipes import models
+from bapo_trl.recipes.math_reasoning.chat_arithmetic import splits
+from bapo_trl.recipes.math_reasoning.rewards import boxed_accuracy
 from launching import REPO, assert_zero3_partitioned, refused_port, run_quick
 
 DATA = REPO / "tests" / "data"
@@ -125,12 +126,12 @@ def test_the_slow_tiers_downloads_retry_a_hiccup_and_say_when_the_registry_is_un
 
 
 def test_the_cli_lists_the_registry_and_reports_errors(tmp_path, capsys, monkeypatch):
-    assert models.main(["--list", "--cache_dir", str(tmp_path)]) == 0
+    assert models_command.main(["--list", "--cache_dir", str(tmp_path)]) == 0
     assert "smollm2-135m-instruct" in capsys.readouterr().out
     monkeypatch.setenv(models.SMOLLM2.env_var, str(tmp_path / "missing.gguf"))
     monkeypatch.setattr(models, "_installed_gguf", lambda spec: None)
     monkeypatch.setattr(models, "_pip", lambda *a, **k: subprocess.CompletedProcess([], 1, "", "offline"))
-    assert models.main(["smollm2", "--cache_dir", str(tmp_path)]) == 2
+    assert models_command.main(["smollm2", "--cache_dir", str(tmp_path)]) == 2
     assert "error: could not download" in capsys.readouterr().err
 
 
@@ -172,7 +173,7 @@ def test_the_task_is_scored_by_math_verify():
 
 def test_train_bapo_and_evaluate_read_the_task_as_chat_prompts(tmp_path):
     from bapo_trl.cli.train import parse_args, prepare
-    from bapo_trl.math_recipe.evaluate import load_problems
+    from bapo_trl.recipes.math_reasoning.evaluate import load_problems
 
     for argv in (["--dataset_name", str(TRAIN)], ["--dataset_name", str(TRAIN), "--math_dataset_format", "auto"]):
         script_args, training_args, model_args = parse_args(
@@ -194,7 +195,7 @@ def test_the_96_problem_heldout_set_is_the_generators_output_and_never_trained_o
     test split, then 48 problems of the task's own form with an operand of 13 or 14; none in the training split."""
     import re
 
-    from bapo_trl.math_recipe.chat_arithmetic import make_prompt
+    from bapo_trl.recipes.math_reasoning.chat_arithmetic import make_prompt
 
     bench = benchmark("evidence_smollm2")
     heldout = bench.load_heldout()
@@ -309,7 +310,7 @@ def test_conversion_is_real_verified_and_cached(smollm2_dir):
         out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert "7" in tokenizer.decode(out[0, ids.shape[1]:])
     # A second call (another process: the CLI) reuses the cache.
-    proc = subprocess.run([sys.executable, "-m", "bapo_trl.models", "smollm2"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "bapo_trl.recipes.models", "smollm2"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == smollm2_dir and "converting" not in proc.stderr
 
@@ -359,7 +360,7 @@ def assert_bapo_acted(logs, steps):
 
 
 def evaluate(model, output, num_problems=3, k=4):
-    proc = subprocess.run([sys.executable, "-m", "bapo_trl.math_recipe.evaluate", "--model", str(model), "--dataset", str(TEST),
+    proc = subprocess.run([sys.executable, "-m", "bapo_trl.cli.evaluate", "--model", str(model), "--dataset", str(TEST),
                            "--k", str(k), "--num_problems", str(num_problems), "--max_new_tokens", "16",
                            "--temperature", "1.0", "--threads", THREADS, "--output", str(output)],
                           cwd=REPO, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600)
@@ -394,7 +395,7 @@ def test_zero3_two_processes_through_the_server_then_evaluate(smollm2_server, sm
     partial rollout (completions grow 6 tokens per step, so one answer spans segments of different policy versions):
     both ranks resolve the registry name (converted once, under a lock), parameters are partitioned and gathered for
     each sync, and, SmolLM2 tying its embeddings, the server re-packs its LM head after each sync: the sampler's
-    log-probs still match the trainer's. Then bapo_trl.math_recipe.evaluate on the base model (by its registry name)
+    log-probs still match the trainer's. Then bapo_trl.cli.evaluate on the base model (by its registry name)
     and on the run's gathered save. (A single-process full fine-tuning run through the server, 100-130 s of the slow
     tier, was folded into this one: the tiny model covers that path, tied embeddings included, in
     tests/test_vllm_server.py; SmolLM2's bounds move in the LoRA test.)"""

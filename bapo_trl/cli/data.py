@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..datasets_io import FILE_FORMATS, load_split  # noqa: F401  (FILE_FORMATS: re-exported)
+from ..recipes.datasets_io import FILE_FORMATS, load_split  # noqa: F401  (FILE_FORMATS: re-exported)
 
 
 def prepare_prompts(dataset, prompt_column: str = "prompt"):
@@ -23,7 +23,7 @@ def load_prompts(script_args, training_args):
     """``(train, eval)`` datasets; eval only when ``eval_strategy`` is not ``"no"``."""
     wants_eval = str(getattr(training_args.eval_strategy, "value", training_args.eval_strategy)) != "no"
     if script_args.dataset_name is None:
-        from ..toy import make_reverse_dataset
+        from ..recipes.toy import make_reverse_dataset
 
         train = make_reverse_dataset(script_args.num_train_prompts, seed=training_args.seed)
         evaluation = make_reverse_dataset(64, seed=training_args.seed, split="test") if wants_eval else None
@@ -40,7 +40,7 @@ def _prompts(script_args, split: str):
     if not math_format:
         dataset = load_split(name, config, split, script_args.dataset_train_split)
         return prepare_prompts(dataset, script_args.prompt_column)
-    from ..math_recipe.data import default_config, to_math_prompts
+    from ..recipes.math_reasoning.data import default_config, to_math_prompts
 
     dataset = load_split(name, config or default_config(name), split, script_args.dataset_train_split)
     return to_math_prompts(dataset, math_format, dataset_name=name,

@@ -1,10 +1,10 @@
 """The ``bapo`` command: one entry point for the package's commands, each the module it always was.
 
     bapo train ...      = python train_bapo.py ...        (multi-process: accelerate launch train_bapo.py ...)
-    bapo serve ...      = python -m bapo_trl.generation.serve ...
-    bapo evaluate ...   = python -m bapo_trl.math_recipe.evaluate ...
-    bapo plot ...       = python -m bapo_trl.plot ...
-    bapo models ...     = python -m bapo_trl.models ...
+    bapo serve ...      = python -m bapo_trl.cli.serve ...
+    bapo evaluate ...   = python -m bapo_trl.cli.evaluate ...
+    bapo plot ...       = python -m bapo_trl.cli.plot ...
+    bapo models ...     = python -m bapo_trl.cli.models ...
 
 The rest of the command line goes to that module's own ``main`` (or ``run``): its flags, help text and exit codes are
 the module's, with ``bapo SUBCOMMAND`` as the program name. Only the chosen subcommand's module is imported, so
@@ -22,10 +22,10 @@ PROG = "bapo"
 #: subcommand -> (module, one line of help)
 SUBCOMMANDS = {
     "train": ("bapo_trl.cli.train", "train with BAPO on top of TRL's GRPO (= train_bapo.py)"),
-    "serve": ("bapo_trl.generation.serve", "start a vLLM server with the flags BAPO/TRL training needs (GPU or CPU)"),
-    "evaluate": ("bapo_trl.math_recipe.evaluate", "avg@k / pass@k of a model or checkpoint on a math dataset"),
-    "plot": ("bapo_trl.plot", "training-dynamics PNG of one or more runs"),
-    "models": ("bapo_trl.models", "prepare a registry model offline (smollm2) and print its directory"),
+    "serve": ("bapo_trl.cli.serve", "start a vLLM server with the flags BAPO/TRL training needs (GPU or CPU)"),
+    "evaluate": ("bapo_trl.cli.evaluate", "avg@k / pass@k of a model or checkpoint on a math dataset"),
+    "plot": ("bapo_trl.cli.plot", "training-dynamics PNG of one or more runs"),
+    "models": ("bapo_trl.cli.models", "prepare a registry model offline (smollm2) and print its directory"),
 }
 
 

@@ -67,7 +67,7 @@ class BAPOScriptArguments(ScriptArguments):
             2 threads on a 2-core machine for a model this small).
         math_dataset_format (`str`, *optional*):
             Map a math dataset to ``prompt`` (chat messages asking for a ``\\boxed{}`` answer) and ``answer``
-            columns (see :mod:`bapo_trl.math_recipe.data`): ``auto`` (known dataset ids, then the columns present) or a
+            columns (see :mod:`bapo_trl.recipes.math_reasoning.data`): ``auto`` (known dataset ids, then the columns present) or a
             format name (``gsm8k``, ``math``, ``dapo``, ``skywork``, ``problem_answer``...). ``prompt_column`` is
             then not used. Off by default.
         math_instruction_role (`str`, defaults to `"system"`):
@@ -90,7 +90,7 @@ class BAPOScriptArguments(ScriptArguments):
     math_dataset_format: str | None = field(
         default=None,
         metadata={"help": "Math dataset -> prompt (boxed-answer instruction) + answer columns: 'auto' or a format "
-                  "name (gsm8k, math, dapo, skywork, problem_answer, ...; see bapo_trl.math_recipe.data). Off by default."},
+                  "name (gsm8k, math, dapo, skywork, problem_answer, ...; see bapo_trl.recipes.math_reasoning.data). Off by default."},
     )
     math_instruction_role: str = field(
         default="system",
@@ -209,7 +209,7 @@ def prepare(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_a
         if not embedded:
             from transformers import AutoConfig
 
-            from ..models import ModelSetupError, resolve_model
+            from ..recipes.models import ModelSetupError, resolve_model
 
             try:  # a registry name (smollm2-135m-instruct): converted once, then its cached local directory
                 model_args.model_name_or_path = resolve_model(model_args.model_name_or_path)
@@ -232,9 +232,9 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
     import torch
     from trl import get_peft_config, get_quantization_config
 
-    from ..plot import PlotDynamicsCallback
     from ..trainer.bapo_trainer import BAPOTrainer
     from .launch_info import LaunchInfoCallback
+    from .plot import PlotDynamicsCallback
     from .summary import format_summary
 
     embedded = model_args.model_name_or_path is None
@@ -244,7 +244,7 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
     reward_funcs, train_dataset, eval_dataset = prepare(script_args, training_args, model_args)
 
     if embedded:
-        from ..toy import build_tiny_model
+        from ..recipes.toy import build_tiny_model
 
         model_path = build_tiny_model()
     else:

@@ -36,7 +36,7 @@ import torch
 
 from .seeding import at_once
 
-SERVE_HINT = "start it with `bapo serve MODEL --port PORT` or `python -m bapo_trl.generation.serve MODEL --port PORT`"
+SERVE_HINT = "start it with `bapo serve MODEL --port PORT` or `python -m bapo_trl.cli.serve MODEL --port PORT`"
 #: The variable the trainer reads its server's API key from (the name vLLM's server reads it from too).
 API_KEY_ENV = "VLLM_API_KEY"
 #: The worker extension's method that reads the start-up probe file (bapo_vllm_worker.BAPOWorkerExtension).

@@ -10,7 +10,7 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM
 
 from bapo_trl.cli.train import exit_past_gloo_teardown
-from bapo_trl.toy import build_tiny_model
+from bapo_trl.recipes.toy import build_tiny_model
 
 out_dir = sys.argv[1]
 state = PartialState(cpu=True)  # initialises the process group, as TrainingArguments does before train_bapo.py builds

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
-from bapo_trl.toy import make_reverse_dataset, reverse_reward
+from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 
 model_dir, out_dir = sys.argv[1], sys.argv[2]
 torch.set_num_threads(1)

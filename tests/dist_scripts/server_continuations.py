@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
 from bapo_trl.cli.train import exit_past_gloo_teardown
-from bapo_trl.toy import make_reverse_dataset, reverse_reward
+from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 
 model_dir, server_url, out_dir = sys.argv[1], sys.argv[2], sys.argv[3]
 torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 ``bapo evaluate`` both read.
 
 A module of its own, below both users: the training command (:mod:`bapo_trl.cli.data`) and the math recipe's
-evaluation (:mod:`bapo_trl.math_recipe.evaluate`) load datasets the same way, and the recipe must not depend on the
+evaluation (:mod:`bapo_trl.recipes.math_reasoning.evaluate`) load datasets the same way, and the recipe must not depend on the
 command line. ``datasets`` is imported only when a split is loaded.
 """
 

@@ -1,8 +1,8 @@
 """Reward functions by name: the general registry, and ``registry name or dotted import path -> callable``.
 
 Below both users: ``bapo train --reward_funcs`` (:mod:`bapo_trl.cli.rewards`) and ``bapo evaluate --reward``
-(:mod:`bapo_trl.math_recipe.evaluate`) accept the same names, each adding the math recipe's own rewards
-(:data:`bapo_trl.math_recipe.rewards.REWARD_FUNCS`), and the recipe must not depend on the command line. The
+(:mod:`bapo_trl.recipes.math_reasoning.evaluate`) accept the same names, each adding the math recipe's own rewards
+(:data:`bapo_trl.recipes.math_reasoning.rewards.REWARD_FUNCS`), and the recipe must not depend on the command line. The
 registries hold zero-argument loaders, so a reward's module (the toy task, TRL's rewards, math-verify) is imported
 only when that reward is used. The trainer imports nothing from here: it takes callables.
 """

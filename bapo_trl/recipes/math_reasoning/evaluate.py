@@ -3,7 +3,7 @@
     bapo evaluate --model outputs/run/checkpoint-200 --dataset HuggingFaceH4/aime_2024 --k 16 \\
         --max_new_tokens 8192 --temperature 0.6 --output aime24.json
 
-(or ``python -m bapo_trl.math_recipe.evaluate ...``, the same command.)
+(the command: :mod:`bapo_trl.cli.evaluate`.)
 
 The paper reports AIME as avg@16: the mean correctness over 16 samples per problem. pass@j (at least one of j
 samples correct) uses the unbiased estimator of Chen et al. (2021), ``1 - C(n - c, j) / C(n, j)`` for ``n`` samples
@@ -14,11 +14,9 @@ and the same reward as training, so the evaluation sees what the reward saw. Sam
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import sys
 import time
 
 from .. import reward_funcs
@@ -156,47 +154,3 @@ def evaluate(args) -> dict:
         with open(args.output, "w") as f:
             json.dump(report, f, indent=2)
     return report
-
-
-def make_parser(prog: str = "python -m bapo_trl.math_recipe.evaluate") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="Model or checkpoint directory, hub id, LoRA adapter directory, or "
-                   "a bapo_trl.models registry name (smollm2-135m-instruct).")
-    p.add_argument("--dataset", required=True, help="Local .jsonl/.json/.parquet/.csv file or hub dataset id.")
-    p.add_argument("--dataset_config", default=None, help="Hub dataset config (GSM8K's 'main' is automatic).")
-    p.add_argument("--split", default=None, help="Split (default: 'test', or 'train' if that is the only one).")
-    p.add_argument("--math_dataset_format", default="auto", help="Math format (bapo_trl.math_recipe.data); default auto.")
-    p.add_argument("--math_instruction_role", default="system", choices=["system", "user"])
-    p.add_argument("--k", type=int, default=16, help="Samples per problem (the paper: 16).")
-    p.add_argument("--num_problems", type=int, default=None, help="Only the first N problems.")
-    p.add_argument("--max_new_tokens", type=int, default=1024)
-    p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy (then all k samples agree).")
-    p.add_argument("--top_p", type=float, default=1.0)
-    p.add_argument("--batch_size", type=int, default=16, help="Samples generated together.")
-    p.add_argument("--reward", default="boxed_accuracy", help="Reward by registry name or dotted path.")
-    p.add_argument("--correct_threshold", type=float, default=0.5, help="A sample with reward >= this is correct.")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16.")
-    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU).")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--keep_chars", type=int, default=2000, help="Characters of the first completion kept per problem.")
-    p.add_argument("--output", default=None, help="Write the JSON report here.")
-    return p
-
-
-def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.math_recipe.evaluate") -> dict:
-    parser = make_parser(prog)
-    args = parser.parse_args(argv)
-    if args.k < 1:
-        parser.error("--k must be >= 1")
-    try:
-        report = evaluate(args)
-    except (ValueError, OSError) as err:  # a bad path, dataset, split or reward: one line, no traceback
-        parser.exit(2, f"{parser.prog}: error: {err}\n")
-    metrics = {key: value for key, value in report.items() if key.startswith(("avg@", "pass@"))}
-    print(json.dumps({"model": args.model, "dataset": args.dataset, "num_scored": report["num_scored"], **metrics}))
-    return report
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -2,7 +2,7 @@
 
     bapo serve MODEL [--port 8000] [--host 127.0.0.1] [-- EXTRA VLLM FLAGS]
 
-(or ``python -m bapo_trl.generation.serve ...``, the same command.)
+(or ``python -m bapo_trl.cli.serve ...``, the same command.)
 
 Why a wrapper: the two worlds need different commands.
 
@@ -136,9 +136,9 @@ def build_command(model: str, host: str, port: int, backend: str, python: str, d
     return cmd + auth_flags + extra, {**CPU_ENV, "PYTHONPATH": path, **auth_env}
 
 
-def make_parser(prog: str = "python -m bapo_trl.generation.serve") -> argparse.ArgumentParser:
+def make_parser(prog: str = "python -m bapo_trl.cli.serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", help="model directory, hub id or bapo_trl.models registry name (the same weights "
+    parser.add_argument("model", help="model directory, hub id or bapo_trl.recipes.models registry name (the same weights "
                                       "the trainer starts from)")
     parser.add_argument("--host", default="127.0.0.1",
                         help=f"bind address (default loopback only); any other needs {REMOTE_FLAG} and an API key")
@@ -161,7 +161,7 @@ def make_parser(prog: str = "python -m bapo_trl.generation.serve") -> argparse.A
     return parser
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.generation.serve") -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.serve") -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
@@ -178,7 +178,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.generati
         backend = args.backend
         python = sys.executable if backend == "gpu" else os.path.join(venv, "bin", "python")
     if not args.dry_run:
-        from ..models import ModelSetupError, resolve_model  # standard library only until a conversion is needed
+        from ..recipes.models import (  # standard library only until a conversion is needed
+            ModelSetupError,
+            resolve_model,
+        )
 
         try:
             args.model = resolve_model(args.model)  # a registry name (smollm2-135m-instruct) -> its local checkpoint

@@ -1,4 +1,4 @@
-r"""Math RL datasets -> the two columns the trainer and :mod:`bapo_trl.math_recipe.rewards` use.
+r"""Math RL datasets -> the two columns the trainer and :mod:`bapo_trl.recipes.math_reasoning.rewards` use.
 
 ``prompt``: chat messages, the problem plus an instruction to put the final answer in ``\boxed{}`` (as a system
 message, or appended to the user message: DeepSeek-R1 models are meant to be run without a system prompt).
@@ -73,7 +73,7 @@ MATH_FORMATS: dict[str, dict] = {
     "question_answer": dict(question="question", answer="answer", answer_from="text",
                             hub_ids=["opencompass/AIME2025"], config="AIME2025-I"),
     # Prompts that are already chat messages (a conversation, few-shot turns included) + an "answer" column: kept as
-    # they are, no instruction added (bapo_trl.math_recipe.chat_arithmetic). A plain-text prompt gets the instruction as usual.
+    # they are, no instruction added (bapo_trl.recipes.math_reasoning.chat_arithmetic). A plain-text prompt gets the instruction as usual.
     "chat": dict(question="prompt", answer="answer", answer_from="text", hub_ids=[], chat=True),
 }
 
@@ -139,7 +139,7 @@ def resolve_format(fmt: str, dataset_name: str | None = None, column_names: list
             return name
     raise ValueError(
         f"Cannot tell the math format of dataset {dataset_name!r} (columns {sorted(columns)}): pass "
-        f"--math_dataset_format with one of {sorted(MATH_FORMATS)}, or add an entry to bapo_trl.math_recipe.data.MATH_FORMATS."
+        f"--math_dataset_format with one of {sorted(MATH_FORMATS)}, or add an entry to bapo_trl.recipes.math_reasoning.data.MATH_FORMATS."
     )
 
 

@@ -2,7 +2,7 @@ r"""Math rewards for the reasoning recipe: boxed-answer correctness, a reasoning
 
 What TRL already has is reused: correctness is decided by :func:`trl.rewards.accuracy_reward` (math-verify), the
 length penalty is :func:`trl.rewards.get_soft_overlong_punishment`. What is added is only what the math datasets of
-:mod:`bapo_trl.math_recipe.data` need and TRL does not do:
+:mod:`bapo_trl.recipes.math_reasoning.data` need and TRL does not do:
 
 * the reference is the ``answer`` column (TRL reads ``solution``), written as a plain number, a fraction or LaTeX,
   with or without ``\boxed{}`` or ``$...$``. A bare LaTeX reference such as ``3\sqrt{2}`` or ``2^{10}`` is parsed
@@ -129,7 +129,7 @@ def _loader(name: str, needs_math_verify: bool = False) -> Callable[[], Callable
 
 
 #: The recipe's rewards by name -> zero-argument loader; ``bapo train --reward_funcs`` and ``bapo evaluate
-#: --reward`` accept these names next to the general ones of :data:`bapo_trl.reward_funcs.REWARD_FUNCS`.
+#: --reward`` accept these names next to the general ones of :data:`bapo_trl.recipes.reward_funcs.REWARD_FUNCS`.
 REWARD_FUNCS: dict[str, Callable[[], Callable]] = {
     "boxed_accuracy": _loader("boxed_accuracy", needs_math_verify=True),
     "boxed_format_reward": _loader("boxed_format_reward"),

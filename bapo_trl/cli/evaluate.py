@@ -1,0 +1,62 @@
+"""``bapo evaluate``: avg@k / pass@k of a model or checkpoint on a math dataset, scored with the training reward (the
+evaluation itself: :mod:`bapo_trl.recipes.math_reasoning.evaluate`).
+
+    bapo evaluate --model outputs/run/checkpoint-200 --dataset HuggingFaceH4/aime_2024 --k 16 \\
+        --max_new_tokens 8192 --temperature 0.6 --output aime24.json
+
+(or ``python -m bapo_trl.cli.evaluate ...``, the same command.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..recipes.math_reasoning.evaluate import evaluate
+
+DESCRIPTION = "avg@k / pass@k of a model or checkpoint on a math dataset, scored with the training reward."
+
+
+def make_parser(prog: str = "python -m bapo_trl.cli.evaluate") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    p.add_argument("--model", required=True, help="Model or checkpoint directory, hub id, LoRA adapter directory, or "
+                   "a bapo_trl.recipes.models registry name (smollm2-135m-instruct).")
+    p.add_argument("--dataset", required=True, help="Local .jsonl/.json/.parquet/.csv file or hub dataset id.")
+    p.add_argument("--dataset_config", default=None, help="Hub dataset config (GSM8K's 'main' is automatic).")
+    p.add_argument("--split", default=None, help="Split (default: 'test', or 'train' if that is the only one).")
+    p.add_argument("--math_dataset_format", default="auto", help="Math format (bapo_trl.recipes.math_reasoning.data); default auto.")
+    p.add_argument("--math_instruction_role", default="system", choices=["system", "user"])
+    p.add_argument("--k", type=int, default=16, help="Samples per problem (the paper: 16).")
+    p.add_argument("--num_problems", type=int, default=None, help="Only the first N problems.")
+    p.add_argument("--max_new_tokens", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy (then all k samples agree).")
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--batch_size", type=int, default=16, help="Samples generated together.")
+    p.add_argument("--reward", default="boxed_accuracy", help="Reward by registry name or dotted path.")
+    p.add_argument("--correct_threshold", type=float, default=0.5, help="A sample with reward >= this is correct.")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16.")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU).")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep_chars", type=int, default=2000, help="Characters of the first completion kept per problem.")
+    p.add_argument("--output", default=None, help="Write the JSON report here.")
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.evaluate") -> dict:
+    parser = make_parser(prog)
+    args = parser.parse_args(argv)
+    if args.k < 1:
+        parser.error("--k must be >= 1")
+    try:
+        report = evaluate(args)
+    except (ValueError, OSError) as err:  # a bad path, dataset, split or reward: one line, no traceback
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    metrics = {key: value for key, value in report.items() if key.startswith(("avg@", "pass@"))}
+    print(json.dumps({"model": args.model, "dataset": args.dataset, "num_scored": report["num_scored"], **metrics}))
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,84 @@
+"""The 0.1 import paths keep working for one release: each is the module it became (one object), with a
+DeprecationWarning naming the new path; ``python -m <old path>`` runs the new command; ``bapo_trl.config`` stays for
+good, silently, since every saved run's ``training_args.bin`` pickles ``bapo_trl.config.BAPOConfig``."""
+
+import importlib
+import pickle
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from bapo_trl import _compat
+from launching import REPO
+
+#: one old path per kind of move (the whole table is checked by test_every_old_path_resolves)
+SAMPLES = [("bapo_trl.clipping", "bapo_trl.core.clipping"), ("bapo_trl.loss_hook", "bapo_trl.trainer.loss_hook"),
+           ("bapo_trl.rollout_settings", "bapo_trl.rollout.settings"), ("bapo_trl.toy.task", "bapo_trl.recipes.toy.task"),
+           ("bapo_trl.math_recipe.rewards", "bapo_trl.recipes.math_reasoning.rewards"),
+           ("bapo_trl.plot", "bapo_trl.cli.plot"), ("bapo_trl.generation.serve", "bapo_trl.cli.serve")]
+
+
+def fresh(name: str):
+    """Import ``name`` as a first import would (its old-path entry dropped from ``sys.modules``), recording warnings."""
+    sys.modules.pop(name, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(name)
+    return module, [w for w in caught if issubclass(w.category, DeprecationWarning)]
+
+
+@pytest.mark.parametrize("old, new", SAMPLES)
+def test_an_old_path_is_the_new_module_and_warns_with_its_name(old, new):
+    module, caught = fresh(old)
+    assert module is importlib.import_module(new)
+    assert module.__spec__.name == new  # the import system's bookkeeping names the real module
+    assert len(caught) == 1 and f"{old} moved to {new}" in str(caught[0].message)
+
+
+def test_every_old_path_resolves():
+    for old in [*_compat.MOVED, *_compat.SPLIT]:
+        assert fresh(old)[0] is not None, old
+
+
+def test_a_split_module_answers_with_both_halves():
+    models, caught = fresh("bapo_trl.models")
+    from bapo_trl.cli import models as command
+    from bapo_trl.recipes import models as registry
+
+    assert models.prepare_model is registry.prepare_model and models.main is command.main
+    assert caught and "bapo_trl.recipes.models and bapo_trl.cli.models" in str(caught[0].message)
+
+
+def test_the_config_path_stays_silently_and_unpickles_a_saved_config():
+    config, caught = fresh("bapo_trl.config")
+    from bapo_trl import BAPOConfig
+
+    assert config.BAPOConfig is BAPOConfig and caught == []
+    # what training_args.bin of every 0.1 run holds: the class by its 0.1 path
+    saved = pickle.dumps(BAPOConfig, protocol=0).replace(b"bapo_trl.trainer.bapo_config\n", b"bapo_trl.config\n")
+    assert b"cbapo_trl.config\n" in saved and pickle.loads(saved) is BAPOConfig
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        args = torch.load(REPO / "tests" / "data" / "checkpoints_0a2653b" / "async" / "training_args.bin",
+                          weights_only=False)
+    assert type(args) is BAPOConfig and args.async_generation
+
+
+def test_the_old_trainer_module_names_warn():
+    import bapo_trl.trainer as trainer
+    from bapo_trl.trainer.bapo_trainer import BAPO_METRICS
+
+    with pytest.warns(DeprecationWarning, match="bapo_trl.trainer.BAPO_METRICS moved to "
+                                                "bapo_trl.trainer.bapo_trainer.BAPO_METRICS"):
+        assert trainer.BAPO_METRICS is BAPO_METRICS
+
+
+def test_python_m_of_an_old_command_runs_the_new_one():
+    proc = subprocess.run([sys.executable, "-m", "bapo_trl.plot", "--help"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: python -m bapo_trl.cli.plot ")
+    assert "python -m bapo_trl.plot moved to python -m bapo_trl.cli.plot" in proc.stderr
