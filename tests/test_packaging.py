@@ -208,18 +208,19 @@ def test_the_math_recipe_imports_nothing_from_the_command_line():
 
 
 def test_the_layering_check_catches_what_it_should():
-    """The check itself, on the imports the recipe had before bapo_trl.recipes.datasets_io / bapo_trl.recipes.reward_funcs."""
-    recipe = "def load():\n    from ..cli.data import _load\n    from ..cli.rewards import resolve_reward_funcs\n"
+    """The check itself, on the imports the recipe had before datasets_io / reward_funcs (now in bapo_trl/recipes/)."""
+    recipe = "def load():\n    from ...cli.data import _load\n    from ...cli.rewards import resolve_reward_funcs\n"
     assert layering_problems({"bapo_trl.recipes.math_reasoning.evaluate": recipe}) == [
         "bapo_trl.recipes.math_reasoning.evaluate imports bapo_trl.cli.data (the math recipe must not depend on the command line)",
         "bapo_trl.recipes.math_reasoning.evaluate imports bapo_trl.cli.rewards (the math recipe must not depend on the command "
         "line)",
         "bapo_trl.recipes.math_reasoning.evaluate imports the private bapo_trl.cli.data._load",
     ]
-    assert layering_problems({"bapo_trl.recipes.math_reasoning.__init__": "from .. import cli\n"}) == [
-        "bapo_trl.recipes.math_reasoning.__init__ imports bapo_trl.cli (the math recipe must not depend on the command line)"]
-    assert layering_problems({"bapo_trl.cli.plot": "from bapo_trl.cli.train import _helper\n"}) == [
-        "bapo_trl.cli.plot imports the private bapo_trl.cli.train._helper"]
+    assert layering_problems({"bapo_trl.recipes.math_reasoning.__init__": "from ... import cli\n"}) == [
+        "bapo_trl.recipes.math_reasoning.__init__ imports bapo_trl.cli (the math recipe must not depend on the command "
+        "line)"]
+    assert layering_problems({"bapo_trl.recipes.reward_funcs": "from bapo_trl.cli.train import _helper\n"}) == [
+        "bapo_trl.recipes.reward_funcs imports the private bapo_trl.cli.train._helper"]
     # inside the command line, and public names elsewhere, are fine
     assert layering_problems({"bapo_trl.cli.train": "from .data import _prompts\n",
                               "bapo_trl.cli.serve": "from ..cli.train import run\n"}) == []
