@@ -220,7 +220,7 @@ def test_evaluation_waits_for_the_queued_requests_wherever_pushes_are_exact(lazy
                                between_requests=between_requests)
     source = AsyncGeneration.__new__(AsyncGeneration)
     source.producer, source.defers_pushes = producer, defers
-    source.port = SimpleNamespace(args=SimpleNamespace(inflight_update_tokens=inflight), global_step=5,
+    source.port = SimpleNamespace(settings=SimpleNamespace(inflight_update_tokens=inflight), global_step=5,
                                   weights_step=4)
     with source._held_for_evaluation():
         pass
@@ -508,7 +508,7 @@ def test_resuming_planned_short_batches_without_the_replay_that_fills_them_is_re
     replay to fill; resumed with it switched off, they would reach TRL short. Refused at load, before generating."""
     from types import SimpleNamespace
 
-    port = SimpleNamespace(args=SimpleNamespace(max_staleness=2))
+    port = SimpleNamespace(settings=SimpleNamespace(max_staleness=2))
     saved = {"batches_handed": 3, "batches_submitted": 3, "generated": [], "planned": {3: 0, 4: 1},
              "planned_upto": 5}
     with pytest.raises(ValueError, match=r"those batches would be short\. Resume with the checkpoint's settings"):

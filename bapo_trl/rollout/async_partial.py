@@ -21,10 +21,10 @@ class AsyncPartialRollout(AsyncGeneration):
 
     def __init__(self, port: TrainerPort):
         super().__init__(port)
-        args = port.args
-        self.pool = PartialRolloutPool(args.partial_rollout_budget, args.partial_rollout_max_resumes,
-                                       args.max_completion_length, port.stop_token_ids())
-        self.groups_per_batch = args.generation_batch_size // port.num_generations
+        settings = port.settings
+        self.pool = PartialRolloutPool(settings.partial_rollout_budget, settings.partial_rollout_max_resumes,
+                                       settings.max_completion_length, port.stop_token_ids())
+        self.groups_per_batch = settings.generation_batch_size // port.num_generations
         self.round_submitted: int | None = None  # the round (batch index) queued last
         self.stream_position = 0
         self._restored_round: dict | None = None
@@ -69,7 +69,7 @@ class AsyncPartialRollout(AsyncGeneration):
         if todo:  # too few finished groups: generate the oldest unfinished ones to the end, now
             prefixes, caps = pool.request(todo, pool.max_len)
             self.producer.submit(Work(("finish", self.handed), prefixes, 1, max(caps), context=(todo, caps),
-                                      seed=request_seed(self.port.args.seed, 2 * self.handed + 1),
+                                      seed=request_seed(self.port.settings.seed, 2 * self.handed + 1),
                                       min_version=self.pushed_step))
             batch, extra_wait = self.producer.take(("finish", self.handed))
             pool.apply(todo, caps, batch.completion_ids, batch.logps, batch.logps, batch.version)
@@ -98,7 +98,7 @@ class AsyncPartialRollout(AsyncGeneration):
         wanted = [pool.budget if c.resumes < pool.max_resumes else pool.max_len for c in todo]
         prefixes, caps = pool.request(todo, wanted)
         work = Work(("round", index), prefixes, 1, max(caps), context=(todo, caps),
-                    seed=request_seed(port.args.seed, 2 * index), min_version=self.pushed_step)
+                    seed=request_seed(port.settings.seed, 2 * index), min_version=self.pushed_step)
         if restored is not None:
             self.producer.preload({work.index: decode_batch(restored, context=work.context)})
         else:

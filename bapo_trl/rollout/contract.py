@@ -13,7 +13,11 @@ batch at a time with TRL's own scoring function. What every source guarantees, w
   policy), so BAPO's ratio sees the real staleness;
 * its state round-trips through ``state_dict()`` / ``load_state_dict()`` (one file per process, named by
   ``state_name``; ``None``: nothing to save), ``close()`` ends whatever runs in the background, and ``paused()``
-  holds background generation while TRL generates for evaluation (a no-op where nothing runs in the background).
+  holds background generation while TRL generates for evaluation (a no-op where nothing runs in the background);
+* what else it can do is declared, not probed: ``plans_ahead``, ``metrics_by_age``.
+
+A source reads the run's configuration through ``port.settings`` (:class:`~.settings.SourceSettings`: the rollout
+fields and the few facts of TRL's it needs), never the config itself.
 
 A new source is one file with a class that takes ``(port)`` and one line
 ``register_source("name", "module:Class")`` (or the class itself); ``BAPOConfig(rollout_source="name")`` selects it
@@ -27,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Protocol, runtime_checkable
 
 import torch
+
+from .settings import SourceSettings
 
 #: TRL's ``_generate_and_score_completions`` (bound): dataset rows -> TRL's batch.
 ScoreFn = Callable[[list[dict]], dict[str, Any]]
@@ -45,9 +51,16 @@ class ReadyCompletions:
 
 @runtime_checkable
 class RolloutSource(Protocol):
-    """Makes this process's training batches (see the module doc for what each batch guarantees)."""
+    """Makes this process's training batches (see the module doc for what each batch guarantees), and declares what
+    else it can do: the trainer and the sources that wrap it read these, they probe for nothing."""
 
     state_name: str | None
+    #: It generates batches ahead and takes a planner: ``plan_with(planner)`` and ``next_index``
+    #: (:class:`~.async_generation.AsyncGeneration`); replay then chooses the groups standing in for generation when a
+    #: batch is queued instead of when it is handed over.
+    plans_ahead: bool
+    #: Its tokens differ in age within a batch: the trainer logs the search's share by token age too.
+    metrics_by_age: bool
 
     def next_batch(self, inputs: list[dict], score: ScoreFn) -> dict[str, Any]: ...
 
@@ -60,16 +73,15 @@ class RolloutSource(Protocol):
     def paused(self) -> ContextManager[None]: ...
 
 
-class TrainerPort(Protocol):
-    """What a rollout source may ask of the trainer, and nothing more. Implemented over ``GRPOTrainer`` by
-    :class:`bapo_trl.rollout.port.TRLPort`; a test can implement it over anything."""
+class PortFacts(Protocol):
+    """What the run is: the source's settings, the policy's version, the data, this process among the others."""
 
-    # -- facts --------------------------------------------------------------------------------------------------
     @property
-    def args(self) -> Any: ...  # the BAPOConfig
+    def settings(self) -> SourceSettings: ...  # the run's configuration, as far as the sources read it
 
     @property
     def num_generations(self) -> int: ...
+
     @property
     def global_step(self) -> int: ...  # optimizer steps taken = the version of the current policy
 
@@ -99,7 +111,10 @@ class TrainerPort(Protocol):
 
     def stop_token_ids(self) -> list[int]: ...
 
-    # -- TRL's generation and scoring ---------------------------------------------------------------------------
+
+class PortGeneration(Protocol):
+    """TRL's generation (transformers or vLLM) and the vLLM server's, from any thread."""
+
     def tokenize_prompts(self, prompts: list) -> list[list[int]]: ...
 
     def continue_completions(self, prefixes: list[list[int]], max_new_tokens: int
@@ -109,6 +124,10 @@ class TrainerPort(Protocol):
                         ) -> dict[str, list]: ...
 
     def requests_answered(self) -> int: ...  # generate requests answered so far (a batch's progress, any thread)
+
+
+class PortWeights(Protocol):
+    """Bringing the generation backend to the current policy: at once, or gathered now and sent later."""
 
     def push_weights(self) -> None: ...
 
@@ -121,12 +140,19 @@ class TrainerPort(Protocol):
 
     def mark_weights_current(self) -> None: ...
 
+
+class PortScoring(Protocol):
+    """The policy's log-probs outside the loss, and TRL's scoring of completions generated elsewhere."""
+
     def policy_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                      batch_size: int | None = None) -> torch.Tensor: ...
 
     def score_completions(self, score: ScoreFn, rows: list[dict], ready: ReadyCompletions) -> dict[str, Any]: ...
 
-    # -- processes and metrics ----------------------------------------------------------------------------------
+
+class PortProcesses(Protocol):
+    """The other trainer processes (collectives: every process calls them at the same point) and TRL's metrics."""
+
     def sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
     def max_over_processes(self, value: torch.Tensor) -> torch.Tensor: ...
@@ -136,10 +162,18 @@ class TrainerPort(Protocol):
     def log_metrics(self, values: dict[str, float], mode: str = "train") -> None: ...
 
 
+class TrainerPort(PortFacts, PortGeneration, PortWeights, PortScoring, PortProcesses, Protocol):
+    """What a rollout source may ask of the trainer, and nothing more, in five parts. Implemented over
+    ``GRPOTrainer`` by :class:`bapo_trl.rollout.port.TRLPort`; a test can implement it (or the parts its source uses)
+    over anything."""
+
+
 class NothingInBackground:
     """Defaults for a source with no state of its own and nothing running between batches."""
 
     state_name: str | None = None
+    plans_ahead = False
+    metrics_by_age = False
 
     def state_dict(self) -> dict:
         return {}

@@ -50,10 +50,10 @@ class PartialRollout(NothingInBackground):
     argument_errors = staticmethod(source_argument_errors)
 
     def __init__(self, port: TrainerPort):
-        args = port.args
+        settings = port.settings
         self.port = port
-        self.pool = PartialRolloutPool(args.partial_rollout_budget, args.partial_rollout_max_resumes,
-                                       args.max_completion_length, port.stop_token_ids())
+        self.pool = PartialRolloutPool(settings.partial_rollout_budget, settings.partial_rollout_max_resumes,
+                                       settings.max_completion_length, port.stop_token_ids())
         self._extra_prompt_order: list[int] | None = None
 
     def state_dict(self) -> dict:
@@ -133,7 +133,7 @@ class PartialRollout(NothingInBackground):
         rebuilt identically on resume); the position in it is pool state, saved with the checkpoint."""
         port = self.port
         if self._extra_prompt_order is None:
-            gen = torch.Generator().manual_seed(port.args.seed + 104729 * (1 + port.process_index))
+            gen = torch.Generator().manual_seed(port.settings.seed + 104729 * (1 + port.process_index))
             self._extra_prompt_order = torch.randperm(len(port.train_dataset), generator=gen).tolist()
         pool, order, rows = self.pool, self._extra_prompt_order, []
         for _ in range(num_groups):

@@ -17,6 +17,7 @@ import torch
 
 from ..generation.seeding import mixed_seed
 from .contract import ReadyCompletions, ScoreFn, right_pad
+from .settings import SourceSettings
 
 
 class TRLPort:
@@ -32,7 +33,13 @@ class TRLPort:
 
     @property
     def args(self):
+        """The trainer's config: the port's own (TRL's side); sources read :attr:`settings`."""
         return self._trainer.args
+
+    @property
+    def settings(self) -> SourceSettings:
+        """What the sources read of the config, as it is now."""
+        return SourceSettings.of(self._trainer.args)
 
     @property
     def num_generations(self) -> int:

@@ -66,9 +66,10 @@ def check_source_arguments(args, trainer_kwargs: dict) -> None:
         raise ValueError("Invalid BAPOTrainer arguments:\n  - " + "\n  - ".join(problems))
 
 
-def build_source(port: TrainerPort) -> RolloutSource:
-    """The run's source over ``port``: the chosen one, wrapped by replay when it is on."""
-    *wrappers, cls = source_classes(port.args)
+def build_source(port: TrainerPort, args) -> RolloutSource:
+    """The run's source over ``port``, as ``args`` (the config) choose it: the chosen one, wrapped by replay when it
+    is on."""
+    *wrappers, cls = source_classes(args)
     source = cls(port)
     for wrapper in reversed(wrappers):
         source = wrapper(port, source)

@@ -40,16 +40,21 @@ class ReplaySource:
 
     state_name = "replay_queue"
     argument_errors = staticmethod(source_argument_errors)
+    plans_ahead = False  # nothing plans replay's batches: it plans those of a source that generates ahead
 
     def __init__(self, port: TrainerPort, inner: RolloutSource):
-        args = port.args
+        settings = port.settings
         self.port, self.inner = port, inner
-        self.queue = ReplayQueue(args.replay_buffer_size, args.replay_max_staleness, args.replay_sampling,
-                                 seed=args.seed + 7919 * port.process_index)
+        self.queue = ReplayQueue(settings.replay_buffer_size, settings.replay_max_staleness, settings.replay_sampling,
+                                 seed=settings.seed + 7919 * port.process_index)
         self.reserved: dict[int, list[dict]] = {}  # batch index -> stored groups chosen to stand in for generation
-        self.plans_ahead = args.replay_saves_generation and hasattr(inner, "plan_with")
-        if self.plans_ahead:
+        self.chooses_ahead = settings.replay_saves_generation and inner.plans_ahead
+        if self.chooses_ahead:
             inner.plan_with(self._plan)
+
+    @property
+    def metrics_by_age(self) -> bool:
+        return self.inner.metrics_by_age
 
     def state_dict(self) -> dict:
         return {**self.queue.state_dict(), "reserved": self.reserved}
@@ -65,7 +70,7 @@ class ReplaySource:
         return self.inner.paused()
 
     def next_batch(self, inputs: list[dict], score: ScoreFn) -> dict[str, Any]:
-        if self.plans_ahead:
+        if self.chooses_ahead:
             stand_in = self.reserved.pop(self.inner.next_index, [])
             output = self.inner.next_batch(inputs[: len(inputs) - len(stand_in) * self.port.num_generations], score)
             return self.mix(output, appended=len(stand_in), stand_in=stand_in)
@@ -77,9 +82,9 @@ class ReplaySource:
         """For a source generating ahead: how many groups of batch ``index`` (``ahead`` batches after the one being
         handed) to leave out, the replay share when every process holds enough groups still within
         ``replay_max_staleness`` at that batch's last update (else 0); the stand-ins are chosen now."""
-        port, args = self.port, self.port.args
-        wanted = args.replayed_groups_per_batch
-        last_update = port.global_step + (ahead + 1) * args.updates_per_generation - 1
+        port, settings = self.port, self.port.settings
+        wanted = settings.replayed_groups_per_batch
+        last_update = port.global_step + (ahead + 1) * settings.updates_per_generation - 1
         mine = torch.tensor(-float(len(self.queue.valid_at(last_update))), device=port.device)
         if -port.max_over_processes(mine) < wanted:
             return 0
@@ -91,11 +96,11 @@ class ReplaySource:
         """With ``replay_saves_generation``: how many groups of this batch to take from the queue instead of
         generating them (the replay share), or 0 (full generation) while any process's queue holds fewer
         replayable groups; decided on all processes together, so every rank generates the same amount."""
-        port, args = self.port, self.port.args
-        if not args.replay_saves_generation:
+        port, settings = self.port, self.port.settings
+        if not settings.replay_saves_generation:
             return 0
-        wanted = args.replayed_groups_per_batch
-        self.queue.evict_stale(port.global_step + args.updates_per_generation - 1)
+        wanted = settings.replayed_groups_per_batch
+        self.queue.evict_stale(port.global_step + settings.updates_per_generation - 1)
         fewest = -port.max_over_processes(torch.tensor(-float(len(self.queue)), device=port.device))
         return wanted if fewest >= wanted else 0
 
@@ -103,7 +108,7 @@ class ReplaySource:
         """Store the fresh groups and mix in replayed ones: ``appended`` groups added to a batch generated short by
         that many (replay that saves generation; ``stand_in``: the groups chosen when the batch was planned), else
         ``replay_ratio`` of the fresh groups replaced."""
-        port, queue, args = self.port, self.queue, self.port.args
+        port, queue, settings = self.port, self.queue, self.port.settings
         rows = output["completion_ids"].size(0)
         per_row = {k: v for k, v in output.items() if torch.is_tensor(v) and v.dim() >= 1 and v.size(0) == rows}
         other = {k: v for k, v in output.items() if k not in per_row}
@@ -117,10 +122,10 @@ class ReplaySource:
         fresh = split_groups(per_row, group_size)
         has_signal = [bool(g["advantages"].max() > g["advantages"].min()) for g in fresh]
 
-        wanted = args.replayed_groups_per_batch  # round(replay_ratio x groups), checked against 0 in the config
-        if args.replay_fill_zero_std_groups:
+        wanted = settings.replayed_groups_per_batch  # round(replay_ratio x groups), checked against 0 in the config
+        if settings.replay_fill_zero_std_groups:
             wanted = max(wanted, has_signal.count(False))
-        last_update = port.global_step + args.updates_per_generation - 1
+        last_update = port.global_step + settings.updates_per_generation - 1
         # every mix first drops the groups too old to replay at this batch's last update (also where the replayed
         # groups were chosen ahead: the queue's size and evictions then count replayable groups, step by step)
         queue.evict_stale(last_update)
@@ -130,7 +135,7 @@ class ReplaySource:
             replayed, replaced = queue.sample(appended, current_step=last_update), set()
         else:
             replayed = queue.sample(min(wanted, len(fresh)), current_step=last_update)
-            replaced = set(groups_to_replace(has_signal, len(replayed), args.replay_fill_zero_std_groups,
+            replaced = set(groups_to_replace(has_signal, len(replayed), settings.replay_fill_zero_std_groups,
                                              queue.generator))
         for group in fresh:
             queue.push(group)

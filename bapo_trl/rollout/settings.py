@@ -277,6 +277,35 @@ class RolloutSettings:
         return rows
 
 
+@dataclass(frozen=True)
+class SourceSettings:
+    """What the rollout sources read of a run's configuration: the rollout fields they act on and the few facts of
+    TRL's they need. Their port hands it to them (:attr:`~.contract.PortFacts.settings`); they never see the config."""
+
+    seed: int
+    generation_batch_size: int  # rows of one generation batch, all processes together
+    max_completion_length: int  # the config's cap per completion
+    vllm_server_timeout: float
+    updates_per_generation: int
+    replayed_groups_per_batch: int
+    replay_buffer_size: int
+    replay_max_staleness: int
+    replay_sampling: str
+    replay_fill_zero_std_groups: bool
+    replay_saves_generation: bool
+    partial_rollout_budget: int | None
+    partial_rollout_max_resumes: int
+    max_staleness: int
+    weight_sync_steps: int
+    inflight_update_tokens: int | None
+    lazy_weight_loading: bool
+
+    @classmethod
+    def of(cls, config) -> SourceSettings:
+        """The settings of ``config`` (a ``BAPOConfig``, or any object with these names)."""
+        return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
+
+
 def _generation_kwargs(cfg) -> dict:
     kwargs = cfg.generation_kwargs or {}
     if isinstance(kwargs, str):  # from the command line: TrainingArguments parses the JSON only later

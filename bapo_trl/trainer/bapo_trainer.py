@@ -84,7 +84,7 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
         constructed ones (and anything attached to them); every later ``train()`` on this object, resumed or not,
         starts from new ones, as a new trainer would."""
         args = self.args
-        self.rollout_source = build_source(self.port)
+        self.rollout_source = build_source(self.port, args)
         self.target_controller = None if args.target_entropy is None else TargetController(
             args.target_entropy, args.target_adapt_rate, args.target_min, args.target_max,
             args.positive_contribution_target)
@@ -180,7 +180,7 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
             result, self.loss.path(settings), self.loss, ratio, advantages, mask, inputs, logps, entropies,
             self.state.global_step, self._nonfinite_inputs, settings.positive_contribution_target,
             self.port.sum_over_processes, self.port.max_over_processes,
-            by_age=self.args.async_generation and mode == "train")
+            by_age=self.rollout_source.metrics_by_age and mode == "train")
         self.port.log_metrics(values, mode)
         if self.target_controller is not None and mode == "train":
             if entropies is None:
