@@ -39,6 +39,7 @@ study is continued by the same command.
     python benchmarks/evidence_study.py --report           # only read the runs file and write docs/evidence_study.md
     python benchmarks/evidence_study.py --seeds 200-219 --scenarios "spg 32" \\
         --results benchmarks/results/evidence_runs_holdout.jsonl   # the hold-out re-run of the headline
+    python benchmarks/evidence_study.py --agreement benchmarks/results/evidence_runs_holdout.jsonl  # both side by side
     python benchmarks/evidence_study.py --quick            # a few short runs and the report, temp dir (CI)
 
 Results: one JSON line per finished run (``--results``, default ``benchmarks/results/evidence_runs.jsonl``: the
@@ -328,6 +329,27 @@ def report(runs: list[dict], results: str, resamples: int = 10000) -> tuple[str,
     return "\n".join(lines) + "\n", len(all_claims)
 
 
+def agreement(first: list[dict], second: list[dict], resamples: int = 10000) -> str:
+    """The headline cell of two seed sets side by side (the study's seeds and a held-out range): for each of the
+    issue's pairs and every method against the reference, the final-reward difference with its interval on each, and
+    whether the two verdicts agree."""
+    lines = ["| pair | lr | first seeds | second seeds | same verdict |", "|---|---|---|---|---|"]
+    agree = total = 0
+    pairs = [(m, REFERENCE) for m in METHODS if m != REFERENCE] + [p for p in PAIRS if p[1] != REFERENCE]
+    for lr in LEARNING_RATES:
+        cell = (HEADLINE, lr)
+        a, b = by_seed(first, cell, "reward_final"), by_seed(second, cell, "reward_final")
+        for method, reference in pairs:
+            ca, cb = paired(a, method, reference, resamples), paired(b, method, reference, resamples)
+            if min(ca["n"], cb["n"]) < MIN_PAIRS:
+                continue
+            va, vb = verdict(ca["low"], ca["high"]), verdict(cb["low"], cb["high"])
+            agree, total = agree + (va == vb), total + 1
+            lines.append(f"| {method} - {reference} | {lr:g} | {interval(ca)} {va} ({ca['n']}) | {interval(cb)} {vb} "
+                         f"({cb['n']}) | {'yes' if va == vb else '**no**'} |")
+    return "\n".join(lines) + f"\n\n{agree} of {total} verdicts agree.\n"
+
+
 def fmt_seeds(seeds: list[int]) -> str:
     if seeds and seeds == list(range(seeds[0], seeds[-1] + 1)):
         return f"{seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else str(seeds[0])
@@ -350,7 +372,12 @@ def main(argv=None) -> int:
     parser.add_argument("--report", action="store_true", help="only read the runs file and write the report")
     parser.add_argument("--report-out", default=None, help=f"default {os.path.relpath(REPORT, REPO)}")
     parser.add_argument("--resamples", type=int, default=10000, help="bootstrap resamples (>= 10000 for the study)")
+    parser.add_argument("--agreement", default=None, metavar="OTHER_RESULTS", help="print the headline cell of "
+                        "--results and of this runs file (another seed range) side by side, verdict by verdict")
     args = parser.parse_args(argv)
+    if args.agreement:
+        print(agreement(read_jsonl(args.results or RESULTS), read_jsonl(args.agreement), args.resamples))
+        return 0
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:
