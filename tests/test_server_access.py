@@ -40,7 +40,7 @@ KEY = "s3cret-test-key"
 NOT_SHARED = "set BAPO_VLLM_WEIGHTS_DIR to a directory both machines see at the same path"
 
 
-# -- `bapo serve`: loopback by default, a remote bind needs the flag and a key ------------------------------------------
+# -- `bapo serve`: loopback by default, a remote bind needs the flag and a key ----------------------------------------
 
 
 def serve_dry_run(capsys, monkeypatch, *argv, env_key: str | None = None):
@@ -102,6 +102,14 @@ def test_the_gpu_command_gets_the_middleware_and_its_path_too(capsys, monkeypatc
     assert f"PYTHONPATH={serve.WORKER_DIR}" in out and "VLLM_API_KEY=<hidden>" in out
 
 
+def test_the_folder_put_on_the_server_path_holds_the_modules_the_flags_name():
+    """vLLM imports ``--worker-extension-cls`` and ``--middleware`` by module name from WORKER_DIR: a package move that
+    leaves WORKER_DIR behind starts a server that fails on import (the fast tier had no other check of it)."""
+    for dotted in (serve.WORKER_EXTENSION, serve.AUTH_MIDDLEWARE):
+        module = dotted.split(".")[0]
+        assert (Path(serve.WORKER_DIR) / f"{module}.py").is_file(), (serve.WORKER_DIR, module)
+
+
 def test_a_real_process_refuses_with_exit_code_2_and_one_line():
     env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
     proc = subprocess.run([sys.executable, "-m", "bapo_trl.cli.main", "serve", "MODEL", "--host", "0.0.0.0"],
@@ -116,7 +124,7 @@ def test_serve_help_says_what_vllm_api_key_does_not_guard():
     assert "vLLM's own --api-key does not guard" in help_text and "--allow-remote-dev-endpoints" in help_text
 
 
-# -- the middleware (runs inside the server; plain ASGI, tested here without vLLM) ----------------------------------------
+# -- the middleware (runs inside the server; plain ASGI, tested here without vLLM) ------------------------------------
 
 
 def load_middleware(monkeypatch, key: str | None = KEY):
@@ -170,7 +178,7 @@ def test_the_middleware_refuses_to_start_without_a_key(monkeypatch):
         load_middleware(monkeypatch, key=None)
 
 
-# -- a stand-in server: the endpoints the trainer uses, a key, and a filesystem of its own ------------------------------
+# -- a stand-in server: the endpoints the trainer uses, a key, and a filesystem of its own ----------------------------
 
 
 class DevServer:
@@ -328,7 +336,7 @@ def test_a_missing_or_wrong_key_is_one_error_saying_what_to_set(env_key, says, d
         DiskWeightSync(server.url, timeout=5, root=str(tmp_path)).push({"w": torch.ones(2)})
 
 
-# -- the start-up check of the weight directory ------------------------------------------------------------------------
+# -- the start-up check of the weight directory -----------------------------------------------------------------------
 
 
 def test_a_server_that_cannot_see_the_weight_directory_stops_the_trainer_at_start(dev_server, tiny_model_dir,
@@ -387,7 +395,7 @@ def test_another_directory_of_the_same_name_is_not_the_same_directory(tmp_path, 
         sync.check_shared_directory()
 
 
-# -- a real vLLM CPU server with a key, in a mount namespace of its own ---------------------------------------------------
+# -- a real vLLM CPU server with a key, in a mount namespace of its own -----------------------------------------------
 
 
 #: ways to give a process a mount namespace of its own: as root (CAP_SYS_ADMIN), else in a user namespace of its own

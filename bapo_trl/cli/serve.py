@@ -41,7 +41,8 @@ WORKER_EXTENSION = "bapo_vllm_worker.BAPOWorkerExtension"
 AUTH_MIDDLEWARE = "bapo_vllm_auth.BearerTokenEverywhere"
 API_KEY_ENV = "VLLM_API_KEY"
 REMOTE_FLAG = "--allow-remote-dev-endpoints"
-WORKER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker")
+#: The folder vLLM imports the worker extension and the middleware from (put on the server's PYTHONPATH).
+WORKER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "generation", "vllm_worker")
 
 
 def default_venv() -> str:
