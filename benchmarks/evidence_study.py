@@ -276,10 +276,42 @@ def comparison_rows(runs, cell, pairs, resamples) -> tuple[list[str], list[str]]
             word = verdict(c["low"], c["high"], words) if c["n"] >= MIN_PAIRS else f"(< {MIN_PAIRS} pairs)"
             cols.append(f"{interval(c, 1 if key == 'grad_norm_max' else 3)} {word}")
             if word in words[:2]:
-                claims.append(f"- {cell[0]}, lr {cell[1]:g}: **{method}** {word} {reference} on {title}: "
+                claims.append(f"- {cell[0]}, lr {cell[1]:g}, {title}: **{method}** against {reference}: {word}, "
                               f"{interval(c, 1 if key == 'grad_norm_max' else 3)} ({c['n']} paired seeds)")
         rows.append(f"| {method} | {reference} | {n} | " + " | ".join(cols) + " |")
     return rows, claims
+
+
+#: The at-a-glance matrix: the pairs a user choosing a loss asks about, one row each, every cell a column.
+SUMMARY_PAIRS = (("BAPO paper + dual clip", "TRL dapo clip-higher"), ("BAPO paper + dual clip", "BAPO paper"),
+                 ("BAPO paper + dual clip", "widest fixed [0.9,3.0]"), ("BAPO paper + dual clip", "TRL GSPO"),
+                 ("BAPO GSPO + dual clip", "TRL GSPO"), ("BAPO GSPO + dual clip", "BAPO paper + dual clip"),
+                 ("BAPO GSPO + dual clip", "widest fixed [0.9,3.0]"), ("BAPO paper + dual clip", "M2PO"))
+
+
+def summary(runs: list[dict], resamples: int = 10000, key: str = "reward_final", digits: int = 3) -> str:
+    """Markdown matrices, one per learning rate: each of SUMMARY_PAIRS a row, each scenario a column, each entry the
+    paired difference of ``key`` with its interval, after the verdict word (bold where the interval excludes zero);
+    a dash where fewer than MIN_PAIRS seeds are paired."""
+    words = next(w for _, k, w in FIGURES if k == key)
+    tables = []
+    for lr in sorted({c[1] for c in cells(runs)}):
+        cols = [c for c in cells(runs) if c[1] == lr]
+        figures = {cell: by_seed(runs, cell, key) for cell in cols}
+        lines = [f"| lr {lr:g}: method - reference | " + " | ".join(s for s, _ in cols) + " |",
+                 "|---|" + "---|" * len(cols)]
+        for method, reference in SUMMARY_PAIRS:
+            entries = []
+            for cell in cols:
+                c = paired(figures[cell], method, reference, resamples)
+                if c["n"] < MIN_PAIRS:
+                    entries.append("-")
+                    continue
+                word = verdict(c["low"], c["high"], words)
+                entries.append(f"{f'**{word}**' if word in words[:2] else word} {interval(c, digits)} ({c['n']})")
+            lines.append(f"| {method} - {reference} | " + " | ".join(entries) + " |")
+        tables.append("\n".join(lines) + "\n")
+    return "\n".join(tables)
 
 
 def report(runs: list[dict], results: str, resamples: int = 10000) -> tuple[str, int]:
@@ -303,6 +335,9 @@ def report(runs: list[dict], results: str, resamples: int = 10000) -> tuple[str,
         "Many intervals are read at once (no correction for multiple comparisons): at 95% about 1 in 20 true ties "
         "looks like a difference, which is why the headline is re-run on held-out seeds 200-219.\n",
     ]
+    lines += ["## At a glance: final reward, paired difference [95% CI] (paired seeds)\n", summary(runs, resamples),
+              "## At a glance: largest gradient norm, paired difference [95% CI] (paired seeds)\n",
+              summary(runs, resamples, "grad_norm_max", 1)]
     all_claims = []
     for cell in cells(runs):
         staleness, lr = cell

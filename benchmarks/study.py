@@ -264,11 +264,12 @@ def append_jsonl(path: str, record: dict) -> None:
 
 
 def read_jsonl(path: str) -> list[dict]:
-    """The records of a JSON-lines file; a torn last line (a run killed while writing) is ignored."""
+    """The records of a JSON-lines file (gzipped when the name ends in .gz: the published runs in docs/data); a torn
+    last line (a run killed while writing) is ignored."""
     if not os.path.exists(path):
         return []
     records = []
-    with open(path) as f:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         for line in f:
             try:
                 records.append(json.loads(line))

@@ -1,6 +1,8 @@
 """The studies' shared statistics (benchmarks/study.py) and the evidence study's report, on synthetic runs: a
 claim is made only where the paired interval excludes zero, from enough seeds."""
 
+import gzip
+import json
 import statistics
 import sys
 
@@ -10,7 +12,7 @@ from launching import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import evidence_study  # noqa: E402
-from study import bootstrap_ci, paired, parse_seeds, seed_tag, verdict  # noqa: E402
+from study import bootstrap_ci, paired, parse_seeds, read_jsonl, seed_tag, verdict  # noqa: E402
 
 
 def test_seed_ranges():
@@ -59,9 +61,13 @@ def test_report_claims_a_difference_only_where_the_interval_excludes_zero():
                  record("BAPO paper", "spg 32", 1e-3, seed, base + 0.1 + 0.01 * (seed % 3), grad=6.0),
                  record("M2PO", "spg 32", 1e-3, seed, base + (0.05 if seed % 2 else -0.05), grad=150.0)]
     text, claims = evidence_study.report(runs, str(REPO / "benchmarks" / "results" / "x.jsonl"), resamples=2000)
-    assert "**BAPO paper** beats TRL dapo clip-higher on final reward" in text
-    assert "**BAPO paper** smaller TRL dapo clip-higher on max grad norm" in text
-    assert "**M2PO** beats" not in text and "**M2PO** loses" not in text  # +-0.05 alternating: a tie
+    assert "final reward: **BAPO paper** against TRL dapo clip-higher: beats, +0." in text
+    assert "max grad norm: **BAPO paper** against TRL dapo clip-higher: smaller, -144.0" in text
+    assert "**M2PO** against TRL dapo clip-higher: beats" not in text  # +-0.05 alternating: a tie
+    assert "**M2PO** against TRL dapo clip-higher: loses" not in text
+    # the at-a-glance matrix: a bold verdict where the interval excludes zero, a plain tie for M2PO
+    glance = text.split("## At a glance: largest gradient norm")[0]
+    assert "| BAPO paper + dual clip - M2PO | - |" in glance  # that pair did not run: a dash, not a verdict
     assert claims == 2 and "## spg 32, lr 0.001 (seeds 100-111)" in text
     # the same comparison on 5 seeds: no claim, however large the difference
     few = [r for r in runs if r["seed"] < 105]
@@ -76,3 +82,36 @@ def test_plan_runs_the_headline_first_seed_by_seed_and_the_twins_where_only_bapo
     replay = {r["method"]: r["trainer"] for r in todo if r["staleness"] == "replay 0.5"}
     assert set(replay) == set(evidence_study.OTHER_METHODS) and "trl" not in replay.values()
     assert replay["M2PO"] == "m2po-bapo" and replay["TRL GSPO"] == "bapo"
+
+
+@pytest.mark.parametrize("name", ["runs.jsonl", "runs.jsonl.gz"])
+def test_runs_files_read_plain_or_gzipped_and_a_torn_last_line_is_dropped(tmp_path, name):
+    """The published runs (docs/data/*.jsonl.gz) read as the study's own file does; a run killed mid-write leaves a
+    torn last line, which is skipped rather than failing the report."""
+    text = json.dumps({"seed": 1}) + "\n" + json.dumps({"seed": 2}) + "\n" + '{"seed": 3, "rew'
+    path = tmp_path / name
+    if name.endswith(".gz"):
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    assert read_jsonl(str(path)) == [{"seed": 1}, {"seed": 2}]
+    assert read_jsonl(str(tmp_path / "missing.jsonl")) == []
+
+
+def test_the_at_a_glance_matrix_has_a_column_per_cell_and_a_verdict_only_from_enough_pairs():
+    runs = []
+    for seed in range(100, 112):  # spg 32: 12 pairs, the default ahead by ~0.1; spg 8: only 5 pairs
+        base = 0.5 + 0.02 * (seed % 5)
+        runs += [record("TRL dapo clip-higher", "spg 32", 2e-3, seed, base),
+                 record("BAPO paper + dual clip", "spg 32", 2e-3, seed, base + 0.1 + 0.01 * (seed % 3)),
+                 record("BAPO paper", "spg 32", 2e-3, seed, base + 0.1 + (0.05 if seed % 2 else -0.05))]
+        if seed < 105:
+            runs += [record("TRL dapo clip-higher", "spg 8", 2e-3, seed, base),
+                     record("BAPO paper + dual clip", "spg 8", 2e-3, seed, base + 0.3)]
+    table = evidence_study.summary(runs, resamples=2000).splitlines()
+    assert table[0] == "| lr 0.002: method - reference | spg 32 | spg 8 |"
+    row = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in table[2:]}
+    assert row["BAPO paper + dual clip - TRL dapo clip-higher"][0].startswith("**beats** +0.1")
+    assert row["BAPO paper + dual clip - TRL dapo clip-higher"][1] == "- |"  # 5 pairs: no verdict at all
+    assert row["BAPO paper + dual clip - BAPO paper"][0].startswith("ties ")
