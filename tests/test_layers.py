@@ -91,11 +91,11 @@ def test_an_upward_import_is_caught():
     config = PACKAGE / "core" / "clipping.py"
     problems = upward_imports({
         source: "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..trainer import BAPOTrainer\n",
-        config: "from ..rollout.queue import SAMPLING\n",
+        config: "from ..rollout.replay_queue import SAMPLING\n",
     })
     assert len(problems) == 2
     assert "bapo_trl/rollout/partial.py:3" in problems[0] and "bapo_trl.trainer (trainer)" in problems[0]
-    assert "bapo_trl/core/clipping.py:1" in problems[1] and "bapo_trl.rollout.queue (rollout sources)" in problems[1]
+    assert "bapo_trl/core/clipping.py:1" in problems[1] and "bapo_trl.rollout.replay_queue (rollout sources)" in problems[1]
 
 
 def test_a_module_without_a_layer_is_reported():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bapo_trl.rollout.queue import ReplayQueue, groups_to_replace, pad_and_stack, split_groups
+from bapo_trl.rollout.replay_queue import ReplayQueue, groups_to_replace, pad_and_stack, split_groups
 
 
 def group(version, advantages=(1.0, -1.0), prompt_len=3, completion_len=4, fill=None):

@@ -41,6 +41,7 @@ from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 
 from .fleet import ServerFleet, naming, one_client, server_urls
+from .processes import raise_everywhere
 from .seeding import PerPromptSeeds, SeededEngine
 from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError, authorize_session, write_weights
 
@@ -353,15 +354,16 @@ class CPUServerVLLMGeneration(VLLMGeneration):
 
     def _raise_everywhere(self, error: Exception | None) -> None:
         """An error on the main process is raised on every process, so no rank waits forever in a collective."""
-        if self.accelerator.num_processes > 1:
-            box = [None if error is None else (type(error).__name__, str(error))]
-            broadcast_object_list(box, from_process=0)
-            if box[0] is not None and error is None:  # another rank's failure
-                kind = {"WeightSyncError": WeightSyncError, "VLLMLogprobsModeError": VLLMLogprobsModeError}.get(
-                    box[0][0], ConnectionError)
-                raise kind(f"on the main process: {box[0][0]}: {box[0][1]}")
-        if error is not None:
-            raise error
+        raise_everywhere(error, self.accelerator.num_processes, _broadcast, "on the main process",
+                         kinds={"WeightSyncError": WeightSyncError, "VLLMLogprobsModeError": VLLMLogprobsModeError},
+                         default=ConnectionError)
+
+
+def _broadcast(obj):
+    """The main process's ``obj`` on every process (accelerate's broadcast of a list, in place)."""
+    box = [obj]
+    broadcast_object_list(box, from_process=0)
+    return box[0]
 
 
 def refresh_output_layers(worker) -> int:

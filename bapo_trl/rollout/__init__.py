@@ -7,8 +7,8 @@ port (``port.py``), chosen by name (``registry.py``).
 * :class:`AsyncGeneration` (``async_generation.py``, over the producer thread and prompt stream of
   ``producer.py``): the vLLM server generates the next batches (up to ``max_staleness`` ahead) while the trainer
   trains; :class:`AsyncPartialRollout` (``async_partial.py``) grows partial rollouts there, one round ahead;
-* :class:`ReplaySource` (``replay.py``, over the queue in ``queue.py``): wraps any of them; past groups with their
-  behaviour log-probs replace (or, with ``replay_saves_generation``, stand in for) part of each fresh batch.
+* :class:`ReplaySource` (``replay.py``, over the queue in ``replay_queue.py``): wraps any of them; past groups with
+  their behaviour log-probs replace (or, with ``replay_saves_generation``, stand in for) part of each fresh batch.
 
 Every source stamps each completion with the version of the policy that sampled it and keeps each token's behaviour
 log-prob, so BAPO's search sees the real staleness. Names are imported lazily: importing the package loads nothing.
@@ -23,7 +23,7 @@ _EXPORTS = {
     "AsyncPartialRollout": "async_partial",
     "PartialRollout": "partial",
     "PartialRolloutPool": "pool",
-    "ReplayQueue": "queue",
+    "ReplayQueue": "replay_queue",
     "ReplaySource": "replay",
     "RolloutSource": "contract",
     "TrainerPort": "contract",

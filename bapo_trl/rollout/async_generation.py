@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..core.metrics import async_values
+from ..generation.processes import raise_everywhere
 from .contract import ReadyCompletions, ScoreFn, TrainerPort, is_iterable_dataset, stamp_token_versions
 from .producer import GeneratedBatch, Producer, PromptStream, Work
 
@@ -259,12 +260,8 @@ class AsyncGeneration:
 
     def _raise_everywhere(self, error: BaseException | None) -> None:
         """The main process's error, raised on every process (none enters a collective the main one skips)."""
-        if self.port.num_processes > 1:
-            message = self.port.broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
-            if message is not None and error is None:
-                raise RuntimeError(f"async generation failed on the main process: {message}")
-        if error is not None:
-            raise error
+        raise_everywhere(error, self.port.num_processes, self.port.broadcast_object,
+                         "async generation failed on the main process")
 
     @contextlib.contextmanager
     def paused(self):

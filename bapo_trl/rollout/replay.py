@@ -19,7 +19,7 @@ import torch
 from ..core.metrics import replay_sums, replay_values
 from ..core.numerics import loss_mask
 from .contract import RolloutSource, ScoreFn, TrainerPort
-from .queue import ReplayQueue, groups_to_replace, pad_and_stack, split_groups
+from .replay_queue import ReplayQueue, groups_to_replace, pad_and_stack, split_groups
 
 
 def source_argument_errors(args, kwargs: dict) -> list[str]:

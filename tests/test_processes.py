@@ -1,0 +1,50 @@
+"""generation/processes.py: the main process's error raised on every process. The broadcast here is a stand-in (a
+function returning what the main process sent); the real collective runs in the multi-process launch tests
+(tests/test_launch.py, tests/test_async_generation.py's two-process rows)."""
+
+import pytest
+
+from bapo_trl.generation.processes import raise_everywhere
+
+
+class Sent:
+    """What the main process broadcast, as every other process receives it."""
+
+    def __init__(self, main_error):
+        self.main_error = main_error
+        self.calls = 0
+
+    def __call__(self, obj):
+        self.calls += 1
+        e = self.main_error
+        return None if e is None else (type(e).__name__, str(e))
+
+
+def test_one_process_raises_its_own_error_and_never_broadcasts():
+    sent = Sent(None)
+    raise_everywhere(None, 1, sent, "x")
+    with pytest.raises(KeyError):
+        raise_everywhere(KeyError("k"), 1, sent, "x")
+    assert sent.calls == 0
+
+
+def test_another_process_raises_the_main_error_as_the_kind_it_names_else_the_default():
+    class WeightSyncError(RuntimeError):
+        pass
+
+    sent = Sent(WeightSyncError("disk full"))
+    with pytest.raises(WeightSyncError, match="^on the main process: WeightSyncError: disk full$"):
+        raise_everywhere(None, 2, sent, "on the main process", kinds={"WeightSyncError": WeightSyncError})
+    sent = Sent(ValueError("bad"))
+    with pytest.raises(ConnectionError, match="async failed: ValueError: bad"):
+        raise_everywhere(None, 2, sent, "async failed", default=ConnectionError)
+
+
+def test_the_main_process_raises_its_own_error_and_nobody_raises_when_all_is_well():
+    error = OSError("refused")
+    with pytest.raises(OSError) as caught:
+        raise_everywhere(error, 4, Sent(error), "x")
+    assert caught.value is error
+    sent = Sent(None)
+    raise_everywhere(None, 4, sent, "x")
+    assert sent.calls == 1  # every process enters the collective, even when nothing failed
