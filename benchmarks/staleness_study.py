@@ -10,7 +10,7 @@ path has one point, so every run logs the same metrics.
     python benchmarks/staleness_study.py --quick    # a few short runs (CI), writes to a temp dir
     python benchmarks/staleness_study.py --seeds 100-105   # every cell on seeds 100..105 (files *_seeds100-105*)
 
-Results: `docs/results.md` (tables: mean and spread over seeds, the exact command, machine, time) and PNG
+Results: `docs/staleness_study.md` (tables: mean and spread over seeds, the exact command, machine, time) and PNG
 figures under `docs/`.
 """
 
@@ -176,7 +176,7 @@ def main(argv=None):
     tag = seed_tag(args.seeds)
     save_runs(results, os.path.join(out_dir, f"staleness_runs{tag}.json.gz"))
     figures(results, out_dir, f"staleness_study{tag}.png")
-    name = f"results{tag}.md" if not args.quick else "results_quick.md"
+    name = f"staleness_study{tag}.md" if not args.quick else "staleness_study_quick.md"
     with open(os.path.join(out_dir, name), "w") as f:
         f.write(write_report(results, out_dir, command, elapsed, args.quick, f"staleness_study{tag}.png"))
     bapo = [summarize(r)["reward_final"] for r in results if r["method"] == "BAPO paper"]
