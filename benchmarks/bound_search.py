@@ -297,8 +297,9 @@ def main(argv=None) -> None:
     malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     heap = "cold (fresh pages fault)" if args.cold_heap else "warmed by one 30 MiB allocation"
     print(f"# bound search: {machine()}; glibc malloc settings: {malloc or 'defaults'}; heap {heap}")
-    print(f"# {loop_repeats} rounds after warm-up, each calling the loops once and the others {repeats // loop_repeats}"
-          " times, interleaved; medians; negatives dominate, so no candidate meets the target")
+    print(f"# {loop_repeats} rounds after warm-up, each calling the loops once and the others "
+          f"{repeats // loop_repeats} times, interleaved; medians; "
+          "negatives dominate, so no candidate meets the target")
     print()
     print("| B x T | tokens | real tokens | ours ms | verl loop ms | paper loop ms | floor ms | floor* ms "
           "| candidates verl / paper | verl / ours | paper / ours | ours / floor | ours / floor* "
@@ -311,8 +312,9 @@ def main(argv=None) -> None:
         ms, faults = row["ms"], row["faults"]
         print(f"| {batch} x {length} | {row['tokens']} | {row['valid']} | {ms['ours']:.2f} | {ms['verl']:.1f} "
               f"| {ms['paper']:.1f} | {ms['floor']:.2f} | {ms['floor_mul']:.2f} "
-              f"| {row['visited']['verl']} / {row['visited']['paper']} | {ms['verl'] / ms['ours']:.1f}x "
-              f"| {ms['paper'] / ms['ours']:.1f}x | {ms['ours'] / ms['floor']:.2f}x | {ms['ours'] / ms['floor_mul']:.2f}x "
+              f"| {row['visited']['verl']} / {row['visited']['paper']} "
+              f"| {ms['verl'] / ms['ours']:.1f}x | {ms['paper'] / ms['ours']:.1f}x "
+              f"| {ms['ours'] / ms['floor']:.2f}x | {ms['ours'] / ms['floor_mul']:.2f}x "
               f"| {faults['ours']:.0f} / {faults['floor']:.0f} / {faults['verl']:.0f} | {row['agree']} |", flush=True)
     if baseline is not None:
         print()
@@ -320,8 +322,8 @@ def main(argv=None) -> None:
         print("|---|---|---|---|---|")
         for (batch, length), row in rows.items():
             ms = row["ms"]
-            print(f"| {batch} x {length} | {ms['baseline']:.2f} | {ms['ours']:.2f} | {ms['baseline'] / ms['ours']:.2f}x "
-                  f"| {ms['baseline'] / ms['floor']:.2f}x |")
+            print(f"| {batch} x {length} | {ms['baseline']:.2f} | {ms['ours']:.2f} "
+                  f"| {ms['baseline'] / ms['ours']:.2f}x | {ms['baseline'] / ms['floor']:.2f}x |")
     print()
     print("# floor: one candidate's pos/neg sums, masked with torch.where (NaN-safe); floor*: mask as a float "
           "factor (NaN padding would leak); candidates = reduce calls of one search")

@@ -83,7 +83,8 @@ def main() -> None:
     import async_overlap as bench
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--a", help="checkout A (the directory holding its bapo_trl package); required but with --quick")
+    parser.add_argument("--a",
+                        help="checkout A (the directory holding its bapo_trl package); required but with --quick")
     parser.add_argument("--b", help="checkout B; required but with --quick")
     parser.add_argument("--configs", default="sync,k1", help=f"comma-separated, of {list(bench.CONFIGS)}")
     parser.add_argument("--quick", action="store_true",

@@ -144,12 +144,15 @@ def main(argv=None) -> int:
         report += [f"\n## lr {lr}\n", table(runs, lr)]
     report.append(f"\nVerdict (mean final reward >= the widest fixed window's at both rates, no collapse, smaller "
                   f"mean largest gradient norm): {best or 'no adaptive setting passes'}.\n")
-    with open(os.path.join(out_dir, f"entropy_clip_results{tag}.md" if not args.quick else "entropy_clip_quick.md"), "w") as f:
+    report_name = f"entropy_clip_results{tag}.md" if not args.quick else "entropy_clip_quick.md"
+    with open(os.path.join(out_dir, report_name), "w") as f:
         f.write("\n".join(report))
     get = lambda m, lr: stats.get((m, lr), (math.nan,))[0]  # noqa: E731
     print(f"runs={len(runs)} best_adaptive={(best or 'none').replace(' ', '_')} "
-          f"best_adaptive_reward_lr1e-3={get(best, 1e-3):.3f} widest_reward_lr1e-3={get('widest fixed [0.9,3.0]', 1e-3):.3f} "
-          f"best_adaptive_reward_lr2e-3={get(best, 2e-3):.3f} widest_reward_lr2e-3={get('widest fixed [0.9,3.0]', 2e-3):.3f}")
+          f"best_adaptive_reward_lr1e-3={get(best, 1e-3):.3f} "
+          f"widest_reward_lr1e-3={get('widest fixed [0.9,3.0]', 1e-3):.3f} "
+          f"best_adaptive_reward_lr2e-3={get(best, 2e-3):.3f} "
+          f"widest_reward_lr2e-3={get('widest fixed [0.9,3.0]', 2e-3):.3f}")
     return 0
 
 

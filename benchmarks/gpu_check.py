@@ -87,7 +87,8 @@ REPO = Path(__file__).resolve().parent.parent
 #: (B, T) of the search: 256k, 1M, 4M tokens on CUDA; 16k on CPU with --quick (16k, 256k without).
 CUDA_SHAPES = [(512, 512), (1024, 1024), (2048, 2048)]
 CPU_SHAPES = [(64, 256), (512, 512)]
-#: Qwen2.5-0.5B's shape (Llama architecture: see bapo_trl.recipes.toy on qwen2 configs and this tokenizer): 494M parameters.
+#: Qwen2.5-0.5B's shape (Llama architecture: see bapo_trl.recipes.toy on qwen2 configs and this tokenizer):
+#: 494M parameters.
 GPU_MODEL = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096,
                  rope_theta=1e6)
@@ -614,7 +615,8 @@ def main(argv=None) -> int:
           f"peak_memory_ratio={pick('memory_ratio', combine=max):.4f} "
           f"search_device_share={pick('search_device_share', combine=max):.5f} "
           f"adapt_host_share={pick('adapt_host_share', combine=max):.4f} "
-          f"step_syncs={pick('step_syncs', -1, combine=sum)} zero3={status('DeepSpeed ZeRO-3 launch of train_bapo.py')} "
+          f"step_syncs={pick('step_syncs', -1, combine=sum)} "
+          f"zero3={status('DeepSpeed ZeRO-3 launch of train_bapo.py')} "
           f"replay={status('replay queue')} partial_rollout={status('partial rollout')}")
     return 1 if failed else 0
 

@@ -176,8 +176,9 @@ def main(argv=None):
 
     better = sum(reward(f"BAPO {loss}") > reward(f"TRL {loss}") for loss in LOSSES)
     print(f"wrote {os.path.join(out_dir, name)}")
-    print(f"runs={len(results)} bapo_default_reward={reward('BAPO dapo'):.3f} trl_dapo_reward={reward('TRL dapo'):.3f} "
-          f"balanced_better={better}/{len(LOSSES)} minutes={elapsed / 60:.1f}")
+    print(f"runs={len(results)} bapo_default_reward={reward('BAPO dapo'):.3f} "
+          f"trl_dapo_reward={reward('TRL dapo'):.3f} balanced_better={better}/{len(LOSSES)} "
+          f"minutes={elapsed / 60:.1f}")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,8 @@ def train(spec: dict, model_dir: str, out: str, training: dict) -> tuple[str, li
 
 
 def run_one(spec: dict) -> dict:
-    """One seed of one method in a fresh process: train, save, evaluate. ``spec["method"] == "base"``: evaluate only."""
+    """One seed of one method in a fresh process: train, save, evaluate.
+    ``spec["method"] == "base"``: evaluate only."""
     import torch
 
     torch.set_num_threads(1)
@@ -147,9 +148,10 @@ def write_report(runs: list[dict], command: str, elapsed: float, quick: bool, wo
         members = [r for r in runs if r["method"] == method]
         sums = [summarize(r) for r in members]
         col = lambda key, d=2: _fmt([s[key] for s in sums], d)  # noqa: E731
-        lines.append(f"| {method} | {len(members)} | {col('avg8', 1)} | {col('pass8', 1)} | {col('reward_first')} | "
-                     f"{col('reward_last')} | {col('entropy_last', 3)} | {col('grad_norm_max')} | {col('clip_high')} | "
-                     f"{col('active')} | {_fmt([r['seconds'] / 60 for r in members], 1)} |")
+        lines.append(f"| {method} | {len(members)} | {col('avg8', 1)} | {col('pass8', 1)} | "
+                     f"{col('reward_first')} | {col('reward_last')} | {col('entropy_last', 3)} | "
+                     f"{col('grad_norm_max')} | {col('clip_high')} | {col('active')} | "
+                     f"{_fmt([r['seconds'] / 60 for r in members], 1)} |")
     return "\n".join(lines) + "\n"
 
 

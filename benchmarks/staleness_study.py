@@ -1,10 +1,11 @@
 """The paper's staleness questions at tiny scale (its Fig. 2/7/9/11), on the embedded reversal task.
 
 Does an adaptive window help when the data is stale, and is it the ADAPTING or merely the WIDENING that helps?
-(The shared scaffolding -- training run, summary, tables, files -- is in ``study.py``.) Methods: fixed windows [0.8, 1.2], [0.8, 1.28] (clip-higher), [0.8, 1.5], [0.5, 1.2], the widest fixed window
-BAPO can reach [0.9, 3.0], and BAPO (paper default, gradient share, official-code variant). Staleness comes from
-`steps_per_generation` (1 = on-policy, 8, 16, 32) and from replay. Every fixed window is a BAPOConfig whose search
-path has one point, so every run logs the same metrics.
+(The shared scaffolding -- training run, summary, tables, files -- is in ``study.py``.) Methods: fixed windows
+[0.8, 1.2], [0.8, 1.28] (clip-higher), [0.8, 1.5], [0.5, 1.2], the widest fixed window BAPO can reach [0.9, 3.0],
+and BAPO (paper default, gradient share, official-code variant). Staleness comes from `steps_per_generation`
+(1 = on-policy, 8, 16, 32) and from replay. Every fixed window is a BAPOConfig whose search path has one point, so
+every run logs the same metrics.
 
     python benchmarks/staleness_study.py            # the full study (about an hour on 2 cores), writes docs/
     python benchmarks/staleness_study.py --quick    # a few short runs (CI), writes to a temp dir

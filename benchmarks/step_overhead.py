@@ -18,9 +18,9 @@ in one process:
 Usage: ``python benchmarks/step_overhead.py [--quick] [--rounds N] [--steps N]``. The last line is
 ``bapo_overhead=<ratio-1> replay_overhead=<ratio-1>``.
 
-``--model smollm2-135m-instruct`` (a registry name of :mod:`bapo_trl.recipes.models`, or a model directory) measures GRPO
-against BAPO on that model instead, on the shipped chat arithmetic task with its math-verify reward (replay is left
-out to keep the run short), and adds each trainer's peak process memory (RSS high-water mark, reset before every
+``--model smollm2-135m-instruct`` (a registry name of :mod:`bapo_trl.recipes.models`, or a model directory) measures
+GRPO against BAPO on that model instead, on the shipped chat arithmetic task with its math-verify reward (replay is
+left out to keep the run short), and adds each trainer's peak process memory (RSS high-water mark, reset before every
 block; both trainers stay resident, so compare the two, not the absolute values). The last line is then
 ``model=<name> bapo_overhead=<ratio-1> own_code_share=<BAPO's own code / GRPO step>``.
 """
@@ -150,7 +150,8 @@ def resident_bytes(trainer) -> int:
 
 
 def chat_arithmetic_task():
-    """The shipped chat arithmetic task (bapo_trl.recipes.math_reasoning.chat_arithmetic) and its math-verify reward, for real models."""
+    """The shipped chat arithmetic task (bapo_trl.recipes.math_reasoning.chat_arithmetic) and its math-verify reward,
+    for real models."""
     from datasets import Dataset
 
     from bapo_trl.recipes.math_reasoning.chat_arithmetic import splits
@@ -240,13 +241,15 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="3 rounds of 4 steps (< 1 minute)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 12; quick 3)")
     parser.add_argument("--steps", type=int, default=None, help="steps per block, a multiple of 4 (default 8)")
-    parser.add_argument("--model", default=None, help="a real model (bapo_trl.recipes.models registry name or directory): "
-                        "GRPO vs BAPO on the chat arithmetic task, with peak memory")
+    parser.add_argument("--model", default=None,
+                        help="a real model (bapo_trl.recipes.models registry name or directory): "
+                             "GRPO vs BAPO on the chat arithmetic task, with peak memory")
     args = parser.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.steps is not None and (args.steps < 4 or args.steps % 4):
-        parser.error(f"--steps must be a positive multiple of 4 (whole generation batches of 4 steps), got {args.steps}")
+        parser.error("--steps must be a positive multiple of 4 (whole generation batches of 4 steps), "
+                     f"got {args.steps}")
     if args.model:
         return main_model(args)
     rounds = args.rounds if args.rounds is not None else (3 if args.quick else 12)

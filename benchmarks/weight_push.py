@@ -75,7 +75,8 @@ def main() -> None:
                 timed("reset", lambda: sync._post("/reset_prefix_cache", "reset"))
                 timed("rpc", lambda: sync._rpc(PROBE_METHOD, "probe", path=str(probe)))
                 timed("request", lambda: session.post(f"{server.url}/v1/completions", timeout=60, json={
-                    "model": model_dir, "prompt": [[1, 2, 3]], "max_tokens": 1, "temperature": 1.0}).raise_for_status())
+                    "model": model_dir, "prompt": [[1, 2, 3]], "max_tokens": 1, "temperature": 1.0,
+                }).raise_for_status())
                 shutil.rmtree(directory, ignore_errors=True)
         finally:
             sync.close()

@@ -45,15 +45,19 @@ def _give_memory_back(request):
 
 @pytest.fixture(scope="session")
 def fresh_imports():
-    """The bapo_trl modules a fresh interpreter has loaded after ``import bapo_trl.trainer.bapo_config, bapo_trl.rollout``
-    (``"config"``) and then after ``import bapo_trl.trainer.bapo_trainer`` (``"trainer"``): one subprocess for the layer tests
+    """The bapo_trl modules a fresh interpreter has loaded after
+    ``import bapo_trl.trainer.bapo_config, bapo_trl.rollout`` (``"config"``) and then after
+    ``import bapo_trl.trainer.bapo_trainer`` (``"trainer"``): one subprocess for the layer tests
     (importing TRL takes seconds)."""
     import subprocess
     import sys
 
     code = ("import sys\n"
             "def loaded(tag): print(tag, *sorted(m for m in sys.modules if m.startswith('bapo_trl.')))\n"
-            "import bapo_trl.trainer.bapo_config, bapo_trl.rollout\nloaded('@config')\nimport bapo_trl.trainer.bapo_trainer\nloaded('@trainer')\n")
+            "import bapo_trl.trainer.bapo_config, bapo_trl.rollout\n"
+            "loaded('@config')\n"
+            "import bapo_trl.trainer.bapo_trainer\n"
+            "loaded('@trainer')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = {line.split()[0][1:]: set(line.split()[1:]) for line in proc.stdout.splitlines() if line.startswith("@")}

@@ -147,9 +147,9 @@ def _launch_machines_once(port, log_dir, script, args, num_machines, processes_p
                 "PYTHONUNBUFFERED": "1", **(env or {})}
     procs, logs, cmds = [], [], []
     for rank in range(num_machines):
-        cmd = [python, "-m", "accelerate.commands.launch", "--num_processes", str(num_machines * processes_per_machine),
-               "--num_machines", str(num_machines), "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
-               "--main_process_port", str(port)]
+        cmd = [python, "-m", "accelerate.commands.launch",
+               "--num_processes", str(num_machines * processes_per_machine), "--num_machines", str(num_machines),
+               "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)]
         if config_file is not None:
             cmd += ["--config_file", str(config_file)]
         else:
@@ -189,7 +189,8 @@ def _launch_machines_once(port, log_dir, script, args, num_machines, processes_p
     stop_all()
     outputs = [log.read_bytes().decode(errors="replace") for log in logs]
     if failed is not None or timed_out:
-        what = f"machine {failed} failed ({procs[failed].returncode})" if failed is not None else f"timeout {timeout} s"
+        what = (f"machine {failed} failed ({procs[failed].returncode})" if failed is not None
+                else f"timeout {timeout} s")
         tails = "\n".join(f"--- machine {r}: {' '.join(cmds[r])}\n{out[-4000:]}" for r, out in enumerate(outputs))
         return outputs, f"multi-machine launch: {what}\n{tails}"
     return outputs, None

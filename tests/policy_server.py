@@ -47,10 +47,10 @@ class JSONHandler(BaseHTTPRequestHandler):
 
 
 class PolicyServer:
-    """Serves ``/health``, ``/v1/models``, ``/server_info``, ``/v1/completions`` (token-id prompts), ``/collective_rpc``
-    (``reload_weights`` from a safetensors directory; other methods are accepted and do nothing) and
-    ``/reset_prefix_cache``. Counts requests by (method, path), and RPCs as ("RPC", method); ``versions`` lists, per
-    generate request, how many reloads the server had applied when it ran."""
+    """Serves ``/health``, ``/v1/models``, ``/server_info``, ``/v1/completions`` (token-id prompts),
+    ``/collective_rpc`` (``reload_weights`` from a safetensors directory; other methods are accepted and do nothing)
+    and ``/reset_prefix_cache``. Counts requests by (method, path), and RPCs as ("RPC", method); ``versions`` lists,
+    per generate request, how many reloads the server had applied when it ran."""
 
     def __init__(self, model_dir: str, stall_on: tuple[int, ...] = (), seed: int = 0, seconds_per_token: float = 0.0,
                  busy_resets: int = 0, latency: float = 0.0, logprobs_mode: str | None = "processed_logprobs",

@@ -51,7 +51,8 @@ def reachable(url: str, timeout: float = 15.0) -> bool:
 
 
 def from_registry(what: str, download: Callable[[], T], retry_on: Callable[[BaseException], bool] = lambda e: True,
-                  attempts: int = ATTEMPTS, pause: float = PAUSE, is_reachable: Callable[[str], bool] = reachable) -> T:
+                  attempts: int = ATTEMPTS, pause: float = PAUSE,
+                  is_reachable: Callable[[str], bool] = reachable) -> T:
     """``download()`` (something that fetches from the package registry), retried up to ``attempts`` times on an
     error ``retry_on`` accepts; past that, a skip (CI: a failure) naming ``what`` if the registry cannot be reached,
     else the last error itself. An error ``retry_on`` refuses is raised at once."""

@@ -1,9 +1,9 @@
 """Async generation: the vLLM server generates the next batches while the trainer trains (issue 17).
 
 Fast tier: the prompt stream, the producer's pacing and push ordering (a scripted generator in place of the server,
-named as such), configuration and argument errors, and a stalled server (the stand-in server of policy_server.py). Slow tier: the real vLLM CPU server: overlap, staleness bounded by K, behaviour log-probs equal to
-a recomputation with the saved sampling policy, resume without loss or duplication, LoRA, and ZeRO-3 on 2 processes
-through train_bapo.py.
+named as such), configuration and argument errors, and a stalled server (the stand-in server of policy_server.py). Slow
+tier: the real vLLM CPU server: overlap, staleness bounded by K, behaviour log-probs equal to a recomputation with the
+saved sampling policy, resume without loss or duplication, LoRA, and ZeRO-3 on 2 processes through train_bapo.py.
 """
 
 from __future__ import annotations
@@ -270,11 +270,12 @@ def test_a_held_push_waiting_for_a_request_that_never_starts_is_an_error():
 
 
 class ScriptedClock:
-    """The producer's clock, moved by the test alone (``time`` of bapo_trl.rollout.producer patched): a bound that is
-    a time is checked against scripted durations, whatever the machine's load. The trainer's side of a wait re-checks
-    its bound whenever the producer's condition is notified (its real-time sleeps between checks decide nothing);
-    :meth:`advance` moves the clock, then wakes that side and returns once it has checked the new time (or no longer
-    waits), so a broken bound is caught at the step where it is broken, not only if the threads happen to interleave."""
+    """The producer's clock, moved by the test alone (``time`` of bapo_trl.rollout.producer patched): a bound that
+    is a time is checked against scripted durations, whatever the machine's load. The trainer's side of a wait
+    re-checks its bound whenever the producer's condition is notified (its real-time sleeps between checks decide
+    nothing); :meth:`advance` moves the clock, then wakes that side and returns once it has checked the new time
+    (or no longer waits), so a broken bound is caught at the step where it is broken, not only if the threads
+    happen to interleave."""
 
     def __init__(self, monkeypatch, producer: Producer):
         import bapo_trl.rollout.producer as producer_module
@@ -338,8 +339,8 @@ def test_waiting_for_a_request_behind_several_is_bounded_per_request_not_in_all(
 
 
 class AnsweredInParts(ScriptedGenerator):
-    """One batch answered request by request (a seeded batch: one HTTP request per prompt), ``parts`` answers
-    ``gap`` seconds apart, each counted in ``answered`` (the client's counter), or, ``stall_after``, none after that."""
+    """One batch answered request by request (a seeded batch: one HTTP request per prompt), ``parts`` answers ``gap``
+    seconds apart, each counted in ``answered`` (the client's counter), or, ``stall_after``, none after that."""
 
     def __init__(self, parts: int, gap: float, stall_after: int | None = None):
         super().__init__()
@@ -358,9 +359,9 @@ class AnsweredInParts(ScriptedGenerator):
 @pytest.mark.parametrize("wait", ["take", "hold"])
 def test_a_large_batch_answered_request_by_request_is_not_a_stall(wait):
     """A batch of many requests takes longer than one request's bound, but the server answers all along: every bound
-    restarts at each answer (progress), so neither taking the batch (3.5 x timeout = 0.7 s) nor holding the producer for
-    a push (1.5 x timeout = 0.3 s) raises. 12 answers 0.1 s apart: 1.2 s in all. Without the progress the same waits
-    raise (second half).
+    restarts at each answer (progress), so neither taking the batch (3.5 x timeout = 0.7 s) nor holding the producer
+    for a push (1.5 x timeout = 0.3 s) raises. 12 answers 0.1 s apart: 1.2 s in all. Without the progress the same
+    waits raise (second half).
 
     Timing-based, on purpose: the bounds are times, and holding the producer waits on its request lock in real time,
     which a scripted clock (as in the test above) cannot wake. The slack: each 0.1 s gap is a third of the shortest
@@ -901,11 +902,12 @@ def test_lora_with_async_generation(tiny_server, tiny_model_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial_rollout"])
 def test_zero3_two_processes_async_from_train_bapo(tiny_server, tiny_model_dir, tmp_path, partial):
-    """`accelerate launch` ZeRO-3 on 2 processes: every rank takes part in each push (gathering is collective), rank
-    0's producer alone talks to the server, and each rank trains its slice of the shared batch (with partial rollout:
-    of the finished groups of rank 0's pool). Without partial rollout it also evaluates every 2 steps: TRL's own
-    generation on every rank with rank 0's producer held, through the hold's per-batch broadcast (the weights each
-    queued batch keeps are checked by the guarantees matrix's evaluating row, on a server slow enough to queue them)."""
+    """`accelerate launch` ZeRO-3 on 2 processes: every rank takes part in each push (gathering is collective),
+    rank 0's producer alone talks to the server, and each rank trains its slice of the shared batch (with partial
+    rollout: of the finished groups of rank 0's pool). Without partial rollout it also evaluates every 2 steps:
+    TRL's own generation on every rank with rank 0's producer held, through the hold's per-batch broadcast (the
+    weights each queued batch keeps are checked by the guarantees matrix's evaluating row, on a server slow
+    enough to queue them)."""
     from launching import REPO, accelerate_launch, assert_zero3_partitioned
 
     reset_server_weights(tiny_server.url, tiny_model_dir)

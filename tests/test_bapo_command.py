@@ -47,7 +47,8 @@ def run(argv, **kwargs):
 def run_pair(new_argv, old_argv):
     """Both commands at once: each spends most of its time importing on one core (``bapo train``'s pair: 13 s one
     after the other, 9-10 s together, here)."""
-    procs = [subprocess.Popen(argv, cwd=REPO, env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen(argv, cwd=REPO, env=command_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for argv in (new_argv, old_argv)]
     results = []
     for proc in procs:
@@ -101,7 +102,8 @@ def test_plot_of_a_missing_directory_is_the_same_error(tmp_path):
     new, old = run(bapo_cmd("plot", *args)), run(OLD["plot"] + list(map(str, args)))
     assert new.returncode == old.returncode == 2
     assert str(tmp_path / "nothing") in new.stderr.splitlines()[-1]
-    assert new.stderr.splitlines()[-1] == old.stderr.splitlines()[-1].replace("python -m bapo_trl.cli.plot", "bapo plot")
+    assert (new.stderr.splitlines()[-1]
+            == old.stderr.splitlines()[-1].replace("python -m bapo_trl.cli.plot", "bapo plot"))
     assert not (tmp_path / "out.png").exists()
 
 

@@ -115,8 +115,8 @@ def test_async_overlap_summary_line_of_a_full_run(bench):
         if config in ("sync", "sync_replay_saves"):
             return {"step_seconds": 2.0, "steps_per_second": 0.5, "generate_seconds": 1.0,
                     "tokens_per_step": 50.0 if "replay" in config else 100.0}
-        return {"step_seconds": 1.25, "steps_per_second": 0.8, "async/wait_seconds": 0.5, "async/generate_seconds": 1.2,
-                "tokens_per_step": 50.0 if "replay" in config else 100.0}
+        return {"step_seconds": 1.25, "steps_per_second": 0.8, "async/wait_seconds": 0.5,
+                "async/generate_seconds": 1.2, "tokens_per_step": 50.0 if "replay" in config else 100.0}
 
     last = bench.summary_line(bench.summarize({"gen1": {config: [row(config)] for config in bench.CONFIGS}}))
     match = re.fullmatch(rf"async_speedup=({NUMBER}) ideal=({NUMBER}) efficiency=({NUMBER}) "
@@ -159,7 +159,8 @@ def test_async_overlap_summary_pairs_each_async_row_with_its_synchronous_twin(be
     results = {"gen1": {"sync": [sync(2.0, 1.0)], "sync_replay_saves": [sync(1.5, 0.5)],
                         "k1": [asynchronous(1.25, 0.5, 1.2)], "k1_replay_saves": [asynchronous(1.0, 0.2, 0.6)]}}
     rows = bench.summarize(results)["gen1"]["rows"]
-    assert rows["k1"]["efficiency"] == pytest.approx([0.8]) and rows["k1"]["pipeline_efficiency"] == pytest.approx([0.96])
+    assert (rows["k1"]["efficiency"] == pytest.approx([0.8])
+            and rows["k1"]["pipeline_efficiency"] == pytest.approx([0.96]))
     # its twin generated half in 0.5 s; its own busy time 0.8 s bounds it: 0.8 / 1.0 (against sync's 1.0 s: 1.0)
     assert rows["k1_replay_saves"]["efficiency"] == pytest.approx([0.8])
     assert rows["k1_replay_saves"]["pipeline_efficiency"] == pytest.approx([0.8])
@@ -251,8 +252,8 @@ def test_evidence_study_quick_pairs_every_method_and_resumes(tmp_path):
     runs = [json.loads(line) for line in results.read_text().splitlines()]
     trainers = {(r["staleness"], r["method"]): r["trainer"] for r in runs}
     assert trainers == {("spg 8", "TRL dapo clip-higher"): "trl", ("spg 8", "M2PO"): "m2po",
-                        ("spg 8", "BAPO paper + dual clip"): "bapo", ("partial rollout", "TRL dapo clip-higher"): "bapo",
-                        ("partial rollout", "M2PO"): "m2po-bapo"}
+                        ("spg 8", "BAPO paper + dual clip"): "bapo",
+                        ("partial rollout", "TRL dapo clip-higher"): "bapo", ("partial rollout", "M2PO"): "m2po-bapo"}
     assert all(r["m2po_masked"] is not None for r in runs if r["method"] == "M2PO")
     assert "| M2PO | TRL dapo clip-higher | 2 |" in report.read_text()
     again = run_quick("evidence_study.py", *args)

@@ -30,7 +30,8 @@ def build(model_dir, out, **overrides):
                     steps_per_generation=1, save_strategy="steps", save_steps=1, save_total_limit=1, seed=3)
     settings.update(overrides)
     return BAPOTrainer(model=model_dir, reward_funcs=reverse_reward, args=BAPOConfig(**settings),
-                       train_dataset=make_reverse_dataset(32), processing_class=AutoTokenizer.from_pretrained(model_dir))
+                       train_dataset=make_reverse_dataset(32),
+                       processing_class=AutoTokenizer.from_pretrained(model_dir))
 
 
 class Crash(Exception):

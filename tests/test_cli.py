@@ -149,7 +149,7 @@ def test_a_grpo_config_gets_an_error_that_says_what_to_change(tiny_model_dir, tm
         BAPOTrainer(model=tiny_model_dir, args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True))
 
 
-# -- machines without CUDA: the CPU in float32 by default, explicit settings win ----------------------------------------
+# -- machines without CUDA: the CPU in float32 by default, explicit settings win --------------------------------------
 
 
 def _parse(argv, tmp_path, cuda_available=False):
@@ -224,7 +224,8 @@ def test_a_model_of_your_own_trains_without_cpu_flags_and_the_summary_says_searc
         [sys.executable, str(REPO / "train_bapo.py"), "--model_name_or_path", tiny_model_dir, "--reward_funcs",
          "reverse", "--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4",
          "--max_completion_length", "6", "--steps_per_generation", "1", "--gradient_checkpointing", "false",
-         "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no", "--output_dir", str(tmp_path / "out")],
+         "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no",
+         "--output_dir", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "doesn't support bf16" not in proc.stderr
@@ -240,7 +241,8 @@ def test_the_summary_says_search_never_active_instead_of_nan_bounds():
 
     inactive = {"bapo/search_active": 0.0, "bapo/clip_low": 0.6, "bapo/clip_high": 1.2, "bapo/search_steps": 0.0,
                 "bapo/positive_contribution": 0.5, "bapo/positive_contribution_before": 0.5, "entropy": 1.0}
-    history = [{"loss": 0.1, "step": 1, "reward": 0.25, **inactive}, {"loss": 0.2, "step": 2, "reward": 0.5, **inactive}]
+    history = [{"loss": 0.1, "step": 1, "reward": 0.25, **inactive},
+               {"loss": 0.2, "step": 2, "reward": 0.5, **inactive}]
     summary = format_summary(history)
     assert "search never active (no window on the path changed the loss in any of the 2 updates" in summary
     assert "nan" not in summary and "mean bounds" not in summary

@@ -113,7 +113,7 @@ def test_matches_loop_with_custom_ranges(variant, mode):
             assert_same_choice(search_clip_bounds(ratio, adv, mask, **kw), loop_search(ratio, adv, mask, **kw))
 
 
-# -- TRL's two-sided clip `delta`: a negative above it has no gradient (loss -delta A) ---------------------------------
+# -- TRL's two-sided clip `delta`: a negative above it has no gradient (loss -delta A) --------------------------------
 
 #: (delta, settings): at the end of the upper path (as BAPOConfig ends it there) or above it.
 DELTAS = [(3.0, {}), (4.5, {}), (2.03, dict(ratio_upper_max=2.03)), (1.2, dict(ratio_upper_max=1.2))]

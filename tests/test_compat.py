@@ -16,14 +16,16 @@ from launching import REPO
 
 #: one old path per kind of move (the whole table is checked by test_every_old_path_resolves)
 SAMPLES = [("bapo_trl.clipping", "bapo_trl.core.clipping"), ("bapo_trl.loss_hook", "bapo_trl.trainer.loss_hook"),
-           ("bapo_trl.rollout_settings", "bapo_trl.rollout.settings"), ("bapo_trl.toy.task", "bapo_trl.recipes.toy.task"),
+           ("bapo_trl.rollout_settings", "bapo_trl.rollout.settings"),
+           ("bapo_trl.toy.task", "bapo_trl.recipes.toy.task"),
            ("bapo_trl.math_recipe.rewards", "bapo_trl.recipes.math_reasoning.rewards"),
            ("bapo_trl.plot", "bapo_trl.cli.plot"), ("bapo_trl.generation.serve", "bapo_trl.cli.serve"),
            ("bapo_trl.rollout.queue", "bapo_trl.rollout.replay_queue")]
 
 
 def fresh(name: str):
-    """Import ``name`` as a first import would (its old-path entry dropped from ``sys.modules``), recording warnings."""
+    """Import ``name`` as a first import would (its old-path entry dropped from ``sys.modules``),
+    recording warnings."""
     sys.modules.pop(name, None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -78,7 +78,8 @@ ARGS = dict(use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="n
 def build(model_dir, out, **overrides):
     return BAPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reverse_reward,
                        args=BAPOConfig(output_dir=str(out), **{**ARGS, **overrides}),
-                       train_dataset=make_reverse_dataset(256), processing_class=AutoTokenizer.from_pretrained(model_dir))
+                       train_dataset=make_reverse_dataset(256),
+                       processing_class=AutoTokenizer.from_pretrained(model_dir))
 
 
 def test_a_run_logs_and_plots_the_diagnostics(tiny_model_dir, tmp_path, capsys):
@@ -110,8 +111,9 @@ def test_is_weighted_share_balances_what_the_loss_weights(tiny_model_dir, tmp_pa
                   "completion_ids": completions, "completion_mask": torch.ones(4, 6),
                   "advantages": torch.tensor([1.0, 1.0, -1.0, -1.0]), "num_items_in_batch": torch.tensor(24.0)}
         with torch.no_grad():
-            logps, _, _ = trainer.port.policy_logps(torch.cat([prompts.input_ids, completions], 1),
-                                                torch.cat([prompts.attention_mask, torch.ones(4, 6)], 1), 6), None, None
+            logps, _, _ = (trainer.port.policy_logps(torch.cat([prompts.input_ids, completions], 1),
+                                                     torch.cat([prompts.attention_mask, torch.ones(4, 6)], 1), 6),
+                           None, None)
         # positives at ratio ~2 (share 0.55 at the start window, unweighted), negatives on-policy
         inputs["old_per_token_logps"] = logps - torch.tensor([[0.7] * 6, [0.7] * 6, [0.0] * 6, [0.0] * 6])
         inputs["importance_sampling_ratio"] = torch.tensor([[0.2] * 6, [0.2] * 6, [1.0] * 6, [1.0] * 6])

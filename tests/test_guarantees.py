@@ -80,9 +80,9 @@ HELD_PUSH = {"async_k1_held_push", "async_partial_held_push"}
 #: Rows the fast tier leaves to the slow tier: they wait on a slowed server, or start a second one, or are the
 #: longest rows whose parts fast rows check separately: async_k2 (K=2 staleness: replay_saves_async runs with
 #: max_staleness=2), async_k2_lazy (a slowed server; the lazy producer's choice is unit-tested fast in
-#: test_async_generation.py), async_partial (16 s; partial and async_k1 are fast, their combination only slow), replay_async
-#: (10 s; replay and async_k1 are fast, and replay_saves_async replays under async, but only the generation-saving
-#: path: plain replay under async is checked in the slow tier only).
+#: test_async_generation.py), async_partial (16 s; partial and async_k1 are fast, their combination only slow),
+#: replay_async (10 s; replay and async_k1 are fast, and replay_saves_async replays under async, but only the
+#: generation-saving path: plain replay under async is checked in the slow tier only).
 SLOW_ROWS = {"async_inflight", "async_k2_two_servers", "async_k2", "async_partial", "replay_async", "async_k2_lazy",
              "async_partial_held_push", "async_k2_eval", "async_sync3_eval"}
 #: Rows whose completions depend on timing: with in-flight updates, where a push lands in a request depends on when
@@ -321,7 +321,8 @@ def row_steps(source: str, updates: int) -> int:
 def build(model_dir, args, cls=Recorder, callbacks=()):
     evaluates = args.eval_strategy != "no"
     return cls(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=digit_reward, args=args,
-               train_dataset=make_reverse_dataset(64, seed=0), processing_class=AutoTokenizer.from_pretrained(model_dir),
+               train_dataset=make_reverse_dataset(64, seed=0),
+               processing_class=AutoTokenizer.from_pretrained(model_dir),
                eval_dataset=make_reverse_dataset(2, seed=5) if evaluates else None, callbacks=list(callbacks))
 
 

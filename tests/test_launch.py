@@ -130,9 +130,9 @@ def test_single_process_config(tmp_path):
 def test_two_processes_with_the_replay_queue(tmp_path):
     """DDP over gloo with replay wrapped around partial rollout: each rank keeps its own queue and pool, saves them,
     and replayed groups are trained. A second launch resumes from the checkpoint in the MIDDLE of a generation batch
-    (step 3 of batches of 2 updates) and continues exactly as the uninterrupted run did on both ranks: it runs steps 4-6
-    only, with the same metrics (gathered from both ranks) at every later step and the same final weights (CPU, fixed
-    seed)."""
+    (step 3 of batches of 2 updates) and continues exactly as the uninterrupted run did on both ranks: it runs
+    steps 4-6 only, with the same metrics (gathered from both ranks) at every later step and the same final weights
+    (CPU, fixed seed)."""
     run = ["--max_steps", "6", "--per_device_train_batch_size", "8", "--num_generations", "4",
            "--steps_per_generation", "2", "--max_completion_length", "8", "--replay_buffer_size", "8",
            "--replay_ratio", "0.5", "--replay_max_staleness", "8", "--partial_rollout_budget", "4",

@@ -95,13 +95,14 @@ def test_an_upward_import_is_caught():
     })
     assert len(problems) == 2
     assert "bapo_trl/rollout/partial.py:3" in problems[0] and "bapo_trl.trainer (trainer)" in problems[0]
-    assert "bapo_trl/core/clipping.py:1" in problems[1] and "bapo_trl.rollout.replay_queue (rollout sources)" in problems[1]
+    assert ("bapo_trl/core/clipping.py:1" in problems[1]
+            and "bapo_trl.rollout.replay_queue (rollout sources)" in problems[1])
 
 
 def test_a_module_without_a_layer_is_reported():
     problems = upward_imports({PACKAGE / "brand_new.py": "import os\n"})
-    assert problems == ["bapo_trl.brand_new has no layer: move it into the folder of its layer, one of core, generation, "
-                        "rollout, trainer, recipes, cli"]
+    assert problems == ["bapo_trl.brand_new has no layer: move it into the folder of its layer, "
+                        "one of core, generation, rollout, trainer, recipes, cli"]
 
 
 def test_importing_the_config_or_the_rollout_package_loads_no_source(fresh_imports):

@@ -46,7 +46,7 @@ def test_every_trl_loss_type_has_a_row():
     assert branches == set(TRL_LOSS_TYPES) == set(SUPPORTED_LOSS_TYPES)
 
 
-# -- the rows' fast searches against the plain loops -------------------------------------------------------------------
+# -- the rows' fast searches against the plain loops ------------------------------------------------------------------
 
 def bound_row(name, **values):
     defaults = dict(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
@@ -211,7 +211,7 @@ def test_search_activity_follows_what_each_row_can_change():
     assert LOSS_TYPES["cispo"].sensitive(torch.full((2, 3), 1.3), positive, negative, cap).all()  # both signs capped
 
 
-# -- the ratios and token weights, against TRL's formulas ---------------------------------------------------------------
+# -- the ratios and token weights, against TRL's formulas -------------------------------------------------------------
 
 @st.composite
 def log_ratio_batches(draw):
@@ -275,7 +275,7 @@ def test_search_inputs_weigh_tokens_as_trls_loss_aggregates_them():
             assert torch.allclose(ratio, log_ratio.exp())
 
 
-# -- delta below ratio_upper_max: the upper path ends at delta -----------------------------------------------------------
+# -- delta below ratio_upper_max: the upper path ends at delta --------------------------------------------------------
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_delta_below_the_upper_max_ends_the_upper_path(variant):
@@ -302,7 +302,7 @@ def test_delta_below_the_upper_start_is_refused():
         BAPOConfig(output_dir="unused", use_cpu=True, delta=1.1)
 
 
-# -- configuration: every loss type and level accepted; what is refused says what to do ---------------------------------
+# -- configuration: every loss type and level accepted; what is refused says what to do -------------------------------
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", TRL_LOSS_TYPES)
@@ -345,7 +345,8 @@ def test_the_dual_clip_only_where_trl_reads_delta():
     for variant in ("paper", "verl"):
         assert BAPOConfig(output_dir="unused", use_cpu=True, bapo_variant=variant, loss_type="luspo").delta == 3.0
         for loss_type in ("cispo", "sapo", "vespo"):
-            assert BAPOConfig(output_dir="unused", use_cpu=True, bapo_variant=variant, loss_type=loss_type).delta is None
+            assert BAPOConfig(output_dir="unused", use_cpu=True, bapo_variant=variant,
+                              loss_type=loss_type).delta is None
 
 
 def test_delta_reaches_the_search_settings_of_the_clipped_losses_only():
@@ -354,7 +355,8 @@ def test_delta_reaches_the_search_settings_of_the_clipped_losses_only():
             warnings.simplefilter("ignore", UserWarning)
             return BAPOConfig(output_dir="unused", use_cpu=True, **kw).bapo_settings
 
-    assert settings().delta == 3.0 and settings(bapo_variant="verl").delta == 3.0 and settings(dual_clip=False).delta is None
+    assert (settings().delta == 3.0 and settings(bapo_variant="verl").delta == 3.0
+            and settings(dual_clip=False).delta is None)
     assert settings(delta=4.0).delta == 4.0 and settings(delta=4.0).ratio_upper_max == 3.0
     assert (settings(delta=2.03).delta, settings(delta=2.03).ratio_upper_max) == (2.03, 2.03)
     for loss_type in ("cispo", "sapo", "vespo"):  # TRL reads delta in the clipped losses only
@@ -422,14 +424,15 @@ def test_gradient_share_is_the_share_of_the_gradient_trls_loss_carries(tiny_mode
 #: GRPOConfig fields whose non-default value the walk below cannot pick from the type and default alone:
 #: value (and the companion settings GRPOConfig itself needs for it).
 VALUES = dict(
-    output_dir=("other-dir",), per_device_train_batch_size=(16,), length_column_name=("n_tokens",), lr_scheduler_type=("cosine",),
-    lr_scheduler_kwargs=({"num_cycles": 2},), optim=("adamw_torch",), optim_args=("foo=1",),
-    optim_target_modules=(["q_proj"],), bf16=(False,), tf32=(False,), activation_checkpointing=(False,),
-    activation_checkpointing_kwargs=({"use_reentrant": False},), gradient_checkpointing_kwargs=({"use_reentrant": False},),
-    torch_compile_backend=("eager",), torch_compile_mode=("default",), liger_kernel_config=({"rope": True},),
-    neftune_noise_alpha=(5.0,), torch_empty_cache_steps=(10,), logging_strategy=("epoch",),
-    include_num_input_tokens_seen=("all",), disable_tqdm=(True,), report_to=("tensorboard",), run_name=("run",),
-    project=("p",), trackio_space_id=("me/space",), trackio_bucket_id=("bucket",), trackio_static_space_id=("me/static",),
+    output_dir=("other-dir",), per_device_train_batch_size=(16,), length_column_name=("n_tokens",),
+    lr_scheduler_type=("cosine",), lr_scheduler_kwargs=({"num_cycles": 2},), optim=("adamw_torch",),
+    optim_args=("foo=1",), optim_target_modules=(["q_proj"],), bf16=(False,), tf32=(False,),
+    activation_checkpointing=(False,), activation_checkpointing_kwargs=({"use_reentrant": False},),
+    gradient_checkpointing_kwargs=({"use_reentrant": False},), torch_compile_backend=("eager",),
+    torch_compile_mode=("default",), liger_kernel_config=({"rope": True},), neftune_noise_alpha=(5.0,),
+    torch_empty_cache_steps=(10,), logging_strategy=("epoch",), include_num_input_tokens_seen=("all",),
+    disable_tqdm=(True,), report_to=("tensorboard",), run_name=("run",), project=("p",),
+    trackio_space_id=("me/space",), trackio_bucket_id=("bucket",), trackio_static_space_id=("me/static",),
     eval_strategy=("steps",), eval_steps=(10,), eval_accumulation_steps=(2,), include_for_metrics=(["inputs"],),
     save_strategy=("epoch",), save_total_limit=(2,), hub_token=("x",), hub_private_repo=(True,),
     hub_model_id=("me/model",), hub_strategy=("end",), hub_revision=("main",),
@@ -518,7 +521,7 @@ def test_every_grpo_option_is_accepted_or_refused_with_a_reason(tmp_path):
     assert len(accepted) == len(fields) - len(REFUSED) - len(TRL_REFUSES)
 
 
-# -- BAPOTrainer: TRL's loss at what the search reported -----------------------------------------------------------------
+# -- BAPOTrainer: TRL's loss at what the search reported --------------------------------------------------------------
 
 CASES = [  # (loss_type, importance_sampling_level, extra settings)
     ("cispo", "token", {}), ("cispo", "sequence", {}), ("sapo", "token", {}), ("sapo", "sequence", {}),
@@ -576,7 +579,7 @@ def test_the_gradient_equals_trls_at_the_reported_gate(tiny_model_dir, tmp_path)
         assert torch.allclose(pb.grad, pg.grad, atol=1e-6), name
 
 
-# -- every loss type and level through a short stale run ----------------------------------------------------------------
+# -- every loss type and level through a short stale run --------------------------------------------------------------
 
 #: Sequence ratios (the mean log-ratio of a completion) stay close to 1 in 4 short updates: CISPO's cap, which acts on
 #: ratios above it only, gets a path that starts near 1 (``bapo/search_active`` is 0 otherwise: nothing to adapt).

@@ -102,9 +102,10 @@ LAYOUTS = [
      {"problem": ["Half of 3?"], "solution": [r"It is $\boxed{\frac{3}{2}}$."], "level": ["Level 1"],
       "type": ["Algebra"]}, r"\frac{3}{2}"),
     ("verl", "BytedTsinghua-SIA/DAPO-Math-17k",
-     {"prompt": [[{"role": "user", "content": "Solve the following math problem step by step. The last line of your "
-                   "response should be of the form Answer: $Answer (without quotes) where $Answer is the answer to the "
-                   "problem.\n\nWhat is 6 times 7?\n\nRemember to put your answer on its own line after \"Answer:\"."}]],
+     {"prompt": [[{"role": "user", "content": "Solve the following math problem step by step. The last line of "
+                   "your response should be of the form Answer: $Answer (without quotes) where $Answer is the "
+                   "answer to the problem.\n\nWhat is 6 times 7?\n\n"
+                   "Remember to put your answer on its own line after \"Answer:\"."}]],
       "reward_model": [{"ground_truth": "42", "style": "rule"}], "data_source": ["math_dapo"]}, "42"),
     ("verl", "Skywork/Skywork-OR1-RL-Data",
      {"prompt": [[{"role": "user", "content": "What is 6 times 7? Please put your final answer within \\boxed{}."}]],

@@ -68,7 +68,8 @@ def trainer(tiny_model_dir, tmp_path_factory):
 logp_values = st.floats(-1e4, 0.0, allow_nan=False) | st.sampled_from([math.nan, -math.inf, math.inf, -1e30, 0.0])
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=250, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(old=st.lists(logp_values, min_size=24, max_size=24), ref=st.lists(logp_values, min_size=24, max_size=24),
        mask=st.lists(st.booleans(), min_size=24, max_size=24),
        adv=st.lists(adv_values | st.sampled_from([math.nan, math.inf]), min_size=4, max_size=4),

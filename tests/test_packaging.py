@@ -163,9 +163,10 @@ def test_the_trainer_imports_nothing_from_the_command_line_or_the_recipes(fresh_
 
 
 def imports_from_the_package(source: str, module: str) -> list[tuple[str, str | None]]:
-    """``(absolute bapo_trl module, imported name or None)`` for every import of the package in ``source``, the code
-    of module ``module`` (``bapo_trl.recipes.math_reasoning.evaluate``; a package as ``bapo_trl.recipes.math_reasoning.__init__``), with
-    relative imports resolved. ``from .. import cli`` gives ``("bapo_trl.cli", None)``."""
+    """``(absolute bapo_trl module, imported name or None)`` for every import of the package in ``source``, the code of
+    module ``module`` (``bapo_trl.recipes.math_reasoning.evaluate``; a package as
+    ``bapo_trl.recipes.math_reasoning.__init__``), with relative imports resolved. ``from .. import cli`` gives
+    ``("bapo_trl.cli", None)``."""
     package = module.rsplit(".", 1)[0]  # a module's package; an __init__'s package is itself
     found = []
     for node in ast.walk(ast.parse(source)):
@@ -211,14 +212,15 @@ def test_the_layering_check_catches_what_it_should():
     """The check itself, on the imports the recipe had before datasets_io / reward_funcs (now in bapo_trl/recipes/)."""
     recipe = "def load():\n    from ...cli.data import _load\n    from ...cli.rewards import resolve_reward_funcs\n"
     assert layering_problems({"bapo_trl.recipes.math_reasoning.evaluate": recipe}) == [
-        "bapo_trl.recipes.math_reasoning.evaluate imports bapo_trl.cli.data (the math recipe must not depend on the command line)",
-        "bapo_trl.recipes.math_reasoning.evaluate imports bapo_trl.cli.rewards (the math recipe must not depend on the command "
-        "line)",
+        "bapo_trl.recipes.math_reasoning.evaluate imports bapo_trl.cli.data "
+        "(the math recipe must not depend on the command line)",
+        "bapo_trl.recipes.math_reasoning.evaluate imports bapo_trl.cli.rewards "
+        "(the math recipe must not depend on the command line)",
         "bapo_trl.recipes.math_reasoning.evaluate imports the private bapo_trl.cli.data._load",
     ]
     assert layering_problems({"bapo_trl.recipes.math_reasoning.__init__": "from ... import cli\n"}) == [
-        "bapo_trl.recipes.math_reasoning.__init__ imports bapo_trl.cli (the math recipe must not depend on the command "
-        "line)"]
+        "bapo_trl.recipes.math_reasoning.__init__ imports bapo_trl.cli "
+        "(the math recipe must not depend on the command line)"]
     assert layering_problems({"bapo_trl.recipes.reward_funcs": "from bapo_trl.cli.train import _helper\n"}) == [
         "bapo_trl.recipes.reward_funcs imports the private bapo_trl.cli.train._helper"]
     # inside the command line, and public names elsewhere, are fine

@@ -96,8 +96,10 @@ def test_stop_token_ids_from_generation_kwargs_end_completions(tiny_model_dir, t
     """A stop token given through generation_kwargs ends a completion for the pool too (else a stop exactly at the
     cap would look like a capped completion and be grown past its end)."""
     trainer = build(BAPOTrainer, tiny_model_dir, tmp_path, generation_kwargs={"eos_token_id": [1, 7]})
-    assert {1, 7} <= set(source_of(trainer, PartialRollout).pool.eos) and set(trainer.eos_token_ids) <= set(source_of(trainer, PartialRollout).pool.eos)
-    pool = PartialRolloutPool(budget=3, max_resumes=5, max_completion_length=20, eos_token_ids=source_of(trainer, PartialRollout).pool.eos)
+    assert ({1, 7} <= set(source_of(trainer, PartialRollout).pool.eos)
+            and set(trainer.eos_token_ids) <= set(source_of(trainer, PartialRollout).pool.eos))
+    pool = PartialRolloutPool(budget=3, max_resumes=5, max_completion_length=20,
+                              eos_token_ids=source_of(trainer, PartialRollout).pool.eos)
     pool.add_groups([{"id": 0}], [[0]], group_size=1)
     pool.grow(lambda prefixes, n: ([[5, 6, 7]], None), scripted_score, step=0)  # stops on 7, exactly at the cap
     assert pool.groups[0].finished
@@ -262,7 +264,8 @@ def test_resume_keeps_carried_completions(tiny_model_dir, tmp_path):
     assert len(a) == len(b) > 0
     # a resume, not a fresh run: it trained steps 4-6 only, and drew its top-up prompts where the full run was
     assert sorted(ran.policies) == [3, 4, 5]
-    assert source_of(resumed, PartialRollout).pool.extra_prompts_used == source_of(full, PartialRollout).pool.extra_prompts_used > 0
+    assert (source_of(resumed, PartialRollout).pool.extra_prompts_used
+            == source_of(full, PartialRollout).pool.extra_prompts_used > 0)
     for ga, gb in zip(a, b):
         for ca, cb in zip(ga.completions, gb.completions):
             assert ca.token_ids == cb.token_ids and ca.versions == cb.versions

@@ -168,7 +168,8 @@ def test_resume_restores_the_queue_and_continues_identically(tiny_model_dir, tmp
     after = lambda t: [h for h in t.state.log_history if "loss" in h and h["step"] > 4]  # noqa: E731
     assert [h["step"] for h in after(full)] == [h["step"] for h in after(resumed)] == [5, 6, 7, 8]
     for ha, hb in zip(after(full), after(resumed)):
-        for key in ("loss", "reward", "replay/size", "replay/fraction", "bapo/clip_high", "bapo/positive_contribution"):
+        for key in ("loss", "reward", "replay/size", "replay/fraction", "bapo/clip_high",
+                    "bapo/positive_contribution"):
             if key in ha:
                 assert ha[key] == pytest.approx(hb[key], abs=1e-5, nan_ok=True), (ha["step"], key)
 
@@ -213,7 +214,8 @@ class FillProbe(BAPOTrainer):
             mixed = self._real_mix(output, *args, **kwargs)
         finally:
             self.replay_queue.sample = sample
-        adv, replayed = mixed["advantages"].view(-1, self.num_generations), mixed["replayed"].view(-1, self.num_generations)
+        adv, replayed = (mixed["advantages"].view(-1, self.num_generations),
+                         mixed["replayed"].view(-1, self.num_generations))
         flat_kept = int(((adv.max(1).values == adv.min(1).values) & ~replayed[:, 0]).sum())
         self.fill_log = getattr(self, "fill_log", [])
         self.fill_log.append(dict(flat_fresh=flat_fresh, asked=asked[0][0], given=asked[0][1], flat_kept=flat_kept,

@@ -109,7 +109,8 @@ def test_kill_9_then_resume_continues_exactly(source_flags, tmp_path):
     assert len(steps_logged_by(tmp_path / "reference-log")) == 24
 
     event = tmp_path / "inside-the-save"
-    victim = train(tmp_path / "victim", env=env, logs=tmp_path / "victim-log", source=flags, stop_in_save=(event, TORN))
+    victim = train(tmp_path / "victim", env=env, logs=tmp_path / "victim-log", source=flags,
+                   stop_in_save=(event, TORN))
     deadline = time.time() + 600
     while not event.exists():
         assert victim.poll() is None, "the run ended before the save it stops in"

@@ -15,7 +15,8 @@ def trainer_with(reward, model_dir, tmp_path):
                       report_to="none", save_strategy="no", per_device_train_batch_size=8, num_generations=4,
                       max_completion_length=6, max_steps=2, logging_steps=1, steps_per_generation=2)
     return BAPOTrainer(model=model_dir, reward_funcs=[reverse_reward, reward], args=args,
-                       train_dataset=make_reverse_dataset(16), processing_class=AutoTokenizer.from_pretrained(model_dir))
+                       train_dataset=make_reverse_dataset(16),
+                       processing_class=AutoTokenizer.from_pretrained(model_dir))
 
 
 def test_a_reward_that_raises_is_named(tiny_model_dir, tmp_path):

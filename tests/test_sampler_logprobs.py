@@ -76,7 +76,7 @@ def nothing_done(server: PolicyServer) -> bool:
     return not any(key[0] in ("POST", "RPC") for key in server.requests)
 
 
-# -- item 4: every server's log-prob mode, at start-up ------------------------------------------------------------------
+# -- item 4: every server's log-prob mode, at start-up ----------------------------------------------------------------
 
 USES = {
     "async": (dict(async_generation=True, vllm_importance_sampling_correction=False),

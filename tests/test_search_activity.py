@@ -22,7 +22,8 @@ ARGS = dict(use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="n
 def train(model_dir, tmp_path, **overrides):
     trainer = BAPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reverse_reward,
                           args=BAPOConfig(output_dir=str(tmp_path), **{**ARGS, **overrides}),
-                          train_dataset=make_reverse_dataset(256), processing_class=AutoTokenizer.from_pretrained(model_dir))
+                          train_dataset=make_reverse_dataset(256),
+                          processing_class=AutoTokenizer.from_pretrained(model_dir))
     trainer.train()
     return trainer, [h for h in trainer.state.log_history if "bapo/clip_low" in h]
 

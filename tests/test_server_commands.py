@@ -195,8 +195,10 @@ def test_the_check_refuses_what_the_parsers_refuse():
 
 
 def test_recipe_comments_are_found_across_continuation_lines(tmp_path):
-    text = ("# serve it:\n#   CUDA_VISIBLE_DEVICES=0,1 trl vllm-serve --model deepseek-ai/DeepSeek-R1-Distill-Qwen-7B \\\n"
-            "#       --data_parallel_size 2 --max_model_len 10240\nmodel_name_or_path: x\n")
+    text = ("# serve it:\n"
+            "#   CUDA_VISIBLE_DEVICES=0,1 trl vllm-serve --model deepseek-ai/DeepSeek-R1-Distill-Qwen-7B \\\n"
+            "#       --data_parallel_size 2 --max_model_len 10240\n"
+            "model_name_or_path: x\n")
     line = next(c for c in _comment_lines(text) if "trl vllm-serve" in c)
     assert line.endswith("--data_parallel_size 2 --max_model_len 10240")
     vllm_argv, model, env = vllm_command(line[line.index("CUDA"):])

@@ -142,14 +142,15 @@ def test_train_bapo_reports_an_unpreparable_model_as_one_line(tmp_path, monkeypa
     monkeypatch.setenv(models.SMOLLM2.env_var, str(tmp_path / "missing.gguf"))
     monkeypatch.setattr(models, "_installed_gguf", lambda spec: None)
     monkeypatch.setattr(models, "_pip", lambda *a, **k: subprocess.CompletedProcess([], 1, "", "offline"))
-    args = parse_args(["--model_name_or_path", "smollm2", "--dataset_name", str(TRAIN), "--reward_funcs",
-                       "boxed_accuracy", "--use_cpu", "true", "--bf16", "false", "--output_dir", str(tmp_path / "out")])
+    args = parse_args(["--model_name_or_path", "smollm2", "--dataset_name", str(TRAIN),
+                       "--reward_funcs", "boxed_accuracy", "--use_cpu", "true", "--bf16", "false",
+                       "--output_dir", str(tmp_path / "out")])
     with pytest.raises(SetupError) as info:
         prepare(*args)
     assert "--model_name_or_path 'smollm2'" in info.value.message and "could not download" in info.value.message
 
 
-# -- the shipped task ----------------------------------------------------------------------------------------------------
+# -- the shipped task -------------------------------------------------------------------------------------------------
 
 
 def test_the_shipped_task_files_are_the_generators_output():
@@ -268,7 +269,7 @@ def test_step_overhead_benchmark_takes_a_real_model():
     assert high_water is None or high_water > 0
 
 
-# -- the real model (slow) -----------------------------------------------------------------------------------------------
+# -- the real model (slow) --------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -360,9 +361,10 @@ def assert_bapo_acted(logs, steps):
 
 
 def evaluate(model, output, num_problems=3, k=4):
-    proc = subprocess.run([sys.executable, "-m", "bapo_trl.cli.evaluate", "--model", str(model), "--dataset", str(TEST),
-                           "--k", str(k), "--num_problems", str(num_problems), "--max_new_tokens", "16",
-                           "--temperature", "1.0", "--threads", THREADS, "--output", str(output)],
+    proc = subprocess.run([sys.executable, "-m", "bapo_trl.cli.evaluate", "--model", str(model),
+                           "--dataset", str(TEST), "--k", str(k), "--num_problems", str(num_problems),
+                           "--max_new_tokens", "16", "--temperature", "1.0", "--threads", THREADS,
+                           "--output", str(output)],
                           cwd=REPO, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(output.read_text())
@@ -382,8 +384,9 @@ def test_lora_on_stale_data_with_transformers_generation(smollm2_dir, tmp_path):
     converted base model. Evaluating an adapter is tested on the tiny model (tests/test_math_recipe.py), evaluating
     SmolLM2 after the ZeRO-3 run below; here it cost ~10 s of the slow tier."""
     out = tmp_path / "lora"
-    train_bapo(out, "--max_steps", "3", "--steps_per_generation", "3", "--use_peft", "--lora_r", "16", "--lora_alpha", "32",
-               "--lora_target_modules", "q_proj", "v_proj", "--learning_rate", "2e-3")
+    train_bapo(out, "--max_steps", "3", "--steps_per_generation", "3",
+               "--use_peft", "--lora_r", "16", "--lora_alpha", "32", "--lora_target_modules", "q_proj", "v_proj",
+               "--learning_rate", "2e-3")
     assert_bapo_acted(train_logs(out), 3)
     assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == smollm2_dir
@@ -406,8 +409,9 @@ def test_zero3_two_processes_through_the_server_then_evaluate(smollm2_server, sm
     tokens_before = smollm2_server.generated_tokens()
     out = tmp_path / "zero3"
     proc = accelerate_launch(
-        REPO / "train_bapo.py", *TASK_ARGS, "--output_dir", out, "--max_steps", "2", "--per_device_train_batch_size", "4",
-        "--steps_per_generation", "1", "--partial_rollout_budget", "6", "--use_vllm", "--vllm_mode", "server", "--torch_threads", "1",
+        REPO / "train_bapo.py", *TASK_ARGS, "--output_dir", out, "--max_steps", "2",
+        "--per_device_train_batch_size", "4", "--steps_per_generation", "1", "--partial_rollout_budget", "6",
+        "--use_vllm", "--vllm_mode", "server", "--torch_threads", "1",
         "--vllm_server_base_url", smollm2_server.url,
         config_file=REPO / "accelerate_configs" / "deepspeed_zero3.yaml", extra_launch=["--mixed_precision", "no"],
         timeout=1200,

@@ -54,7 +54,8 @@ def stale_batch(trainer, seed=0, noise=0.7, adv_shift=-0.2):
     completion_mask[3, 2:] = 0
     with torch.no_grad():
         ids = torch.cat([prompts.input_ids, completions], 1)
-        logits = trainer.model(ids, attention_mask=torch.cat([prompts.attention_mask, completion_mask.long()], 1)).logits
+        attention_mask = torch.cat([prompts.attention_mask, completion_mask.long()], 1)
+        logits = trainer.model(ids, attention_mask=attention_mask).logits
         logps = torch.log_softmax(logits[:, prompts.input_ids.size(1) - 1 : -1], -1)
         logps = logps.gather(-1, completions[..., None]).squeeze(-1)
     return {
@@ -85,7 +86,8 @@ def test_loss_equals_trl_when_window_is_pinned(tiny_model_dir, tmp_path, loss_ty
     for (name, pb), (_, pg) in zip(bapo.model.named_parameters(), grpo.model.named_parameters()):
         assert torch.allclose(pb.grad, pg.grad, atol=1e-6), name
     assert bapo._metrics["train"]["bapo/clip_low"][-1] == pytest.approx(0.8)
-    assert bapo._metrics["train"]["clip_ratio/region_mean"] == pytest.approx(grpo._metrics["train"]["clip_ratio/region_mean"])
+    assert (bapo._metrics["train"]["clip_ratio/region_mean"]
+            == pytest.approx(grpo._metrics["train"]["clip_ratio/region_mean"]))
 
 
 @pytest.mark.parametrize("variant, dual_clip", [("paper", True), ("paper", False), ("verl", True)])

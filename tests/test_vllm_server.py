@@ -351,7 +351,8 @@ def test_a_stalled_generation_is_one_request_and_an_error_naming_the_timeout(tin
     monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
     server = PolicyServer(tiny_model_dir, stall_on=(1,))  # a stand-in that stalls on its first generate request
     try:
-        with pytest.raises(VLLMServerTimeout, match=r"did not answer /v1/completions within 2 s \(vllm_server_timeout\)"):
+        with pytest.raises(VLLMServerTimeout,
+                           match=r"did not answer /v1/completions within 2 s \(vllm_server_timeout\)"):
             train_with_server(tiny_model_dir, tmp_path / "out", server.url, vllm_server_timeout=2)
     finally:
         server.close()

@@ -56,7 +56,8 @@ class Server:
                 return server, server.wait_healthy()
             except RuntimeError:
                 server.stop()
-                if attempt == PORT_ATTEMPTS - 1 or not port_clash(server.log_path.read_bytes().decode(errors="replace")):
+                if (attempt == PORT_ATTEMPTS - 1
+                        or not port_clash(server.log_path.read_bytes().decode(errors="replace"))):
                     raise
                 print(f"vLLM server: port {server.port} taken before the server bound it, starting it again")
         raise AssertionError("unreachable")
@@ -113,7 +114,8 @@ class OneLiveServer:
         if self.live is not None and self.model_dir == model_dir and self.live.proc.poll() is None:
             return self.live
         self.stop()
-        self.live, seconds = Server.start_healthy(model_dir, self.venv, self.tmp_path_factory.mktemp("vllm") / "server.log")
+        self.live, seconds = Server.start_healthy(model_dir, self.venv,
+                                                  self.tmp_path_factory.mktemp("vllm") / "server.log")
         self.model_dir = model_dir
         print(f"vLLM CPU server for {model_dir} healthy after {seconds:.0f} s")
         return self.live

@@ -1,4 +1,5 @@
-"""Prompt datasets for ``train_bapo.py``: the embedded task, local files or hub datasets, one prompt column (or a math format)."""
+"""Prompt datasets for ``train_bapo.py``: the embedded task, local files or hub datasets, one prompt column
+(or a math format)."""
 
 from __future__ import annotations
 

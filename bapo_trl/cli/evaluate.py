@@ -25,7 +25,8 @@ def make_parser(prog: str = "python -m bapo_trl.cli.evaluate") -> argparse.Argum
     p.add_argument("--dataset", required=True, help="Local .jsonl/.json/.parquet/.csv file or hub dataset id.")
     p.add_argument("--dataset_config", default=None, help="Hub dataset config (GSM8K's 'main' is automatic).")
     p.add_argument("--split", default=None, help="Split (default: 'test', or 'train' if that is the only one).")
-    p.add_argument("--math_dataset_format", default="auto", help="Math format (bapo_trl.recipes.math_reasoning.data); default auto.")
+    p.add_argument("--math_dataset_format", default="auto",
+                   help="Math format (bapo_trl.recipes.math_reasoning.data); default auto.")
     p.add_argument("--math_instruction_role", default="system", choices=["system", "user"])
     p.add_argument("--k", type=int, default=16, help="Samples per problem (the paper: 16).")
     p.add_argument("--num_problems", type=int, default=None, help="Only the first N problems.")

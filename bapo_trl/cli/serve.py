@@ -139,8 +139,8 @@ def build_command(model: str, host: str, port: int, backend: str, python: str, d
 
 def make_parser(prog: str = "python -m bapo_trl.cli.serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", help="model directory, hub id or bapo_trl.recipes.models registry name (the same weights "
-                                      "the trainer starts from)")
+    parser.add_argument("model", help="model directory, hub id or bapo_trl.recipes.models registry name "
+                                      "(the same weights the trainer starts from)")
     parser.add_argument("--host", default="127.0.0.1",
                         help=f"bind address (default loopback only); any other needs {REMOTE_FLAG} and an API key")
     parser.add_argument("--port", type=int, default=8000)

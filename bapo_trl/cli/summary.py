@@ -56,14 +56,16 @@ def format_summary(log_history: list[dict], args=None, max_rows: int = 12) -> st
     lines = [
         "BAPO run summary (one row per generation batch; means over the steps trained on it; window and shares over "
         "the steps where the search was active, - where none was)",
-        f"{'steps':>11} {'reward':>7} {'c_low':>6} {'c_high':>6} {'pos.share':>9} {'met':>5} {'moved':>5} {'entropy':>7}",
+        f"{'steps':>11} {'reward':>7} {'c_low':>6} {'c_high':>6} {'pos.share':>9} "
+        f"{'met':>5} {'moved':>5} {'entropy':>7}",
     ]
     for r in shown:
         steps = f"{r['first_step']}-{r['last_step']}"
         lines.append(
-            f"{steps:>11} {_cell(r['reward'], 7, '.3f')} {_cell(r['bapo/clip_low'], 6, '.3f')} "
-            f"{_cell(r['bapo/clip_high'], 6, '.3f')} {_cell(r['bapo/positive_contribution'], 9, '.3f')} "
-            f"{_cell(r['bapo/target_met'], 5, '.2f')} {_cell(r['bounds_moved'], 5, '.2f')} {_cell(r['entropy'], 7, '.3f')}"
+            f"{steps:>11} {_cell(r['reward'], 7, '.3f')} "
+            f"{_cell(r['bapo/clip_low'], 6, '.3f')} {_cell(r['bapo/clip_high'], 6, '.3f')} "
+            f"{_cell(r['bapo/positive_contribution'], 9, '.3f')} {_cell(r['bapo/target_met'], 5, '.2f')} "
+            f"{_cell(r['bounds_moved'], 5, '.2f')} {_cell(r['entropy'], 7, '.3f')}"
         )
     train = [e for e in log_history if "loss" in e]
     active = [e for e in train if is_active(e)]

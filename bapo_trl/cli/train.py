@@ -67,9 +67,9 @@ class BAPOScriptArguments(ScriptArguments):
             2 threads on a 2-core machine for a model this small).
         math_dataset_format (`str`, *optional*):
             Map a math dataset to ``prompt`` (chat messages asking for a ``\\boxed{}`` answer) and ``answer``
-            columns (see :mod:`bapo_trl.recipes.math_reasoning.data`): ``auto`` (known dataset ids, then the columns present) or a
-            format name (``gsm8k``, ``math``, ``dapo``, ``skywork``, ``problem_answer``...). ``prompt_column`` is
-            then not used. Off by default.
+            columns (see :mod:`bapo_trl.recipes.math_reasoning.data`): ``auto`` (known dataset ids, then the
+            columns present) or a format name (``gsm8k``, ``math``, ``dapo``, ``skywork``, ``problem_answer``...).
+            ``prompt_column`` is then not used. Off by default.
         math_instruction_role (`str`, defaults to `"system"`):
             Where the boxed-answer instruction goes: ``system`` message, or ``user`` (after the problem; what
             DeepSeek-R1 models expect).
@@ -90,7 +90,8 @@ class BAPOScriptArguments(ScriptArguments):
     math_dataset_format: str | None = field(
         default=None,
         metadata={"help": "Math dataset -> prompt (boxed-answer instruction) + answer columns: 'auto' or a format "
-                  "name (gsm8k, math, dapo, skywork, problem_answer, ...; see bapo_trl.recipes.math_reasoning.data). Off by default."},
+                  "name (gsm8k, math, dapo, skywork, problem_answer, ...; see bapo_trl.recipes.math_reasoning.data). "
+                  "Off by default."},
     )
     math_instruction_role: str = field(
         default="system",

@@ -411,7 +411,9 @@ def cap_sums(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, 
     gradient ``min(r, c) A grad log pi`` carries. Every token keeps a gradient, so the value and the gradient share
     are one: the layout of :func:`grid_sums` with ``L = H`` and each share twice."""
     if not path.negatives_on_high:
-        raise ValueError("cap_sums needs a cap path (bapo_trl.core.clipping.cap_path): its negatives are capped by c too.")
+        raise ValueError(
+            "cap_sums needs a cap path (bapo_trl.core.clipping.cap_path): its negatives are capped by c too."
+        )
     r, a, weight, counts = prepared(ratio, advantages, mask)
     sums = _histogram(r, a > 0, weight, path)
     H = len(path.high_grid)
@@ -456,7 +458,9 @@ def choose_bounds(packed: torch.Tensor, path: SearchPath, settings: BAPOSettings
 
     # index_select, not ``[:, chosen]``: indexing with a 0-dim integer tensor calls ``.item()`` (a host sync on CUDA)
     at = chosen.view(1)
-    clip_low, clip_high, value_share, gradient_share = torch.cat([bounds, shares]).index_select(1, at).view(-1).unbind()
+    clip_low, clip_high, value_share, gradient_share = (
+        torch.cat([bounds, shares]).index_select(1, at).view(-1).unbind()
+    )
     return SearchResult(
         clip_low=clip_low,
         clip_high=clip_high,

@@ -263,7 +263,8 @@ def sequence_mean_weights(mask) -> list[float]:
 
 
 def entropy_clip_reference(logps, ratio, advantages, mask, clip_low: float, clip_high: float) -> dict[str, float]:
-    """:mod:`bapo_trl.core.entropy_clip`'s metrics for one batch, token by token from the definitions (Python floats)."""
+    """:mod:`bapo_trl.core.entropy_clip`'s metrics for one batch, token by token from the definitions
+    (Python floats)."""
     from .entropy_clip import QUADRANTS
 
     rows, cols = len(ratio), len(ratio[0])

@@ -3,8 +3,8 @@
 SAPO and VESPO have no clipping window: each token's gradient is scaled by a smooth weight of its importance ratio,
 whose sharpness is set per advantage sign (SAPO's temperatures ``tau``, VESPO's gamma shape ``(k, lambda)``). BAPO
 balances them with the same fixed path as the clipped surrogate (Algorithm 1): each candidate window
-``(c_low, c_high)`` of :func:`bapo_trl.core.clipping.search_path` is read as a SHARPNESS of each sign's gate, relative to
-the gate the user configured (which is the path's start):
+``(c_low, c_high)`` of :func:`bapo_trl.core.clipping.search_path` is read as a SHARPNESS of each sign's gate,
+relative to the gate the user configured (which is the path's start):
 
 * ``s_pos(c_high) = (a+ - 1) / (c_high - 1)``: widening the upper half-width ``c_high - 1`` by a factor ``f`` widens
   the positive gate by the same factor (``s_pos = 1 / f``; 1 at the start, ``0.1`` at the default ``c_high = 3``);
@@ -84,8 +84,9 @@ def vespo_log_weights(log_ratio: torch.Tensor, mask: torch.Tensor,
 
 def _gate_sums(ratio, advantages, mask, path: SearchPath, weight_fn, pos_params, neg_params) -> torch.Tensor:
     """``[pos(H), pos(H), neg(L), neg(L), num_tokens, num_nonfinite]``: ``pos`` at every ``c_high`` of the path,
-    ``neg`` at every ``c_low`` (the layout of :func:`bapo_trl.core.clipping.grid_sums`, value and gradient share equal).
-    ``weight_fn(r, *params)`` is a token's gradient weight per unit ``|A|``; ``params`` are ``(grid, 1)`` tensors."""
+    ``neg`` at every ``c_low`` (the layout of :func:`bapo_trl.core.clipping.grid_sums`, value and gradient share
+    equal). ``weight_fn(r, *params)`` is a token's gradient weight per unit ``|A|``; ``params`` are
+    ``(grid, 1)`` tensors."""
     r, a, weight, counts = prepared(ratio, advantages, mask)
     r, positive = r.flatten(), (a > 0).expand_as(weight).flatten()
     weight = weight.flatten()

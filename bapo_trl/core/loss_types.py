@@ -56,7 +56,8 @@ def sequence_mean(mask: torch.Tensor) -> torch.Tensor:
 
 # -- the clip flags (metrics and Entropy-Clip diagnostics) ------------------------------------------------------------
 
-def surrogate_clipped(ratio: torch.Tensor, advantages: torch.Tensor, c_low, c_high) -> tuple[torch.Tensor, torch.Tensor]:
+def surrogate_clipped(ratio: torch.Tensor, advantages: torch.Tensor,
+                      c_low, c_high) -> tuple[torch.Tensor, torch.Tensor]:
     """``(low, high)``: tokens the surrogate ``min(r A, clip(r, c_low, c_high) A)`` takes the gradient from: a
     negative-advantage token below ``c_low``, a positive one above ``c_high``."""
     return (advantages < 0) & (ratio < c_low), (advantages > 0) & (ratio > c_high)
@@ -109,7 +110,8 @@ def sapo_contributions(r, a, c_low, c_high, *, sapo_temperature_pos, sapo_temper
                        ratio_lower_start, **_):
     tau_pos = positive_scale(c_high, ratio_upper_start) * sapo_temperature_pos
     tau_neg = negative_scale(c_low, ratio_lower_start) * sapo_temperature_neg
-    return (torch.where(a > 0, sapo_weight(r, tau_pos) * a, 0.0), torch.where(a < 0, sapo_weight(r, tau_neg) * -a, 0.0))
+    return (torch.where(a > 0, sapo_weight(r, tau_pos) * a, 0.0),
+            torch.where(a < 0, sapo_weight(r, tau_neg) * -a, 0.0))
 
 
 def vespo_contributions(r, a, c_low, c_high, *, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
@@ -120,7 +122,7 @@ def vespo_contributions(r, a, c_low, c_high, *, vespo_k_pos, vespo_lambda_pos, v
             torch.where(a < 0, vespo_weight(log_w, s_neg * vespo_k_neg, s_neg * vespo_lambda_neg) * -a, 0.0))
 
 
-# -- how a chosen window reaches TRL's loss ----------------------------------------------------------------------------
+# -- how a chosen window reaches TRL's loss ---------------------------------------------------------------------------
 
 def surrogate_window(c_low, c_high) -> dict:
     """TRL clips with ``clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)``: the window ``[c_low, c_high]`` is

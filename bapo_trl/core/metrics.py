@@ -109,7 +109,8 @@ def token_staleness(inputs: dict, step: int, like: torch.Tensor) -> torch.Tensor
 
 def search_sums(result, path: SearchPath, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 logps: torch.Tensor, entropies: torch.Tensor | None, staleness: torch.Tensor | None,
-                nonfinite_inputs: torch.Tensor, loss: LossType = CLIPPED_SURROGATE) -> tuple[torch.Tensor, torch.Tensor]:
+                nonfinite_inputs: torch.Tensor,
+                loss: LossType = CLIPPED_SURROGATE) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sums, local largest staleness)`` of one micro-batch for :func:`search_values`; ``advantages`` as the search
     saw them (per row or per token); ``loss`` says which tokens the chosen window clips."""
     device = ratio.device
@@ -175,8 +176,8 @@ def search_values(sums: list[float], result: dict[str, float], path: SearchPath,
     return values, (entropy_sum, entropy_tokens)
 
 
-def _share_sums(result, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                parts: list[torch.Tensor], loss: LossType = CLIPPED_SURROGATE) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _share_sums(result, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, parts: list[torch.Tensor],
+                loss: LossType = CLIPPED_SURROGATE) -> tuple[list[torch.Tensor], torch.Tensor]:
     """For every token subset in ``parts``: positive and negative sums of the loss type's share at the chosen window
     (the value share for the clipped surrogate), clipped tokens, tokens (all over the valid tokens); and the valid
     mask."""

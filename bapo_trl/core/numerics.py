@@ -16,9 +16,9 @@ position (vLLM returns NaN for tokens it could not score) poisons the step. Two 
 * :func:`sanitize_after_forward`, after the policy forward and before TRL reads the inputs: non-finite values left
   anywhere (padding, real tokens when masking is off, a sampler's log-prob that TRL trains with) are replaced
   (log-probs by the current log-prob, so the ratio is 1 and TRL's off-policy mask reads no divergence there, as its
-  own ``nan_to_num`` does; importance weights by 1), and the log-ratio to the behaviour (and reference) policy is clamped to
-  ``[-max_log_ratio, max_log_ratio]`` (the official code clamps at 20), so ``exp`` cannot overflow for tokens the
-  other policy all but ruled out (TRL's KL estimate ``exp(ref - logp)`` overflows otherwise).
+  own ``nan_to_num`` does; importance weights by 1), and the log-ratio to the behaviour (and reference) policy is
+  clamped to ``[-max_log_ratio, max_log_ratio]`` (the official code clamps at 20), so ``exp`` cannot overflow for
+  tokens the other policy all but ruled out (TRL's KL estimate ``exp(ref - logp)`` overflows otherwise).
 
 Non-finite CURRENT log-probs (a model that blew up) cannot be repaired or dropped (they are known only after the
 forward, when TRL's mask is bound); they are counted in the metric.

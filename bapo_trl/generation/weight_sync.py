@@ -5,12 +5,12 @@ reload its weights in place from a safetensors directory (``POST /collective_rpc
 the server runs with ``VLLM_SERVER_DEV_MODE=1``); the prefix cache is then reset so no stale KV is reused. The trainer
 and the server must see the same filesystem (same machine, or a shared mount given as ``root``).
 
-Every request has a timeout, and every failure raises :class:`WeightSyncError` naming the server and the cause, so a
-dead server stops training with a clear message instead of a hang. On another machine the server must read the
-directory at the same path (``$BAPO_VLLM_WEIGHTS_DIR`` on a shared mount): :meth:`DiskWeightSync.check_shared_directory`
-checks that once at start, so a directory the server cannot see is one error naming the variable, not a failed
-reload later. Requests carry ``Authorization: Bearer $VLLM_API_KEY`` when that variable is set (a server started with
-an API key). Each sync writes a fresh directory; older ones are
+Every request has a timeout, and every failure raises :class:`WeightSyncError` naming the server and the cause,
+so a dead server stops training with a clear message instead of a hang. On another machine the server must read
+the directory at the same path (``$BAPO_VLLM_WEIGHTS_DIR`` on a shared mount):
+:meth:`DiskWeightSync.check_shared_directory` checks that once at start, so a directory the server cannot see is
+one error naming the variable, not a failed reload later. Requests carry ``Authorization: Bearer $VLLM_API_KEY``
+when that variable is set (a server started with an API key). Each sync writes a fresh directory; older ones are
 deleted once the server has loaded the new one, and the last one when the client is closed or garbage-collected.
 
 A push has two halves that need not run together: writing the directory (the trainer's process) and the servers
@@ -161,8 +161,9 @@ class DiskWeightSync:
         timeout: seconds allowed for each request (the reload itself runs inside it).
         root: parent of the weight directories (default ``$BAPO_VLLM_WEIGHTS_DIR`` or the system temp dir); must be
             readable by the server at the same path.
-        refresh_output_layers: also call the worker extension that re-packs a tied LM head (needed for models with
-            tied embeddings on vLLM's CPU backend; the server must run our worker extension, as the serve command does).
+        refresh_output_layers: also call the worker extension that re-packs a tied LM head (needed for models
+            with tied embeddings on vLLM's CPU backend; the server must run our worker extension, as the serve
+            command does).
     """
 
     def __init__(self, base_url: str | Sequence[str], timeout: float = 240.0, root: str | None = None,

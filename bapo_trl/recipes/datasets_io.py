@@ -1,8 +1,8 @@
 """One dataset split from a local file, a ``save_to_disk`` directory or the hub: what ``bapo train`` and
 ``bapo evaluate`` both read.
 
-A module of its own, below both users: the training command (:mod:`bapo_trl.cli.data`) and the math recipe's
-evaluation (:mod:`bapo_trl.recipes.math_reasoning.evaluate`) load datasets the same way, and the recipe must not depend on the
+A module of its own, below both users: the training command (:mod:`bapo_trl.cli.data`) and the math recipe's evaluation
+(:mod:`bapo_trl.recipes.math_reasoning.evaluate`) load datasets the same way, and the recipe must not depend on the
 command line. ``datasets`` is imported only when a split is loaded.
 """
 

@@ -314,8 +314,8 @@ class AsyncGeneration:
         self.stream = PromptStream(len(port.train_dataset), port.num_generations, settings.generation_batch_size,
                                    port.shuffle_dataset, settings.seed)
         self.stream.skip_to(self.submitted)  # resumed: the batches already drawn are not drawn again
-        self.producer = Producer(self._generate, float(settings.vllm_server_timeout), lazy=settings.lazy_weight_loading,
-                                 progress=port.requests_answered)
+        self.producer = Producer(self._generate, float(settings.vllm_server_timeout),
+                                 lazy=settings.lazy_weight_loading, progress=port.requests_answered)
         self.producer.version = self.pushed_step if self.pushed_step is not None else port.global_step
         self.producer.preload(self._restored)
         self._restored = {}

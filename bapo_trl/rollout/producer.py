@@ -97,8 +97,8 @@ class Producer:
 
     Every wait of the trainer on this thread is bounded, whatever the HTTP client does (TRL's own client on CUDA
     retries and sets no read timeout): waiting for the request in flight by ``1.5 x request_timeout``, waiting for a
-    batch by ``3.5 x request_timeout`` (the request in flight, a finishing request, the batch's own, and slack), waiting
-    for a queued request to start by the same bound. Each bound restarts whenever the server answers a request
+    batch by ``3.5 x request_timeout`` (the request in flight, a finishing request, the batch's own, and slack),
+    waiting for a queued request to start by the same bound. Each bound restarts whenever the server answers a request
     (``progress()``: a seeded batch is one HTTP request per prompt, a large one takes longer than one request) and, for
     a queued request, whenever a request starts on the way; so the stall detector is the time since the last answer,
     and the per-request timeout bounds each answer. A stall is then a :class:`ProducerStalled` error, never a hang."""
@@ -145,9 +145,10 @@ class Producer:
             self.condition.notify_all()
 
     def push_later(self, push: Callable[[], None], version: int) -> None:
-        """Hand over a push (``push()`` loads weights of optimizer step ``version`` into the server): this thread applies
-        it before the first request queued after it (or the next chunk), so the trainer never waits for a request in
-        flight. Work queued before it keeps its own, older push (a push no work needs any more is skipped)."""
+        """Hand over a push (``push()`` loads weights of optimizer step ``version`` into the server): this thread
+        applies it before the first request queued after it (or the next chunk), so the trainer never waits for a
+        request in flight. Work queued before it keeps its own, older push (a push no work needs any more is
+        skipped)."""
         with self.condition:
             self._pending.append((push, version))
 

@@ -144,7 +144,8 @@ class ReplayQueue:
         (oldest first) and re-checked for staleness at the next sample."""
         changed = [f"{field}: {state[key]!r} in the checkpoint -> {getattr(self, key)!r} now"
                    for key, field in (("capacity", "replay_buffer_size"), ("max_staleness", "replay_max_staleness"),
-                                      ("sampling", "replay_sampling")) if key in state and state[key] != getattr(self, key)]
+                                      ("sampling", "replay_sampling"))
+                   if key in state and state[key] != getattr(self, key)]
         if changed:
             warnings.warn("Resuming the replay queue with changed settings (the current ones apply): "
                           + "; ".join(changed) + ".", UserWarning, stacklevel=2)

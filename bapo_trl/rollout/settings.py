@@ -1,5 +1,5 @@
-"""The rollout settings (replay, partial rollout, async generation, the source), declared, documented and checked in one
-place: :class:`RolloutSettings`, a dataclass that :class:`~bapo_trl.trainer.bapo_config.BAPOConfig` inherits.
+"""The rollout settings (replay, partial rollout, async generation, the source), declared, documented and checked in
+one place: :class:`RolloutSettings`, a dataclass that :class:`~bapo_trl.trainer.bapo_config.BAPOConfig` inherits.
 
 Each check takes the config (any object with the fields) and returns messages that name the field, the allowed range
 and the value given; the replay queue checks its own arguments with :func:`queue_settings_errors`. This module imports
@@ -80,8 +80,8 @@ class RolloutSettings:
             Tokens a completion may grow per round (off when `None`); one round per generation batch, so every
             `steps_per_generation` x `num_iterations` / `gradient_accumulation_steps` optimizer steps. Unfinished
             completions are kept with the log-probs of the policy that produced each token and continued in later
-            rounds; a group is scored and trained once all its completions are finished. Works with transformers generation and vLLM.
-            `generation_kwargs` may add stop token ids, but not length or string-stop settings.
+            rounds; a group is scored and trained once all its completions are finished. Works with transformers
+            generation and vLLM. `generation_kwargs` may add stop token ids, but not length or string-stop settings.
         partial_rollout_max_resumes (`int`, *optional*, defaults to `4`):
             A completion carried over this many rounds is generated to the end at its next round (>= 1).
 
@@ -127,7 +127,8 @@ class RolloutSettings:
         default=0, metadata={"help": "Replay queue capacity in groups per process (0 = replay off)."}
     )
     replay_ratio: float = field(
-        default=0.0, metadata={"help": "Fraction of each generation batch's groups taken from the replay queue, [0, 1)."}
+        default=0.0,
+        metadata={"help": "Fraction of each generation batch's groups taken from the replay queue, [0, 1)."},
     )
     replay_max_staleness: int = field(
         default=16, metadata={"help": "Evict replay groups older than this many optimizer steps (>= 1)."}
@@ -164,7 +165,8 @@ class RolloutSettings:
         default=1, metadata={"help": "Async generation: generation batches the producer may run ahead, >= 1."}
     )
     weight_sync_steps: int = field(
-        default=1, metadata={"help": "Async generation: push the weights at most every this many optimizer steps, >= 1."}
+        default=1,
+        metadata={"help": "Async generation: push the weights at most every this many optimizer steps, >= 1."},
     )
     inflight_update_tokens: int | None = field(
         default=None,
@@ -261,19 +263,21 @@ class RolloutSettings:
         on_policy = upg <= 1 and not (self.replay_enabled or self.partial_rollout_enabled or self.async_generation)
         if on_policy:
             rows.append(("warning", (
-                f"the data is exactly on-policy (steps_per_generation x num_iterations = {self.steps_per_generation} x "
-                f"{self.num_iterations} <= gradient_accumulation_steps = {self.gradient_accumulation_steps}, no replay, "
-                "no partial rollout): every ratio is 1 and the bound search can never change the loss (BAPO equals "
-                "GRPO). Data becomes stale with steps_per_generation > gradient_accumulation_steps, num_iterations > 1, "
-                "replay_buffer_size/replay_ratio or partial_rollout_budget.")))
+                f"the data is exactly on-policy (steps_per_generation x num_iterations = {self.steps_per_generation} "
+                f"x {self.num_iterations} <= gradient_accumulation_steps = {self.gradient_accumulation_steps}, "
+                "no replay, no partial rollout): every ratio is 1 and the bound search can never change the loss "
+                "(BAPO equals GRPO). Data becomes stale with steps_per_generation > gradient_accumulation_steps, "
+                "num_iterations > 1, replay_buffer_size/replay_ratio or partial_rollout_budget.")))
         for name in ("max_staleness", "weight_sync_steps", "inflight_update_tokens", "lazy_weight_loading"):
             if changed(self, name) and not self.async_generation:
                 rows.append(("warning", (
-                    f"`{name}` ({getattr(self, name)}) only acts on async generation, and `async_generation` is off.")))
+                    f"`{name}` ({getattr(self, name)}) only acts on async generation, "
+                    "and `async_generation` is off.")))
         if self.lazy_weight_loading and self.async_generation and self.max_staleness == 1:
             rows.append(("warning", (
                 "`lazy_weight_loading` has no effect with `max_staleness`=1: every request needs the newest weights, "
-                "so each is loaded before the next request either way. It defers loads only with max_staleness >= 2.")))
+                "so each is loaded before the next request either way. "
+                "It defers loads only with max_staleness >= 2.")))
         return rows
 
 
@@ -427,9 +431,9 @@ def async_errors(cfg) -> list[str]:
     if not cfg.async_generation:
         return errors
     if chunk is not None and cfg.lazy_weight_loading:
-        errors.append("`lazy_weight_loading` cannot be combined with `inflight_update_tokens`: in-flight updates load "
-                      "every push between two chunks as soon as it is made, lazy loading defers pushes until a request "
-                      "needs them; use one of them.")
+        errors.append("`lazy_weight_loading` cannot be combined with `inflight_update_tokens`: in-flight updates "
+                      "load every push between two chunks as soon as it is made, lazy loading defers pushes until a "
+                      "request needs them; use one of them.")
     if chunk is not None and cfg.partial_rollout_budget is not None:
         errors.append("`inflight_update_tokens` cannot be combined with `partial_rollout_budget`: partial rollout "
                       "already grows completions round by round under the newest weights; use one of them.")

@@ -146,7 +146,8 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         default=True, metadata={"help": "Drop real tokens with NaN/inf inputs from the loss (they are counted)."}
     )
     max_log_ratio: float = field(
-        default=20.0, metadata={"help": "Clamp of the log importance ratio (official code: 20); > log(ratio_upper_max)."}
+        default=20.0,
+        metadata={"help": "Clamp of the log importance ratio (official code: 20); > log(ratio_upper_max)."},
     )
     positive_contribution_is_weighted: bool = field(
         default=False,
@@ -208,8 +209,8 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
                     "search and has no effect: widen `ratio_upper_max` / `ratio_lower_max` or drop the setting.")))
         if self.positive_contribution_is_weighted and not (self.use_vllm and self.vllm_importance_sampling_correction):
             rows.append(("warning", (
-                "`positive_contribution_is_weighted` only acts on TRL's vLLM importance-sampling weights, and this run "
-                f"has none (use_vllm={self.use_vllm}, vllm_importance_sampling_correction="
+                "`positive_contribution_is_weighted` only acts on TRL's vLLM importance-sampling weights, and this "
+                f"run has none (use_vllm={self.use_vllm}, vllm_importance_sampling_correction="
                 f"{self.vllm_importance_sampling_correction}): the share is measured unweighted.")))
         if self.epsilon != field_default(self, "epsilon") or self.epsilon_high is not None:
             rows.append(("warning", (
@@ -220,7 +221,8 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
 
     @property
     def _loss(self):
-        """The loss type's row (:mod:`bapo_trl.core.loss_types`); the clipped surrogate's for an unknown one (refused)."""
+        """The loss type's row (:mod:`bapo_trl.core.loss_types`); the clipped surrogate's for an unknown one
+        (refused)."""
         return LOSS_TYPES.get(self.loss_type, LOSS_TYPES["dapo"])
 
     def _loss_type_rows(self) -> list[tuple[str, str]]:
@@ -228,10 +230,11 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         rows, kind, name = [], self._loss.kind, f"loss_type={self.loss_type!r}"
         if kind == "clip" and self.delta is not None and self.delta < self.ratio_upper_max:
             rows.append(("warning", (
-                f"`delta` ({self.delta}) is below `ratio_upper_max` ({self.ratio_upper_max}): TRL's two-sided clip caps "
-                f"every ratio at delta, so a c_high above it would change nothing; the upper search path ends at "
-                f"{self.bapo_settings.ratio_upper_max} (paper: the last step <= delta; verl: delta itself). Raise `delta` to >= "
-                "`ratio_upper_max` for the full path, or set `ratio_upper_max` to delta to silence this warning.")))
+                f"`delta` ({self.delta}) is below `ratio_upper_max` ({self.ratio_upper_max}): TRL's two-sided "
+                "clip caps every ratio at delta, so a c_high above it would change nothing; the upper search path "
+                f"ends at {self.bapo_settings.ratio_upper_max} (paper: the last step <= delta; verl: delta itself). "
+                "Raise `delta` to >= `ratio_upper_max` for the full path, "
+                "or set `ratio_upper_max` to delta to silence this warning.")))
         if kind != "clip" and self.delta is not None:
             rows.append(("warning", f"`delta` ({self.delta}) has no effect with {name}: TRL applies it to the clipped "
                                     "losses only. Drop `delta`."))
@@ -239,8 +242,9 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         lower_moved = any(getattr(self, name) != field_default(self, name) for name in lower)
         if kind == "cap" and lower_moved:
             rows.append(("warning", (
-                f"`ratio_lower_start`/`ratio_lower_max`/`ratio_lower_step` have no effect with {name}: CISPO caps the "
-                "importance weight from above only (c_high is the cap; bapo/clip_low is 0, no lower bound). Drop them.")))
+                f"`ratio_lower_start`/`ratio_lower_max`/`ratio_lower_step` have no effect with {name}: "
+                "CISPO caps the importance weight from above only (c_high is the cap; bapo/clip_low is 0, "
+                "no lower bound). Drop them.")))
         if kind != "clip" and self.positive_contribution_mode != "value":
             rows.append(("warning", (
                 f"`positive_contribution_mode` ({self.positive_contribution_mode!r}) has no effect with {name}: every "
@@ -248,8 +252,9 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
                 "token's gradient carries; docs/loss_types.md).")))
         if self._loss.is_weight_in_ratio and self.positive_contribution_is_weighted:
             rows.append(("warning", (
-                f"`positive_contribution_is_weighted` has no effect with {name}: TRL folds the vLLM importance-sampling "
-                "weights into the sequence weight w, and the search always measures the share on that w.")))
+                f"`positive_contribution_is_weighted` has no effect with {name}: "
+                "TRL folds the vLLM importance-sampling weights into the sequence weight w, "
+                "and the search always measures the share on that w.")))
         return rows
 
     def bapo_errors(self) -> list[str]:
@@ -268,7 +273,8 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         if self.use_liger_kernel:
             errors.append("`use_liger_kernel` must be False with BAPO (the Liger GRPO loss has a fixed window), got "
                           "True: set use_liger_kernel=False.")
-        numbers_ok = all(_finite(getattr(self, n)) for n in ("ratio_upper_start", "ratio_upper_max", "ratio_lower_max"))
+        numbers_ok = all(_finite(getattr(self, n))
+                         for n in ("ratio_upper_start", "ratio_upper_max", "ratio_lower_max"))
         kind = self._loss.kind
         if kind == "clip" and self.delta is not None and numbers_ok:
             if not (_finite(self.delta) and self.delta >= self.ratio_upper_start):
@@ -280,8 +286,9 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         if kind == "gate" and numbers_ok:
             if not self.ratio_upper_start > 1.0:
                 errors.append(
-                    f"`ratio_upper_start` must be > 1 with loss_type={self.loss_type!r} (the positive gate's sharpness "
-                    f"is (ratio_upper_start - 1) / (c_high - 1)), got {self.ratio_upper_start}: use e.g. 1.2."
+                    f"`ratio_upper_start` must be > 1 with loss_type={self.loss_type!r} "
+                    "(the positive gate's sharpness is (ratio_upper_start - 1) / (c_high - 1)), "
+                    f"got {self.ratio_upper_start}: use e.g. 1.2."
                 )
             if not self.ratio_lower_max < 1.0:
                 errors.append(
@@ -296,10 +303,11 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         if not (isinstance(self.max_log_ratio, (int, float)) and math.isfinite(self.max_log_ratio)) or (
             not errors and self.max_log_ratio <= math.log(self.ratio_upper_max)
         ):
+            log_upper_max = (math.log(self.ratio_upper_max)
+                             if isinstance(self.ratio_upper_max, (int, float)) and self.ratio_upper_max > 0 else "n/a")
             errors.append(
-                f"`max_log_ratio` must be a finite number > log(ratio_upper_max) = "
-                f"{math.log(self.ratio_upper_max) if isinstance(self.ratio_upper_max, (int, float)) and self.ratio_upper_max > 0 else 'n/a'}"
-                f", got {self.max_log_ratio!r}."
+                f"`max_log_ratio` must be a finite number > log(ratio_upper_max) = {log_upper_max}, "
+                f"got {self.max_log_ratio!r}."
             )
         if self.target_entropy is not None:
             numbers = (self.target_entropy, self.target_adapt_rate, self.target_min, self.target_max)
@@ -309,10 +317,11 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
             elif not (self.target_entropy > 0 and self.target_adapt_rate > 0
                       and 0 < self.target_min <= self.positive_contribution_target <= self.target_max < 1):
                 errors.append(
-                    "the closed-loop target needs `target_entropy` > 0, `target_adapt_rate` > 0 and 0 < `target_min` <= "
-                    f"`positive_contribution_target` <= `target_max` < 1; got target_entropy={self.target_entropy}, "
-                    f"target_adapt_rate={self.target_adapt_rate}, target_min={self.target_min}, "
-                    f"positive_contribution_target={self.positive_contribution_target}, target_max={self.target_max}.")
+                    "the closed-loop target needs `target_entropy` > 0, `target_adapt_rate` > 0 and "
+                    "0 < `target_min` <= `positive_contribution_target` <= `target_max` < 1; got "
+                    f"target_entropy={self.target_entropy}, target_adapt_rate={self.target_adapt_rate}, "
+                    f"target_min={self.target_min}, positive_contribution_target={self.positive_contribution_target}, "
+                    f"target_max={self.target_max}.")
         try:
             server_urls(self.vllm_server_base_url)
         except ValueError as exc:

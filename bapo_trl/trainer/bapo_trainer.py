@@ -39,7 +39,8 @@ from .vllm_backend import CPUServerSyncMixin  # vLLM server mode on CPU (disk we
 
 check_trl_seams()  # a TRL that moved a private method we override fails here, loudly, not mid-training
 
-#: Names of the per-step metrics (registered in :mod:`bapo_trl.core.metrics`), stable for dashboards and the plot command.
+#: Names of the per-step metrics (registered in :mod:`bapo_trl.core.metrics`), stable for dashboards
+#: and the plot command.
 BAPO_METRICS = metrics.SEARCH + metrics.ENTROPY_CLIP
 #: Logged when the replay queue is on.
 REPLAY_METRICS = metrics.REPLAY

@@ -211,13 +211,12 @@ def _to(batch: dict, device) -> dict:
 
 
 class CheckpointMixin:
-    """Trainer overrides (put before ``GRPOTrainer`` in the bases): per-rank rollout state and TRL's generation batch in
-    progress join each checkpoint, a folder written again is cleared (its marker first) before the first file lands,
-    the completeness marker is written last, rotation waits for it, and
-    ``resume_from_checkpoint=True`` takes the newest complete checkpoint. Every ``train()`` starts from a fresh run
-    state (``_begin_run()``), so a second call, or a resume on the same object, behaves as on a new trainer. The
-    trainer provides ``_rank_states()`` (file stem -> object with ``state_dict``), ``_begin_run()`` and
-    ``_end_of_training()``."""
+    """Trainer overrides (put before ``GRPOTrainer`` in the bases): per-rank rollout state and TRL's generation batch
+    in progress join each checkpoint, a folder written again is cleared (its marker first) before the first file lands,
+    the completeness marker is written last, rotation waits for it, and ``resume_from_checkpoint=True`` takes the
+    newest complete checkpoint. Every ``train()`` starts from a fresh run state (``_begin_run()``), so a second call,
+    or a resume on the same object, behaves as on a new trainer. The trainer provides ``_rank_states()`` (file stem ->
+    object with ``state_dict``), ``_begin_run()`` and ``_end_of_training()``."""
 
     def _checkpoint_states(self) -> dict:
         return {**self._rank_states(), GENERATION_BATCH: GenerationBatchState(self)}

@@ -27,7 +27,8 @@ def training_random_state_kept(device: torch.device):
 
 
 class AtEachUpdate(TrainerCallback):
-    """Calls ``end_of_update`` once per optimizer step, after the optimizer stepped and before a checkpoint is saved."""
+    """Calls ``end_of_update`` once per optimizer step, after the optimizer stepped and before a checkpoint
+    is saved."""
 
     def __init__(self, end_of_update: Callable[[], None]):
         self.end_of_update = end_of_update

@@ -12,13 +12,15 @@ import shutil
 from ..core.metrics import is_active
 from .bapo_config import BAPOConfig
 
-PAPER_CITATION = """\
-@article{xi2025bapo,
-    title        = {{BAPO: Stabilizing Off-Policy Reinforcement Learning for LLMs via Balanced Policy Optimization with Adaptive Clipping}},
-    author       = {Zhiheng Xi and others},
-    year         = 2025,
-    eprint       = {arXiv:2510.18927}
-}"""
+PAPER_CITATION = (
+    "@article{xi2025bapo,\n"
+    "    title        = {{BAPO: Stabilizing Off-Policy Reinforcement Learning for LLMs via Balanced Policy "
+    "Optimization with Adaptive Clipping}},\n"
+    "    author       = {Zhiheng Xi and others},\n"
+    "    year         = 2025,\n"
+    "    eprint       = {arXiv:2510.18927}\n"
+    "}"
+)
 
 def bapo_card_section(args: BAPOConfig, log_history: list[dict]) -> str:
     """Markdown: the BAPO settings of the run and the averages of its search, for the model card."""
@@ -51,9 +53,9 @@ def bapo_card_section(args: BAPOConfig, log_history: list[dict]) -> str:
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     return (
         "## BAPO\n\nTrained with BAPO (Balanced Policy Optimization with Adaptive Clipping, Xi et al., "
-        "[arXiv 2510.18927](https://arxiv.org/abs/2510.18927); not the 2026 \"Batch Adaptation Policy Optimization\") via "
-        "`bapo_trl`: the PPO clipping window was "
-        "re-chosen at every update so that positive-advantage tokens keep a target share of the loss.\n\n"
+        "[arXiv 2510.18927](https://arxiv.org/abs/2510.18927); not the 2026 \"Batch Adaptation Policy "
+        "Optimization\") via `bapo_trl`: the PPO clipping window was re-chosen at every update so that "
+        "positive-advantage tokens keep a target share of the loss.\n\n"
         f"| setting | value |\n|---|---|\n{table}\n"
     )
 

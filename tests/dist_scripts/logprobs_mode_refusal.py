@@ -23,7 +23,8 @@ args = BAPOConfig(output_dir=out_dir, use_cpu=True, bf16=False, gradient_checkpo
 record = {"rank": args.process_index, "world_size": args.world_size, "error": None, "message": None}
 try:
     BAPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reverse_reward, args=args,
-                train_dataset=make_reverse_dataset(16, seed=0), processing_class=AutoTokenizer.from_pretrained(model_dir))
+                train_dataset=make_reverse_dataset(16, seed=0),
+                processing_class=AutoTokenizer.from_pretrained(model_dir))
 except Exception as exc:  # noqa: BLE001 - recorded for the test
     record.update(error=type(exc).__name__, message=str(exc))
 with open(os.path.join(out_dir, f"rank{record['rank']}.json"), "w") as f:

@@ -73,7 +73,8 @@ MATH_FORMATS: dict[str, dict] = {
     "question_answer": dict(question="question", answer="answer", answer_from="text",
                             hub_ids=["opencompass/AIME2025"], config="AIME2025-I"),
     # Prompts that are already chat messages (a conversation, few-shot turns included) + an "answer" column: kept as
-    # they are, no instruction added (bapo_trl.recipes.math_reasoning.chat_arithmetic). A plain-text prompt gets the instruction as usual.
+    # they are, no instruction added (bapo_trl.recipes.math_reasoning.chat_arithmetic).
+    # A plain-text prompt gets the instruction as usual.
     "chat": dict(question="prompt", answer="answer", answer_from="text", hub_ids=[], chat=True),
 }
 
@@ -139,7 +140,8 @@ def resolve_format(fmt: str, dataset_name: str | None = None, column_names: list
             return name
     raise ValueError(
         f"Cannot tell the math format of dataset {dataset_name!r} (columns {sorted(columns)}): pass "
-        f"--math_dataset_format with one of {sorted(MATH_FORMATS)}, or add an entry to bapo_trl.recipes.math_reasoning.data.MATH_FORMATS."
+        f"--math_dataset_format with one of {sorted(MATH_FORMATS)}, or add an entry to "
+        "bapo_trl.recipes.math_reasoning.data.MATH_FORMATS."
     )
 
 

@@ -81,7 +81,8 @@ def warm_start(model, tokenizer, steps: int = 80, seed: int = 0, ramble_prob: fl
     return model
 
 
-def build_tiny_model(output_dir: str | None = None, seed: int = 0, warm_start_steps: int = 80, force: bool = False) -> str:
+def build_tiny_model(output_dir: str | None = None, seed: int = 0, warm_start_steps: int = 80,
+                     force: bool = False) -> str:
     """Build (or reuse from the cache) the warm-started tiny model + tokenizer; returns the directory.
 
     Written to a temporary directory and renamed into place, so concurrent processes (accelerate ranks) never
@@ -141,8 +142,9 @@ def evaluate_accuracy(model, tokenizer, dataset, max_new_tokens: int = 10, batch
     prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
-        texts = [p if isinstance(p, str) else tokenizer.apply_chat_template(p, tokenize=False,
-                                                                             add_generation_prompt=True) for p in chunk]
+        texts = [p if isinstance(p, str)
+                 else tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                 for p in chunk]
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
