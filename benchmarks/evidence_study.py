@@ -115,7 +115,8 @@ MIN_PAIRS = 10
 PAIRS = (("BAPO paper", "TRL dapo clip-higher"), ("BAPO paper + dual clip", "TRL dapo clip-higher"),
          ("BAPO paper + dual clip", "BAPO paper"), ("BAPO paper + dual clip", "widest fixed [0.9,3.0]"),
          ("BAPO verl", "BAPO paper"), ("BAPO GSPO", "TRL GSPO"), ("BAPO GSPO + dual clip", "TRL GSPO"),
-         ("BAPO GSPO + dual clip", "BAPO GSPO"), ("BAPO paper + dual clip", "M2PO"), ("TRL GSPO", "TRL dapo clip-higher"),
+         ("BAPO GSPO + dual clip", "BAPO GSPO"), ("BAPO paper + dual clip", "M2PO"),
+         ("TRL GSPO", "TRL dapo clip-higher"),
          # the default against the strongest rivals, and the best adaptive setting against each (item 6)
          ("BAPO paper + dual clip", "TRL GSPO"), ("BAPO paper + dual clip", "TRL vespo"),
          ("BAPO GSPO + dual clip", "TRL vespo"), ("BAPO GSPO + dual clip", "widest fixed [0.9,3.0]"),
