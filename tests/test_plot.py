@@ -107,6 +107,9 @@ def test_run_directory_prefers_the_latest_history(run, tmp_path):
     newest = load_run(only_checkpoints)
     assert newest["path"].endswith("checkpoint-8/trainer_state.json")
     assert max(h["step"] for h in newest["log_history"]) == 8
+    assert newest["positive_contribution_target"] is None  # no history file and no model card: rho0 unknown
+    shutil.copy(out / "README.md", only_checkpoints / "README.md")  # the run's model card, with its BAPO section
+    assert load_run(only_checkpoints)["positive_contribution_target"] == 0.45
     with pytest.raises(FileNotFoundError, match="PlotDynamicsCallback"):
         load_run(tmp_path)
 

@@ -1,4 +1,4 @@
-"""Replay inside BAPOTrainer: behavior log-probs, staleness, checkpoint round trip."""
+"""Replay inside BAPOTrainer: behaviour log-probs, staleness, checkpoint round trip."""
 
 import copy
 import math
@@ -31,7 +31,7 @@ class RecordingTrainer(BAPOTrainer):
 
 
 class SnapshotPolicies(TrainerCallback):
-    """Keeps a copy of the policy at every optimizer step, to recompute behavior log-probs afterwards."""
+    """Keeps a copy of the policy at every optimizer step, to recompute behaviour log-probs afterwards."""
 
     def __init__(self):
         self.policies = {}
@@ -71,7 +71,7 @@ def replay_run(tiny_model_dir, tmp_path_factory):
     return trainer, snapshots
 
 
-def test_replayed_tokens_use_stored_behavior_logps(replay_run):
+def test_replayed_tokens_use_stored_behaviour_logps(replay_run):
     trainer, _ = replay_run
     fresh_dev, replayed_dev = [], []
     for ratio, replayed, mask in trainer.seen:

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from bapo_trl import BAPOConfig, BAPOTrainer
 from bapo_trl.cli.summary import format_summary
 from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
-from bapo_trl.trainer.model_card import bapo_card_section
+from bapo_trl.trainer.model_card import bapo_card_section, target_from_card
 
 #: A run whose every stale update moves some ratio past a path bound (without the dual clip, which slows the policy:
 #: with it, one of the three stale updates of this seed stays inside the path's start window).
@@ -44,6 +44,8 @@ def test_on_policy_updates_are_inactive_and_report_the_start_window(tiny_model_d
     assert "| updates where some window changed the loss | 50% |" in card
     mean_high = sum(h["bapo/clip_high"] for h in later) / len(later)  # over active updates only
     assert f"[{sum(h['bapo/clip_low'] for h in later) / len(later):.3f}, {mean_high:.3f}]" in card
+    assert target_from_card(card) == trainer.args.positive_contribution_target  # what `bapo plot` reads back
+    assert target_from_card(card.replace("target share", "goal")) is None
 
 
 def test_undefined_metric_on_one_micro_batch_does_not_turn_the_logged_mean_nan(tiny_model_dir, tmp_path):

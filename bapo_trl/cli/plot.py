@@ -27,7 +27,6 @@ import glob
 import json
 import math
 import os
-import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -139,18 +138,21 @@ def load_run(run: str | os.PathLike) -> dict:
 
 
 def _target_from_model_card(folder: str) -> float | None:
-    """rho0 from the BAPO section of the model card (``README.md``) that checkpointed runs write.
+    """rho0 from the BAPO section of the model card (``README.md``) that checkpointed runs write (the row
+    :func:`~bapo_trl.trainer.model_card.bapo_card_section` writes, read back by its ``target_from_card``).
 
     ``trainer_state.json`` does not hold the training arguments, and ``training_args.bin`` is a pickle that a
     plotting tool should not unpickle.
     """
+    from ..trainer.model_card import target_from_card
+
     for candidate in (folder, os.path.dirname(folder)):
         card = os.path.join(candidate, "README.md")
         if os.path.isfile(card):
             with open(card) as f:
-                found = re.search(r"^\| target share rho0 \| ([0-9.eE+-]+) \|", f.read(), flags=re.M)
-            if found:
-                return float(found.group(1))
+                target = target_from_card(f.read())
+            if target is not None:
+                return target
     return None
 
 

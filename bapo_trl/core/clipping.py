@@ -489,7 +489,7 @@ def search_clip_bounds(
     """Choose ``(c_low, c_high)`` for one update with BAPO's bound search.
 
     Args:
-        ratio: ``(B, T)`` importance ratios ``pi_theta / pi_behavior`` (detached; any float dtype).
+        ratio: ``(B, T)`` importance ratios ``pi_theta / pi_behaviour`` (detached; any float dtype).
         advantages: ``(B,)``, ``(B, 1)`` or ``(B, T)`` advantages.
         mask: ``(B, T)``; nonzero marks real completion tokens. NaN or inf on masked-out tokens are ignored; on real
             tokens they are left out of the sums and counted in ``num_nonfinite``.

@@ -116,7 +116,7 @@ class ReplaySource:
         if unsupported:
             raise ValueError(f"Replay does not support batches with {unsupported} (multimodal or tool inputs).")
         if "old_per_token_logps" not in per_row:  # on-policy batch: TRL skipped them, the queue needs them
-            per_row["old_per_token_logps"] = self._behavior_logps(per_row)
+            per_row["old_per_token_logps"] = self._behaviour_logps(per_row)
         device = per_row["completion_ids"].device
         group_size = port.num_generations
         fresh = split_groups(per_row, group_size)
@@ -150,7 +150,7 @@ class ReplaySource:
         port.log_metrics(replay_values(port.sum_over_processes(sums).tolist()))
         return {**mixed, **other}  # a per-row tensor first: TRL sizes the batch by the first value
 
-    def _behavior_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _behaviour_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         return self.port.policy_logps(input_ids, attention_mask, batch["completion_ids"].size(1))

@@ -7,10 +7,15 @@ arXiv 2510.18927), not the 2026 "Batch Adaptation Policy Optimization".
 from __future__ import annotations
 
 import os
+import re
 import shutil
+from typing import TYPE_CHECKING
 
-from ..core.metrics import is_active
-from .bapo_config import BAPOConfig
+if TYPE_CHECKING:  # importing this module stays light: `bapo plot` reads rho0 back from a card with it
+    from .bapo_config import BAPOConfig
+
+#: The card row that holds rho0; `target_from_card` reads it back.
+TARGET_ROW = "target share rho0"
 
 PAPER_CITATION = (
     "@article{xi2025bapo,\n"
@@ -22,12 +27,18 @@ PAPER_CITATION = (
     "}"
 )
 
+def target_from_card(text: str) -> float | None:
+    """rho0 from the text of a model card this module wrote (None when the card has no BAPO section)."""
+    found = re.search(rf"^\| {re.escape(TARGET_ROW)} \| ([0-9.eE+-]+) \|", text, flags=re.M)
+    return float(found.group(1)) if found else None
+
+
 def bapo_card_section(args: BAPOConfig, log_history: list[dict]) -> str:
     """Markdown: the BAPO settings of the run and the averages of its search, for the model card."""
     rows = [
         ("variant", args.bapo_variant),
         ("positive contribution (rho) measured as", args.positive_contribution_mode),
-        ("target share rho0", args.positive_contribution_target),
+        (TARGET_ROW, args.positive_contribution_target),
         ("c_low range / step", f"[{args.ratio_lower_start}, {args.ratio_lower_max}] / {args.ratio_lower_step}"),
         ("c_high range / step", f"[{args.ratio_upper_start}, {args.ratio_upper_max}] / {args.ratio_upper_step}"),
         ("steps_per_generation / num_iterations", f"{args.steps_per_generation} / {args.num_iterations}"),
@@ -36,6 +47,8 @@ def bapo_card_section(args: BAPOConfig, log_history: list[dict]) -> str:
     if args.replay_enabled:
         rows.append(("replay", f"{args.replay_buffer_size} groups, ratio {args.replay_ratio}, "
                                f"max staleness {args.replay_max_staleness}, {args.replay_sampling} sampling"))
+    from ..core.metrics import is_active
+
     logged = [h for h in log_history if "bapo/clip_low" in h]
     steps = [h for h in logged if is_active(h)]  # means over the updates where the window mattered
     if logged:
