@@ -497,7 +497,7 @@ def test_lazy_loading_warns_where_it_can_change_nothing():
 
 
 def test_a_users_rollout_func_is_refused_with_async_generation():
-    from bapo_trl.rollout import check_source_arguments
+    from bapo_trl.rollout.registry import check_source_arguments
 
     args = BAPOConfig(**BASE, async_generation=True, use_vllm=True, vllm_mode="server")
     with pytest.raises(ValueError, match="async generation .*would replace yours"):

@@ -85,3 +85,16 @@ def test_python_m_of_an_old_command_runs_the_new_one():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage: python -m bapo_trl.cli.plot ")
     assert "python -m bapo_trl.plot moved to python -m bapo_trl.cli.plot" in proc.stderr
+
+
+def test_the_rollout_face_exports_what_a_source_author_needs_and_warns_for_internal_names():
+    import bapo_trl.rollout as rollout
+    from bapo_trl.rollout.replay_queue import ReplayQueue
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a public name: no warning at all
+        public = {name: getattr(rollout, name) for name in rollout.__all__}
+    assert {"RolloutSource", "TrainerPort", "register_source", "SourceSettings"} <= set(public)
+    assert not {"ReplayQueue", "TRLPort", "build_source"} & set(rollout.__all__)
+    with pytest.warns(DeprecationWarning, match=r"import it from bapo_trl\.rollout\.replay_queue"):
+        assert rollout.ReplayQueue is ReplayQueue  # 0.1 code keeps working until 0.2

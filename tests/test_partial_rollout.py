@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from bapo_trl import BAPOConfig, BAPOTrainer
 from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
-from bapo_trl.rollout import PartialRollout, PartialRolloutPool
+from bapo_trl.rollout import PartialRollout
+from bapo_trl.rollout.pool import PartialRolloutPool
 
 EOS = 99
 

@@ -17,28 +17,36 @@ log-prob, so BAPO's search sees the real staleness. Names are imported lazily: i
 from __future__ import annotations
 
 import importlib
+import warnings
 
+#: What a user writing or choosing a source needs: the contract, the registry and the built-in sources.
 _EXPORTS = {
     "AsyncGeneration": "async_generation",
     "AsyncPartialRollout": "async_partial",
+    "NothingInBackground": "contract",
     "PartialRollout": "partial",
-    "PartialRolloutPool": "pool",
-    "ReplayQueue": "replay_queue",
+    "ReadyCompletions": "contract",
     "ReplaySource": "replay",
     "RolloutSource": "contract",
-    "TrainerPort": "contract",
-    "ReadyCompletions": "contract",
+    "SourceSettings": "settings",
     "TRLGeneration": "trl_generation",
-    "TRLPort": "port",
-    "build_source": "registry",
-    "check_source_arguments": "registry",
+    "TrainerPort": "contract",
     "register_source": "registry",
     "registered_sources": "registry",
 }
+#: Names this package exported in 0.1 that only the trainer and the tests use: still importable here until 0.2, with
+#: a DeprecationWarning naming their module.
+_INTERNAL = {"PartialRolloutPool": "pool", "ReplayQueue": "replay_queue", "TRLPort": "port",
+             "build_source": "registry", "check_source_arguments": "registry"}
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
+    if name in _INTERNAL:
+        module = f"{__name__}.{_INTERNAL[name]}"
+        warnings.warn(f"bapo_trl.rollout.{name} is internal: import it from {module}; this name goes away in bapo_trl "
+                      "0.2.", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(module), name)
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
