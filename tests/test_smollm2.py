@@ -226,6 +226,7 @@ def test_the_smollm2_evidence_report_pairs_every_method_with_both_references_by_
         runs += [run("TRL dapo clip-higher", seed, 50.0 + i, 75.0),
                  run("TRL GSPO", seed, 50.0 + i + (-1) ** i * 3, 75.0),
                  run("BAPO paper + dual clip", seed, 60.0 + i, 75.0 + (-1) ** i)]
+    runs.append(run("BAPO GSPO", 100, 90.0, 99.0))  # a method cut short after one seed: far ahead, no verdict
     text, claims = bench.report(runs, bench.RESULTS, resamples=2000)
     assert "Base model: avg@8 40.0%, pass@8 70.0% (avg@8 in range 50.0%, operands 13-14 30.0%)" in text
     assert "| BAPO paper + dual clip | bapo | 4 | 61.5 [" in text and "## Per method (seeds 100-103)" in text
@@ -234,6 +235,8 @@ def test_the_smollm2_evidence_report_pairs_every_method_with_both_references_by_
     assert "| TRL GSPO | 4 | +0.0 [" in against_dapo and "ties |" in against_dapo
     assert "| BAPO paper + dual clip | 4 | +10.0 [+7.0, +13.0] beats |" in against_gspo
     assert claims == 2 and "- **BAPO paper + dual clip** beats TRL GSPO on avg@8" in text
+    assert "| BAPO GSPO | 1 | +40.0 [+40.0, +40.0] (< 4 pairs) |" in against_dapo  # one seed: no verdict
+    assert text.count("| TRL GSPO | trl | 4 |") == 1  # the references are listed once, not again as methods
     for argv, says in ((["--methods", "BAPO nope"], "unknown ['BAPO nope']"), (["--seeds", "x"], "--seeds"),
                        (["--steps", "0"], "must be >= 1")):
         with pytest.raises(SystemExit):
