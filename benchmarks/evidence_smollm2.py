@@ -112,7 +112,7 @@ MIN_PAIRS = 4
 def heldout_problems(size: int = HELDOUT_SIZE, seed: int = 0) -> list[dict]:
     """The shipped test split, then problems of the same form with an operand above the task's range (at most
     ``HELDOUT_MAX_OPERAND``) in a fixed shuffle, up to ``size``: none is in the training split."""
-    from bapo_trl.math_recipe import chat_arithmetic as task
+    from bapo_trl.recipes.math_reasoning import chat_arithmetic as task
 
     beyond = []
     for a in range(1, HELDOUT_MAX_OPERAND + 1):
@@ -194,8 +194,8 @@ def evaluate(model_path: str, problems: list[dict], split_at: int) -> dict:
     operands 13-14); each problem's number of correct samples; the sampler check."""
     import torch
 
-    from bapo_trl.math_recipe.evaluate import load_model, summarize
-    from bapo_trl.math_recipe.rewards import boxed_accuracy
+    from bapo_trl.recipes.math_reasoning.evaluate import load_model, summarize
+    from bapo_trl.recipes.math_reasoning.rewards import boxed_accuracy
 
     started = time.time()
     torch.manual_seed(EVAL_SEED)
@@ -236,8 +236,8 @@ def run_one(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from bapo_trl.math_recipe import chat_arithmetic
-    from bapo_trl.models import prepare_model
+    from bapo_trl.recipes.math_reasoning import chat_arithmetic
+    from bapo_trl.recipes.models import prepare_model
 
     model_dir = prepare_model("smollm2")
     problems = load_heldout(os.path.join(REPO, spec["heldout"]))[: spec["num_problems"]]
@@ -420,7 +420,7 @@ def main(argv=None) -> int:
             todo = plan(methods[:1], seeds[:1], QUICK_TRAINING, HELDOUT, 2)
         else:
             todo = plan(methods, seeds, dict(TRAINING, max_steps=args.steps), HELDOUT, None)
-        from bapo_trl.models import prepare_model
+        from bapo_trl.recipes.models import prepare_model
 
         prepare_model("smollm2")  # once, before the workers race for the cache
         run_study(todo, results, args.workers)

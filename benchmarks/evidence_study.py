@@ -191,8 +191,8 @@ class Servers:
             return self.url
         from async_overlap import TRAINER_CORE, Server
 
-        from bapo_trl.generation.serve import default_venv
-        from bapo_trl.toy import build_tiny_model
+        from bapo_trl.cli.serve import default_venv
+        from bapo_trl.recipes.toy import build_tiny_model
 
         if not os.path.exists(os.path.join(default_venv(), "bin", "python")):
             print(f"skipping the async scenarios: no vLLM CPU venv at {default_venv()} "
@@ -439,7 +439,7 @@ def main(argv=None) -> int:
         else:
             todo = plan(scenarios, seeds or parse_seeds(HEADLINE_SEEDS), seeds or parse_seeds(OTHER_SEEDS),
                         methods=args.methods)
-        from bapo_trl.toy import build_tiny_model
+        from bapo_trl.recipes.toy import build_tiny_model
 
         build_tiny_model()
         run_study(todo, results, args.server_url)

@@ -53,9 +53,10 @@ EVALUATION = ["--k", "8", "--max_new_tokens", "16", "--temperature", "1.0", "--t
 
 def evaluate(model: str, quick: bool) -> dict:
     """avg@8 / pass@k of ``model`` on the held-out split (the README's evaluation command, in this process)."""
+    from bapo_trl.cli.evaluate import make_parser
     from bapo_trl.recipes.math_reasoning import evaluate as ev
 
-    report = ev.evaluate(ev.make_parser().parse_args(
+    report = ev.evaluate(make_parser().parse_args(
         ["--model", model, "--dataset", TEST, *EVALUATION] + (["--num_problems", "2", "--k", "2"] if quick else [])))
     return {key: value for key, value in report.items() if key.startswith(("avg@", "pass@", "num_scored", "seconds"))}
 

@@ -314,7 +314,7 @@ def test_conversion_is_real_verified_and_cached(smollm2_dir):
         out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert "7" in tokenizer.decode(out[0, ids.shape[1]:])
     # A second call (another process: the CLI) reuses the cache.
-    proc = subprocess.run([sys.executable, "-m", "bapo_trl.recipes.models", "smollm2"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "bapo_trl.cli.models", "smollm2"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == smollm2_dir and "converting" not in proc.stderr
 
@@ -490,9 +490,10 @@ def test_evidence_study_on_smollm2_quick_trains_evaluates_and_resumes(smollm2_di
     number = r"\d+(?:\.\d+)?"
     assert re.fullmatch(rf"runs=2 base_avg8=({number}) claims=0 minutes=({number})", last), last
     runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
-    assert [r["method"] for r in runs] == ["base", "BAPO paper + dual clip"]
+    assert [r["method"] for r in runs] == ["base", "BAPO GSPO + dual clip"]  # DEFAULT_METHODS[0]
     assert all(len(r["correct"]) == 2 and r["sampler_check"] <= 1e-3 for r in runs)
-    assert len(runs[1]["history"]) == 1 and runs[1]["trainer"] == "bapo" and runs[1]["settings"] == {"delta": 3.0}
-    assert "| BAPO paper + dual clip | bapo | 1 |" in (tmp_path / "report.md").read_text()
+    assert len(runs[1]["history"]) == 1 and runs[1]["trainer"] == "bapo"
+    assert runs[1]["settings"] == {"loss_type": "grpo", "importance_sampling_level": "sequence", "delta": 3.0}
+    assert "| BAPO GSPO + dual clip | bapo | 1 |" in (tmp_path / "report.md").read_text()
     assert run_quick("evidence_smollm2.py", *files).startswith("runs=2 ")
     assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 2  # nothing ran twice
