@@ -41,6 +41,7 @@ study is continued by the same command.
         --results benchmarks/results/evidence_runs_holdout.jsonl   # the hold-out re-run of the headline
     python benchmarks/evidence_study.py --agreement benchmarks/results/evidence_runs_holdout.jsonl  # both side by side
     python benchmarks/evidence_study.py --quick            # a few short runs and the report, temp dir (CI)
+    python benchmarks/evidence_study.py --quick --scenarios "replay 0.5,async K=1"   # those scenarios, briefly
 
 Results: one JSON line per finished run (``--results``, default ``benchmarks/results/evidence_runs.jsonl``: the
 run's key, trainer and settings, commit, seconds, summary figures and its reward per step); a run already in the
@@ -397,8 +398,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few short runs and their report in a temp dir (CI)")
     parser.add_argument("--seeds", default=None, help=f"A-B: every scenario on these seeds (default: headline "
                         f"{HEADLINE_SEEDS}, the others {OTHER_SEEDS})")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, in run order (default: "
-                        "all)")
+    parser.add_argument("--scenarios", default=None, help="comma-separated, in run order (default: all; with --quick: "
+                        "one short run of the default and of TRL's clip-higher twin in each)")
     parser.add_argument("--methods", nargs="+", default=None, help="only these methods (default: every method in "
                         "the headline, OTHER_METHODS elsewhere)")
     parser.add_argument("--no-async", action="store_true", help="skip the async scenarios")
@@ -414,7 +415,7 @@ def main(argv=None) -> int:
     if args.agreement:
         print(agreement(read_jsonl(args.results or RESULTS), read_jsonl(args.agreement), args.resamples))
         return 0
-    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    scenarios = [s.strip() for s in (args.scenarios or ",".join(SCENARIOS)).split(",") if s.strip()]
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:
         parser.error(f"--scenarios: unknown {unknown}; choose from {list(SCENARIOS)}")
@@ -431,7 +432,10 @@ def main(argv=None) -> int:
     out = args.report_out or (os.path.join(tmp, "evidence_study.md") if args.quick else REPORT)
     started = time.time()
     if not args.report:
-        if args.quick:  # TRL's trainer, M2PO and BAPO on stale data; the twins on BAPOTrainer in partial rollout
+        if args.quick and args.scenarios:  # the named scenarios (replay, async on the real server, ...), briefly
+            todo = [spec_for(m, s, 1e-3, (seeds or [0])[0], 8) for s in scenarios
+                    for m in ("TRL dapo clip-higher", "BAPO paper + dual clip")]
+        elif args.quick:  # TRL's trainer, M2PO and BAPO on stale data; the twins on BAPOTrainer in partial rollout
             todo = [spec_for(m, "spg 8", 1e-3, s, 8) for s in (seeds or [0, 1])[:2]
                     for m in ("TRL dapo clip-higher", "M2PO", "BAPO paper + dual clip")]
             todo += [spec_for(m, "partial rollout", 1e-3, (seeds or [0])[0], 4) for m in ("TRL dapo clip-higher",

