@@ -48,3 +48,13 @@ def test_the_main_process_raises_its_own_error_and_nobody_raises_when_all_is_wel
     sent = Sent(None)
     raise_everywhere(None, 4, sent, "x")
     assert sent.calls == 1  # every process enters the collective, even when nothing failed
+
+
+def test_one_process_broadcast_hands_back_its_own_object_without_a_collective(monkeypatch):
+    import accelerate.utils
+
+    from bapo_trl.generation.processes import broadcast_from_main
+
+    monkeypatch.setattr(accelerate.utils, "broadcast_object_list", lambda *a, **k: pytest.fail("collective called"))
+    obj = {"a": 1}
+    assert broadcast_from_main(obj, 1) is obj

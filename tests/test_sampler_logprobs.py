@@ -172,9 +172,9 @@ def test_the_check_reads_every_server_through_trls_client_on_cuda_too(stand_ins,
 def test_another_process_raises_the_main_process_refusal_as_the_same_error(monkeypatch):
     """What a rank other than the main one raises when the main process's check failed (broadcast stood in for; the
     2-process launch below runs it for real)."""
-    from bapo_trl.generation import cpu_server
+    import accelerate.utils
 
-    monkeypatch.setattr(cpu_server, "broadcast_object_list", lambda box, from_process: box.__setitem__(
+    monkeypatch.setattr(accelerate.utils, "broadcast_object_list", lambda box, from_process: box.__setitem__(
         0, ("VLLMLogprobsModeError", "the vLLM server at http://a:1 runs with `--logprobs-mode raw_logprobs`")))
     backend = CPUServerVLLMGeneration.__new__(CPUServerVLLMGeneration)
     backend.accelerator = SimpleNamespace(is_main_process=False, num_processes=2)

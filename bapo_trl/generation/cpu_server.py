@@ -30,18 +30,18 @@ import contextlib
 import shutil
 import threading
 import time
+from functools import partial
 from urllib.parse import urlparse
 
 import requests
 import trl.generation.vllm_client as _trl_vllm_client
 import trl.generation.vllm_generation as _trl_vllm_generation
-from accelerate.utils import broadcast_object_list
 from requests.adapters import HTTPAdapter
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 
 from .fleet import ServerFleet, naming, one_client, server_urls
-from .processes import raise_everywhere
+from .processes import broadcast_from_main, raise_everywhere
 from .seeding import PerPromptSeeds, SeededEngine
 from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError, authorize_session, write_weights
 
@@ -354,16 +354,11 @@ class CPUServerVLLMGeneration(VLLMGeneration):
 
     def _raise_everywhere(self, error: Exception | None) -> None:
         """An error on the main process is raised on every process, so no rank waits forever in a collective."""
-        raise_everywhere(error, self.accelerator.num_processes, _broadcast, "on the main process",
+        processes = self.accelerator.num_processes
+        raise_everywhere(error, processes, partial(broadcast_from_main, num_processes=processes),
+                         "on the main process",
                          kinds={"WeightSyncError": WeightSyncError, "VLLMLogprobsModeError": VLLMLogprobsModeError},
                          default=ConnectionError)
-
-
-def _broadcast(obj):
-    """The main process's ``obj`` on every process (accelerate's broadcast of a list, in place)."""
-    box = [obj]
-    broadcast_object_list(box, from_process=0)
-    return box[0]
 
 
 def refresh_output_layers(worker) -> int:

@@ -6,6 +6,17 @@ from __future__ import annotations
 from typing import Any, Callable
 
 
+def broadcast_from_main(obj: Any, num_processes: int) -> Any:
+    """The main process's ``obj`` on every process (a collective: all call it at the same point)."""
+    if num_processes == 1:
+        return obj
+    from accelerate.utils import broadcast_object_list
+
+    box = [obj]
+    broadcast_object_list(box, from_process=0)
+    return box[0]
+
+
 def raise_everywhere(error: BaseException | None, num_processes: int, broadcast: Callable[[Any], Any], where: str,
                      kinds: dict[str, type[Exception]] | None = None, default: type[Exception] = RuntimeError) -> None:
     """Raise the main process's ``error`` (None: there was none) on every process. ``broadcast(obj)`` returns the main

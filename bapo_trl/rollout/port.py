@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..generation.processes import broadcast_from_main
 from ..generation.seeding import mixed_seed
 from .contract import ReadyCompletions, ScoreFn, right_pad
 from .settings import SourceSettings
@@ -270,13 +271,7 @@ class TRLPort:
 
     def broadcast_object(self, obj: Any) -> Any:
         """The main process's ``obj`` on every process."""
-        if self.num_processes == 1:
-            return obj
-        from accelerate.utils import broadcast_object_list
-
-        box = [obj]
-        broadcast_object_list(box, from_process=0)
-        return box[0]
+        return broadcast_from_main(obj, self.num_processes)
 
     def log_metrics(self, values: dict[str, float], mode: str = "train") -> None:
         """Append to TRL's per-step metrics (averaged and logged by TRL's ``log``)."""
