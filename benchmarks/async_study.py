@@ -9,7 +9,7 @@ against one server (each run pushes its own initial weights before generating). 
 (mean of the last 5 generation rounds = 20 steps), held-out accuracy, wall-clock of the run, and the seconds until the
 mean reward of 3 consecutive generation rounds first reached 0.5.
 
-    python benchmarks/async_study.py            # the study (about 20 minutes on 2 cores), writes docs/
+    python benchmarks/async_study.py            # the study (about 20 minutes on 2 cores), writes docs/data/
     python benchmarks/async_study.py --quick    # two short runs (CI), writes to a temp dir
     python benchmarks/async_study.py --seeds 100-101   # the study on seeds 100..101 (files *_seeds100-101*)
     python benchmarks/async_study.py --options  # the async options: K=1/2/4 (eager and lazy weight loading),
@@ -151,7 +151,7 @@ def main() -> None:
     parser.add_argument("--options", action="store_true", help="the async options study (see the module doc)")
     parser.add_argument("--seeds", default=None, help="N (seeds 0..N-1) or A-B (seeds A..B); default: 3 with "
                         "--options, 2 otherwise")
-    parser.add_argument("--out", default=None, help="results directory (default: docs/, or a temp dir with --quick)")
+    parser.add_argument("--out", default=None, help="results directory (default: docs/data/, a temp dir with --quick)")
     parser.add_argument("--lr", type=float, default=2e-3, help="constant learning rate (the study ran 2e-3 and 1e-3)")
     parser.add_argument("--server-url", default=None, help="a running vLLM server of the embedded model to use "
                         "instead of starting one (the tests pass theirs); it is not pinned to a core then")
@@ -159,7 +159,7 @@ def main() -> None:
     from bapo_trl.recipes.toy import build_tiny_model
 
     os.sched_setaffinity(0, {TRAINER_CORE})
-    out = Path(opts.out or (tempfile.mkdtemp() if opts.quick else REPO / "docs"))
+    out = Path(opts.out or (tempfile.mkdtemp() if opts.quick else REPO / "docs" / "data"))
     model_dir = build_tiny_model()
     seeds = parse_seeds(opts.seeds) if opts.seeds else None
     runs = plan_options(seeds or parse_seeds(3), opts.lr) if opts.options else plan(opts.quick, opts.lr, seeds)

@@ -11,7 +11,7 @@ only on vLLM's importance-sampling weights, which the transformers generation us
     python benchmarks/entropy_clip_study.py --quick    # two short runs (CI smoke), temp dir
     python benchmarks/entropy_clip_study.py --seeds 100-105   # every cell on seeds 100..105 (files *_seeds100-105*)
 
-Writes ``docs/entropy_clip_results.md`` and ``docs/entropy_clip_runs.json.gz``. The last line is
+Writes ``docs/data/entropy_clip_results.md`` and ``docs/data/entropy_clip_runs.json.gz``. The last line is
 ``runs=.. best_adaptive=.. best_adaptive_reward_lr1e-3=.. widest_reward_lr1e-3=.. best_adaptive_reward_lr2e-3=..
 widest_reward_lr2e-3=..``.
 """

@@ -10,7 +10,7 @@ held-out set of 96 problems (avg@8 and pass@8) with 95% bootstrap intervals.
 Methods: by name from ``benchmarks/evidence_study.py``'s ``METHODS`` (the same trainer and settings as the tiny
 study); TRL's dapo clip-higher and GSPO (``REFERENCES``, on TRL's own GRPOTrainer) always run, as the references of
 the paired comparisons. ``--methods`` names the others; its default (``DEFAULT_METHODS``) is the three settings the
-tiny study ranks highest. The published run (docs/evidence_smollm2.md) had ``BAPO GSPO`` (no dual clip) too, for
+tiny study ranks highest. The published run (docs/data/evidence_smollm2.md) had ``BAPO GSPO`` (no dual clip) too, for
 its first seed only.
 
 Training (``benchmarks/loss_study_smollm2.py``'s ``train``, so both SmolLM2 studies train alike): full fine-tuning
@@ -56,7 +56,7 @@ study continues with the same command.
 Results: one JSON line per finished run (``--results``, default
 ``benchmarks/results/evidence_smollm2_runs.jsonl``: method, seed, trainer, settings, the training fields, commit,
 seconds, avg@8 / pass@j over all problems and per half, each problem's number of correct samples, reward and
-gradient norm per step). The report (``--report-out``, default ``docs/evidence_smollm2.md``): per method the mean
+gradient norm per step). The report (``--report-out``, default ``docs/data/evidence_smollm2.md``): per method the mean
 over seeds with a 95% percentile bootstrap interval, then every method's paired difference (same seed) from each
 reference, its interval and ``study.verdict``. With 4 seeds that interval is too narrow to carry a claim: a true
 tie reads as beats or loses about 1 time in 5 (simulated: 4 normal differences, 1000 trials), so a verdict here is a
@@ -99,7 +99,7 @@ EVAL_BATCH = 8  # problems sampled together
 CHECK_ATOL = 1e-3  # largest |log p| difference between the batched sampler and a plain forward pass
 KEPT = ("reward", "grad_norm", "entropy", "bapo/clip_low", "bapo/clip_high", "bapo/search_active")
 RESULTS = os.path.join(REPO, "benchmarks", "results", "evidence_smollm2_runs.jsonl")
-REPORT = os.path.join(REPO, "docs", "evidence_smollm2.md")
+REPORT = os.path.join(REPO, "docs", "data", "evidence_smollm2.md")
 #: Paired figures: (title, record key).
 FIGURES = (("avg@8", "avg8"), ("pass@8", "pass8"))
 #: No verdict from fewer paired seeds than the study runs (a method cut short after one seed has a zero-width

@@ -36,7 +36,7 @@ That fits a session's background time; and the runner is resumable (finished run
 study is continued by the same command.
 
     python benchmarks/evidence_study.py                    # the whole study, appends to benchmarks/results/...
-    python benchmarks/evidence_study.py --report           # only read the runs file and write docs/evidence_study.md
+    python benchmarks/evidence_study.py --report           # read the runs file, write docs/data/evidence_study.md
     python benchmarks/evidence_study.py --seeds 200-219 --scenarios "spg 32" \\
         --results benchmarks/results/evidence_runs_holdout.jsonl   # the hold-out re-run of the headline
     python benchmarks/evidence_study.py --agreement benchmarks/results/evidence_runs_holdout.jsonl  # both side by side
@@ -128,7 +128,7 @@ FIGURES = (("final reward", "reward_final", ("beats", "loses", "ties")),
            ("max grad norm", "grad_norm_max", ("larger", "smaller", "no difference")),
            ("final entropy", "entropy_final", ("higher", "lower", "no difference")))
 RESULTS = os.path.join(REPO, "benchmarks", "results", "evidence_runs.jsonl")
-REPORT = os.path.join(REPO, "docs", "evidence_study.md")
+REPORT = os.path.join(REPO, "docs", "data", "evidence_study.md")
 
 
 def spec_for(method: str, staleness: str, lr: float, seed: int, steps: int) -> dict:

@@ -20,7 +20,7 @@ The BAPO version of each is the same settings in a BAPOConfig (BAPO then chooses
 epsilon_high are ignored; no dual clip, ``BAPO_EXTRA``); "BAPO dapo" is the paper's BAPO, the balanced version of
 dapo clip-higher.
 
-Writes ``docs/loss_study.md`` and ``docs/loss_study_runs.json.gz``. The last line is
+Writes ``docs/data/loss_study.md`` and ``docs/data/loss_study_runs.json.gz``. The last line is
 ``runs=.. bapo_default_reward=.. trl_dapo_reward=.. balanced_better=../.. minutes=..``.
 """
 
@@ -148,7 +148,7 @@ def line(i: int, n: int, result: dict) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="every method once, a few steps (CI smoke test)")
-    parser.add_argument("--out", default=None, help="output directory (default: docs/, or a temp dir with --quick)")
+    parser.add_argument("--out", default=None, help="output directory (default: docs/data/, a temp dir with --quick)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seeds", default=None, help="A-B: seeds A..B instead of 0-5 (files get a _seedsA-B suffix)")
     parser.add_argument("--reuse", default=None, help="a loss_study_runs.json(.gz) from an earlier run: its runs are "

@@ -13,7 +13,7 @@ generation, ``steps_per_generation=4`` (each batch is trained on for 4 optimizer
 20 steps, one torch thread per run, two runs at a time. Evaluation as in the README: 48 problems, 8 samples each,
 16 tokens, temperature 1.0, seed 0.
 
-Writes ``docs/loss_study_smollm2.md`` and ``docs/loss_study_smollm2_runs.json``. The last line is
+Writes ``docs/data/loss_study_smollm2.md`` and ``docs/data/loss_study_smollm2_runs.json``. The last line is
 ``runs=.. base_avg8=.. <method>_avg8=.. ... minutes=..``.
 """
 
@@ -37,7 +37,7 @@ from study import parse_seeds, trainer_classes
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "tests", "data", "chat_arithmetic_train.jsonl")
 TEST = os.path.join(REPO, "tests", "data", "chat_arithmetic_test.jsonl")
-#: From the tiny-scale study (docs/loss_study.md): BAPO's default, the TRL baseline it replaces (dapo clip-higher), the
+#: From the tiny study (docs/data/loss_study.md): BAPO's default, the TRL baseline it replaces (dapo clip-higher), the
 #: strongest TRL loss there (GSPO) and the strongest balanced one (BAPO vespo). CISPO and SAPO collapsed there.
 DEFAULT_METHODS = ("TRL dapo", "BAPO dapo", "TRL GSPO", "BAPO vespo")
 KEPT = ("step", "loss", "grad_norm", "reward", "entropy", "bapo/clip_low", "bapo/clip_high", "bapo/search_active",
@@ -163,7 +163,7 @@ def main(argv=None):
     parser.add_argument("--seeds", default="2", help="N (seeds 0..N-1) or A-B (seeds A..B)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="one method, 1 step, 2 problems x 2 samples (smoke)")
-    parser.add_argument("--out", default=None, help="output directory (default: docs/, or a temp dir with --quick)")
+    parser.add_argument("--out", default=None, help="output directory (default: docs/data/, a temp dir with --quick)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.methods) - set(tiny_methods()))
     if unknown:
@@ -177,7 +177,7 @@ def main(argv=None):
     except ValueError as error:
         parser.error(str(error))
     out_dir = args.out or (tempfile.mkdtemp(prefix="loss-study-smollm2-") if args.quick else
-                           os.path.join(REPO, "docs"))
+                           os.path.join(REPO, "docs", "data"))
     os.makedirs(out_dir, exist_ok=True)
     from bapo_trl.recipes.models import prepare_model
 

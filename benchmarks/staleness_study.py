@@ -7,12 +7,12 @@ and BAPO (paper default, gradient share, official-code variant). Staleness comes
 (1 = on-policy, 8, 16, 32) and from replay. Every fixed window is a BAPOConfig whose search path has one point, so
 every run logs the same metrics.
 
-    python benchmarks/staleness_study.py            # the full study (about an hour on 2 cores), writes docs/
+    python benchmarks/staleness_study.py            # the full study (about an hour on 2 cores), writes docs/data/
     python benchmarks/staleness_study.py --quick    # a few short runs (CI), writes to a temp dir
     python benchmarks/staleness_study.py --seeds 100-105   # every cell on seeds 100..105 (files *_seeds100-105*)
 
-Results: `docs/staleness_study.md` (tables: mean and spread over seeds, the exact command, machine, time) and PNG
-figures under `docs/`.
+Results: `docs/data/staleness_study.md` (tables: mean and spread over seeds, the exact command, machine, time) and PNG
+figures under `docs/data/`.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def line(i: int, n: int, result: dict) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="two short runs (CI smoke test)")
-    parser.add_argument("--out", default=None, help="output directory (default: docs/, or a temp dir with --quick)")
+    parser.add_argument("--out", default=None, help="output directory (default: docs/data/, a temp dir with --quick)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seeds", default=None, help="A-B: run every cell on seeds A..B instead (files get a "
                         "_seedsA-B suffix)")

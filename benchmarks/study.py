@@ -296,8 +296,8 @@ def run_all(todo: list[dict], workers: int, line) -> list[dict]:
 
 
 def output_dir(out: str | None, quick: bool, prefix: str) -> str:
-    """``out``, else a temp dir in quick mode, else docs/."""
-    path = out or (tempfile.mkdtemp(prefix=prefix) if quick else os.path.join(REPO, "docs"))
+    """``out``, else a temp dir in quick mode, else docs/data/."""
+    path = out or (tempfile.mkdtemp(prefix=prefix) if quick else os.path.join(REPO, "docs", "data"))
     os.makedirs(path, exist_ok=True)
     return path
 
