@@ -4,20 +4,29 @@
 # They work in a virtualenv and with a plain system Python (PYTHON=python3 if there is no `python`).
 PYTHON ?= $(shell command -v python >/dev/null 2>&1 && echo python || echo python3)
 PIP ?= $(PYTHON) -m pip
-# torch 2.13.0 is the CPU build on these machines; DeepSpeed installs as pure Python without building ops.
+# torch: installed ONLY where none is importable, then as torch==2.13.0: the CPU build where pip's find-links provide
+# it, as on the CI machines; elsewhere pass
+# TORCH_CPU="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
+# An installed torch (a CUDA build on a GPU machine) is never replaced or upgraded. On a GPU machine without torch,
+# install the CUDA build first and then run make, e.g. for CUDA 12.8:
+#   pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
+# DeepSpeed installs as pure Python without building ops.
+TORCH_CPU ?= torch==2.13.0
 export DS_BUILD_OPS ?= 0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install install-test train test test-fast
+.PHONY: install install-test install-torch train test test-fast
 
-install:
-	$(PIP) install -q "torch==2.13.0"
+install: install-torch
 	$(PIP) install -q -e .
 
-install-test:
-	$(PIP) install -q "torch==2.13.0"
+install-test: install-torch
 	$(PIP) install -q -e ".[test]"
+
+# The guard: `import torch` first, the CPU build only if that fails (tests/test_release.py keeps it so).
+install-torch:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_CPU)
 
 train: install
 	$(PYTHON) train_bapo.py
