@@ -26,7 +26,6 @@ against the real vLLM CPU server (``test_async_rows_with_the_real_server``). Sta
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import shutil
 import threading
@@ -35,13 +34,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
+from harness import PolicySnapshots, Probe, tiny_trainer
+from harness import check_behaviour_logps as behaviour_logps_match
 from policy_server import PolicyServer
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import AutoModelForCausalLM, TrainerCallback
 
-from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl import BAPOConfig
 from bapo_trl.core.numerics import loss_mask
-from bapo_trl.recipes.toy import make_reverse_dataset
 from bapo_trl.rollout.port import TRLPort
 from bapo_trl.rollout.producer import Producer
 from bapo_trl.rollout.settings import staleness_bound
@@ -144,17 +143,6 @@ def digit_reward(completions, **kwargs) -> list[float]:
     return [float(sum(ch.isdigit() for ch in c)) + 0.1 * len(c) for c in completions]
 
 
-class Snapshots(TrainerCallback):
-    """The policy at the start of every optimizer step: the weights of version ``step``."""
-
-    def __init__(self):
-        self.policies = {}
-
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
-        if state.global_step not in self.policies:
-            self.policies[state.global_step] = copy.deepcopy(model.state_dict())
-
-
 class SkipSaves(TrainerCallback):
     """While ``active``, the step's checkpoint is not written: the resumes from every checkpoint need only the
     uninterrupted run's checkpoints, and writing their own took about half of a row's time. (The uninterrupted run
@@ -228,21 +216,15 @@ class Gate(TrainerCallback):
         patches.setattr(AsyncGeneration, "_held_for_evaluation", opened_for_evaluation)
 
 
-class Recorder(BAPOTrainer):
-    """Records every trained row of every micro-batch (a probe around compute_loss, the real one runs)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.trained: list[dict] = []
-        self.queue_ages: list[int] = []  # with replay: at every micro-batch, the age of each group the queue holds
-
-    def compute_loss(self, model, inputs, *args, **kwargs):
-        if model.training:
-            step = self.state.global_step
-            self.trained += rows_of(inputs, step)
-            if self.replay_queue is not None:
-                self.queue_ages += [step - int(g["policy_version"][0]) for g in self.replay_queue.groups]
-        return super().compute_loss(model, inputs, *args, **kwargs)
+def record_trained(trainer, compute_loss, model, inputs, *args, **kwargs):
+    """Records every trained row of every micro-batch (around the real compute_loss, which then runs); with replay,
+    at every micro-batch, the age of each group the queue holds."""
+    if model.training:
+        step = trainer.state.global_step
+        trainer.trained += rows_of(inputs, step)
+        if trainer.replay_queue is not None:
+            trainer.queue_ages += [step - int(g["policy_version"][0]) for g in trainer.replay_queue.groups]
+    return compute_loss(model, inputs, *args, **kwargs)
 
 
 def rows_of(inputs: dict, step: int) -> list[dict]:
@@ -318,21 +300,13 @@ def row_steps(source: str, updates: int) -> int:
     return updates + 2
 
 
-def build(model_dir, args, cls=Recorder, callbacks=()):
-    evaluates = args.eval_strategy != "no"
-    return cls(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=digit_reward, args=args,
-               train_dataset=make_reverse_dataset(64, seed=0),
-               processing_class=AutoTokenizer.from_pretrained(model_dir),
-               eval_dataset=make_reverse_dataset(2, seed=5) if evaluates else None, callbacks=list(callbacks))
-
-
-def recompute(model_dir, policy: dict, prompt, completion, temperature: float) -> torch.Tensor:
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    model.load_state_dict(policy)
-    ids = torch.tensor([list(prompt) + list(completion)])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+def build(model_dir, args, probe=True, callbacks=()):
+    """The row's trainer; ``probe``: recording what each micro-batch trains (``trained``, ``queue_ages``)."""
+    recording = dict(cls=Probe, around={"compute_loss": record_trained}, record=("trained", "queue_ages")) if probe \
+        else {}
+    return tiny_trainer(model_dir, args, reward=digit_reward, prompts=64, prompt_seed=0,
+                        eval_prompts=2 if args.eval_strategy != "no" else 0, eval_seed=5, callbacks=callbacks,
+                        **recording)
 
 
 def check_versions_and_staleness(rows: list[dict], bound: int) -> None:
@@ -364,12 +338,10 @@ def check_behaviour_logps(rows: list[dict], policies: dict, model_dir, temperatu
     candidates = [r for r in rows if r["old"] is not None and r["completion"]]
     candidates.sort(key=lambda r: (-len(set(r["versions"])), min(r["versions"]) - r["step"]))
     checked = 0
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
     for r in candidates[:limit]:
-        expected = torch.empty(len(r["completion"]))
-        for version in set(r["versions"]):
-            at = [i for i, v in enumerate(r["versions"]) if v == version]
-            expected[at] = recompute(model_dir, policies[version], r["prompt"], r["completion"], temperature)[at]
-        assert torch.allclose(torch.tensor(r["old"]), expected, atol=atol), (r, expected)
+        behaviour_logps_match(model, policies, r["prompt"], r["completion"], r["versions"], r["old"], atol=atol,
+                              temperature=temperature)
         checked += 1
     return checked
 
@@ -402,7 +374,7 @@ def run_row(source: str, setting, model_dir, tmp_path: Path, server=None, atol: 
         patches.setattr(Producer, "take", lambda self, index: calls.append(("take", index)) or take(self, index))
     try:
         args = config(source, setting, tmp_path / "out", servers)
-        snapshots, skip_saves = Snapshots(), SkipSaves()
+        snapshots, skip_saves = PolicySnapshots(), SkipSaves()
         trainer = build(model_dir, args, callbacks=[snapshots, skip_saves, gate])
         trainer.train()
         full = trainer.trained
@@ -556,7 +528,7 @@ def test_user_sampling_settings_through_the_server(source, tiny_model_dir, tmp_p
         runs = []
         for attempt in range(1 if source in TIMING_DEPENDENT else 2):
             args = config(source, FAST, tmp_path / f"out{attempt}", [server], save_strategy="no", **USER_SAMPLING)
-            snapshots = Snapshots()
+            snapshots = PolicySnapshots()
             trainer = build(tiny_model_dir, args, callbacks=[snapshots])
             trainer.train()
             runs.append(by_step(trainer.trained))
@@ -576,7 +548,7 @@ def test_in_flight_updates_give_a_completion_tokens_of_several_policies(tiny_mod
     server = PolicyServer(tiny_model_dir, seconds_per_token=0.01)
     try:
         args = config("async_inflight", (1, 1, 1), tmp_path / "out", [server], max_steps=6, save_strategy="no")
-        snapshots = Snapshots()
+        snapshots = PolicySnapshots()
         trainer = build(tiny_model_dir, args, callbacks=[snapshots])
         trainer.train()
     finally:
@@ -637,7 +609,7 @@ def test_a_server_stalled_on_a_later_request_ends_in_an_error(client, tiny_model
     try:
         args = config("async_k1", (1, 1, 1), tmp_path / "out", [server], vllm_server_timeout=timeout, max_steps=6,
                       save_strategy="no")
-        trainer = build(tiny_model_dir, args, cls=BAPOTrainer)
+        trainer = build(tiny_model_dir, args, probe=False)
         if client == "trl":
             trainer.port.request_client = trl_configured_client(server.url)
         with pytest.raises((ProducerStalled, TimeoutError)) as error:
