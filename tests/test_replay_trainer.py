@@ -1,15 +1,14 @@
 """Replay inside BAPOTrainer: behaviour log-probs, staleness, checkpoint round trip."""
 
-import copy
 import math
 
 import pytest
 import torch
-from probes import source_of
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from harness import PolicySnapshots, Probe, check_behaviour_logps, tiny_trainer
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from bapo_trl import BAPOConfig, BAPOTrainer
-from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
+from bapo_trl.recipes.toy import reverse_reward
 from bapo_trl.rollout import ReplaySource
 from bapo_trl.trainer.bapo_trainer import REPLAY_METRICS
 
@@ -21,52 +20,32 @@ REPLAY = dict(
 )
 
 
-class RecordingTrainer(BAPOTrainer):
-    """Records, per loss call, the ratios and origin flags the search saw (a test probe, not a fake)."""
-
-    def _log_search(self, result, ratio, advantages, mask, inputs, *args):
-        self.seen = getattr(self, "seen", [])
-        self.seen.append((ratio.detach().clone(), inputs["replayed"].clone(), mask.clone()))
-        super()._log_search(result, ratio, advantages, mask, inputs, *args)
+def record_search(trainer, log_search, result, ratio, advantages, mask, inputs, *args):
+    """Records, per loss call, the ratios and origin flags the search saw (around the real _log_search)."""
+    trainer.seen.append((ratio.detach().clone(), inputs["replayed"].clone(), mask.clone()))
+    return log_search(result, ratio, advantages, mask, inputs, *args)
 
 
-class SnapshotPolicies(TrainerCallback):
-    """Keeps a copy of the policy at every optimizer step, to recompute behaviour log-probs afterwards."""
-
-    def __init__(self):
-        self.policies = {}
-
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
-        self.policies[state.global_step] = copy.deepcopy(model.state_dict())
+def record_pushed(trainer, push, group):
+    """Keeps every group the queue stored, for the checks (around the real push)."""
+    stored = push(group)
+    if stored:
+        trainer.pushed.append(trainer.replay_queue.groups[-1])
+    return stored
 
 
-def build(cls, model_dir, out, callbacks=(), reward=reverse_reward, **overrides):
-    args = BAPOConfig(output_dir=str(out), **{**REPLAY, **overrides})
-    return cls(
-        model=AutoModelForCausalLM.from_pretrained(model_dir),
-        reward_funcs=reward,
-        args=args,
-        train_dataset=make_reverse_dataset(512, seed=0),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
-        callbacks=list(callbacks),
-    )
+def build(cls, model_dir, out, callbacks=(), reward=reverse_reward, around=None, record=(), **overrides):
+    probe = dict(around=around, record=record) if cls is Probe else {}
+    return tiny_trainer(model_dir, BAPOConfig(output_dir=str(out), **{**REPLAY, **overrides}), cls=cls, reward=reward,
+                        prompts=512, prompt_seed=0, callbacks=callbacks, **probe)
 
 
 @pytest.fixture(scope="module")
 def replay_run(tiny_model_dir, tmp_path_factory):
-    snapshots = SnapshotPolicies()
-    trainer = build(RecordingTrainer, tiny_model_dir, tmp_path_factory.mktemp("replay"), [snapshots],
-                    max_steps=8, save_strategy="no", replay_sampling="recent")
-    trainer.pushed = []
-    push = trainer.replay_queue.push
-
-    def recording_push(group):  # a probe around the real method: every stored group is kept for the checks
-        stored = push(group)
-        if stored:
-            trainer.pushed.append(trainer.replay_queue.groups[-1])
-        return stored
-
-    trainer.replay_queue.push = recording_push
+    snapshots = PolicySnapshots()
+    trainer = build(Probe, tiny_model_dir, tmp_path_factory.mktemp("replay"), [snapshots],
+                    around={"_log_search": record_search, "replay_queue.push": record_pushed},
+                    record=("seen", "pushed"), max_steps=8, save_strategy="no", replay_sampling="recent")
     trainer.train()
     return trainer, snapshots
 
@@ -90,16 +69,10 @@ def test_stored_logps_are_those_of_the_sampling_policy(replay_run, tiny_model_di
     checked = 0
     for group in trainer.pushed:
         version = int(group["policy_version"][0])
-        model.load_state_dict(snapshots.policies[version])
-        ids = torch.cat([group["prompt_ids"], group["completion_ids"]], 1)
-        attention = torch.cat([group["prompt_mask"], group["completion_mask"]], 1)
-        with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=attention).logits
-        width = group["completion_ids"].size(1)
-        logps = torch.log_softmax(logits[:, -width - 1 : -1].float(), -1)
-        logps = logps.gather(-1, group["completion_ids"][..., None]).squeeze(-1)
-        mask = group["completion_mask"].bool()
-        assert torch.allclose(logps[mask], group["old_per_token_logps"][mask], atol=1e-4), version
+        check_behaviour_logps(model, snapshots.policies, group["prompt_ids"], group["completion_ids"], version,
+                              group["old_per_token_logps"], atol=1e-4,
+                              attention_mask=torch.cat([group["prompt_mask"], group["completion_mask"]], 1),
+                              mask=group["completion_mask"])
         checked += 1
     assert checked >= 8 and len({int(g['policy_version'][0]) for g in trainer.pushed}) >= 3
 
@@ -190,41 +163,34 @@ def flat_for_even_digits(prompts, completions, answer, completion_ids=None, **kw
     return [0.0 if str(p).lstrip()[:1] in "02468" else s for p, s in zip(prompts, scores)]
 
 
-class FillProbe(BAPOTrainer):
+def record_fill(trainer, mix, output, *args, **kwargs):
     """Records, for each generation batch, the fresh groups without spread, what was asked of and given by the queue,
-    and the groups without spread that stayed in the trained batch (a probe around the real methods)."""
+    and the groups without spread that stayed in the trained batch (around the real mix and queue sampling)."""
+    groups = output["advantages"].view(-1, trainer.num_generations)
+    flat_fresh = int((groups.max(1).values == groups.min(1).values).sum())
+    sample, asked = trainer.replay_queue.sample, []
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        replay = source_of(self, ReplaySource)
-        self._real_mix, replay.mix = replay.mix, self._recording_mix
+    def recording_sample(num_groups, current_step):
+        got = sample(num_groups, current_step)
+        asked.append((num_groups, len(got)))
+        return got
 
-    def _recording_mix(self, output, *args, **kwargs):
-        groups = output["advantages"].view(-1, self.num_generations)
-        flat_fresh = int((groups.max(1).values == groups.min(1).values).sum())
-        sample, asked = self.replay_queue.sample, []
-
-        def recording_sample(num_groups, current_step):
-            got = sample(num_groups, current_step)
-            asked.append((num_groups, len(got)))
-            return got
-
-        self.replay_queue.sample = recording_sample
-        try:
-            mixed = self._real_mix(output, *args, **kwargs)
-        finally:
-            self.replay_queue.sample = sample
-        adv, replayed = (mixed["advantages"].view(-1, self.num_generations),
-                         mixed["replayed"].view(-1, self.num_generations))
-        flat_kept = int(((adv.max(1).values == adv.min(1).values) & ~replayed[:, 0]).sum())
-        self.fill_log = getattr(self, "fill_log", [])
-        self.fill_log.append(dict(flat_fresh=flat_fresh, asked=asked[0][0], given=asked[0][1], flat_kept=flat_kept,
-                                  rows=mixed["advantages"].numel()))
-        return mixed
+    trainer.replay_queue.sample = recording_sample
+    try:
+        mixed = mix(output, *args, **kwargs)
+    finally:
+        trainer.replay_queue.sample = sample
+    adv, replayed = (mixed["advantages"].view(-1, trainer.num_generations),
+                     mixed["replayed"].view(-1, trainer.num_generations))
+    flat_kept = int(((adv.max(1).values == adv.min(1).values) & ~replayed[:, 0]).sum())
+    trainer.fill_log.append(dict(flat_fresh=flat_fresh, asked=asked[0][0], given=asked[0][1], flat_kept=flat_kept,
+                                 rows=mixed["advantages"].numel()))
+    return mixed
 
 
 def test_fill_zero_std_groups_replaces_groups_without_spread_first(tiny_model_dir, tmp_path):
-    trainer = build(FillProbe, tiny_model_dir, tmp_path, reward=flat_for_even_digits, max_steps=6,
+    trainer = build(Probe, tiny_model_dir, tmp_path, reward=flat_for_even_digits, max_steps=6,
+                    around={(ReplaySource, "mix"): record_fill}, record=("fill_log",),
                     save_strategy="no", replay_ratio=0.25, replay_fill_zero_std_groups=True, replay_max_staleness=4)
     trainer.train()
     log = trainer.fill_log
@@ -249,32 +215,28 @@ def test_replay_staleness_is_counted_at_the_last_update_on_the_batch(tiny_model_
     assert all(h["bapo/staleness_max"] <= 4 for h in logs)
 
 
-class GenerationCounter(BAPOTrainer):
-    """Records how many prompts each generation call really generated for (a probe around TRL's _generate)."""
+def record_generated(trainer, generate, prompts):
+    """Records how many prompts each generation call really generated for (around TRL's _generate)."""
+    trainer.generated.append(len(prompts))
+    return generate(prompts)
 
-    def _generate(self, prompts):
-        self.generated = getattr(self, "generated", []) + [len(prompts)]
-        return super()._generate(prompts)
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        replay = source_of(self, ReplaySource)
-        self.batch_rows, mix = [], replay.mix if replay is not None else None
+def record_batch_rows(trainer, mix, output, appended=0):
+    """Records the rows of each batch replay hands to training (around the real mix)."""
+    mixed = mix(output, appended)
+    trainer.batch_rows.append(mixed["completion_ids"].size(0))
+    return mixed
 
-        def recording_mix(output, appended=0):
-            mixed = mix(output, appended)
-            self.batch_rows.append(mixed["completion_ids"].size(0))
-            return mixed
 
-        if mix is not None:
-            replay.mix = recording_mix
+COUNT_GENERATION = dict(around={"_generate": record_generated, (ReplaySource, "mix"): record_batch_rows},
+                        record=("generated", "batch_rows"))
 
 
 def test_replay_that_saves_generation_generates_only_the_fresh_share(tiny_model_dir, tmp_path):
     """4 groups of 4 per batch, replay_ratio 0.5: once the queue holds 2 groups, each batch generates 2 groups (8
     completions) and replays 2; the batch handed to training keeps its 16 rows. While the queue is short: full."""
-    trainer = build(GenerationCounter, tiny_model_dir, tmp_path, max_steps=8, save_strategy="no",
-                    replay_saves_generation=True)
+    trainer = build(Probe, tiny_model_dir, tmp_path, max_steps=8, save_strategy="no", replay_saves_generation=True,
+                    **COUNT_GENERATION)
     trainer.train()
     assert trainer.generated[0] == 16  # empty queue: full generation
     assert 8 in trainer.generated and set(trainer.generated) <= {8, 16}
@@ -282,6 +244,6 @@ def test_replay_that_saves_generation_generates_only_the_fresh_share(tiny_model_
     saved = [h["replay/generation_saved"] for h in trainer.state.log_history if "replay/generation_saved" in h]
     assert saved[0] == 0.0 and [g == 8 for g in trainer.generated] == [s == 0.5 for s in saved]
     assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
-    baseline = build(GenerationCounter, tiny_model_dir, tmp_path / "full", max_steps=8, save_strategy="no")
+    baseline = build(Probe, tiny_model_dir, tmp_path / "full", max_steps=8, save_strategy="no", **COUNT_GENERATION)
     baseline.train()
     assert baseline.generated == [16] * 8  # without the option every batch is generated in full
