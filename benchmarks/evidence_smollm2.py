@@ -323,6 +323,8 @@ def report(runs: list[dict], results: str, resamples: int = 10000) -> tuple[str,
     sizes = sorted({len(r["correct"]) for r in runs})
     lines = [
         "# Evidence on SmolLM2-135M-Instruct: chat arithmetic, stale data, paired by seed\n",
+        "The model is the package registry's Q4_1 GGUF copy of SmolLM2-135M-Instruct, dequantised to float32 by "
+        "`bapo models smollm2`: a 4-bit copy, so no score here is the published model's.\n",
         f"From `{os.path.relpath(results, REPO)}` ({len(runs)} runs, {sum(r['seconds'] for r in runs) / 3600:.1f} "
         f"hours of run time; code {', '.join(c[:12] for c in commits)}; {platform.machine()}, {os.cpu_count()} "
         f"cores, one torch thread per run), written by `python benchmarks/evidence_smollm2.py --report --results "

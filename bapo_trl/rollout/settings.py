@@ -51,9 +51,11 @@ class RolloutSettings:
     Checked with the config (:func:`rollout_errors` before anything is built, :meth:`inert_rollout_settings` for
     settings that could never act); both read GRPOConfig's fields too, so they run on the whole config.
 
-    Parameters:
-        > Stale-sample replay (the paper's "sample replay" off-policy setting)
+    The parameters come in four groups: stale-sample replay (the paper's "sample replay" off-policy setting, from
+    ``replay_buffer_size`` to ``replay_saves_generation``), partial rollout (the paper's other off-policy scenario),
+    async generation (generation overlaps training) and where batches come from (``rollout_source``).
 
+    Parameters:
         replay_buffer_size (`int`, *optional*, defaults to `0`):
             Number of generation groups the replay queue holds on each process (0 = no replay). Each process keeps
             a queue of its own groups.
@@ -74,8 +76,6 @@ class RolloutSettings:
             replayable groups than one batch replays, the batch is generated in full (and replay replaces as usual).
             Logged: ``replay/generation_saved`` (share of the batch not generated).
 
-        > Partial rollout (the paper's other off-policy scenario)
-
         partial_rollout_budget (`int` or `None`, *optional*, defaults to `None`):
             Tokens a completion may grow per round (off when `None`); one round per generation batch, so every
             `steps_per_generation` x `num_iterations` / `gradient_accumulation_steps` optimizer steps. Unfinished
@@ -84,8 +84,6 @@ class RolloutSettings:
             generation and vLLM. `generation_kwargs` may add stop token ids, but not length or string-stop settings.
         partial_rollout_max_resumes (`int`, *optional*, defaults to `4`):
             A completion carried over this many rounds is generated to the end at its next round (>= 1).
-
-        > Async generation (generation overlaps training)
 
         async_generation (`bool`, *optional*, defaults to `False`):
             With ``use_vllm=True, vllm_mode="server"``: a producer thread on the main process has the server generate
@@ -112,8 +110,6 @@ class RolloutSettings:
             then reloads once every few requests instead of before each one, so it can get ahead of the trainer, and
             the data is closer to K batches stale (the bound is unchanged). With K = 1 every request needs the newest
             push (no effect); TRL's NCCL push on CUDA loads at once (no effect). Not with ``inflight_update_tokens``.
-
-        > Where batches come from
 
         rollout_source (`str`, *optional*, defaults to `"auto"`):
             `"auto"`: TRL's own generation, or the source the settings above turn on (partial rollout, async

@@ -39,6 +39,9 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
     ``vllm_server_base_url`` may list several generation servers (a list, or a comma-separated string on the command
     line): requests are spread over them and every weight push reaches each (:mod:`bapo_trl.generation.fleet`).
 
+    Where batches come from (replay, partial rollout, async generation and ``rollout_source``) are the fields of
+    [`~bapo_trl.rollout.settings.RolloutSettings`], which BAPOConfig inherits (declared, documented and checked there).
+
     Parameters:
         positive_contribution_target (`float`, *optional*, defaults to `0.5`):
             Target share rho0 of the loss held by positive-advantage tokens, in (0, 1). The paper's experiments use
@@ -92,13 +95,12 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
             ``positive_contribution_target`` by ``target_adapt_rate`` while the policy entropy (all processes) is
             below this value, lower it while above, within ``[target_min, target_max]``. Logged as
             ``bapo/positive_contribution_target``; checkpointed. Off when `None`.
-        target_adapt_rate (`float`, *optional*, defaults to `0.005`), target_min (`float`, defaults to `0.3`),
-        target_max (`float`, defaults to `0.7`):
-            Step and range of the closed-loop target.
-
-        > Where batches come from: replay, partial rollout, async generation and ``rollout_source`` are the fields
-        of [`~bapo_trl.rollout.settings.RolloutSettings`], which BAPOConfig inherits (declared, documented and checked
-        there).
+        target_adapt_rate (`float`, *optional*, defaults to `0.005`):
+            Step of the closed-loop target, > 0.
+        target_min (`float`, *optional*, defaults to `0.3`):
+            Lowest target the closed loop may set, in (0, 1).
+        target_max (`float`, *optional*, defaults to `0.7`):
+            Highest target the closed loop may set, in (0, 1).
     """
 
     positive_contribution_target: float = field(
