@@ -4,12 +4,10 @@ import copy
 import math
 
 import pytest
-import torch
-from probes import source_of
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from harness import PolicySnapshots, Probe, check_behaviour_logps, source_of, tiny_trainer
+from transformers import AutoModelForCausalLM
 
-from bapo_trl import BAPOConfig, BAPOTrainer
-from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
+from bapo_trl import BAPOConfig
 from bapo_trl.rollout import PartialRollout
 from bapo_trl.rollout.pool import PartialRolloutPool
 
@@ -96,7 +94,7 @@ def test_pool_state_round_trip():
 def test_stop_token_ids_from_generation_kwargs_end_completions(tiny_model_dir, tmp_path):
     """A stop token given through generation_kwargs ends a completion for the pool too (else a stop exactly at the
     cap would look like a capped completion and be grown past its end)."""
-    trainer = build(BAPOTrainer, tiny_model_dir, tmp_path, generation_kwargs={"eos_token_id": [1, 7]})
+    trainer = build(tiny_model_dir, tmp_path, generation_kwargs={"eos_token_id": [1, 7]})
     assert ({1, 7} <= set(source_of(trainer, PartialRollout).pool.eos)
             and set(trainer.eos_token_ids) <= set(source_of(trainer, PartialRollout).pool.eos))
     pool = PartialRolloutPool(budget=3, max_resumes=5, max_completion_length=20,
@@ -106,28 +104,14 @@ def test_stop_token_ids_from_generation_kwargs_end_completions(tiny_model_dir, t
     assert pool.groups[0].finished
 
 
-class Snapshots(TrainerCallback):
-    def __init__(self):
-        self.policies = {}
+def record_scored(trainer, pop_ready, num_groups):
+    """Keeps every completion handed to TRL for scoring, in order (around the pool's real pop_ready)."""
+    groups = pop_ready(num_groups)
+    trainer.trained += [c for g in groups for c in g.completions]
+    return groups
 
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
-        self.policies[state.global_step] = copy.deepcopy(model.state_dict())
 
-
-class RecordingTrainer(BAPOTrainer):
-    """Keeps every completion handed to TRL for scoring (a probe around the real hook, not a fake)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.trained, pool = [], source_of(self, PartialRollout).pool
-        pop_ready = pool.pop_ready
-
-        def recording_pop_ready(num_groups):  # the groups handed to TRL for scoring, in order
-            groups = pop_ready(num_groups)
-            self.trained += [c for g in groups for c in g.completions]
-            return groups
-
-        pool.pop_ready = recording_pop_ready
+RECORDING = dict(cls=Probe, around={(PartialRollout, "pool.pop_ready"): record_scored}, record=("trained",))
 
 
 ARGS = dict(use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", per_device_train_batch_size=16,
@@ -135,16 +119,15 @@ ARGS = dict(use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="n
             partial_rollout_budget=3, partial_rollout_max_resumes=3, lr_scheduler_type="constant")
 
 
-def build(cls, model_dir, out, callbacks=(), **overrides):
-    return cls(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reverse_reward,
-               args=BAPOConfig(output_dir=str(out), **{**ARGS, **overrides}), train_dataset=make_reverse_dataset(256),
-               processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=list(callbacks))
+def build(model_dir, out, callbacks=(), probe=None, **overrides):
+    return tiny_trainer(model_dir, BAPOConfig(output_dir=str(out), **{**ARGS, **overrides}), prompts=256,
+                        callbacks=callbacks, **(probe or {}))
 
 
 @pytest.fixture(scope="module")
 def partial_run(tiny_model_dir, tmp_path_factory):
-    snapshots = Snapshots()
-    trainer = build(RecordingTrainer, tiny_model_dir, tmp_path_factory.mktemp("partial"), [snapshots],
+    snapshots = PolicySnapshots()
+    trainer = build(tiny_model_dir, tmp_path_factory.mktemp("partial"), [snapshots], RECORDING,
                     max_steps=6, save_strategy="no")
     trainer.train()
     return trainer, snapshots
@@ -181,20 +164,9 @@ def segment_logps_match_saved_policies(trained, snapshots, model_dir, temperatur
     model = (model if model is not None else AutoModelForCausalLM.from_pretrained(model_dir)).eval()
     checked, gap = set(), 0.0
     for c in [c for c in trained if c.segments > 1][:limit]:
-        ids = torch.tensor([c.prompt_ids + c.token_ids])
-        per_version = {}
-        for version in sorted(set(c.versions)):
-            model.load_state_dict(snapshots.policies[version])
-            with torch.no_grad():
-                logits = model(input_ids=ids).logits[0, len(c.prompt_ids) - 1 : -1] / temperature
-            logps = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
-            positions = [i for i, v in enumerate(c.versions) if v == version]
-            assert torch.allclose(logps[positions], torch.tensor(c.logps)[positions], atol=1e-4), version
-            per_version[version] = logps
-            checked.add(version)
-        newest = per_version[max(per_version)]
-        older = [i for i, v in enumerate(c.versions) if v < max(per_version)]
-        gap = max(gap, float((newest[older] - torch.tensor(c.logps)[older]).abs().max()))
+        gap = max(gap, check_behaviour_logps(model, snapshots.policies, c.prompt_ids, c.token_ids, c.versions, c.logps,
+                                             atol=1e-4, temperature=temperature, newest=max(c.versions)))
+        checked |= set(c.versions)
     return checked, gap
 
 
@@ -210,13 +182,9 @@ def test_lora_segments_carry_the_logps_of_the_adapted_policy(tiny_model_dir, tmp
     from peft import LoraConfig, get_peft_model
 
     lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    snapshots = Snapshots()
-    trainer = RecordingTrainer(
-        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=reverse_reward,
-        args=BAPOConfig(output_dir=str(tmp_path), **{**ARGS, "max_steps": 4, "learning_rate": 2e-2}),
-        train_dataset=make_reverse_dataset(256), processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
-        peft_config=LoraConfig(**lora), callbacks=[snapshots],
-    )
+    snapshots = PolicySnapshots()
+    trainer = build(tiny_model_dir, tmp_path, [snapshots], dict(RECORDING, peft_config=LoraConfig(**lora)),
+                    max_steps=4, learning_rate=2e-2)
     trainer.train()
     assert any("lora_B" in k for k in snapshots.policies[0])
     checked, gap = segment_logps_match_saved_policies(trainer.trained, snapshots, None, trainer.temperature,
@@ -230,20 +198,13 @@ def test_trl_old_logps_are_the_stored_segment_logps(tiny_model_dir, tmp_path):
     of the current policy); the trainer answers that call with the stored per-segment log-probs instead."""
     batches = []
 
-    class Probe(RecordingTrainer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            source = source_of(self, PartialRollout)
-            next_batch = source.next_batch
+    def record_batch(trainer, next_batch, inputs, score):  # each batch with the completions scored for it
+        output = next_batch(inputs, score)
+        batches.append((output, list(trainer.trained[-output["completion_ids"].size(0):])))
+        return output
 
-            def recording_next_batch(inputs, score):
-                output = next_batch(inputs, score)
-                batches.append((output, list(self.trained[-output["completion_ids"].size(0):])))
-                return output
-
-            source.next_batch = recording_next_batch
-
-    trainer = build(Probe, tiny_model_dir, tmp_path, max_steps=4, save_strategy="no", steps_per_generation=2,
+    probe = dict(RECORDING, around={**RECORDING["around"], (PartialRollout, "next_batch"): record_batch})
+    trainer = build(tiny_model_dir, tmp_path, probe=probe, max_steps=4, save_strategy="no", steps_per_generation=2,
                     per_device_train_batch_size=8)
     trainer.train()
     assert len(batches) == 2 and all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
@@ -256,10 +217,10 @@ def test_trl_old_logps_are_the_stored_segment_logps(tiny_model_dir, tmp_path):
 
 def test_resume_keeps_carried_completions(tiny_model_dir, tmp_path):
     common = dict(max_steps=6, save_strategy="steps", save_steps=3)
-    full = build(BAPOTrainer, tiny_model_dir, tmp_path / "full", **common)
+    full = build(tiny_model_dir, tmp_path / "full", **common)
     full.train()
-    ran = Snapshots()  # records the steps this process really ran
-    resumed = build(BAPOTrainer, tiny_model_dir, tmp_path / "resumed", [ran], **common)
+    ran = PolicySnapshots()  # records the steps this process really ran
+    resumed = build(tiny_model_dir, tmp_path / "resumed", [ran], **common)
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
     a, b = source_of(full, PartialRollout).pool.groups, source_of(resumed, PartialRollout).pool.groups
     assert len(a) == len(b) > 0
