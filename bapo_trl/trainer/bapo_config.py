@@ -10,6 +10,7 @@ from trl import GRPOConfig
 
 from ..core.clipping import MODES, VARIANTS, BAPOSettings, settings_errors
 from ..core.loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SUPPORTED_LOSS_TYPES
+from ..generation.adapter_sync import LORA_SYNC_MODES
 from ..generation.fleet import normalized_server_urls, server_urls
 from ..rollout.settings import RolloutSettings, field_default, rollout_errors
 
@@ -101,6 +102,12 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
             Lowest target the closed loop may set, in (0, 1).
         target_max (`float`, *optional*, defaults to `0.7`):
             Highest target the closed loop may set, in (0, 1).
+        vllm_lora_sync (`str`, *optional*, defaults to `"adapter"`):
+            How a LoRA (peft) run in ``vllm_mode="server"`` updates the servers: ``"adapter"`` pushes only the adapter
+            (peft's files), which every server loads under a fresh name per push; requests name the adapter of the
+            push they were queued after (:mod:`bapo_trl.generation.adapter_sync`; the servers need LoRA enabled:
+            ``bapo serve MODEL --lora-rank R``). ``"merged"`` merges it and pushes the full weights (TRL's way).
+            Ignored without a peft model and in colocate mode (which pushes merged weights).
     """
 
     positive_contribution_target: float = field(
@@ -164,6 +171,13 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
     target_adapt_rate: float = field(default=0.005, metadata={"help": "Step of the closed-loop target, > 0."})
     target_min: float = field(default=0.3, metadata={"help": "Lowest target the controller may set, in (0, 1)."})
     target_max: float = field(default=0.7, metadata={"help": "Highest target the controller may set, in (0, 1)."})
+    vllm_lora_sync: str = field(
+        default="adapter",
+        metadata={"help": "LoRA (peft) runs with vllm_mode='server': 'adapter' pushes only the adapter, which every "
+                  "server loads under a fresh name per push (start it with `bapo serve MODEL --lora-rank R`); "
+                  "'merged' pushes merged full weights (TRL's way). Ignored without a peft model.",
+                  "choices": list(LORA_SYNC_MODES)},
+    )
     def __post_init__(self):
         # Validate BAPO's own fields first: a bad value must fail before TrainingArguments sets up devices.
         errors = self.bapo_errors()
@@ -272,6 +286,8 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
                 f"`importance_sampling_level` must be one of {IMPORTANCE_SAMPLING_LEVELS} (TRL's levels), got "
                 f"{self.importance_sampling_level!r}."
             )
+        if self.vllm_lora_sync not in LORA_SYNC_MODES:
+            errors.append(f"`vllm_lora_sync` must be one of {LORA_SYNC_MODES}, got {self.vllm_lora_sync!r}.")
         if self.use_liger_kernel:
             errors.append("`use_liger_kernel` must be False with BAPO (the Liger GRPO loss has a fixed window), got "
                           "True: set use_liger_kernel=False.")

@@ -21,8 +21,23 @@ class CPUServerSyncMixin:
         if args is not None and getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) in (
                 "server", "colocate"):
             use = sampler_logprobs_use(args) if args.vllm_mode == "server" else None  # colocate: TRL sets the mode
-            backend = functools.partial(CPUServerVLLMGeneration, sampler_logprobs_use=use)
+            backend = functools.partial(CPUServerVLLMGeneration, sampler_logprobs_use=use,
+                                        lora_sync=getattr(args, "vllm_lora_sync", "merged"))
             with patched(_trl_grpo_trainer, "VLLMGeneration", backend):
                 super().__init__(model, reward_funcs, args=args, **kwargs)
         else:
             super().__init__(model, reward_funcs, args=args, **kwargs)
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        """Add the weight pushes since the last log: ``weight_sync/pushed_bytes`` (bytes written for the servers to
+        load, per push) and ``weight_sync/seconds`` (write and load, per push), averaged over the pushes (the disk
+        paths: server mode without CUDA or with the adapter push, and colocate without CUDA; TRL's NCCL push is not
+        measured)."""
+        backend = getattr(self, "vllm_generation", None)
+        pushes = backend.take_pushes() if isinstance(backend, CPUServerVLLMGeneration) else []
+        if pushes and "loss" in logs:  # a training log (an evaluation's keeps its own keys)
+            logs["weight_sync/pushed_bytes"] = sum(b for b, _ in pushes) / len(pushes)
+            logs["weight_sync/seconds"] = sum(s for _, s in pushes) / len(pushes)
+        elif pushes:
+            backend._pushes[:0] = pushes  # kept for the next training log
+        super().log(logs, *args, **kwargs)

@@ -1,0 +1,208 @@
+"""A LoRA run's weight push: only the adapter, as peft saves it, loaded by every vLLM server under a fresh name.
+
+Why: TRL merges the adapter into the base weights and pushes the whole model at every sync (under ZeRO-3 every rank
+first gathers every parameter). A LoRA run's base weights never change; its adapter is usually well under 1% of the
+model. vLLM serves LoRA adapters natively (``--enable-lora``; ``POST /v1/load_lora_adapter`` with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; a request names its adapter in ``model``), on CPU too.
+
+How a push goes (:class:`AdapterSync`, the disk path's client with another payload):
+
+* the first push of a client also writes the trainer's base weights and has every server reload them (vLLM's
+  ``reload_weights``, under LoRA as without): a server started from another checkpoint (another revision, dtype or
+  fine-tune) would otherwise apply the adapter to the wrong base, silently;
+* every push writes ``adapter_config.json`` and ``adapter_model.safetensors`` to a fresh directory, every server loads
+  it under a fresh name (the directory's), and only then the name it replaces is unloaded and generation requests
+  name the new adapter. Pushes and requests are ordered by the rollout sources as for a full push, so a request names
+  exactly the adapter of the weights it was queued after, and a stale name, once unloaded, would be refused by the
+  server (404) rather than used;
+* a server without runtime LoRA loading, without ``--enable-lora`` or with a smaller ``--max-lora-rank`` is found by
+  :meth:`AdapterSync.check_adapter_support` at start-up (a zero adapter of the run's shapes is loaded and unloaded),
+  with the flag to add.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from .weight_sync import DiskWeightSync, WeightSyncError, write_weights
+
+#: The environment variable vLLM reads before it exposes ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+#: The ``bapo serve`` flag that starts a server ready for adapter pushes.
+SERVE_LORA_HINT = "start it with `bapo serve MODEL --lora-rank R` (R >= the adapter's rank)"
+#: The ``vllm_lora_sync`` values: the adapter alone (peft models in server mode), or TRL's merged full push.
+LORA_SYNC_MODES = ("adapter", "merged")
+
+
+def adapter_refusal(peft_config) -> str | None:
+    """Why vLLM cannot serve this peft adapter as it trains (so the merged push must be used), or None."""
+    peft_type = str(getattr(peft_config, "peft_type", "")).rsplit(".", 1)[-1].upper()
+    if peft_type != "LORA":
+        return f"it is a {peft_type or type(peft_config).__name__} adapter (vLLM serves LoRA adapters only)"
+    checks = [
+        (getattr(peft_config, "use_dora", False), "it uses DoRA (`use_dora=True`), which vLLM does not serve"),
+        (getattr(peft_config, "modules_to_save", None), "it trains whole modules beside the adapter "
+         f"(`modules_to_save={getattr(peft_config, 'modules_to_save', None)}`), which vLLM's LoRA does not load"),
+        (getattr(peft_config, "bias", "none") != "none",
+         f"it trains biases (`bias={getattr(peft_config, 'bias', '')!r}`)"),
+        (getattr(peft_config, "lora_bias", False), "it trains a LoRA bias (`lora_bias=True`)"),
+        (getattr(peft_config, "trainable_token_indices", None), "it trains token embeddings "
+         "(`trainable_token_indices`)"),
+        (getattr(peft_config, "target_parameters", None), "it targets parameters (`target_parameters`)"),
+        (getattr(peft_config, "layer_replication", None), "it replicates layers (`layer_replication`)"),
+        (getattr(peft_config, "alora_invocation_tokens", None), "it is an activated LoRA (aLoRA)"),
+    ]
+    for failed, why in checks:
+        if failed:
+            return why
+    return None
+
+
+def write_adapter(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], config: dict,
+                  root: str | None, prefix: str, on_created: Callable[[str], None] | None = None) -> str:
+    """Write an adapter as peft saves it (``adapter_config.json``, ``adapter_model.safetensors``; ``tensors`` under
+    peft's saved names) in a new directory under ``root``; returns the directory."""
+    from safetensors.torch import save_file
+
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    state = {name: t.detach().to("cpu").contiguous() for name, t in items}
+    directory = tempfile.mkdtemp(prefix=prefix, dir=root or os.environ.get("BAPO_VLLM_WEIGHTS_DIR") or None)
+    if on_created is not None:
+        on_created(directory)
+    try:
+        with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True, default=str)
+        save_file(state, os.path.join(directory, "adapter_model.safetensors"))
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return directory
+
+
+def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of the tensors a push writes."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class AdapterPush(dict):
+    """The gathered tensors of an adapter push (peft's saved names), with the base weights on a client's first push
+    (``base``: vLLM checkpoint names, or None)."""
+
+    def __init__(self, adapter: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor] | None = None):
+        super().__init__(adapter)
+        self.base = base
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_bytes(self) + (tensor_bytes(self.base) if self.base else 0)
+
+
+class AdapterSync(DiskWeightSync):
+    """:class:`~.weight_sync.DiskWeightSync` for a LoRA run: pushes the adapter (see the module doc).
+
+    Args:
+        base_url, timeout, root, refresh_output_layers: as for :class:`~.weight_sync.DiskWeightSync` (the base weights
+            of the first push go through its reload).
+        adapter_config: the adapter's ``adapter_config.json`` (peft's ``LoraConfig.to_dict()``).
+        on_switch: called with the new adapter name once every server has loaded it and before the old name is
+            unloaded: the generation clients name it in their requests from then on.
+    """
+
+    def __init__(self, base_url: str | Sequence[str], adapter_config: dict, on_switch: Callable[[str], None],
+                 timeout: float = 240.0, root: str | None = None, refresh_output_layers: bool = False):
+        super().__init__(base_url, timeout=timeout, root=root, refresh_output_layers=refresh_output_layers)
+        self.adapter_config = dict(adapter_config)
+        self.on_switch = on_switch
+        self.active_name: str | None = None  # the adapter every request names now
+        self.loaded_names: list[str] = []  # every adapter loaded, in push order (what a test or a log reads)
+        self.base_pushed = False
+
+    @staticmethod
+    def adapter_name(directory: str) -> str:
+        """The name an adapter directory is loaded under (unique per push: the directory is)."""
+        return os.path.basename(directory.rstrip(os.sep))
+
+    # -- writing --------------------------------------------------------------------------------------------------
+
+    def _write_payload(self, tensors) -> str:
+        """The adapter as peft saves it; on the first push also the base weights, in a ``base-*`` folder inside."""
+        directory = write_adapter(tensors, self.adapter_config, self.root, "bapo-lora-", on_created=self._track)
+        base = getattr(tensors, "base", None)
+        if base is not None:
+            try:
+                write_weights(base, directory, "base-", handed_over=True)
+            except BaseException:
+                shutil.rmtree(directory, ignore_errors=True)
+                raise
+        return directory
+
+    # -- loading --------------------------------------------------------------------------------------------------
+
+    def _load(self, base_url: str, directory: str) -> None:
+        """One server: reload the base weights when the push carries them, then load the adapter."""
+        bases = [os.path.join(directory, d) for d in sorted(os.listdir(directory)) if d.startswith("base-")]
+        if bases:
+            super()._load(base_url, bases[0])
+        self._post("/v1/load_lora_adapter", "LoRA adapter push failed", base_url=base_url,
+                   json={"lora_name": self.adapter_name(directory), "lora_path": directory})
+
+    def _after_load(self, directory: str) -> None:
+        """Every server holds the new adapter: requests name it from now on, then the one it replaces is unloaded
+        everywhere (a request naming it would now be refused, 404)."""
+        old, self.active_name = self.active_name, self.adapter_name(directory)
+        self.loaded_names.append(self.active_name)
+        for base in [d for d in os.listdir(directory) if d.startswith("base-")]:
+            shutil.rmtree(os.path.join(directory, base), ignore_errors=True)  # loaded: only the adapter stays
+            self.base_pushed = True
+        self.on_switch(self.active_name)
+        if old is not None:
+            self._on_every_server(lambda url: self._unload(url, old))
+
+    def _unload(self, base_url: str, name: str) -> None:
+        self._post("/v1/unload_lora_adapter", "LoRA adapter unload failed", base_url=base_url,
+                   json={"lora_name": name})
+
+    def _post(self, path: str, what: str, json: dict | None = None, base_url: str | None = None):
+        try:
+            return super()._post(path, what, json=json, base_url=base_url)
+        except WeightSyncError as exc:
+            raise WeightSyncError(f"{exc}{adapter_hint(str(exc), path)}") from exc
+
+    # -- start-up check ----------------------------------------------------------------------------------------
+
+    def check_adapter_support(self, shapes: Mapping[str, Sequence[int]]) -> None:
+        """Load a zero adapter of the run's shapes (peft's saved names) on every server and unload it: a server that
+        cannot take the run's adapters fails here, before training, naming the flag to add."""
+        zeros = {name: torch.zeros(tuple(shape)) for name, shape in shapes.items()}
+        directory = write_adapter(zeros, self.adapter_config, self.root, "bapo-lora-probe-")
+        name = self.adapter_name(directory)
+        try:
+            self._on_every_server(lambda url: self._post(
+                "/v1/load_lora_adapter", "LoRA adapter check failed", base_url=url,
+                json={"lora_name": name, "lora_path": directory}))
+            self._on_every_server(lambda url: self._unload(url, name))
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def close(self) -> None:
+        super().close()
+        self.active_name = None
+
+
+def adapter_hint(message: str, path: str) -> str:
+    """What to do about a failed adapter request, from vLLM's answer (empty when nothing specific applies)."""
+    if "lora_adapter" in path and ("answered 404" in message and "Not Found" in message):
+        return (f"\nThe server does not load LoRA adapters at run time: it needs {RUNTIME_LORA_ENV}=1 in its "
+                f"environment and --enable-lora ({SERVE_LORA_HINT}), or set `vllm_lora_sync=\"merged\"` to push "
+                "merged full weights.")
+    if "LoRA is not enabled" in message:
+        return f"\nThe server runs without --enable-lora: {SERVE_LORA_HINT}, or set `vllm_lora_sync=\"merged\"`."
+    if "max_lora_rank" in message:
+        return f"\nRestart the server with a larger --max-lora-rank: {SERVE_LORA_HINT}."
+    return ""
