@@ -14,6 +14,7 @@ key that sets one of them wins.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
@@ -100,8 +101,140 @@ class BAPOScriptArguments(ScriptArguments):
     )
 
 
+#: ``bapo train --help``: BAPO's own options first, in these groups (title, one line on the group, fields). Every
+#: field BAPOConfig adds to TRL's GRPOConfig is in one of them (tests/test_help.py checks it; a field missing here is
+#: still a flag, listed under "BAPO: other options").
+BAPO_OPTION_GROUPS = (
+    ("BAPO: the bound search",
+     "The adaptive clipping window [c_low, c_high], re-chosen at every loss computation so that positive-advantage "
+     "tokens hold the target share of the loss.",
+     ("positive_contribution_target", "ratio_lower_start", "ratio_lower_max", "ratio_lower_step", "ratio_upper_start",
+      "ratio_upper_max", "ratio_upper_step", "bapo_variant", "dual_clip", "positive_contribution_mode",
+      "positive_contribution_is_weighted")),
+    ("BAPO: stale data (replay, partial rollout) and where batches come from",
+     "Off-policy data beyond TRL's batch reuse (steps_per_generation, num_iterations): replayed groups keep the "
+     "log-probs of the policy that sampled them; partial rollout grows long completions over several rounds.",
+     ("replay_buffer_size", "replay_ratio", "replay_max_staleness", "replay_sampling", "replay_fill_zero_std_groups",
+      "replay_saves_generation", "partial_rollout_budget", "partial_rollout_max_resumes", "rollout_source")),
+    ("BAPO: async generation",
+     "The vLLM server generates the next batches while the trainer trains on the current one (use_vllm, "
+     "vllm_mode=server). Not TRL's AsyncGRPOTrainer: max_staleness here counts generation batches run ahead and "
+     "nothing is dropped; weight_sync_steps counts optimizer steps between weight pushes.",
+     ("async_generation", "max_staleness", "weight_sync_steps", "inflight_update_tokens", "lazy_weight_loading")),
+    ("BAPO: numerics",
+     "How non-finite inputs and extreme ratios reach the loss.",
+     ("mask_nonfinite_tokens", "max_log_ratio")),
+    ("BAPO: closed-loop target (experimental)",
+     "Move positive_contribution_target toward a policy entropy; off unless target_entropy is set.",
+     ("target_entropy", "target_adapt_rate", "target_min", "target_max")),
+)
+
+#: The TRL / transformers options a BAPO run most often sets, shown in the short ``--help`` (all are in --help-all).
+COMMON_TRL_OPTIONS = (
+    "model_name_or_path", "output_dir", "learning_rate", "per_device_train_batch_size", "num_generations",
+    "max_completion_length", "steps_per_generation", "loss_type", "importance_sampling_level", "use_vllm",
+    "vllm_mode", "use_peft", "max_steps", "bf16",
+)
+
+SCRIPT_GROUP = "this command (data, rewards, threads)"
+OTHER_BAPO_GROUP = "BAPO: other options"
+#: TRL's and transformers' options in --help-all, after BAPO's: (title, the dataclass whose fields it holds)
+TRL_GROUPS = ("TRL: GRPOConfig", "transformers: TrainingArguments (inherited by GRPOConfig)",
+              "TRL: ModelConfig (model loading, LoRA, quantization)")
+DESCRIPTION = (
+    "Train with BAPO (adaptive clipping) on top of TRL's GRPOTrainer. With neither --model_name_or_path nor --config "
+    "it trains the embedded default (a tiny offline model, on CPU), and the defaults shown are that job's. Every "
+    "option is also a key of a --config recipe.yaml, as in TRL's scripts."
+)
+
+
+def _field_names(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def organize_help(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """Regroup the flags HfArgumentParser put in one list: BAPO's own groups first (:data:`BAPO_OPTION_GROUPS`), then
+    this command's script options, then TRL's GRPOConfig, transformers' TrainingArguments and TRL's ModelConfig. Only
+    the help changes: every flag parses as before. Returns the groups by title."""
+    from transformers import TrainingArguments
+    from trl import GRPOConfig
+
+    own = _field_names(BAPOConfig) - _field_names(GRPOConfig)
+    grpo = _field_names(GRPOConfig) - _field_names(TrainingArguments)
+    section_of = {name: title for title, _, names in BAPO_OPTION_GROUPS for name in names}
+    for name in own - set(section_of):
+        section_of[name] = OTHER_BAPO_GROUP
+    for names, title in ((_field_names(BAPOScriptArguments), SCRIPT_GROUP), (grpo, TRL_GROUPS[0]),
+                         (_field_names(TrainingArguments), TRL_GROUPS[1]), (_field_names(ModelConfig), TRL_GROUPS[2])):
+        section_of.update({name: title for name in names if name not in section_of})
+    descriptions = {title: text for title, text, _ in BAPO_OPTION_GROUPS}
+    order = [title for title, _, _ in BAPO_OPTION_GROUPS] + [OTHER_BAPO_GROUP, SCRIPT_GROUP, *TRL_GROUPS]
+    groups = {title: argparse._ArgumentGroup(parser, title, descriptions.get(title)) for title in order}
+    kept = []
+    for action in parser._optionals._group_actions:
+        title = section_of.get(action.dest)
+        (groups[title]._group_actions if title else kept).append(action)
+    parser._optionals._group_actions[:] = kept  # -h, --help-all
+    groups = {title: group for title, group in groups.items() if group._group_actions}
+    parser._action_groups[:] = [g for g in parser._action_groups if g._group_actions] + list(groups.values())
+    return groups
+
+
+class _HelpAllAction(argparse.Action):
+    """``--help-all``: every option, BAPO's first. Sets nothing (``dest`` is suppressed, as ``--help``'s)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser._print_message(parser.format_help(full=True), sys.stdout)
+        parser.exit()
+
+
 class BAPOParser(TrlParser):
-    """TRL's parser, but a bad flag gives one line (not a 200-line usage wall) pointing at ``--help``."""
+    """TRL's parser with a help a user can read, and one-line errors.
+
+    ``--help`` lists BAPO's own options (grouped: the search, stale data, async generation, numerics), this command's
+    options and the TRL options most set with BAPO, then says how to see the rest; ``--help-all`` lists every option,
+    BAPO's first, then TRL's GRPOConfig, transformers' TrainingArguments and TRL's ModelConfig in groups of their own.
+    Why not the whole list under ``--help``: TRL's parser prints its 330-odd options in one list, so BAPO's came
+    after 1,300 lines. A TRL user knows those options and that they all still work here (said in the help, every one
+    parsed in the tests); what they need to find is BAPO's, and the few TRL ones a first run sets.
+    A bad flag gives one line (not a 200-line usage wall) pointing at ``--help``."""
+
+    def __init__(self, dataclass_types, **kwargs):
+        kwargs.setdefault("description", DESCRIPTION)
+        kwargs.setdefault("usage", "%(prog)s [--config recipe.yaml] [--OPTION VALUE ...]")
+        super().__init__(dataclass_types, **kwargs)
+        self.add_argument("--help-all", "--help_all", action=_HelpAllAction, dest=argparse.SUPPRESS,
+                          help="show every option (TRL's and transformers' too) and exit")
+        self.option_groups = organize_help(self)
+
+    def format_help(self, full: bool = False) -> str:
+        """``--help`` (``full=False``): BAPO's groups, this command's and the common TRL options; ``--help-all``:
+        every group."""
+        formatter = self._get_formatter()
+        formatter.add_usage(self.usage, self._actions, self._mutually_exclusive_groups)
+        formatter.add_text(self.description)
+        trl_titles = set(TRL_GROUPS)
+        sections = [(g.title, g.description, g._group_actions) for g in self._action_groups
+                    if full or g.title not in trl_titles]
+        if not full:
+            by_dest = {a.dest: a for title in TRL_GROUPS if title in self.option_groups
+                       for a in self.option_groups[title]._group_actions}
+            common = [by_dest[name] for name in COMMON_TRL_OPTIONS if name in by_dest]
+            sections.append(("TRL and transformers: the options most set with BAPO",
+                             f"{len(common)} of the {len(by_dest)} settings of TRL's "
+                             "GRPOConfig, transformers' "
+                             "TrainingArguments and TRL's ModelConfig (LoRA, quantization); all of them are accepted "
+                             "here, as in TRL's own scripts.", common))
+        for title, description, actions in sections:
+            formatter.start_section(title)
+            formatter.add_text(description)
+            formatter.add_arguments(actions)
+            formatter.end_section()
+        formatter.add_text(None if full else "`%(prog)s --help-all` lists every option.")
+        return formatter.format_help()
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -110,7 +243,9 @@ class BAPOParser(TrlParser):
 def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str | None = None) -> TrlParser:
     dataclass_types = (BAPOScriptArguments, BAPOConfig, ModelConfig)
     if subparsers is not None:
-        return subparsers.add_parser("bapo", help="Train with BAPO", dataclass_types=dataclass_types)
+        parser = subparsers.add_parser("bapo", help="Train with BAPO", dataclass_types=dataclass_types)
+        organize_help(parser)  # BAPO's options first, TRL's after them (TRL's own parser class: one help)
+        return parser
     return BAPOParser(dataclass_types, prog=prog)
 
 

@@ -1,0 +1,125 @@
+"""Help a user can read: ``bapo train --help`` starts with BAPO's own options, grouped, and says how to see TRL's
+(``--help-all``, every one still accepted); ``bapo evaluate --help`` shows its defaults."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+from transformers import TrainingArguments
+from trl import GRPOConfig, ModelConfig, TrlParser
+
+from bapo_trl.cli import evaluate as evaluate_cli
+from bapo_trl.cli import train as train_cli
+from bapo_trl.cli.main import main as bapo
+from bapo_trl.trainer.bapo_config import BAPOConfig
+
+GRPO_FIELDS = {f.name for f in dataclasses.fields(GRPOConfig)}
+OWN_FIELDS = [f.name for f in dataclasses.fields(BAPOConfig) if f.name not in GRPO_FIELDS]
+BAPO_TITLES = [title for title, _, _ in train_cli.BAPO_OPTION_GROUPS]
+
+
+def command_output(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        bapo(list(argv))
+    assert exit_info.value.code in (0, None)
+    return capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def parser():
+    return train_cli.make_parser(prog="bapo train")
+
+
+def test_every_bapo_field_is_in_one_group_and_every_named_option_exists():
+    grouped = [name for _, _, names in train_cli.BAPO_OPTION_GROUPS for name in names]
+    assert sorted(grouped) == sorted(OWN_FIELDS), "a BAPOConfig field is missing from BAPO_OPTION_GROUPS, or twice"
+    trl_fields = {f.name for cls in (GRPOConfig, TrainingArguments, ModelConfig) for f in dataclasses.fields(cls)}
+    assert set(train_cli.COMMON_TRL_OPTIONS) <= trl_fields
+
+
+def test_train_help_starts_with_bapos_options_in_their_groups(capsys):
+    text = command_output(capsys, "train", "--help")
+    lines = text.splitlines()
+    first_bapo = next(i for i, line in enumerate(lines)
+                      if any(line.startswith((f"  --{name} ", f"  --{name},")) for name in OWN_FIELDS))
+    assert first_bapo < 60, first_bapo
+    headings = [line[:-1] for line in lines if line and not line.startswith(" ") and line.endswith(":")]
+    assert headings[:len(BAPO_TITLES) + 1] == ["options", *BAPO_TITLES], headings  # after -h / --help-all
+    assert train_cli.SCRIPT_GROUP in headings and headings[-1].startswith("TRL and transformers")
+    for name in OWN_FIELDS + list(train_cli.COMMON_TRL_OPTIONS) + ["reward_funcs", "dataset_name"]:
+        assert f"--{name} " in text or f"--{name}," in text, name
+    assert "--lr_scheduler_type" not in text and "--lora_r" not in text  # TRL's others: behind --help-all
+    assert "bapo train --help-all" in lines[-1]
+    assert len(lines) < 400  # was 1,534 lines, BAPO's options from line ~1,400
+
+
+def test_help_all_lists_every_option_bapos_first(capsys, parser):
+    text = command_output(capsys, "train", "--help-all")
+    headings = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert [h for h in headings if h.startswith("BAPO")] == BAPO_TITLES
+    assert headings.index(BAPO_TITLES[-1]) < headings.index(train_cli.SCRIPT_GROUP) < headings.index(
+        train_cli.TRL_GROUPS[0])
+    assert [h for h in headings if h in train_cli.TRL_GROUPS] == list(train_cli.TRL_GROUPS)
+    for action in parser._actions:
+        if action.help != argparse.SUPPRESS:
+            assert action.option_strings[0] in text, action.option_strings
+
+
+def test_the_regrouped_parser_has_every_flag_of_trls_parser(parser):
+    """Only the help changed: the same flags, to the same fields, as TRL's parser of the same dataclasses."""
+    plain = TrlParser((train_cli.BAPOScriptArguments, BAPOConfig, ModelConfig))
+
+    def flags(p):
+        return {(s, a.dest) for a in p._actions for s in a.option_strings} - {("--help-all", "==SUPPRESS=="),
+                                                                              ("--help_all", "==SUPPRESS==")}
+
+    assert flags(parser) == flags(plain)
+    assert {a for g in parser._action_groups for a in g._group_actions} == set(parser._actions)
+
+
+FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(BAPOConfig)}
+
+
+def _non_default(action: argparse.Action) -> tuple[str, object]:
+    """A command-line value for ``action`` other than its default, and the value it parses to."""
+    if action.choices:
+        choice = next(c for c in action.choices if c != action.default)
+        return str(choice), choice
+    if action.nargs == "?" and action.const is True:  # a bool field: --flag [true|false]
+        return ("false", False) if action.default else ("true", True)
+    annotation = FIELD_TYPES[action.dest]  # `int | None` fields parse through a function that also accepts "None"
+    if "int" in annotation:
+        return "3", 3
+    if "float" in annotation:
+        return "0.55", 0.55
+    return "custom", "custom"
+
+
+@pytest.mark.parametrize("name", OWN_FIELDS)
+def test_every_bapo_option_parses_to_its_field(name, parser):
+    (action,) = [a for a in parser._actions if a.option_strings and a.option_strings[0] == f"--{name}"]
+    text, value = _non_default(action)
+    for flag in (f"--{name}", f"--{name.replace('_', '-')}"):
+        namespace, rest = parser.parse_known_args([flag, text])
+        assert getattr(namespace, name) == value and not rest
+
+
+def test_a_parsed_job_still_gives_the_three_dataclasses():
+    """``--help-all`` sets nothing: parsing returns the script arguments, the config and the model config only."""
+    parsed = train_cli.parse_args(["--max_steps", "2", "--ratio_upper_max", "2.5"], parser=train_cli.make_parser(),
+                                  cuda_available=False)
+    assert len(parsed) == 3 and isinstance(parsed[1], BAPOConfig)
+    assert parsed[1].ratio_upper_max == 2.5 and parsed[1].max_steps == 2
+
+
+def test_evaluate_help_shows_the_defaults(capsys):
+    text = " ".join(command_output(capsys, "evaluate", "--help").split())
+    for action in evaluate_cli.make_parser()._actions:
+        if action.option_strings[0] == "-h":
+            continue
+        assert action.help, action.option_strings  # every option says what it is
+        if not action.required and action.default is not None:
+            assert f"(default: {action.default})" in text, action.option_strings
+    assert "(default: 16)" in text and "(default: 0.6)" in text and "(default: None)" not in text
