@@ -14,10 +14,10 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from harness import Probe, tiny_trainer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
-from bapo_trl.recipes.toy import build_tokenizer, make_reverse_dataset
+from bapo_trl.recipes.toy import build_tokenizer
 from bapo_trl.rollout import ReadyCompletions, ReplaySource, register_source
 from bapo_trl.rollout.contract import NothingInBackground, RolloutSource, TrainerPort, stamp_policy_version
 
@@ -62,29 +62,22 @@ def length_reward(completions, **kwargs) -> list[float]:
     return [float(len(c)) for c in completions]
 
 
-class Recording(BAPOTrainer):
-    """Keeps every batch the source hands to TRL's training loop (a probe around the real source)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.batches, next_batch = [], self.rollout_source.next_batch
-
-        def recording(inputs, score):
-            output = next_batch(inputs, score)
-            self.batches.append({k: v.clone() if torch.is_tensor(v) else v for k, v in output.items()})
-            return output
-
-        self.rollout_source.next_batch = recording
+def record_batch(trainer, next_batch, inputs, score):
+    """Keeps every batch the source hands to TRL's training loop (around the real source's next_batch)."""
+    output = next_batch(inputs, score)
+    trainer.batches.append({k: v.clone() if torch.is_tensor(v) else v for k, v in output.items()})
+    return output
 
 
-def build(tiny_model_dir, tmp_path, cls=Recording, **overrides):
+def build(tiny_model_dir, tmp_path, cls=Probe, **overrides):
+    """``cls``: a :class:`harness.Probe` keeping every batch (``batches``), or BAPOTrainer."""
     settings = dict(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, gradient_checkpointing=False,
                     report_to="none", per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
                     logging_steps=1, seed=0, max_steps=4, learning_rate=1e-3, steps_per_generation=2,
                     save_strategy="no", rollout_source="fixed")
-    return cls(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=length_reward,
-               args=BAPOConfig(**{**settings, **overrides}), train_dataset=make_reverse_dataset(64, seed=0),
-               processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+    probe = dict(around={"rollout_source.next_batch": record_batch}, record=("batches",)) if cls is Probe else {}
+    return tiny_trainer(tiny_model_dir, BAPOConfig(**{**settings, **overrides}), cls=cls, reward=length_reward,
+                        prompts=64, prompt_seed=0, **probe)
 
 
 def test_the_trainer_trains_from_a_source_registered_in_one_line(tiny_model_dir, tmp_path):
