@@ -121,6 +121,9 @@ BAPO_OPTION_GROUPS = (
      "vllm_mode=server). Not TRL's AsyncGRPOTrainer: max_staleness here counts generation batches run ahead and "
      "nothing is dropped; weight_sync_steps counts optimizer steps between weight pushes.",
      ("async_generation", "max_staleness", "weight_sync_steps", "inflight_update_tokens", "lazy_weight_loading")),
+    ("BAPO: weight pushes to the vLLM servers",
+     "How a LoRA run's weights reach the vLLM servers (vllm_mode=server), with or without async generation.",
+     ("vllm_lora_sync",)),
     ("BAPO: numerics",
      "How non-finite inputs and extreme ratios reach the loss.",
      ("mask_nonfinite_tokens", "max_log_ratio")),
