@@ -6,7 +6,8 @@ import re
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from harness import tiny_trainer
+from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
@@ -31,14 +32,7 @@ def make_trainer(cls, config_cls, model_dir, tmp_path, **overrides):
     args = config_cls(output_dir=str(tmp_path), **{**COMMON, **overrides})
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model.train()  # compute_loss reads train/eval mode; the training loop would set it
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    trainer = cls(
-        model=model,
-        reward_funcs=reverse_reward,
-        args=args,
-        train_dataset=make_reverse_dataset(32, seed=0),
-        processing_class=tokenizer,
-    )
+    trainer = tiny_trainer(model_dir, args, cls=cls, model=model, prompts=32, prompt_seed=0)
     trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by the training loop
     return trainer
 
@@ -170,14 +164,8 @@ def test_peft_lora_trains_with_bapo(tiny_model_dir, tmp_path):
     from peft import LoraConfig
 
     args = BAPOConfig(output_dir=str(tmp_path), steps_per_generation=2, max_steps=2, learning_rate=1e-2, **COMMON)
-    trainer = BAPOTrainer(
-        model=tiny_model_dir,
-        reward_funcs=reverse_reward,
-        args=args,
-        train_dataset=make_reverse_dataset(16, seed=1),
-        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-    )
+    trainer = tiny_trainer(tiny_model_dir, args, model=tiny_model_dir, prompts=16, prompt_seed=1,
+                           peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     lora_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
     trainer.train()
     assert any(not torch.equal(lora_before[n], p) for n, p in trainer.model.named_parameters() if n in lora_before)
