@@ -171,17 +171,19 @@ def test_the_exit_code_is_the_entry_points(monkeypatch):
 
 
 def test_every_bapo_command_in_the_docs_names_a_subcommand():
-    text = (REPO / "README.md").read_text() + "".join(p.read_text() for p in (REPO / "recipes").glob("*.yaml"))
+    pages = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "recipes").glob("*.yaml")]
+    text = "".join(p.read_text() for p in pages)
     text += "".join(p.read_text() for p in (REPO / "bapo_trl").rglob("*.py"))
     used = re.findall(r"(?:^|[#`(]\s*|^\s+)bapo ([a-z]\w*)", text, flags=re.M)  # `bapo SUBCOMMAND` is a placeholder
     assert set(used) == set(OLD), set(used) ^ set(OLD)
 
 
 def test_readme_evaluate_and_serve_commands_parse():
-    """The README's `bapo evaluate` / `bapo serve` lines are valid for those parsers (train lines: test_readme)."""
+    """The `bapo evaluate` / `bapo serve` lines of README and the docs pages are valid for those parsers (every
+    other command: test_readme)."""
     from bapo_trl.cli import evaluate, serve
 
-    readme = (REPO / "README.md").read_text()
+    readme = "".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
     lines = [line.split("#")[0].strip() for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
              for line in block.replace("\\\n", " ").splitlines()]
     checked = 0

@@ -1,6 +1,7 @@
-"""No setting that silently does nothing: each row of the README table "Settings that would do nothing", met as a
-user meets it, through train_bapo.py's own argument parsing (bapo_trl.cli.train.parse_args, what the script runs)
-on top of the embedded default job, and one row through a real ``python train_bapo.py`` process."""
+"""No setting that silently does nothing: each row of the table "Settings that would do nothing"
+(docs/configuration.md), met as a user meets it, through train_bapo.py's own argument parsing
+(bapo_trl.cli.train.parse_args, what the script runs) on top of the embedded default job, and one row through a
+real ``python train_bapo.py`` process."""
 
 import os
 import subprocess
@@ -80,8 +81,8 @@ def test_the_default_job_needs_no_warning():
 
 
 def test_the_table_has_the_rows_the_readme_promises():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Settings that would do nothing")[1].split("\n## ")[0]
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    section = page.split("## Settings that would do nothing")[1].split("\n## ")[0]
     rows = [line for line in section.splitlines() if line.startswith("| ")][1:]  # minus the header
     assert len(rows) == len(ERRORS) + len(WARNINGS) >= 8
 

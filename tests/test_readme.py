@@ -1,28 +1,78 @@
-"""The README's examples are tested: python blocks are executed, training commands are parsed."""
+"""The documentation's examples are tested: README's python blocks are executed (the first one's printed output
+compared with the output shown under it), and every command of a bash block in README.md, CONTRIBUTING.md and the
+documentation pages (docs/*.md) is parsed by the parser that would run it; so are the benchmark commands written
+inline. The site itself: every page is reachable from mkdocs.yml, and `mkdocs build --strict` passes (slow tier)."""
 
+import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from launching import REPO
 
 README = (REPO / "README.md").read_text()
 PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-BASH_BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+#: The documents whose commands are checked: README, the contributor guide and every page of the site.
+DOCUMENTS = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md")),
+             *sorted((REPO / "docs" / "reference").glob("*.md"))]
+#: Commands shown but not parsed here, each for a reason: installers and make targets (run by CI itself,
+#: tests/test_release.py), shell set-up, TRL's server (tests/test_server_commands.py parses every server command).
+NOT_PARSED = ("make ", "pip install ", "python3 -m pip install ", "bash scripts/", "export ", "trl vllm-serve ",
+              "python -m pytest ")
+BAPO_SUBCOMMANDS = {"evaluate": "bapo_trl.cli.evaluate", "serve": "bapo_trl.cli.serve", "plot": "bapo_trl.cli.plot",
+                    "models": "bapo_trl.cli.models"}
 
 
-def commands():
-    """`python train_bapo.py ...`, `accelerate launch ... train_bapo.py ...` and `bapo train ...` lines, continuations
-    joined."""
-    for block in BASH_BLOCKS:
+def bash_lines(path):
+    """``(document, command)`` for every command line of the bash blocks of ``path``: continuation lines joined,
+    comments and ``&`` dropped, environment assignments before the command removed."""
+    text = path.read_text()
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
-            line = line.split("#")[0].strip()
-            if "train_bapo.py" in line or line.startswith("bapo train"):
-                yield line
+            line = line.split(" #")[0].strip().rstrip("&").strip()
+            if not line or line.startswith("#"):
+                continue
+            while re.match(r"^\w+=\S*\s", line):
+                line = line.split(None, 1)[1]
+            yield path.name, line
+
+
+def inline_benchmark_commands(path):
+    """``(document, command)`` for each ``python benchmarks/...`` command written inline (in backticks)."""
+    for span in re.findall(r"`(python3? benchmarks/[^`]+)`", path.read_text()):
+        yield path.name, " ".join(span.split())
+
+
+ALL_LINES = [item for path in DOCUMENTS for item in bash_lines(path)]
+
+
+def kind(line: str) -> str:
+    argv = shlex.split(line)
+    if "train_bapo.py" in argv or argv[:2] == ["bapo", "train"]:
+        return "train"
+    if argv[0] == "bapo":
+        return "bapo"
+    if argv[0] in ("python", "python3") and len(argv) > 1 and argv[1].startswith("benchmarks/"):
+        return "benchmark"
+    if line.startswith("mkdocs "):
+        return "mkdocs"
+    if line.startswith(NOT_PARSED):
+        return "not parsed"
+    return "unknown"
+
+
+def test_every_command_shown_is_of_a_kind_the_tests_check():
+    """A new kind of command in the docs needs a check here (or a reason in NOT_PARSED)."""
+    unknown = [f"{where}: {line}" for where, line in ALL_LINES if kind(line) == "unknown"]
+    assert unknown == [], "\n".join(unknown)
+    kinds = {kind(line) for _, line in ALL_LINES}
+    assert {"train", "bapo", "benchmark"} <= kinds
 
 
 @pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
@@ -31,6 +81,11 @@ def test_python_examples_run(index, tmp_path):
     proc = subprocess.run([sys.executable, "-c", PYTHON_BLOCKS[index]], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if index == 0:  # the first example: its printed bounds are the ones shown under it, and they move
+        shown = re.search(r"```python\n.*?```.*?```text\n(.*?)```", README, flags=re.S).group(1).strip()
+        printed = proc.stdout.strip().splitlines()[-1]
+        assert printed == shown, (printed, shown)
+        assert len(set(json.loads(printed))) > 1, "the first example's bounds do not move"
 
 
 def test_search_example_prints_the_documented_window():
@@ -38,8 +93,11 @@ def test_search_example_prints_the_documented_window():
     assert "'clip_low': 0.6" in proc.stdout and "'clip_high': 1.5" in proc.stdout
 
 
-@pytest.mark.parametrize("command", list(commands()))
-def test_training_commands_parse(command):
+TRAIN_COMMANDS = [(where, line) for where, line in ALL_LINES if kind(line) == "train"]
+
+
+@pytest.mark.parametrize("where,command", TRAIN_COMMANDS)
+def test_training_commands_parse(where, command):
     from bapo_trl.cli.train import make_parser, parse_args
 
     argv = shlex.split(command)
@@ -50,12 +108,118 @@ def test_training_commands_parse(command):
     assert training_args.output_dir
 
 
+#: Run in a fresh interpreter: each command's own parser parses its arguments, then stops it (argparse's
+#: ``parse_args`` raises once it has parsed), so nothing is trained, served or benchmarked.
+_PARSE_ONLY = r"""
+import argparse, importlib, json, runpy, sys
+sys.path.insert(0, "benchmarks")
+class Parsed(Exception):
+    pass
+_parse = argparse.ArgumentParser.parse_args
+def parse_args(self, args=None, namespace=None):
+    _parse(self, args, namespace)
+    raise Parsed()
+argparse.ArgumentParser.parse_args = parse_args
+failures = []
+for where, kind, target, argv in json.loads(sys.stdin.read()):
+    try:
+        if kind == "benchmark":
+            sys.argv = [target, *argv]
+            runpy.run_path(target, run_name="__main__")
+        else:
+            importlib.import_module(target).main(argv, prog="bapo")
+        failures.append(f"{where}: {target} {argv}: ran without parsing its arguments")
+    except Parsed:
+        pass
+    except SystemExit as exit:
+        failures.append(f"{where}: {target} {' '.join(argv)}: refused (exit {exit.code})")
+print(json.dumps(failures))
+"""
+
+
+def parse_only(commands: list[tuple[str, str, str, list[str]]]) -> list[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _PARSE_ONLY], input=json.dumps(commands), cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_bapo_and_benchmark_commands_parse():
+    """Every `bapo SUBCOMMAND ...` (but train, above) and `python benchmarks/... ` command shown, in a bash block or
+    (benchmarks) inline, is accepted by the parser of the command it names."""
+    commands = []
+    inline = [item for path in DOCUMENTS for item in inline_benchmark_commands(path)]
+    for where, line in ALL_LINES + inline:
+        argv = shlex.split(line)
+        if kind(line) == "bapo" and argv[1] != "train":
+            rest = argv[2:]
+            if argv[1] == "serve" and "--" in rest:  # flags after `--` go to vLLM
+                rest = rest[: rest.index("--")]
+            commands.append((where, "bapo", BAPO_SUBCOMMANDS[argv[1]], rest))
+        elif kind(line) == "benchmark":
+            commands.append((where, "benchmark", argv[1], argv[2:]))
+    assert len(commands) >= 20 and {c[1] for c in commands} == {"bapo", "benchmark"}
+    failures = parse_only(commands)
+    assert failures == [], "\n".join(failures)
+
+
+def _nav_pages(nav) -> list[str]:
+    pages = []
+    for item in nav:
+        for value in (item.values() if isinstance(item, dict) else [item]):
+            pages += _nav_pages(value) if isinstance(value, list) else [value]
+    return pages
+
+
+def test_every_docs_page_is_in_the_nav_or_linked_from_a_page_that_is():
+    config = yaml.safe_load((REPO / "mkdocs.yml").read_text())
+    docs = REPO / "docs"
+    in_nav = set(_nav_pages(config["nav"]))
+    assert all((docs / page).is_file() for page in in_nav), in_nav
+    linked = set()
+    for page in in_nav:
+        for target in re.findall(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)", (docs / page).read_text()):
+            linked.add(os.path.normpath(os.path.join(os.path.dirname(page), target)))
+    pages = {str(p.relative_to(docs)) for p in docs.rglob("*.md")}
+    assert pages - in_nav - linked == set()
+
+
+def test_the_metrics_page_names_every_metric_the_package_logs():
+    from bapo_trl.core import metrics
+
+    text = (REPO / "docs" / "metrics.md").read_text()
+    missing = [name for names in metrics.REGISTRY.values() for name in names
+               if f"`{name}`" not in text and "/age_" not in name]
+    assert missing == []
+
+
 def test_the_layout_table_names_every_module_of_the_package():
-    """README's 'Project layout' table stays true: every module and subpackage of bapo_trl appears in it."""
-    section = README.split("## Project layout")[1].split("\n## ")[0]
+    """CONTRIBUTING's 'Project layout' table stays true: every module and subpackage of bapo_trl appears in it."""
+    section = (REPO / "CONTRIBUTING.md").read_text().split("## Project layout")[1].split("\n## ")[0]
     package = REPO / "bapo_trl"
     for path in sorted(package.iterdir()):
         if path.name.startswith("_") or path.name == "__pycache__":
             continue
         name = f"bapo_trl/{path.name}" + ("/" if path.is_dir() else "")
-        assert f"`{name}`" in section, f"{name} is missing from README's Project layout"
+        assert f"`{name}`" in section, f"{name} is missing from CONTRIBUTING's Project layout"
+
+
+def test_the_readme_is_a_front_door():
+    """At most ~250 lines, nothing dated, no commit hashes."""
+    assert len(README.splitlines()) <= 250
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", README)
+    assert not re.search(r"\b(commit|code at) [0-9a-f]{7,}\b", README)
+
+
+@pytest.mark.slow
+def test_the_documentation_site_builds_strictly(tmp_path):
+    """`mkdocs build --strict`: a broken link or anchor, a page missing, a docstring mkdocstrings cannot read or the
+    generated field reference failing fails it."""
+    mkdocs = shutil.which("mkdocs") or os.path.join(os.path.dirname(sys.executable), "mkdocs")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_MKDOCS_2_WARNING": "1"}
+    proc = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reference = (tmp_path / "site" / "reference" / "config" / "index.html").read_text()
+    assert "replay_buffer_size" in reference and "positive_contribution_target" in reference

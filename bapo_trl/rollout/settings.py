@@ -218,7 +218,7 @@ class RolloutSettings:
 
     def inert_rollout_settings(self) -> list[tuple[str, str]]:
         """``("error" | "warning", message)`` for every rollout setting that can never act in this combination (rows
-        of the README table "Settings that would do nothing")."""
+        of the table "Settings that would do nothing", docs/configuration.md)."""
         rows = []
         upg = self.updates_per_generation
         if self.replay_enabled:

@@ -200,8 +200,8 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
                 warnings.warn(f"BAPO: {message}", UserWarning, stacklevel=2)
 
     def inert_settings(self) -> list[tuple[str, str]]:
-        """``("error" | "warning", message)`` for every setting that can never act in this combination (the README
-        table "Settings that would do nothing"): the rollout settings' rows
+        """``("error" | "warning", message)`` for every setting that can never act in this combination (the table
+        "Settings that would do nothing" of docs/configuration.md): the rollout settings' rows
         (:meth:`~bapo_trl.rollout.settings.RolloutSettings.inert_rollout_settings`), then the search's. Errors: a
         feature the user turned on would never act. Warnings: the run is legitimate but a setting is useless in it.
         Every row compares a setting with its field's declared default."""
