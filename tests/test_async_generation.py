@@ -9,7 +9,7 @@ saved sampling policy, resume without loss or duplication, LoRA, and ZeRO-3 on 2
 from __future__ import annotations
 
 import contextlib
-import copy
+import functools
 import re
 import threading
 import time
@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from harness import PolicySnapshots, Probe, check_behaviour_logps
 from policy_server import PolicyServer
-from probes import source_of
 from test_vllm_server import completion_length, reset_server_weights, train_with_server
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl.trainer.utils import RepeatSampler
@@ -604,22 +604,8 @@ def test_a_stalled_server_is_an_error_naming_the_timeout(tiny_model_dir, tmp_pat
 # -- the real server ------------------------------------------------------------------------------------------------
 
 
-class Snapshots(TrainerCallback):
-    """The policy at the start of every optimizer step (the weights a push at that step sends) and when each step
-    ended."""
-
-    def __init__(self):
-        self.policies, self.step_ends = {}, {}
-
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
-        self.policies[state.global_step] = copy.deepcopy(model.state_dict())
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.step_ends[state.global_step - 1] = time.perf_counter()  # the step that trained on batch global_step-1
-
-
 class StepsOutlastTheRequestAhead(TrainerCallback):
-    """Each optimizer step, on batch b, ends (before Snapshots records its end) only once the request of batch
+    """Each optimizer step, on batch b, ends (before PolicySnapshots records its end) only once the request of batch
     b + ``ahead`` has started, as a real model's step outlasts the weight push before that request (a disk write and a
     server reload). The tiny model's step (~0.1 s) does not, and a fixed step length (1.5 s) was outrun by the push on
     a loaded machine; waiting for the event instead, the overlap tests check what the pipeline allows, not the
@@ -628,7 +614,7 @@ class StepsOutlastTheRequestAhead(TrainerCallback):
 
     def __init__(self, ahead: int = 1, patience: float = 120.0):
         self.ahead, self.patience = ahead, patience
-        self.probe: AsyncProbe | None = None  # set by ProbedTrainer
+        self.probe: AsyncProbe | None = None  # set by async_run
         self.waited_in_vain = False
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -641,59 +627,48 @@ class StepsOutlastTheRequestAhead(TrainerCallback):
 
 
 class AsyncProbe:
-    """Wraps the real source's methods (a probe, not a fake): records each batch handed to the trainer and when each
-    server request started."""
+    """What a :class:`harness.Probe` records around the real source's methods (a probe, not a fake): each batch handed
+    to the trainer and when each server request started."""
 
-    def __init__(self, trainer):
-        source: AsyncGeneration = source_of(trainer, AsyncGeneration)
+    def __init__(self):
         self.batches, self.requests = [], {}
         self.started = threading.Condition()  # notified as each request starts
-        next_batch, generate = source.next_batch, source._generate
 
-        def recording_next_batch(inputs, score):
-            output = next_batch(inputs, score)
-            self.batches.append({k: (v.clone() if torch.is_tensor(v) else v) for k, v in output.items()})
-            return output
+    def around(self) -> dict:
+        return {(AsyncGeneration, "next_batch"): self.recording_next_batch,
+                (AsyncGeneration, "_generate"): self.recording_generate}
 
-        def recording_generate(work):
-            with self.started:
-                self.requests[len(self.requests)] = time.perf_counter()  # requests run in batch order
-                self.started.notify_all()
-            return generate(work)
+    def recording_next_batch(self, trainer, next_batch, inputs, score):
+        output = next_batch(inputs, score)
+        self.batches.append({k: (v.clone() if torch.is_tensor(v) else v) for k, v in output.items()})
+        return output
 
-        source.next_batch, source._generate = recording_next_batch, recording_generate
+    def recording_generate(self, trainer, generate, work):
+        with self.started:
+            self.requests[len(self.requests)] = time.perf_counter()  # requests run in batch order
+            self.started.notify_all()
+        return generate(work)
 
 
-class ProbedTrainer(BAPOTrainer):
-    """BAPOTrainer with an :class:`AsyncProbe` on its source; ``resume_from`` and ``peft_config`` set on the class."""
+def probed(probe: AsyncProbe, resume_from=None, **kwargs):
+    """A :class:`harness.Probe` recording into ``probe``, whose ``train()`` resumes from ``resume_from``; ``kwargs``
+    go to the trainer (``peft_config``, ``eval_dataset``)."""
+    def train(trainer, real, *args, **kw):
+        return real(resume_from_checkpoint=resume_from)
 
-    resume_from = None
-    peft = None
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs, **({"peft_config": self.peft} if self.peft is not None else {}))
-        self.probe = AsyncProbe(self)
-        for callback in self.callback_handler.callbacks:
-            if isinstance(callback, StepsOutlastTheRequestAhead):
-                callback.probe = self.probe
-
-    def train(self, *args, **kwargs):
-        return super().train(resume_from_checkpoint=self.resume_from)
+    return functools.partial(Probe, around={**probe.around(), "train": train}, **kwargs)
 
 
 def async_run(model_dir, out, server_url, callbacks=(), resume_from=None, peft=None, **overrides):
-    trainer_cls = type("Probed", (ProbedTrainer,), {"resume_from": resume_from, "peft": peft})
+    probe = AsyncProbe()
+    for callback in callbacks:
+        if isinstance(callback, StepsOutlastTheRequestAhead):
+            callback.probe = probe
+    trainer_cls = probed(probe, resume_from, **({"peft_config": peft} if peft is not None else {}))
     settings = dict(async_generation=True, steps_per_generation=1, learning_rate=5e-3, max_steps=6)
     trainer = train_with_server(model_dir, out, server_url, trainer_cls=trainer_cls, callbacks=callbacks,
                                 **{**settings, **overrides})
-    return trainer, trainer.probe
-
-
-def sequence_logps(model, prompt_ids, completion_ids, temperature):
-    ids = torch.tensor([prompt_ids + completion_ids])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1] / temperature
-    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion_ids)[:, None]).squeeze(-1)
+    return trainer, probe
 
 
 def completions_of(batch):
@@ -708,7 +683,7 @@ def completions_of(batch):
 def async_k1(start_server, tiny_model_dir, tmp_path_factory):
     tiny_server = start_server(tiny_model_dir)
     reset_server_weights(tiny_server.url, tiny_model_dir)
-    snapshots = Snapshots()
+    snapshots = PolicySnapshots()
     trainer, probe = async_run(tiny_model_dir, tmp_path_factory.mktemp("async") / "out", tiny_server.url,
                                callbacks=[StepsOutlastTheRequestAhead(ahead=1), snapshots])
     return trainer, probe, snapshots
@@ -749,12 +724,8 @@ def test_behaviour_logps_are_those_of_the_saved_sampling_policy(async_k1, tiny_m
     for step, batch in enumerate(probe.batches[1:], start=1):
         version = int(batch["policy_version"][0])
         for prompt, completion, behaviour in list(completions_of(batch))[:4]:
-            model.load_state_dict(snapshots.policies[version])
-            sampling = sequence_logps(model, prompt, completion, trainer.temperature)
-            assert torch.allclose(sampling, behaviour, atol=1e-3), (version, sampling, behaviour)
-            model.load_state_dict(snapshots.policies[step])
-            gap = max(gap, float((sequence_logps(model, prompt, completion, trainer.temperature) - behaviour)
-                                 .abs().max()))
+            gap = max(gap, check_behaviour_logps(model, snapshots.policies, prompt, completion, version, behaviour,
+                                                 atol=1e-3, temperature=trainer.temperature, newest=step))
             checked += 1
     print(f"largest current-policy gap: {gap:.3f}")
     assert checked >= 16 and gap > 1e-2
@@ -774,7 +745,7 @@ def test_every_async_metric_is_registered_and_logged(async_k1):
 @pytest.mark.slow
 def test_k2_runs_up_to_two_batches_ahead_and_no_further(tiny_server, tiny_model_dir, tmp_path):
     reset_server_weights(tiny_server.url, tiny_model_dir)
-    snapshots = Snapshots()
+    snapshots = PolicySnapshots()
     # each step lasts until request b+2 has started or 120 s have passed (StepsOutlastTheRequestAhead): on the tiny
     # model a bare step is shorter than the pushes before it
     trainer, probe = async_run(tiny_model_dir, tmp_path, tiny_server.url,
@@ -959,16 +930,14 @@ def test_evaluation_during_async_training_holds_the_producer_and_records_its_pus
 
     reset_server_weights(tiny_server.url, tiny_model_dir)
 
-    class WithEval(ProbedTrainer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, eval_dataset=make_reverse_dataset(8, seed=5), **kwargs)
-
-    trainer = train_with_server(tiny_model_dir, tmp_path, tiny_server.url, trainer_cls=WithEval,
+    probe = AsyncProbe()
+    with_eval = probed(probe, eval_dataset=make_reverse_dataset(8, seed=5))
+    trainer = train_with_server(tiny_model_dir, tmp_path, tiny_server.url, trainer_cls=with_eval,
                                 async_generation=True, steps_per_generation=1, learning_rate=5e-3, max_steps=5,
                                 eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8)
     evals = [h for h in trainer.state.log_history if "eval_loss" in h]
     assert len(evals) >= 2 and all(torch.isfinite(torch.tensor(h["eval_loss"])) for h in evals)
-    versions = [int(b["policy_version"][0]) for b in trainer.probe.batches]
+    versions = [int(b["policy_version"][0]) for b in probe.batches]
     assert len(versions) == 5 and all(0 <= step - v <= 1 for step, v in enumerate(versions)), versions
     # one push per distinct policy: an evaluation's push is recorded, so the batch at that step does not push again
     pushed_steps = set(range(5)) | {h["step"] for h in evals}
@@ -981,7 +950,7 @@ def test_partial_rollout_grows_completions_across_async_rounds(tiny_server, tiny
     span several rounds and policies, and every token's behaviour log-prob is that of the policy of its version
     (recomputed with the saved policy), which the newest policy no longer matches."""
     reset_server_weights(tiny_server.url, tiny_model_dir)
-    snapshots = Snapshots()
+    snapshots = PolicySnapshots()
     trainer, probe = async_run(tiny_model_dir, tmp_path, tiny_server.url, callbacks=[snapshots], max_steps=6,
                                partial_rollout_budget=3, partial_rollout_max_resumes=3, max_completion_length=10,
                                per_device_train_batch_size=16, seed=1,
@@ -997,16 +966,9 @@ def test_partial_rollout_grows_completions_across_async_rounds(tiny_server, tiny
             if len(set(versions.tolist())) < 2:
                 continue
             assert int(versions.max()) < step + 1 and step - int(versions.min()) <= 4  # <= max_resumes + 1 rounds
-            for version in set(versions.tolist()):
-                model.load_state_dict(snapshots.policies[version])
-                logps = sequence_logps(model, prompt, completion, trainer.temperature)
-                at = versions == version
-                assert torch.allclose(logps[at], behaviour[at], atol=1e-3), (step, version)
-                checked.add(version)
-            model.load_state_dict(snapshots.policies[step])
-            older = versions < step
-            newest = sequence_logps(model, prompt, completion, trainer.temperature)
-            gap = max(gap, float((newest[older] - behaviour[older]).abs().max()))
+            gap = max(gap, check_behaviour_logps(model, snapshots.policies, prompt, completion, versions, behaviour,
+                                                 atol=1e-3, temperature=trainer.temperature, newest=step))
+            checked |= set(versions.tolist())
     print(f"versions checked: {sorted(checked)}; largest newest-policy gap on older segments: {gap:.3f}")
     assert len(checked) >= 2 and gap > 1e-2
 
