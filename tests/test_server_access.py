@@ -259,18 +259,15 @@ def dev_server():
 
 def build_trainer(model_dir: str, output_dir: Path, url: str, **overrides):
     """A BAPOTrainer in server mode (constructing it connects and runs the start-up check; no training)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from harness import tiny_trainer
 
-    from bapo_trl import BAPOConfig, BAPOTrainer
-    from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
+    from bapo_trl import BAPOConfig
 
     args = BAPOConfig(output_dir=str(output_dir), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
                       per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_steps=1,
                       use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=10,
                       **overrides)
-    return BAPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reverse_reward, args=args,
-                       train_dataset=make_reverse_dataset(16, seed=0),
-                       processing_class=AutoTokenizer.from_pretrained(model_dir))
+    return tiny_trainer(model_dir, args, prompts=16, prompt_seed=0)
 
 
 # -- the trainer sends the key ----------------------------------------------------------------------------------------
