@@ -17,10 +17,17 @@ with an error, not a hang; and answer each request ``latency`` seconds late, con
 that batches them). It can report another ``--logprobs-mode`` in ``/server_info`` (``logprobs_mode``; None: no such
 field, as an older vLLM) and answer NaN for the log-prob of every k-th token it samples (``nan_logprob_every``, counted
 over the server's life, so that completions of one group differ), as vLLM does for a token it could not score.
+
+LoRA, as vLLM serves it with ``--enable-lora`` and run-time loading: ``/v1/load_lora_adapter`` reads a peft adapter
+directory (``adapter_config.json``, ``adapter_model.safetensors``), ``/v1/unload_lora_adapter`` forgets one, and a
+completion request naming an adapter in ``model`` samples from the base weights plus that adapter's ``scale * B @ A``
+on each target layer (peft's LoRA, merged); a name it does not hold is answered 404, as vLLM answers. ``lora=False``
+answers the load as a server without ``--enable-lora`` does (500, vLLM's message).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
@@ -54,7 +61,7 @@ class PolicyServer:
 
     def __init__(self, model_dir: str, stall_on: tuple[int, ...] = (), seed: int = 0, seconds_per_token: float = 0.0,
                  busy_resets: int = 0, latency: float = 0.0, logprobs_mode: str | None = "processed_logprobs",
-                 nan_logprob_every: int = 0):
+                 nan_logprob_every: int = 0, lora: bool = True):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -77,6 +84,9 @@ class PolicyServer:
         self.model_config = {} if logprobs_mode is None else {"logprobs_mode": logprobs_mode}
         self.nan_logprob_every = nan_logprob_every  # every k-th token sampled is answered with a NaN log-prob
         self.tokens_sampled = 0
+        self.lora = lora
+        self.adapters: dict[str, dict[str, torch.Tensor]] = {}  # name -> {base weight name: scale * B @ A}
+        self.lora_events: list[tuple[str, str]] = []  # ("load" | "unload" | "generate" | "unknown", name), in order
         self.release = threading.Event()
         self.stalled_at: float | None = None  # time.perf_counter() when the first stalled request arrived
         server = self
@@ -106,11 +116,32 @@ class PolicyServer:
                         server.most_in_flight = max(server.most_in_flight, server.in_flight)
                     try:
                         answer = server.complete(body)
+                        if answer is None:  # an adapter this server does not hold
+                            self.answer({"error": {"message": f"The model `{body.get('model')}` does not exist.",
+                                                   "code": 404}}, 404)
+                            return
                         time.sleep(server.latency)
                     finally:
                         with server.counting:
                             server.in_flight -= 1
                     self.answer(answer)
+                elif self.path == "/v1/load_lora_adapter":
+                    if not server.lora:
+                        self.answer({"error": {"message": "Call to add_lora method failed: Worker failed with error "
+                                               "'LoRA is not enabled. Use --enable-lora to enable LoRA.'",
+                                               "code": 500}}, 500)
+                        return
+                    server.load_adapter(body["lora_name"], body["lora_path"])
+                    self.answer({})
+                elif self.path == "/v1/unload_lora_adapter":
+                    with server.lock:
+                        if body["lora_name"] not in server.adapters:
+                            self.answer({"error": {"message": f"The lora adapter '{body['lora_name']}' cannot be "
+                                                   "found.", "code": 404}}, 404)
+                            return
+                        del server.adapters[body["lora_name"]]
+                        server.lora_events.append(("unload", body["lora_name"]))
+                    self.answer({})
                 elif self.path == "/reset_prefix_cache":
                     with server.counting:
                         busy, server.busy_resets = server.busy_resets > 0, max(server.busy_resets - 1, 0)
@@ -140,8 +171,43 @@ class PolicyServer:
             self.model.load_state_dict(state, strict=False)
             self.reloads += 1
 
+    def load_adapter(self, name: str, directory: str) -> None:
+        """Read a peft LoRA adapter: each target layer's ``scale * B @ A`` (scale ``lora_alpha / r``, or over
+        ``sqrt(r)`` with rsLoRA), under the base weight's name."""
+        from safetensors.torch import load_file
+
+        with open(f"{directory}/adapter_config.json") as f:
+            config = json.load(f)
+        tensors = load_file(f"{directory}/adapter_model.safetensors")
+        r = config["r"]
+        scale = config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
+        deltas = {}
+        for key, a in tensors.items():
+            if ".lora_A." not in key:
+                continue
+            b = tensors[key.replace(".lora_A.", ".lora_B.")]
+            layer = key.split(".lora_A.")[0].removeprefix("base_model.model.")
+            deltas[f"{layer}.weight"] = scale * (b.float() @ a.float())
+        with self.lock:
+            self.adapters[name] = deltas
+            self.lora_events.append(("load", name))
+
+    @contextlib.contextmanager
+    def weights_for(self, name: str | None):
+        """The model with ``name``'s adapter merged while the caller holds :attr:`lock` (the base weights after)."""
+        deltas = self.adapters.get(name, {})
+        params = dict(self.model.named_parameters())
+        saved = {k: params[k].detach().clone() for k in deltas}
+        for k, delta in deltas.items():
+            params[k].data += delta
+        try:
+            yield
+        finally:
+            for k, value in saved.items():
+                params[k].data.copy_(value)
+
     @torch.no_grad()
-    def complete(self, body: dict) -> dict:
+    def complete(self, body: dict) -> dict | None:
         """``n`` samples of every prompt (token ids), up to ``max_tokens``, stopping at EOS; prompt-major choices with
         the sampled tokens' log-probs under the policy held now."""
         for name, neutral in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0)):
@@ -150,7 +216,14 @@ class PolicyServer:
         temperature, eos = float(body.get("temperature", 1.0)), self.model.config.eos_token_id
         seed = body.get("seed")
         choices = []
-        with self.lock:
+        name = body.get("model")
+        with self.lock, contextlib.ExitStack() as merged:
+            if name not in (None, "stand-in"):
+                if name not in self.adapters:
+                    self.lora_events.append(("unknown", name))
+                    return None
+                self.lora_events.append(("generate", name))
+                merged.enter_context(self.weights_for(name))
             self.versions.append(self.reloads)
             for prompt in body["prompt"]:
                 for child in range(int(body.get("n", 1))):
