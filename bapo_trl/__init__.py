@@ -1,31 +1,59 @@
 """bapo_trl: BAPO (Balanced Policy Optimization with Adaptive Clipping) for TRL.
 
-``BAPOConfig`` / ``BAPOTrainer`` subclass TRL's ``GRPOConfig`` / ``GRPOTrainer``; ``search_clip_bounds`` is the
-bound search as a pure function. Every name is imported lazily, on first use: the math stays importable without
-loading TRL, and a command that needs neither (``bapo plot``, ``bapo --help``) does not load torch.
+The public API is what this module exports (``__all__``):
+
+* the method: ``BAPOConfig`` / ``BAPOTrainer`` subclass TRL's ``GRPOConfig`` / ``GRPOTrainer``; ``search_clip_bounds``
+  is the bound search as a pure function (``BAPOSettings``, ``SearchResult``);
+* a run's results: ``PlotDynamicsCallback`` (the dynamics PNG at the end of training), ``plot_dynamics`` (the same
+  figure from log histories or run directories, several overlaid), ``format_summary`` (the text summary ``bapo train``
+  prints) and ``generation_rows`` (its rows: one per generation batch);
+* the embedded task: ``build_tiny_model`` (a tiny model and tokenizer built offline and cached), the 3-digit reversal
+  task ``make_reverse_dataset`` / ``reverse_reward`` and ``evaluate_accuracy`` (greedy exact match);
+* a real model offline: ``prepare_model`` (a registry model such as ``"smollm2-135m-instruct"``, converted once),
+  the shipped chat arithmetic task ``chat_arithmetic_splits`` and its reward ``boxed_accuracy``.
+
+Every name is imported lazily, on first use: the math stays importable without loading TRL, and a command that needs
+neither (``bapo plot``, ``bapo --help``) does not load torch.
 """
 
 from . import _compat
 
 __version__ = "0.1.0"
 
-__all__ = ["BAPOConfig", "BAPOSettings", "BAPOTrainer", "SearchResult", "search_clip_bounds", "__version__"]
+#: public name -> (module, attribute): imported on first use
+_EXPORTS = {
+    "BAPOSettings": ("bapo_trl.core.clipping", "BAPOSettings"),
+    "SearchResult": ("bapo_trl.core.clipping", "SearchResult"),
+    "search_clip_bounds": ("bapo_trl.core.clipping", "search_clip_bounds"),
+    "BAPOConfig": ("bapo_trl.trainer.bapo_config", "BAPOConfig"),
+    "BAPOTrainer": ("bapo_trl.trainer.bapo_trainer", "BAPOTrainer"),
+    "PlotDynamicsCallback": ("bapo_trl.cli.plot", "PlotDynamicsCallback"),
+    "plot_dynamics": ("bapo_trl.cli.plot", "plot_dynamics"),
+    "format_summary": ("bapo_trl.cli.summary", "format_summary"),
+    "generation_rows": ("bapo_trl.cli.summary", "generation_rows"),
+    "build_tiny_model": ("bapo_trl.recipes.toy", "build_tiny_model"),
+    "make_reverse_dataset": ("bapo_trl.recipes.toy", "make_reverse_dataset"),
+    "reverse_reward": ("bapo_trl.recipes.toy", "reverse_reward"),
+    "evaluate_accuracy": ("bapo_trl.recipes.toy", "evaluate_accuracy"),
+    "prepare_model": ("bapo_trl.recipes.models", "prepare_model"),
+    "chat_arithmetic_splits": ("bapo_trl.recipes.math_reasoning.chat_arithmetic", "splits"),
+    "boxed_accuracy": ("bapo_trl.recipes.math_reasoning.rewards", "boxed_accuracy"),
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 def __getattr__(name):
-    if name in ("BAPOSettings", "SearchResult", "search_clip_bounds"):
-        from .core import clipping
+    if name in _EXPORTS:
+        import importlib
 
-        return getattr(clipping, name)
-    if name == "BAPOConfig":
-        from .trainer.bapo_config import BAPOConfig
-
-        return BAPOConfig
-    if name == "BAPOTrainer":
-        from .trainer.bapo_trainer import BAPOTrainer
-
-        return BAPOTrainer
+        module, attribute = _EXPORTS[name]
+        return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'bapo_trl' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
 
 
 _compat.install()  # the 0.1 import paths (bapo_trl.clipping, bapo_trl.config, ...): see _compat.py

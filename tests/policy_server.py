@@ -22,7 +22,8 @@ LoRA, as vLLM serves it with ``--enable-lora`` and run-time loading: ``/v1/load_
 directory (``adapter_config.json``, ``adapter_model.safetensors``), ``/v1/unload_lora_adapter`` forgets one, and a
 completion request naming an adapter in ``model`` samples from the base weights plus that adapter's ``scale * B @ A``
 on each target layer (peft's LoRA, merged); a name it does not hold is answered 404, as vLLM answers. ``lora=False``
-answers the load as a server without ``--enable-lora`` does (500, vLLM's message).
+answers the load as a server without ``--enable-lora`` does (500, vLLM's message); ``lora=None`` as one without
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (no such endpoint: 404 Not Found).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class PolicyServer:
 
     def __init__(self, model_dir: str, stall_on: tuple[int, ...] = (), seed: int = 0, seconds_per_token: float = 0.0,
                  busy_resets: int = 0, latency: float = 0.0, logprobs_mode: str | None = "processed_logprobs",
-                 nan_logprob_every: int = 0, lora: bool = True):
+                 nan_logprob_every: int = 0, lora: bool | None = True):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -125,6 +126,8 @@ class PolicyServer:
                         with server.counting:
                             server.in_flight -= 1
                     self.answer(answer)
+                elif "lora_adapter" in self.path and server.lora is None:
+                    self.answer({"detail": "Not Found"}, 404)  # FastAPI's answer for a route it does not have
                 elif self.path == "/v1/load_lora_adapter":
                     if not server.lora:
                         self.answer({"error": {"message": "Call to add_lora method failed: Worker failed with error "

@@ -76,8 +76,9 @@ def write_adapter(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torc
     if on_created is not None:
         on_created(directory)
     try:
-        with open(os.path.join(directory, "adapter_config.json"), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True, default=str)
+        with open(os.path.join(directory, "adapter_config.json"), "w") as f:  # sets as lists, as peft writes them
+            json.dump({k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}, f, indent=2,
+                      sort_keys=True, default=str)
         save_file(state, os.path.join(directory, "adapter_model.safetensors"))
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)

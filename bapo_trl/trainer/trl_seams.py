@@ -111,8 +111,10 @@ SEAMS: tuple[Seam, ...] = (
          "optimizer step, before a checkpoint is saved", params=("args", "state", "control")),
     Seam("trl.trainer.grpo_trainer:VLLMGeneration", "the CPU server swaps this name for its own backend"),
     Seam("trl.generation.vllm_generation:VLLMGeneration",
-         "vLLM backend: max_completion_length caps a round; async generation sends TRL's sampling settings itself",
-         mentions=("self.max_completion_length", "self.server_timeout", "self.mode", "self.tensor_parallel_size",
+         "vLLM backend: max_completion_length caps a round; async generation sends TRL's sampling settings itself; "
+         "the LoRA adapter push gathers the adapter through TRL's distributed backend (ZeRO-3: collective)",
+         mentions=("self._dist = DistributedBackend(", "self.model = model",
+                   "self.max_completion_length", "self.server_timeout", "self.mode", "self.tensor_parallel_size",
                    "self.repetition_penalty", "self.temperature", "self.top_p", "self.top_k", "self.min_p",
                    "self.structured_outputs_regex", "self.generation_kwargs")),
     Seam("trl.generation.vllm_generation:VLLMGeneration._init_vllm", "CPU server: HTTP client instead of NCCL; "
@@ -125,10 +127,14 @@ SEAMS: tuple[Seam, ...] = (
          "generation/seeding.py's SeededEngine) gives each prompt of a seeded call a seed of its own",
          mentions=("self.llm.generate(vllm_prompts, sampling_params=sampling_params",)),
     Seam("trl.generation.vllm_generation:VLLMGeneration._iter_named_params", "CPU server gathers weights"),
+    Seam("trl.generation.vllm_generation:VLLMGeneration._fix_param_name_to_vllm", "the LoRA adapter push's one base "
+         "push names the base weights as TRL's merged push does", params=("name", "extra_prefixes")),
+
     Seam(CLIENT, "HTTP client: vLLM is only checked for, and the session exists when __init__ calls check_server",
          mentions=("is_vllm_available()", "self.session", "self.check_server(")),
     Seam(f"{CLIENT}.generate", "async generation's one request per batch; a seeded call with several prompts is sent "
-         "one request per prompt, each with a seed of its own (generation/seeding.py)",
+         "one request per prompt, each with a seed of its own (generation/seeding.py); a request names the client's "
+         "model, which the LoRA adapter push sets to the adapter loaded last", mentions=('"model": self.model',),
          params=("prompts", "features", "n", "repetition_penalty", "temperature", "top_p", "top_k", "min_p",
                  "max_tokens", "logprobs", "structured_outputs_regex", "generation_kwargs")),
     Seam(f"{CLIENT}.weight_update", "several servers on CUDA: one weight update per server around the stream"),

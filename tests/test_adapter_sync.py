@@ -1,0 +1,203 @@
+"""LoRA runs push only the adapter (issue "LoRA runs push only the adapter"): the adapter as peft saves it, loaded by
+every server under a fresh name, requests switched to it, the old one unloaded; refusals before training. Fast tier:
+the stand-in server (tests/policy_server.py, which loads peft adapters as vLLM does); the slow tier runs the real vLLM
+CPU server (test_lora_real_server.py) and the guarantees matrix has LoRA rows (test_guarantees.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from harness import tiny_trainer
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from policy_server import PolicyServer
+from transformers import AutoModelForCausalLM
+
+from bapo_trl import BAPOConfig
+from bapo_trl.cli.serve import LORA_RANKS, build_command, lora_rank, make_parser
+from bapo_trl.generation.adapter_sync import (
+    RUNTIME_LORA_ENV,
+    AdapterPush,
+    AdapterSync,
+    adapter_hint,
+    adapter_refusal,
+    write_adapter,
+)
+from bapo_trl.generation.weight_sync import WeightSyncError
+
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+
+
+def peft_model(model_dir, seed: int = 0, **config):
+    """The tiny model with a LoRA adapter whose B is not zero (so the adapter changes the policy)."""
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(**{**LORA, **config}))
+    torch.manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.3)
+    return model
+
+
+def saved(model) -> dict:
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+@pytest.mark.parametrize("config, refused", [
+    (dict(), None),
+    (dict(use_rslora=True), None),
+    (dict(use_dora=True), "DoRA"),
+    (dict(modules_to_save=["lm_head"]), "modules_to_save"),
+    (dict(bias="lora_only"), "bias"),
+    (dict(lora_bias=True), "lora_bias"),
+])
+def test_adapters_vllm_cannot_serve_are_refused_naming_why(config, refused):
+    reason = adapter_refusal(LoraConfig(**{**LORA, **config}))
+    assert reason is None if refused is None else refused in reason
+
+
+def test_a_non_lora_adapter_is_refused():
+    from peft import IA3Config
+
+    assert "IA3" in adapter_refusal(IA3Config(target_modules=["q_proj"], feedforward_modules=[]))
+
+
+def test_the_written_adapter_is_the_one_peft_loads(tiny_model_dir, tmp_path):
+    """What the push writes loads in peft as the trainer's adapter: same tensors, same outputs."""
+    model = peft_model(tiny_model_dir)
+    directory = write_adapter(saved(model), model.peft_config["default"].to_dict(), str(tmp_path), "a-")
+    assert sorted(os.listdir(directory)) == ["adapter_config.json", "adapter_model.safetensors"]
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), directory)
+    ids = torch.tensor([[2, 5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-6)
+
+
+def test_pushes_load_a_fresh_name_switch_requests_then_unload_the_old(tiny_model_dir, tmp_path):
+    server = PolicyServer(tiny_model_dir)
+    switched = []
+    model = peft_model(tiny_model_dir)
+    config = model.peft_config["default"].to_dict()
+    sync = AdapterSync(server.url, config, switched.append, root=str(tmp_path))
+    try:
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+        sync.push(AdapterPush(saved(model), base))  # the first push carries the base weights
+        assert server.requests["RPC", "reload_weights"] == 1 and sync.base_pushed
+        first = sync.active_name
+        assert switched == [first] and server.lora_events == [("load", first)]
+        big = sync.last_bytes
+        sync.push(AdapterPush(saved(peft_model(tiny_model_dir, seed=1))))
+        second = sync.active_name
+        assert second != first and switched == [first, second]
+        assert server.lora_events == [("load", first), ("load", second), ("unload", first)]
+        assert server.requests["RPC", "reload_weights"] == 1  # the adapter alone
+        assert sync.last_bytes < big / 5 and [b for b, _ in sync.take_pushes()] == [big, sync.last_bytes]
+        # only the directory loaded last is kept, without its base weights
+        assert os.listdir(tmp_path) == [os.path.basename(sync.current_dir)]
+        assert sorted(os.listdir(sync.current_dir)) == ["adapter_config.json", "adapter_model.safetensors"]
+        sync.close()
+        assert os.listdir(tmp_path) == []
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("lora, hint", [(False, "--enable-lora"), (None, RUNTIME_LORA_ENV)],
+                         ids=["without_enable_lora", "without_runtime_loading"])
+def test_a_server_that_cannot_load_adapters_is_refused_at_start_with_the_flag(tiny_model_dir, tmp_path, lora, hint):
+    """BAPOTrainer's construction fails (before any training) naming what the server lacks and `bapo serve ...
+    --lora-rank`; the same trainer with vllm_lora_sync='merged' starts."""
+    server = PolicyServer(tiny_model_dir, lora=lora)
+    try:
+        args = server_config(server, tmp_path)
+        with pytest.raises(WeightSyncError) as error:
+            tiny_trainer(tiny_model_dir, args, peft_config=LoraConfig(**LORA))
+        assert hint in str(error.value) and "--lora-rank" in str(error.value), error.value
+        assert server.requests["POST", "/v1/completions"] == 0
+        trainer = tiny_trainer(tiny_model_dir, server_config(server, tmp_path, vllm_lora_sync="merged"),
+                               peft_config=LoraConfig(**LORA))
+        assert not trainer.vllm_generation.uses_adapter_sync
+    finally:
+        server.close()
+
+
+def test_an_adapter_vllm_cannot_serve_is_refused_at_construction(tiny_model_dir, tmp_path):
+    server = PolicyServer(tiny_model_dir)
+    try:
+        with pytest.raises(ValueError, match="DoRA.*vllm_lora_sync='merged'"):
+            tiny_trainer(tiny_model_dir, server_config(server, tmp_path),
+                         peft_config=LoraConfig(**LORA, use_dora=True))
+    finally:
+        server.close()
+
+
+def test_server_errors_get_the_flag_to_add():
+    assert "--max-lora-rank" in adapter_hint("answered 500: LoRA rank 16 is greater than max_lora_rank 8.", "x")
+    assert RUNTIME_LORA_ENV in adapter_hint("answered 404: {\"detail\":\"Not Found\"}", "/v1/load_lora_adapter")
+    assert adapter_hint("answered 404: The lora adapter 'x' cannot be found.", "/v1/unload_lora_adapter") == ""
+
+
+def server_config(server, tmp_path, **overrides) -> BAPOConfig:
+    host, port = server.url.removeprefix("http://").split(":")
+    return BAPOConfig(**{**dict(
+        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=6, logging_steps=1, seed=0,
+        learning_rate=5e-3, steps_per_generation=2, max_steps=4, use_vllm=True, vllm_mode="server",
+        vllm_server_host=host, vllm_server_port=int(port), vllm_server_timeout=30, disable_tqdm=True), **overrides})
+
+
+@pytest.mark.parametrize("mode", ["adapter", "merged"])
+def test_a_lora_run_logs_what_each_push_wrote(tiny_model_dir, tmp_path, mode):
+    """TRL's synchronous generation through the stand-in: the adapter push writes the adapter (the first push also the
+    base weights), the merged push the whole model every time; both log weight_sync/pushed_bytes and seconds."""
+    server = PolicyServer(tiny_model_dir)
+    try:
+        trainer = tiny_trainer(tiny_model_dir, server_config(server, tmp_path, vllm_lora_sync=mode),
+                               peft_config=LoraConfig(**LORA))
+        trainer.train()
+        logged = [h["weight_sync/pushed_bytes"] for h in trainer.state.log_history if "weight_sync/pushed_bytes" in h]
+        assert len(logged) == 2 and all(h["weight_sync/seconds"] > 0 for h in trainer.state.log_history
+                                        if "weight_sync/seconds" in h)
+        model_bytes = sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
+        adapter_bytes = sum(p.numel() * 4 for n, p in trainer.model.named_parameters() if "lora_" in n)
+        if mode == "adapter":
+            assert logged[0] > model_bytes and adapter_bytes < logged[1] < adapter_bytes + 4096  # + file headers
+            assert server.requests["RPC", "reload_weights"] == 1
+            assert {event for event, _ in server.lora_events} == {"load", "unload", "generate"}
+        else:
+            assert logged[0] == logged[1] > model_bytes  # the merged model every time
+            assert server.requests["RPC", "reload_weights"] == 2 and server.lora_events == []
+    finally:
+        server.close()
+
+
+def test_the_serve_command_readies_the_server_for_adapters():
+    cmd, env = build_command("m", "127.0.0.1", 8000, "cpu", "python", None, [], lora=16)
+    assert cmd[-3:] == ["--enable-lora", "--max-lora-rank", "16"] and env[RUNTIME_LORA_ENV] == "1"
+    cmd, env = build_command("m", "127.0.0.1", 8000, "gpu", "python", None, [], lora=8)
+    assert "--enable-lora" in cmd and env[RUNTIME_LORA_ENV] == "1"
+    cmd, env = build_command("m", "127.0.0.1", 8000, "cpu", "python", None, [])
+    assert "--enable-lora" not in cmd and RUNTIME_LORA_ENV not in env
+    assert [lora_rank(v) for v in ("1", "4", "8", "9", "64", "300", "512")] == [1, 8, 8, 16, 64, 320, 512]
+    assert make_parser().parse_args(["m", "--lora-rank", "4"]).lora_rank == 8 and LORA_RANKS[-1] == 512
+    for bad in ("0", "513", "x"):
+        with pytest.raises(SystemExit):
+            make_parser().parse_args(["m", "--lora-rank", bad])
+
+
+def test_vllm_lora_sync_accepts_its_two_values_only():
+    with pytest.raises(ValueError, match="vllm_lora_sync.*'adapter', 'merged'"):
+        BAPOConfig(output_dir="unused", use_cpu=True, vllm_lora_sync="lora")
+    assert BAPOConfig(output_dir="unused", use_cpu=True).vllm_lora_sync == "adapter"
+
+
+def test_adapter_config_json_is_what_peft_writes(tiny_model_dir, tmp_path):
+    """The config as peft's save_pretrained writes it (target modules a list, not a set's repr)."""
+    model = peft_model(tiny_model_dir)
+    directory = write_adapter(saved(model), model.peft_config["default"].to_dict(), str(tmp_path), "a-")
+    model.save_pretrained(tmp_path / "peft")
+    ours = json.loads(open(os.path.join(directory, "adapter_config.json")).read())
+    theirs = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    keys = ("r", "lora_alpha", "peft_type", "use_rslora", "use_dora", "bias", "modules_to_save")
+    assert {k: ours[k] for k in keys} == {k: theirs[k] for k in keys}
+    assert sorted(ours["target_modules"]) == sorted(theirs["target_modules"]) == ["q_proj", "v_proj"]
