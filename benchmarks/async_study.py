@@ -36,7 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import study  # noqa: E402
-from async_overlap import TRAINER_CORE, Server  # noqa: E402  (the real vLLM CPU server, pinned to a core)
+from server_bench import TRAINER_CORE, Server  # noqa: E402  (the real vLLM CPU server, pinned to a core)
 from study import METHODS, parse_seeds, seed_tag  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

@@ -32,7 +32,7 @@ import json, sys
 sys.path.insert(0, {here!r})
 import torch
 torch.set_num_threads(1)
-import async_overlap as bench
+import server_bench as bench
 import bapo_trl
 from types import SimpleNamespace
 from pathlib import Path
@@ -63,7 +63,7 @@ def child(code: str, opts, model: str, url: str, tmp: Path, configs: list[str]) 
 
 def figures(runs: dict) -> dict[str, dict[str, float]]:
     """Per configuration of one (round, version): steps/s, efficiencies (against that round's sync run), load."""
-    import async_overlap as bench
+    import server_bench as bench
 
     table = {}
     for config, row in runs.items():
@@ -80,7 +80,7 @@ def figures(runs: dict) -> dict[str, dict[str, float]]:
 
 
 def main() -> None:
-    import async_overlap as bench
+    import server_bench as bench
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--a",

@@ -7,9 +7,9 @@ on a VM, possibly one physical core). This measures that share for plain compute
 weight traffic, so the part of the K=1 efficiency gap that the machine alone explains can be told from the part the
 pipeline could still remove.
 
-* This process on ``async_overlap.TRAINER_CORE``, the twin on ``async_overlap.SERVER_CORE`` (the cores that benchmark
-  gives the trainer and the server), one torch thread each; the twin runs the same loop without end and says when it
-  is busy, so the timed loop never sees its start-up.
+* This process on ``server_bench.TRAINER_CORE``, the twin on ``server_bench.SERVER_CORE`` (the cores the server
+  benchmarks give the trainer and the server), one torch thread each; the twin runs the same loop without end and
+  says when it is busy, so the timed loop never sees its start-up.
 * Two sizes: 256 x 256 float32 (fits a core's L2: contention for the shared cache and memory hardly matters) and
   1024 x 1024 (4 MiB a matrix: works through the L3).
 * Interleaved: each round times the loop alone, then beside the twin; ratios beside / alone per round, median
@@ -43,7 +43,7 @@ def matmuls(count: int, size: int) -> float:
 
 def twin(size: int, core: int) -> None:
     """The other core's load: the same loop, forever; prints ``busy`` once it runs. Imports torch only (no
-    async_overlap, which loads TRL), so it starts in seconds."""
+    server_bench, which loads TRL), so it starts in seconds."""
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
     matmuls(1, size)
@@ -78,7 +78,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"--rounds must be >= 1, got {rounds}")
     if os.cpu_count() is None or os.cpu_count() < 2:
         raise SystemExit("core_contention needs 2 cores (this process on one, the twin on the other)")
-    from async_overlap import SERVER_CORE, TRAINER_CORE, spread
+    from server_bench import SERVER_CORE, TRAINER_CORE, spread
 
     os.sched_setaffinity(0, {TRAINER_CORE})
     torch.set_num_threads(1)

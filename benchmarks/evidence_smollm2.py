@@ -7,18 +7,18 @@ held-out set of 96 problems (avg@8 and pass@8) with 95% bootstrap intervals.
     python benchmarks/evidence_smollm2.py --quick           # base + one method, 1 step, 2 problems, temp dir (CI)
     python benchmarks/evidence_smollm2.py --write-heldout   # rewrite tests/data/chat_arithmetic_heldout96.jsonl
 
-Methods: by name from ``benchmarks/evidence_study.py``'s ``METHODS`` (the same trainer and settings as the tiny
-study); TRL's dapo clip-higher and GSPO (``REFERENCES``, on TRL's own GRPOTrainer) always run, as the references of
-the paired comparisons. ``--methods`` names the others; its default (``DEFAULT_METHODS``) is the three settings the
-tiny study ranks highest. The published run (docs/data/evidence_smollm2.md) had ``BAPO GSPO`` (no dual clip) too, for
-its first seed only.
+Methods: by name from the evidence study's methods (``study.evidence_methods``: the same trainer and settings as
+the tiny study); TRL's dapo clip-higher and GSPO (``REFERENCES``, on TRL's own GRPOTrainer) always run, as the
+references of the paired comparisons. ``--methods`` names the others; its default (``DEFAULT_METHODS``) is the three
+settings the tiny study ranks highest. The published run (docs/data/evidence_smollm2.md) had ``BAPO GSPO`` (no dual
+clip) too, for its first seed only.
 
-Training (``benchmarks/loss_study_smollm2.py``'s ``train``, so both SmolLM2 studies train alike): full fine-tuning
-in float32 on CPU on the shipped training split (172 problems), transformers generation, 8 prompts x 4 samples x 16
-tokens per generation, ``steps_per_generation=4`` (each batch trained on for 4 optimizer steps: up to 3 steps
-stale), batch 8 completions per step, lr 2e-5 (twice the README's recipe, so that the ratios leave 1 and the windows
-matter: at this rate BAPO's upper bound reached 3.0 on two of the three stale steps of the first batch, seed 100),
-16 steps (4 generation batches), one torch thread per run, two runs at a time. A seed fixes the prompts and their
+Training (``study.train_smollm2``, which loss_study_smollm2.py runs too, so both SmolLM2 studies train alike): full
+fine-tuning in float32 on CPU on the shipped training split (172 problems), transformers generation, 8 prompts x 4
+samples x 16 tokens per generation, ``steps_per_generation=4`` (each batch trained on for 4 optimizer steps: up to 3
+steps stale), batch 8 completions per step, lr 2e-5 (twice the README's recipe, so that the ratios leave 1 and the
+windows matter: at this rate BAPO's upper bound reached 3.0 on two of the three stale steps of the first batch, seed
+100), 16 steps (4 generation batches), one torch thread per run, two runs at a time. A seed fixes the prompts and their
 order, so the methods of one seed differ only by what they do with the data (their first step is the same: measured,
 equal reward and gradient norm).
 
@@ -76,10 +76,22 @@ import sys
 import tempfile
 import time
 
-from loss_study_smollm2 import QUICK as QUICK_TRAINING
-from loss_study_smollm2 import TRAINING as LOSS_STUDY_TRAINING
-from loss_study_smollm2 import train
-from study import REPO, append_jsonl, bootstrap_ci, mean, paired, parse_seeds, read_jsonl, verdict
+from study import (
+    REPO,
+    append_jsonl,
+    bootstrap_ci,
+    commit,
+    evidence_methods,
+    fmt_seeds,
+    mean,
+    paired,
+    parse_seeds,
+    read_jsonl,
+    verdict,
+)
+from study import SMOLLM2_QUICK as QUICK_TRAINING
+from study import SMOLLM2_TRAINING as LOSS_STUDY_TRAINING
+from study import train_smollm2 as train
 
 #: The paired comparisons' references: the TRL baseline BAPO's default replaces, and the strongest TRL loss.
 REFERENCES = ("TRL dapo clip-higher", "TRL GSPO")
@@ -267,8 +279,7 @@ def run_one(spec: dict) -> dict:
 
 def plan(methods: list[str], seeds: list[int], training: dict, heldout: str, num_problems: int | None) -> list[dict]:
     """The base model once, then seed by seed (outermost, so a study cut short leaves complete pairs) every method."""
-    from evidence_study import METHODS  # (imports TRL: kept out of the module's import, which tests do)
-
+    METHODS = evidence_methods()  # (imports TRL: kept out of the module's import, which tests do)
     common = dict(training=training, heldout=os.path.relpath(heldout, REPO), num_problems=num_problems)
     todo = [dict(method="base", seed=0, trainer=None, settings={}, trainer_kwargs={}, **common)]
     for seed in seeds:
@@ -281,8 +292,6 @@ def plan(methods: list[str], seeds: list[int], training: dict, heldout: str, num
 
 def run_study(todo: list[dict], results: str, workers: int) -> int:
     """Run what ``results`` does not hold yet (``workers`` processes), one line appended per finished run."""
-    from evidence_study import commit
-
     done = {run_key(r) for r in read_jsonl(results)}
     todo = [dict(spec, commit=commit()) for spec in todo if run_key(spec) not in done]
     print(f"{len(done)} runs already in {results}; {len(todo)} to run", flush=True)
@@ -312,8 +321,7 @@ def with_interval(values: list[float], resamples: int, digits: int = 1) -> str:
 
 def report(runs: list[dict], results: str, resamples: int = 10000) -> tuple[str, int]:
     """The markdown report of a results file and the number of intervals that exclude zero."""
-    from evidence_study import METHODS, fmt_seeds
-
+    METHODS = evidence_methods()
     base = [r for r in runs if r["method"] == "base"]
     trained = [r for r in runs if r["method"] != "base"]
     order = [m for m in dict.fromkeys((*REFERENCES, *METHODS)) if any(r["method"] == m for r in trained)]
@@ -401,7 +409,7 @@ def main(argv=None) -> int:
     if args.write_heldout:
         print(f"wrote {write_heldout()}")
         return 0
-    from evidence_study import METHODS
+    METHODS = evidence_methods()
 
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:

@@ -54,7 +54,6 @@ import argparse
 import math
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,7 +62,10 @@ from study import (
     BAPO_ONLY,
     COLLAPSE,
     REPO,
+    commit,
+    evidence_methods,
     fmt,
+    fmt_seeds,
     mean,
     paired,
     parse_seeds,
@@ -72,34 +74,13 @@ from study import (
     run_one,
     summarize,
     verdict,
-    window,
 )
 from study import append_jsonl as append
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import m2po  # noqa: E402
-
-GSPO = dict(loss_type="grpo", importance_sampling_level="sequence")
-#: name -> run fields; ``bapo`` (where given): the same method on BAPOTrainer for the scenarios only it runs.
-METHODS = {
-    "TRL dapo clip-higher": dict(trainer="trl", settings=dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28),
-                                 bapo=dict(trainer="bapo", settings=dict(loss_type="dapo", **window(0.8, 1.28)))),
-    "TRL GSPO": dict(trainer="trl", settings=dict(GSPO, epsilon=0.2),
-                     bapo=dict(trainer="bapo", settings=dict(GSPO, **window(0.8, 1.2)))),
-    "TRL vespo": dict(trainer="trl", settings=dict(loss_type="vespo")),
-    "TRL cispo": dict(trainer="trl", settings=dict(loss_type="cispo", epsilon_high=5.0)),
-    "widest fixed [0.9,3.0]": dict(trainer="bapo", settings=window(0.9, 3.0)),
-    "M2PO": dict(trainer="m2po", settings=dict(m2po.SETTINGS), trainer_kwargs=dict(m2po_tau=m2po.TAU),
-                 bapo=dict(trainer="m2po-bapo", settings=dict(m2po.BAPO_SETTINGS),
-                           trainer_kwargs=dict(m2po_tau=m2po.TAU))),
-    "BAPO paper": dict(trainer="bapo", settings=dict(dual_clip=False)),
-    "BAPO paper + dual clip": dict(trainer="bapo", settings=dict(delta=3.0)),
-    "BAPO verl": dict(trainer="bapo", settings=dict(bapo_variant="verl")),
-    "BAPO GSPO": dict(trainer="bapo", settings=dict(GSPO, dual_clip=False)),
-    "BAPO GSPO + dual clip": dict(trainer="bapo", settings=dict(GSPO, delta=3.0)),
-}
+METHODS = evidence_methods()
 OTHER_METHODS = ("TRL dapo clip-higher", "TRL GSPO", "widest fixed [0.9,3.0]", "M2PO", "BAPO paper",
                  "BAPO paper + dual clip", "BAPO verl", "BAPO GSPO", "BAPO GSPO + dual clip")
 HEADLINE = "spg 32"
@@ -153,19 +134,6 @@ def plan(scenarios, headline_seeds, other_seeds, steps=STEPS, methods=None) -> l
     return todo
 
 
-def commit() -> str:
-    """The code a run used: $BAPO_STUDY_COMMIT (a snapshot outside git), else git's HEAD (+ "-dirty")."""
-    if os.environ.get("BAPO_STUDY_COMMIT"):
-        return os.environ["BAPO_STUDY_COMMIT"]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "bapo_trl", "benchmarks"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return (head or "unknown") + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
-
-
 def record(run: dict, code: str) -> dict:
     """What the results file keeps of a run: its key and settings, summary figures, reward per step."""
     s = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in summarize(run).items()}
@@ -190,7 +158,7 @@ class Servers:
     def get(self) -> str | None:
         if self.url or self.failed:
             return self.url
-        from async_overlap import TRAINER_CORE, Server
+        from server_bench import TRAINER_CORE, Server
 
         from bapo_trl.cli.serve import default_venv
         from bapo_trl.recipes.toy import build_tiny_model
@@ -385,12 +353,6 @@ def agreement(first: list[dict], second: list[dict], resamples: int = 10000) -> 
             lines.append(f"| {method} - {reference} | {lr:g} | {interval(ca)} {va} ({ca['n']}) | {interval(cb)} {vb} "
                          f"({cb['n']}) | {'yes' if va == vb else '**no**'} |")
     return "\n".join(lines) + f"\n\n{agree} of {total} verdicts agree.\n"
-
-
-def fmt_seeds(seeds: list[int]) -> str:
-    if seeds and seeds == list(range(seeds[0], seeds[-1] + 1)):
-        return f"{seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else str(seeds[0])
-    return ",".join(map(str, seeds))
 
 
 def main(argv=None) -> int:

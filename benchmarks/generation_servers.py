@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from async_overlap import (  # noqa: E402
+from server_bench import (  # noqa: E402
     GENERATIONS,
     TRAINER_CORE,
     Server,

