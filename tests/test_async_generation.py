@@ -17,13 +17,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from harness import PolicySnapshots, Probe, check_behaviour_logps
+from harness import PolicySnapshots, Probe, check_behaviour_logps, tiny_trainer
 from policy_server import PolicyServer
 from test_vllm_server import completion_length, reset_server_weights, train_with_server
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl.trainer.utils import RepeatSampler
 
-from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl import BAPOConfig
 from bapo_trl.rollout.async_generation import AsyncGeneration
 from bapo_trl.rollout.producer import Producer, PromptStream, Work
 
@@ -531,9 +531,6 @@ def test_a_generation_batch_above_the_old_request_pool_trains_within_a_short_tim
     once, so the run trains, with the push handed over (the disk path) or held between two requests (as TRL's NCCL
     push on CUDA; ``TRLPort.gather_weights`` patched to None, a STAND-IN for that path). With the pool capped at 64
     the held row raised ProducerStalled (the review's measurement)."""
-    from transformers import AutoTokenizer
-
-    from bapo_trl.recipes.toy import make_reverse_dataset
     from bapo_trl.rollout.port import TRLPort
 
     monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
@@ -549,9 +546,7 @@ def test_a_generation_batch_above_the_old_request_pool_trains_within_a_short_tim
             num_generations=generations, max_completion_length=1, max_steps=8, logging_steps=1, seed=0,
             use_vllm=True, vllm_mode="server", vllm_server_host=host, vllm_server_port=int(port),
             vllm_server_timeout=4, async_generation=True, max_staleness=1)
-        trainer = BAPOTrainer(model=tiny_model_dir, reward_funcs=completion_length, args=args,
-                              train_dataset=make_reverse_dataset(prompts),
-                              processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+        trainer = tiny_trainer(tiny_model_dir, args, model=tiny_model_dir, reward=completion_length, prompts=prompts)
         trainer.train()
     finally:
         server.close()

@@ -60,10 +60,10 @@ def completion_length(completions, **kwargs) -> list[float]:
 
 def train_with_server(model_dir: str, output_dir: Path, server_url: str, max_steps: int = 6, reward=None,
                       trainer_cls=None, callbacks=(), **overrides):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from harness import tiny_trainer
 
     from bapo_trl import BAPOConfig, BAPOTrainer
-    from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
+    from bapo_trl.recipes.toy import reverse_reward
 
     host, port = server_url.removeprefix("http://").split(":")
     overrides = {"vllm_server_timeout": 30, **overrides}
@@ -75,11 +75,8 @@ def train_with_server(model_dir: str, output_dir: Path, server_url: str, max_ste
         use_vllm=True, vllm_mode="server", vllm_server_host=host, vllm_server_port=int(port),
     )
     args = BAPOConfig(**{**settings, **overrides})
-    trainer = (trainer_cls or BAPOTrainer)(
-        model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reward or reverse_reward, args=args,
-        train_dataset=make_reverse_dataset(64, seed=0), processing_class=AutoTokenizer.from_pretrained(model_dir),
-        callbacks=list(callbacks),
-    )
+    trainer = tiny_trainer(model_dir, args, cls=trainer_cls or BAPOTrainer, reward=reward or reverse_reward,
+                           prompts=64, prompt_seed=0, callbacks=callbacks)
     trainer.train()
     return trainer
 
