@@ -203,3 +203,17 @@ def test_recipe_comments_are_found_across_continuation_lines(tmp_path):
     assert line.endswith("--data_parallel_size 2 --max_model_len 10240")
     vllm_argv, model, env = vllm_command(line[line.index("CUDA"):])
     assert env == {"CUDA_VISIBLE_DEVICES": "0,1"} and vllm_parallelism_error(vllm_argv, model_is_moe(model))
+
+
+def test_serve_keeps_idle_connections_longer_than_a_training_step(monkeypatch):
+    """vLLM closes a keep-alive connection idle 5 s by default; a client reusing it as it closes loses the request
+    ("connection reset by peer", seen once in CI). `bapo serve` sets 300 s unless the environment sets its own."""
+    from bapo_trl.cli import serve
+
+    monkeypatch.delenv(serve.KEEP_ALIVE_ENV, raising=False)
+    for backend in ("cpu", "gpu"):
+        _, env = serve.build_command("m", "127.0.0.1", 8000, backend, sys.executable, None, [])
+        assert env[serve.KEEP_ALIVE_ENV] == "300"
+    monkeypatch.setenv(serve.KEEP_ALIVE_ENV, "42")
+    _, env = serve.build_command("m", "127.0.0.1", 8000, "cpu", sys.executable, None, [])
+    assert env[serve.KEEP_ALIVE_ENV] == "42"

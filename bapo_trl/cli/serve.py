@@ -46,7 +46,12 @@ AUTH_MIDDLEWARE = "bapo_vllm_auth.BearerTokenEverywhere"
 API_KEY_ENV = "VLLM_API_KEY"
 REMOTE_FLAG = "--allow-remote-dev-endpoints"
 #: The ranks vLLM accepts as ``--max-lora-rank`` (vllm/config/lora.py, 0.32); the flag rounds up to the next one.
+#: (The same as bapo_trl.generation.adapter_sync.LORA_RANKS: this module imports only the standard library.)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: vLLM's API server closes a keep-alive connection idle this many seconds (its default, 5 s, is shorter than a
+#: training step: a client's pooled connection reused as the server closes it is lost mid-request, "connection reset by
+#: peer"). The command sets a longer one unless the environment already sets it.
+KEEP_ALIVE_ENV, KEEP_ALIVE_SECONDS = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "300"
 #: vLLM exposes /v1/load_lora_adapter and /v1/unload_lora_adapter only with this variable set.
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 #: The folder vLLM imports the worker extension and the middleware from (put on the server's PYTHONPATH).
@@ -147,6 +152,7 @@ def build_command(model: str, host: str, port: int, backend: str, python: str, d
     if lora:
         more_flags += ["--enable-lora", "--max-lora-rank", str(lora)]
         more_env[RUNTIME_LORA_ENV] = "1"
+    more_env[KEEP_ALIVE_ENV] = os.environ.get(KEEP_ALIVE_ENV, KEEP_ALIVE_SECONDS)
     if backend == "gpu":
         vllm_bin = os.path.join(os.path.dirname(python), "vllm")
         cmd = [vllm_bin if os.access(vllm_bin, os.X_OK) else "vllm", "serve", model, "--host", host,
