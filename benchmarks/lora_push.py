@@ -6,12 +6,14 @@
     python benchmarks/lora_push.py --quick         # the tiny model, rank 8, 1 pair, no ZeRO-3 (CI's smoke run)
 
 Part 1. One real vLLM CPU server (``bapo serve MODEL --lora-rank R``) pinned to core 1, this process on core 0. For
-each of ``--pairs`` pairs, a synchronous run in each mode (the order alternates between pairs), ``--steps`` steps with
-a push before every generation (``steps_per_generation=1``), then an async K=1 run in each mode. Per run: the logged
+each of ``--pairs`` pairs, a synchronous run in each mode, then an async K=1 run in each mode (the order of the modes
+alternates between pairs), ``--steps`` steps with a push before every generation (``steps_per_generation=1``). Per
+run: the logged
 ``weight_sync/pushed_bytes`` and ``weight_sync/seconds`` (median over the pushes after the first: the adapter push's
 first also reloads the base weights once), seconds per step (median, after the first), and for synchronous runs TRL's
 ``sampling/sampling_logp_difference/max`` (the server's log-probs against the trainer's recomputation with the same
-weights). Per pair: merged / adapter. Printed as median [min, max]; the last lines ``pair_*=`` are the ratios' medians.
+weights). Per pair: merged / adapter. Printed as median [min, max]; the last line's ``pair_*=`` are the ratios'
+medians (``async_pair_step_seconds``: the async runs').
 
 Part 2 (``--zero3``, the default without ``--quick``): ``accelerate launch`` of this script's worker on 2 processes
 with DeepSpeed ZeRO-3 per mode (3 steps, a push before each): every rank samples its resident memory during each push
@@ -127,7 +129,7 @@ def one_run(model_dir: str, url: str, mode: str, opts, tmp: Path, **overrides) -
 
 
 def zero3_worker(opts) -> None:
-    """One rank of the ZeRO-3 launch: a run whose every push is measured (:class:`PeakMemory`); prints a JSON line."""
+    """One rank of the ZeRO-3 launch: a run whose every push is measured (:class:`PeakMemory`); writes its row."""
     import torch.distributed as dist
 
     args = config(opts.out, opts.url, opts.worker, 3, opts.batch, opts.length)
@@ -136,9 +138,10 @@ def zero3_worker(opts) -> None:
     backend = trainer.vllm_generation
     backend.sync_weights = peak.around(backend.sync_weights)
     trainer.train()
-    print("ZERO3 " + json.dumps({"rank": dist.get_rank(), "mode": opts.worker, "push_peak_delta": peak.deltas,
-                                 "pushed_bytes": [h["weight_sync/pushed_bytes"] for h in trainer.state.log_history
-                                                  if "weight_sync/pushed_bytes" in h]}), flush=True)
+    row = {"rank": dist.get_rank(), "mode": opts.worker, "push_peak_delta": peak.deltas,
+           "pushed_bytes": [h["weight_sync/pushed_bytes"] for h in trainer.state.log_history
+                            if "weight_sync/pushed_bytes" in h]}
+    Path(opts.out, f"zero3-rank{row['rank']}.json").write_text(json.dumps(row))  # one file per rank: no interleaving
 
 
 def zero3_part(model_dir: str, url: str, opts, tmp: Path) -> list[dict]:
@@ -152,9 +155,9 @@ def zero3_part(model_dir: str, url: str, opts, tmp: Path) -> list[dict]:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
             raise SystemExit(f"ZeRO-3 launch ({mode}) failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-        for line in proc.stdout.splitlines():
-            if line.startswith("ZERO3 "):
-                rows.append(json.loads(line[len("ZERO3 "):]))
+        rows += [json.loads(path.read_text()) for path in sorted((tmp / f"z3-{mode}").glob("zero3-rank*.json"))]
+        if len([r for r in rows if r["mode"] == mode]) != 2:
+            raise SystemExit(f"ZeRO-3 launch ({mode}): not every rank reported:\n{proc.stdout[-3000:]}")
     return rows
 
 
@@ -203,13 +206,11 @@ def main() -> None:
         try:
             for pair in range(opts.pairs):
                 modes = ("merged", "adapter") if pair % 2 == 0 else ("adapter", "merged")
-                for mode in modes:
-                    rows.append({"kind": "sync", "pair": pair, **one_run(model_dir, server.url, mode, opts, tmp)})
-                    print(json.dumps(rows[-1]), flush=True)
-            for mode in ("merged", "adapter"):
-                rows.append({"kind": "async_k1", **one_run(model_dir, server.url, mode, opts, tmp,
-                                                           async_generation=True, max_staleness=1)})
-                print(json.dumps(rows[-1]), flush=True)
+                for kind, extra in (("sync", {}), ("async_k1", dict(async_generation=True, max_staleness=1))):
+                    for mode in modes:
+                        rows.append({"kind": kind, "pair": pair,
+                                     **one_run(model_dir, server.url, mode, opts, tmp, **extra)})
+                        print(json.dumps(rows[-1]), flush=True)
             if zero3:
                 for row in zero3_part(model_dir, server.url, opts, tmp):
                     rows.append({"kind": "zero3", **row})
@@ -233,17 +234,26 @@ def report(rows: list[dict]) -> None:
               f"step s {spread([r['step_seconds'] for r in runs])}; sampler logp diff max "
               f"{max(r.get('logp_diff_max', float('nan')) for r in runs):.2g}")
     pairs = sorted({r["pair"] for r in sync})
-    ratio = {key: [next(r[key] for r in sync if r["pair"] == p and r["mode"] == "merged")
-                   / next(r[key] for r in sync if r["pair"] == p and r["mode"] == "adapter") for p in pairs]
-             for key in ("push_bytes", "push_seconds", "step_seconds")}
-    for row in (r for r in rows if r["kind"] == "async_k1"):
-        print(f"async K=1 {row['mode']:7s}: pushed {mib(row['push_bytes'])}, push {row['push_seconds']:.3f} s, "
-              f"step {row['step_seconds']:.3f} s, staleness max {row.get('staleness_max')}")
+
+    def ratios(kind: str, key: str) -> list[float]:
+        runs = [r for r in rows if r["kind"] == kind]
+        return [next(r[key] for r in runs if r["pair"] == p and r["mode"] == "merged")
+                / next(r[key] for r in runs if r["pair"] == p and r["mode"] == "adapter") for p in pairs]
+
+    ratio = {key: ratios("sync", key) for key in ("push_bytes", "push_seconds", "step_seconds")}
+    for mode in ("merged", "adapter"):
+        runs = [r for r in rows if r["kind"] == "async_k1" and r["mode"] == mode]
+        print(f"async K=1 {mode:7s}: pushed {mib(runs[0]['push_bytes'])}, push s "
+              f"{spread([r['push_seconds'] for r in runs])}, step s {spread([r['step_seconds'] for r in runs])}, "
+              f"staleness max {max(r.get('staleness_max', 0) for r in runs)}")
+    ratio["async_pair_step_seconds"] = ratios("async_k1", "step_seconds")
+    for key, values in ratio.items():
+        print(f"merged / adapter, {key}: {spread(values)}")
     for row in (r for r in rows if r["kind"] == "zero3"):
         print(f"ZeRO-3 rank {row['rank']} {row['mode']:7s}: memory above the level before each push "
               f"{[mib(d) for d in row['push_peak_delta']]}; pushed {[mib(b) for b in row['pushed_bytes']]}")
-    print(" ".join(f"pair_{key}={statistics.median(values):.3g}" for key, values in ratio.items())
-          + "  (merged / adapter, median over pairs)")
+    print(" ".join(f"{'' if key.startswith('async') else 'pair_'}{key}={statistics.median(values):.3g}"
+                   for key, values in ratio.items()) + "  (merged / adapter, median over pairs)")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from bapo_trl import BAPOConfig
 from bapo_trl.cli.serve import LORA_RANKS, build_command, lora_rank, make_parser
+from bapo_trl.generation import adapter_sync
 from bapo_trl.generation.adapter_sync import (
     RUNTIME_LORA_ENV,
     AdapterPush,
@@ -135,6 +136,7 @@ def test_server_errors_get_the_flag_to_add():
     assert "--max-lora-rank" in adapter_hint("answered 500: LoRA rank 16 is greater than max_lora_rank 8.", "x")
     assert RUNTIME_LORA_ENV in adapter_hint("answered 404: {\"detail\":\"Not Found\"}", "/v1/load_lora_adapter")
     assert adapter_hint("answered 404: The lora adapter 'x' cannot be found.", "/v1/unload_lora_adapter") == ""
+    assert "BAPO_VLLM_WEIGHTS_DIR" in adapter_hint("answered 404: Loading lora x failed: No adapter found for /t", "")
 
 
 def server_config(server, tmp_path, **overrides) -> BAPOConfig:
@@ -179,7 +181,8 @@ def test_the_serve_command_readies_the_server_for_adapters():
     cmd, env = build_command("m", "127.0.0.1", 8000, "cpu", "python", None, [])
     assert "--enable-lora" not in cmd and RUNTIME_LORA_ENV not in env
     assert [lora_rank(v) for v in ("1", "4", "8", "9", "64", "300", "512")] == [1, 8, 8, 16, 64, 320, 512]
-    assert make_parser().parse_args(["m", "--lora-rank", "4"]).lora_rank == 8 and LORA_RANKS[-1] == 512
+    assert make_parser().parse_args(["m", "--lora-rank", "4"]).lora_rank == 8
+    assert LORA_RANKS == adapter_sync.LORA_RANKS  # the command's copy (it imports only the standard library)
     for bad in ("0", "513", "x"):
         with pytest.raises(SystemExit):
             make_parser().parse_args(["m", "--lora-rank", bad])

@@ -34,6 +34,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from harness import PolicySnapshots, Probe, tiny_trainer
 from harness import check_behaviour_logps as behaviour_logps_match
 from policy_server import PolicyServer
@@ -318,6 +319,15 @@ def lora_config(source: str):
     return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if source in LORA else None
 
 
+def adapter_that_matters(model, seed: int = 0) -> None:
+    """Give a fresh LoRA adapter a B that is not 0 (peft starts it at 0): from the first push on, a sampler that
+    ignored the adapter would differ from the trainer's policy far beyond the tolerance of the log-prob checks."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+
+
 def build(model_dir, args, probe=True, callbacks=(), peft=None):
     """The row's trainer; ``probe``: recording what each micro-batch trains (``trained``, ``queue_ages``); ``peft``: a
     peft config (LoRA rows)."""
@@ -400,6 +410,8 @@ def run_row(source: str, setting, model_dir, tmp_path: Path, server=None, atol: 
         snapshots, skip_saves = PolicySnapshots(), SkipSaves()
         peft = lora_config(source)
         trainer = build(model_dir, args, callbacks=[snapshots, skip_saves, gate], peft=peft)
+        if peft is not None:
+            adapter_that_matters(trainer.model)
         trainer.train()
         full = trainer.trained
         steps = args.max_steps

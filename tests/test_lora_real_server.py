@@ -11,7 +11,7 @@ import pytest
 import requests
 from harness import tiny_trainer
 from peft import LoraConfig
-from test_guarantees import FAST, run_row
+from test_guarantees import FAST, adapter_that_matters, run_row
 from test_vllm_server import IN_SYNC, logp_differences, reset_server_weights
 
 pytestmark = pytest.mark.slow
@@ -39,6 +39,7 @@ def test_a_lora_run_samples_from_its_adapter_and_retires_old_names(lora_server, 
     reset_server_weights(lora_server.url, tiny_model_dir)
     trainer = tiny_trainer(tiny_model_dir, server_config(lora_server, tmp_path, max_steps=6),
                            peft_config=LoraConfig(r=RANK, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    adapter_that_matters(trainer.model)  # a sampler without the adapter would be far off from the first push
     trainer.train()
     diffs = logp_differences(trainer)
     assert len(diffs) == 3 and max(diffs) < IN_SYNC, diffs

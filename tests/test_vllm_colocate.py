@@ -61,3 +61,26 @@ def test_partial_rollout_with_colocated_vllm_on_two_processes(vllm_trainer_pytho
         assert max(h["partial/segments_per_completion"] for h in logs) > 1.2
         assert max(h["partial/token_staleness_max"] for h in logs) >= 1
         assert max(h[LOGP_DIFF] for h in logs) < BF16_NOISE, (result["engine_dtype"], [h[LOGP_DIFF] for h in logs])
+
+
+@pytest.mark.slow
+def test_lora_adapter_push_to_the_colocated_engine(vllm_trainer_python, tiny_model_dir, tmp_path):
+    """A LoRA run in colocate mode pushes only its adapter: each push is loaded into the in-process engine under a
+    fresh id and the one it replaces removed (one held at the end), generation uses it (TRL's sampler comparison
+    within the bf16 noise, as the full push), and every push after the first writes the adapter alone (the first
+    also the base weights, once)."""
+    env = {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_HOST_IP": "127.0.0.1"}
+    accelerate_launch(REPO / "tests" / "dist_scripts" / "colocate_lora.py", tiny_model_dir, tmp_path,
+                      python=vllm_trainer_python, env=env, timeout=900)
+    for rank in (0, 1):  # each process's own engine
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["uses_colocate_adapter"] and result["max_lora_rank"] == 8
+        assert result["loaded"] == [1, 2, 3] and result["held"] == [3] and result["active"] == 3
+        logs = result["logs"]
+        assert len(logs) == 6 and all(math.isfinite(h["loss"]) for h in logs)
+        diffs = [h[LOGP_DIFF] for h in logs if LOGP_DIFF in h]
+        assert len(diffs) == 3 and max(diffs) < BF16_NOISE, diffs
+    pushed = [h["weight_sync/pushed_bytes"] for h in logs if "weight_sync/pushed_bytes" in h]  # each rank pushes
+    adapter = result["adapter_params"] * 4
+    assert len(pushed) == 3 and pushed[0] > 10 * adapter and all(adapter < b < adapter + 4096 for b in pushed[1:])

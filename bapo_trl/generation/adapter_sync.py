@@ -36,6 +36,8 @@ from .weight_sync import DiskWeightSync, WeightSyncError, write_weights
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 #: The ``bapo serve`` flag that starts a server ready for adapter pushes.
 SERVE_LORA_HINT = "start it with `bapo serve MODEL --lora-rank R` (R >= the adapter's rank)"
+#: The ranks vLLM accepts as ``max_lora_rank`` (vllm/config/lora.py, 0.32): an adapter's rank is rounded up to one.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 #: The ``vllm_lora_sync`` values: the adapter alone (peft models in server mode), or TRL's merged full push.
 LORA_SYNC_MODES = ("adapter", "merged")
 
@@ -198,6 +200,10 @@ class AdapterSync(DiskWeightSync):
 
 def adapter_hint(message: str, path: str) -> str:
     """What to do about a failed adapter request, from vLLM's answer (empty when nothing specific applies)."""
+    if "No adapter found" in message:  # the server cannot read the directory the trainer wrote
+        return ("\nThe server cannot read the adapter directory: on another machine, set BAPO_VLLM_WEIGHTS_DIR to a "
+                "directory both machines see at the same path (a shared mount), or set `vllm_lora_sync=\"merged\"` "
+                "(TRL's merged push: NCCL on CUDA).")
     if "lora_adapter" in path and ("answered 404" in message and "Not Found" in message):
         return (f"\nThe server does not load LoRA adapters at run time: it needs {RUNTIME_LORA_ENV}=1 in its "
                 f"environment and --enable-lora ({SERVE_LORA_HINT}), or set `vllm_lora_sync=\"merged\"` to push "

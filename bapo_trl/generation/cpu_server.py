@@ -27,6 +27,7 @@ Why each piece exists (TRL 1.16):
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import threading
 import time
@@ -41,7 +42,7 @@ from requests.adapters import HTTPAdapter
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration, is_peft_model
 
-from .adapter_sync import AdapterPush, AdapterSync, adapter_refusal
+from .adapter_sync import LORA_RANKS, AdapterPush, AdapterSync, adapter_refusal, write_adapter
 from .fleet import ServerFleet, naming, one_client, server_urls
 from .processes import broadcast_from_main, raise_everywhere
 from .seeding import PerPromptSeeds, SeededEngine
@@ -262,6 +263,12 @@ class CPUServerVLLMGeneration(VLLMGeneration):
         return self.mode == "server" and self.lora_sync == "adapter" and is_peft_model(self.model)
 
     @property
+    def uses_colocate_adapter(self) -> bool:
+        """Colocate mode with a peft model and ``vllm_lora_sync="adapter"``: the in-process engine loads each push's
+        adapter (``add_lora``) and generates with it (a ``lora_request``), its base weights loaded once."""
+        return self.mode == "colocate" and self.lora_sync == "adapter" and is_peft_model(self.model)
+
+    @property
     def uses_disk_sync(self) -> bool:
         return self.mode == "server" and (self.accelerator.device.type != "cuda" or self.uses_adapter_sync)
 
@@ -292,7 +299,15 @@ class CPUServerVLLMGeneration(VLLMGeneration):
                 self._raise_everywhere(error)
             return
         if not self.uses_disk_sync:  # colocate: TRL's code; its engine gives each prompt of a seeded call its own seed
-            super()._init_vllm()
+            if self.uses_colocate_adapter:  # the engine serves LoRA adapters (one at a time)
+                config = self._adapter_config()
+                rank = max([config["r"], *(config.get("rank_pattern") or {}).values()])
+                engine = partial(_trl_vllm_generation.LLM, enable_lora=True, max_loras=1,
+                                 max_lora_rank=next(r for r in LORA_RANKS if r >= rank))
+                with patched(_trl_vllm_generation, "LLM", engine):
+                    super()._init_vllm()
+            else:
+                super()._init_vllm()
             if self.mode == "colocate" and not isinstance(self.llm, SeededEngine):
                 self.llm = SeededEngine(self.llm)
             return
@@ -343,6 +358,8 @@ class CPUServerVLLMGeneration(VLLMGeneration):
         return one_client(clients)
 
     def sync_weights(self):
+        if self.uses_colocate_adapter:
+            return self._load_colocated_adapter()
         if self.uses_colocate_reload:
             return self._reload_colocated()
         if not self.uses_disk_sync:
@@ -371,15 +388,18 @@ class CPUServerVLLMGeneration(VLLMGeneration):
 
     # -- LoRA: the adapter alone ------------------------------------------------------------------------------------
 
-    def _adapter_sync(self, urls: list[str], tied: bool) -> AdapterSync:
-        """Main process: the adapter push's client; a peft config vLLM cannot serve is refused here."""
+    def _adapter_config(self) -> dict:
+        """The active adapter's ``adapter_config.json``; a peft config vLLM cannot serve is refused here."""
         peft_config = self.model.peft_config[self.model.active_adapter]
         refusal = adapter_refusal(peft_config)
         if refusal:
             raise ValueError(f"vllm_lora_sync='adapter' cannot push this adapter: {refusal}. Set "
                              "vllm_lora_sync='merged' to push merged full weights instead (TRL's way).")
-        config = peft_config.to_dict()
-        config["inference_mode"] = True
+        return {**peft_config.to_dict(), "inference_mode": True}
+
+    def _adapter_sync(self, urls: list[str], tied: bool) -> AdapterSync:
+        """Main process: the adapter push's client."""
+        config = self._adapter_config()
 
         def switch(name: str) -> None:  # every request names the adapter loaded last
             fleet = self.vllm_client
@@ -424,10 +444,50 @@ class CPUServerVLLMGeneration(VLLMGeneration):
         base = self._gather_base() if need_base else None
         return AdapterPush(state, base) if main else {}
 
-    def _gather_base(self) -> dict:
+    def _load_colocated_adapter(self) -> None:
+        """Every process (each has its own engine): gather the adapter (collective under ZeRO-3), write it, have the
+        engine load it under a fresh id and generate with it from now on, then drop the one it replaces. The first
+        time, the engine's base weights are reloaded from the trainer's (the engine was built from the checkpoint's
+        path, the trainer's model may have been changed in memory)."""
+        from peft import get_peft_model_state_dict
+        from vllm.lora.request import LoRARequest
+
+        start, llm = time.perf_counter(), self.llm
+        named = self._adapter_parameters()
+        with self._dist.gather_params([p for _, p in named]):
+            state = {name: p.detach().to("cpu", copy=True) for name, p in named}
+        state = get_peft_model_state_dict(self.model, state_dict=state, adapter_name=self.model.active_adapter)
+        rank = self.accelerator.process_index
+        written = 0
+        if getattr(llm, "lora_request", None) is None:  # the base weights, once
+            base = write_weights(self._gather_base(every_process=True), None, f"bapo-vllm-colocate-base-rank{rank}-",
+                                 handed_over=True)
+            try:
+                written += directory_bytes(base)
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": base})
+                llm.collective_rpc(refresh_output_layers)
+            finally:
+                shutil.rmtree(base, ignore_errors=True)
+        directory = write_adapter(state, self._adapter_config(), None, f"bapo-lora-colocate-rank{rank}-")
+        written += directory_bytes(directory)
+        old = llm.lora_request
+        request = LoRARequest(os.path.basename(directory), (old.lora_int_id + 1) if old else 1, directory)
+        try:
+            llm.llm_engine.add_lora(request)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        llm.lora_request = request  # every generate call from now on
+        if old is not None:
+            llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        llm.reset_prefix_cache()
+        self._pushes.append((written, time.perf_counter() - start))
+
+    def _gather_base(self, every_process: bool = False) -> dict:
         """The base model's weights under vLLM's names (adapter layers skipped, unmerged), one parameter gathered at
-        a time; CPU copies on the main process."""
-        main, base = self.accelerator.is_main_process, {}
+        a time; CPU copies on the main process (``every_process``: on each)."""
+        main, base = self.accelerator.is_main_process or every_process, {}
         for name, param in self.model.named_parameters():
             if self.model.prefix in name or "original_module" in name:
                 continue

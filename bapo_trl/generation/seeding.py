@@ -124,12 +124,16 @@ class SeededEngine:
 
     def __init__(self, llm):
         self.__dict__["_llm"] = llm
+        self.__dict__["lora_request"] = None  # the LoRA adapter every call generates with (the adapter push), or None
 
     def __getattr__(self, name):
         return getattr(self.__dict__["_llm"], name)
 
     def __setattr__(self, name, value):
-        setattr(self.__dict__["_llm"], name, value)
+        if name == "lora_request":
+            self.__dict__[name] = value
+        else:
+            setattr(self.__dict__["_llm"], name, value)
 
     def generate(self, prompts, sampling_params=None, *args, **kwargs):
         params = sampling_params
@@ -140,4 +144,6 @@ class SeededEngine:
             params = [params.clone() for _ in prompts]
             for one, s in zip(params, seeds):
                 one.seed = s
+        if self.__dict__["lora_request"] is not None:
+            kwargs.setdefault("lora_request", self.__dict__["lora_request"])
         return self.__dict__["_llm"].generate(prompts, params, *args, **kwargs)

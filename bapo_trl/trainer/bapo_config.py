@@ -103,11 +103,12 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         target_max (`float`, *optional*, defaults to `0.7`):
             Highest target the closed loop may set, in (0, 1).
         vllm_lora_sync (`str`, *optional*, defaults to `"adapter"`):
-            How a LoRA (peft) run in ``vllm_mode="server"`` updates the servers: ``"adapter"`` pushes only the adapter
+            How a LoRA (peft) run updates vLLM: in ``vllm_mode="server"``, ``"adapter"`` pushes only the adapter
             (peft's files), which every server loads under a fresh name per push; requests name the adapter of the
             push they were queued after (:mod:`bapo_trl.generation.adapter_sync`; the servers need LoRA enabled:
-            ``bapo serve MODEL --lora-rank R``). ``"merged"`` merges it and pushes the full weights (TRL's way).
-            Ignored without a peft model and in colocate mode (which pushes merged weights).
+            ``bapo serve MODEL --lora-rank R``). In colocate mode the in-process engine is built with LoRA enabled and
+            loads each push's adapter the same way. ``"merged"`` merges it and pushes the full weights (TRL's way).
+            Ignored without a peft model.
     """
 
     positive_contribution_target: float = field(
@@ -173,9 +174,9 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
     target_max: float = field(default=0.7, metadata={"help": "Highest target the controller may set, in (0, 1)."})
     vllm_lora_sync: str = field(
         default="adapter",
-        metadata={"help": "LoRA (peft) runs with vllm_mode='server': 'adapter' pushes only the adapter, which every "
-                  "server loads under a fresh name per push (start it with `bapo serve MODEL --lora-rank R`); "
-                  "'merged' pushes merged full weights (TRL's way). Ignored without a peft model.",
+        metadata={"help": "LoRA (peft) runs with vLLM: 'adapter' pushes only the adapter, which every server (or the "
+                  "colocated engine) loads under a fresh name per push (start a server with `bapo serve MODEL "
+                  "--lora-rank R`); 'merged' pushes merged full weights (TRL's way). Ignored without a peft model.",
                   "choices": list(LORA_SYNC_MODES)},
     )
     def __post_init__(self):
