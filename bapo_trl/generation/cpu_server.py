@@ -265,8 +265,10 @@ class CPUServerVLLMGeneration(VLLMGeneration):
     @property
     def uses_colocate_adapter(self) -> bool:
         """Colocate mode with a peft model and ``vllm_lora_sync="adapter"``: the in-process engine loads each push's
-        adapter (``add_lora``) and generates with it (a ``lora_request``), its base weights loaded once."""
-        return self.mode == "colocate" and self.lora_sync == "adapter" and is_peft_model(self.model)
+        adapter (``add_lora``) and generates with it (a ``lora_request``), its base weights loaded once. Not with
+        vLLM's sleep mode, whose wake-up belongs to TRL's own push (that case pushes merged weights, TRL's way)."""
+        return (self.mode == "colocate" and self.lora_sync == "adapter" and is_peft_model(self.model)
+                and not getattr(self, "enable_sleep_mode", False))
 
     @property
     def uses_disk_sync(self) -> bool:

@@ -107,8 +107,8 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
             (peft's files), which every server loads under a fresh name per push; requests name the adapter of the
             push they were queued after (:mod:`bapo_trl.generation.adapter_sync`; the servers need LoRA enabled:
             ``bapo serve MODEL --lora-rank R``). In colocate mode the in-process engine is built with LoRA enabled and
-            loads each push's adapter the same way. ``"merged"`` merges it and pushes the full weights (TRL's way).
-            Ignored without a peft model.
+            loads each push's adapter the same way (not with ``vllm_enable_sleep_mode``, which pushes merged weights).
+            ``"merged"`` merges it and pushes the full weights (TRL's way). Ignored without a peft model.
     """
 
     positive_contribution_target: float = field(
