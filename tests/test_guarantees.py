@@ -92,10 +92,11 @@ HELD_PUSH = {"async_k1_held_push", "async_partial_held_push"}
 #: max_staleness=2), async_k2_lazy (a slowed server; the lazy producer's choice is unit-tested fast in
 #: test_async_generation.py), async_partial (16 s; partial and async_k1 are fast, their combination only slow),
 #: replay_async (10 s; replay and async_k1 are fast, and replay_saves_async replays under async, but only the
-#: generation-saving path: plain replay under async is checked in the slow tier only).
+#: generation-saving path: plain replay under async is checked in the slow tier only), the LoRA rows (11 s each; the
+#: adapter push's steps are checked fast against the stand-in in test_adapter_sync.py).
 SLOW_ROWS = {"async_inflight", "async_k2_two_servers", "async_k2", "async_partial", "replay_async", "async_k2_lazy",
              "async_partial_held_push", "async_k2_eval", "async_sync3_eval", "async_partial_lora",
-             "async_inflight_lora", "async_k2_two_servers_lora"}
+             "async_inflight_lora", "async_k2_two_servers_lora", "async_k1_lora"}
 #: Rows whose completions depend on timing: with in-flight updates, where a push lands in a request depends on when
 #: it arrives; with lazy loading, whether a request runs before or after the push it could skip. There a resume trains
 #: the same PROMPT multiset (nothing lost, nothing twice) under the same bounds.
