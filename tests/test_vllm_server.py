@@ -182,22 +182,24 @@ def test_partial_rollout_through_the_server(tiny_server, tiny_model_dir, tmp_pat
     through vLLM's max_tokens) right after a weight sync, its tokens keep the trainer's log-probs of that policy
     version, and TRL's importance-sampling correction compares the server's log-probs with THOSE, not with the
     current policy's: with completions spanning several steps the sampler mismatch stays at float noise."""
-    from test_partial_rollout import RecordingTrainer, Snapshots, segment_logps_match_saved_policies
+    import functools
 
-    class CapProbe(RecordingTrainer):
-        """Records vLLM's max_tokens at each generate call and the longest completion the server returned."""
+    from harness import PolicySnapshots, Probe
+    from test_partial_rollout import RECORDING, segment_logps_match_saved_policies
 
-        def _generate_single_turn(self, prompt_ids, *args, **kwargs):
-            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
-            self.calls = getattr(self, "calls", []) + [
-                (self.vllm_generation.max_completion_length, max(map(len, completion_ids)))]
-            return completion_ids, logprobs
+    def record_cap(trainer, generate, prompt_ids, *args, **kwargs):
+        """vLLM's max_tokens at each generate call and the longest completion the server returned."""
+        completion_ids, logprobs = generate(prompt_ids, *args, **kwargs)
+        trainer.calls.append((trainer.vllm_generation.max_completion_length, max(map(len, completion_ids))))
+        return completion_ids, logprobs
 
+    cap_probe = functools.partial(Probe, around={**RECORDING["around"], "_generate_single_turn": record_cap},
+                                  record=(*RECORDING["record"], "calls"))
     reset_server_weights(tiny_server.url, tiny_model_dir)
     tokens_before = tiny_server.generated_tokens()
-    snapshots = Snapshots()
+    snapshots = PolicySnapshots()
     trainer = train_with_server(
-        tiny_model_dir, tmp_path, tiny_server.url, max_steps=6, trainer_cls=CapProbe, callbacks=[snapshots],
+        tiny_model_dir, tmp_path, tiny_server.url, max_steps=6, trainer_cls=cap_probe, callbacks=[snapshots],
         steps_per_generation=1, per_device_train_batch_size=16, max_completion_length=10, partial_rollout_budget=3,
         partial_rollout_max_resumes=3, learning_rate=5e-3, seed=1,  # moves the policy enough to see staleness
     )
