@@ -98,7 +98,7 @@ def test_pushes_load_a_fresh_name_switch_requests_then_unload_the_old(tiny_model
         assert os.listdir(tmp_path) == [os.path.basename(sync.current_dir)]
         assert sorted(os.listdir(sync.current_dir)) == ["adapter_config.json", "adapter_model.safetensors"]
         sync.close()
-        assert os.listdir(tmp_path) == []
+        assert os.listdir(tmp_path) == [] and server.lora_events[-1] == ("unload", second) and not server.adapters
     finally:
         server.close()
 

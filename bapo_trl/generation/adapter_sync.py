@@ -194,8 +194,16 @@ class AdapterSync(DiskWeightSync):
             shutil.rmtree(directory, ignore_errors=True)
 
     def close(self) -> None:
+        """Unload the adapter this client loaded last from every server (best effort: a server already gone is not an
+        error here), then remove every directory it wrote."""
+        if self.active_name is not None:
+            name, self.active_name = self.active_name, None
+            for url in self.base_urls:
+                try:
+                    self._unload(url, name)
+                except WeightSyncError:
+                    pass
         super().close()
-        self.active_name = None
 
 
 def adapter_hint(message: str, path: str) -> str:
