@@ -868,6 +868,28 @@ def test_lora_with_async_generation(tiny_server, tiny_model_dir, tmp_path):
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
 
 
+def zero3_async_from_train_bapo(server_url: str, out, *extra) -> tuple[str, list[float]]:
+    """`accelerate launch` of train_bapo.py, ZeRO-3 on 2 processes, 4 steps of async K=1 through the server at
+    ``server_url`` (``extra``: more flags); checks that ZeRO-3 partitioned the weights and that the first batch was
+    fresh and every later one a step stale; returns the launch's output and the logged staleness per step."""
+    from launching import REPO, accelerate_launch, assert_zero3_partitioned
+
+    proc = accelerate_launch(
+        REPO / "train_bapo.py", "--max_steps", "4",
+        "--per_device_train_batch_size", "8", "--num_generations", "4", "--steps_per_generation", "1",
+        "--logging_steps", "1", "--output_dir", out, *extra,
+        "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", server_url,
+        "--async_generation", "--max_staleness", "1",
+        config_file=REPO / "accelerate_configs" / "deepspeed_zero3.yaml", extra_launch=["--mixed_precision", "no"],
+        timeout=1200,
+    )
+    assert_zero3_partitioned(out)
+    text = proc.stdout + proc.stderr
+    staleness = [float(x) for x in re.findall(r"'async/staleness_max': '([^']+)'", text)]
+    assert len(staleness) == 4 and staleness[0] == 0 and min(staleness[1:]) >= 1, staleness
+    return text, staleness
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial_rollout"])
 def test_zero3_two_processes_async_from_train_bapo(tiny_server, tiny_model_dir, tmp_path, partial):
@@ -877,25 +899,11 @@ def test_zero3_two_processes_async_from_train_bapo(tiny_server, tiny_model_dir, 
     TRL's own generation on every rank with rank 0's producer held, through the hold's per-batch broadcast (the
     weights each queued batch keeps are checked by the guarantees matrix's evaluating row, on a server slow
     enough to queue them)."""
-    from launching import REPO, accelerate_launch, assert_zero3_partitioned
-
     reset_server_weights(tiny_server.url, tiny_model_dir)
     out = tmp_path / "run"
     extra = ["--partial_rollout_budget", "3", "--max_completion_length", "10"] if partial else \
         ["--max_completion_length", "8", "--eval_strategy", "steps", "--eval_steps", "2"]
-    proc = accelerate_launch(
-        REPO / "train_bapo.py", "--max_steps", "4",
-        "--per_device_train_batch_size", "8", "--num_generations", "4", "--steps_per_generation", "1",
-        "--logging_steps", "1", "--output_dir", out, *extra,
-        "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", tiny_server.url,
-        "--async_generation", "--max_staleness", "1",
-        config_file=REPO / "accelerate_configs" / "deepspeed_zero3.yaml", extra_launch=["--mixed_precision", "no"],
-        timeout=1200,
-    )
-    assert_zero3_partitioned(out)
-    text = proc.stdout + proc.stderr
-    staleness = [float(x) for x in re.findall(r"'async/staleness_max': '([^']+)'", text)]
-    assert len(staleness) == 4 and staleness[0] == 0 and min(staleness[1:]) >= 1, staleness
+    text, staleness = zero3_async_from_train_bapo(tiny_server.url, out, *extra)
     if not partial:
         assert staleness == [0, 1, 1, 1], staleness
         assert len(re.findall(r"'eval_loss': '([^']+)'", text)) == 2

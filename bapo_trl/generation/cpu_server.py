@@ -433,32 +433,36 @@ class CPUServerVLLMGeneration(VLLMGeneration):
         """The adapter as peft saves it, CPU copies on the main process (empty elsewhere); on the pushes before the
         servers have loaded this trainer's base weights once, those too. Every process calls it (the gathers are
         collective under ZeRO-3, over the adapter's parameters only)."""
-        from peft import get_peft_model_state_dict
-
         main = self.accelerator.is_main_process
         need_base = broadcast_from_main(bool(main and not self.disk_sync.base_pushed),
                                         self.accelerator.num_processes)
-        named = self._adapter_parameters()
-        with self._dist.gather_params([p for _, p in named]):
-            state = {name: p.detach().to("cpu", copy=True) for name, p in named} if main else {}
-        if main:
-            state = get_peft_model_state_dict(self.model, state_dict=state, adapter_name=self.model.active_adapter)
+        state = self._gathered_adapter()
         base = self._gather_base() if need_base else None
         return AdapterPush(state, base) if main else {}
+
+    def _gathered_adapter(self, every_process: bool = False) -> dict:
+        """The active adapter under peft's saved names, CPU copies on the main process (``every_process``: on each;
+        empty elsewhere). Every process calls it: under ZeRO-3 the gather, over the adapter's parameters only, is
+        collective."""
+        from peft import get_peft_model_state_dict
+
+        keep = self.accelerator.is_main_process or every_process
+        named = self._adapter_parameters()
+        with self._dist.gather_params([p for _, p in named]):
+            state = {name: p.detach().to("cpu", copy=True) for name, p in named} if keep else {}
+        if not keep:
+            return {}
+        return get_peft_model_state_dict(self.model, state_dict=state, adapter_name=self.model.active_adapter)
 
     def _load_colocated_adapter(self) -> None:
         """Every process (each has its own engine): gather the adapter (collective under ZeRO-3), write it, have the
         engine load it under a fresh id and generate with it from now on, then drop the one it replaces. The first
         time, the engine's base weights are reloaded from the trainer's (the engine was built from the checkpoint's
         path, the trainer's model may have been changed in memory)."""
-        from peft import get_peft_model_state_dict
         from vllm.lora.request import LoRARequest
 
         start, llm = time.perf_counter(), self.llm
-        named = self._adapter_parameters()
-        with self._dist.gather_params([p for _, p in named]):
-            state = {name: p.detach().to("cpu", copy=True) for name, p in named}
-        state = get_peft_model_state_dict(self.model, state_dict=state, adapter_name=self.model.active_adapter)
+        state = self._gathered_adapter(every_process=True)
         rank = self.accelerator.process_index
         written = 0
         if getattr(llm, "lora_request", None) is None:  # the base weights, once
