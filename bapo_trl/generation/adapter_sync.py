@@ -88,11 +88,6 @@ def write_adapter(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torc
     return directory
 
 
-def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
-    """Bytes of the tensors a push writes."""
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
 class AdapterPush(dict):
     """The gathered tensors of an adapter push (peft's saved names), with the base weights on a client's first push
     (``base``: vLLM checkpoint names, or None)."""
@@ -100,10 +95,6 @@ class AdapterPush(dict):
     def __init__(self, adapter: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor] | None = None):
         super().__init__(adapter)
         self.base = base
-
-    @property
-    def nbytes(self) -> int:
-        return tensor_bytes(self) + (tensor_bytes(self.base) if self.base else 0)
 
 
 class AdapterSync(DiskWeightSync):
