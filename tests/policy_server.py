@@ -175,22 +175,18 @@ class PolicyServer:
             self.reloads += 1
 
     def load_adapter(self, name: str, directory: str) -> None:
-        """Read a peft LoRA adapter: each target layer's ``scale * B @ A`` (scale ``lora_alpha / r``, or over
-        ``sqrt(r)`` with rsLoRA), under the base weight's name."""
-        from safetensors.torch import load_file
+        """Read a peft adapter as peft itself applies it: loaded onto a copy of the base model and merged there; what
+        the merge changed, by base weight name, is what a request naming it adds (any module kind peft adapts,
+        ``lora_alpha``, rsLoRA and rank patterns all as peft computes them)."""
+        import copy
 
-        with open(f"{directory}/adapter_config.json") as f:
-            config = json.load(f)
-        tensors = load_file(f"{directory}/adapter_model.safetensors")
-        r = config["r"]
-        scale = config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
-        deltas = {}
-        for key, a in tensors.items():
-            if ".lora_A." not in key:
-                continue
-            b = tensors[key.replace(".lora_A.", ".lora_B.")]
-            layer = key.split(".lora_A.")[0].removeprefix("base_model.model.")
-            deltas[f"{layer}.weight"] = scale * (b.float() @ a.float())
+        from peft import PeftModel
+
+        with self.lock:
+            base = copy.deepcopy(self.model)
+        before = {k: v.detach().clone() for k, v in base.state_dict().items()}
+        merged = PeftModel.from_pretrained(base, directory).merge_and_unload().state_dict()
+        deltas = {k: merged[k] - v for k, v in before.items() if k in merged and not torch.equal(merged[k], v)}
         with self.lock:
             self.adapters[name] = deltas
             self.lora_events.append(("load", name))

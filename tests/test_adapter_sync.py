@@ -36,7 +36,7 @@ def peft_model(model_dir, seed: int = 0, **config):
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(**{**LORA, **config}))
     torch.manual_seed(seed)
     for name, param in model.named_parameters():
-        if "lora_B" in name:
+        if "lora_B" in name or "lora_embedding_A" in name:  # the factor peft starts at zero (an embedding's is A)
             param.data.normal_(0, 0.3)
     return model
 
@@ -137,6 +137,9 @@ def test_server_errors_get_the_flag_to_add():
     assert RUNTIME_LORA_ENV in adapter_hint("answered 404: {\"detail\":\"Not Found\"}", "/v1/load_lora_adapter")
     assert adapter_hint("answered 404: The lora adapter 'x' cannot be found.", "/v1/unload_lora_adapter") == ""
     assert "BAPO_VLLM_WEIGHTS_DIR" in adapter_hint("answered 404: Loading lora x failed: No adapter found for /t", "")
+    refused = ("answered 400: While loading /t/a, expected target modules in ['q_proj'] but received "
+               "['model.embed_tokens']. Please verify that the loaded LoRA module is correct")
+    assert "vllm_lora_sync=\"merged\"" in adapter_hint(refused, "/v1/load_lora_adapter")  # vLLM's model class
 
 
 def server_config(server, tmp_path, **overrides) -> BAPOConfig:
@@ -204,3 +207,62 @@ def test_adapter_config_json_is_what_peft_writes(tiny_model_dir, tmp_path):
     keys = ("r", "lora_alpha", "peft_type", "use_rslora", "use_dora", "bias", "modules_to_save")
     assert {k: ours[k] for k in keys} == {k: theirs[k] for k in keys}
     assert sorted(ours["target_modules"]) == sorted(theirs["target_modules"]) == ["q_proj", "v_proj"]
+
+
+#: Every module kind peft can adapt in the tiny model (Llama) that TRL trains: attention and MLP projections, the input
+#: embedding, and all linear layers at once (TRL refuses `lm_head`: its log-probs read `lm_head.weight` directly).
+MODULE_KINDS = {
+    "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "mlp": ["gate_proj", "up_proj", "down_proj"],
+    "embed_tokens": ["embed_tokens"],
+    "embed_tokens+q_proj": ["embed_tokens", "q_proj"],
+    "all-linear": "all-linear",
+}
+
+
+@pytest.mark.parametrize("targets", MODULE_KINDS.values(), ids=MODULE_KINDS.keys())
+def test_every_tensor_peft_trains_is_pushed(tiny_model_dir, tmp_path, targets):
+    """The adapter a push gathers is every trainable tensor of the adapter, under peft's saved names: an embedding's
+    ``lora_embedding_A.default`` (no trailing part) included, peft's copies of the base embeddings left out (the base
+    goes with the base push). Also what the start-up probe loads (the same selection)."""
+    server = PolicyServer(tiny_model_dir)
+    try:
+        trainer = tiny_trainer(tiny_model_dir, server_config(server, tmp_path),
+                               model=peft_model(tiny_model_dir, target_modules=targets))
+        backend = trainer.vllm_generation
+        trainable = {name for name, p in trainer.model.named_parameters() if p.requires_grad}
+        assert {name for name, _ in backend._adapter_parameters()} == trainable
+        pushed = backend._gathered_adapter()
+        expected = get_peft_model_state_dict(trainer.model, save_embedding_layers=False)
+        assert set(pushed) == set(expected) == set(backend._adapter_shapes())
+        assert len(pushed) == len(trainable)
+        assert all(torch.equal(pushed[k], expected[k]) for k in pushed)
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("targets", [["embed_tokens", "q_proj"], ["v_proj", "down_proj"]], ids=["embed", "linear"])
+def test_the_server_samples_with_the_adapter_the_trainer_trains(tiny_model_dir, tmp_path, targets):
+    """A LoRA run through the stand-in (which applies a pushed adapter with peft itself): TRL's sampler/trainer
+    log-prob difference stays at float32 noise at every step, so the server samples from the trainer's policy, the
+    adapter's embedding tensors included; and the adapter the server holds at the end, loaded in peft
+    as it was pushed (its adapter_config.json: rank, alpha), gives the trainer's outputs."""
+    server = PolicyServer(tiny_model_dir)
+    try:
+        trainer = tiny_trainer(tiny_model_dir, server_config(server, tmp_path, learning_rate=2e-2),
+                               model=peft_model(tiny_model_dir, target_modules=targets))
+        trainer.train()
+        diffs = [h["sampling/sampling_logp_difference/mean"] for h in trainer.state.log_history
+                 if "sampling/sampling_logp_difference/mean" in h]
+        assert len(diffs) == 2 and max(diffs) < 1e-4, diffs  # one per generation batch
+        sync = trainer.vllm_generation.disk_sync
+        trainer.vllm_generation.sync_weights()  # the trained adapter, as the server holds it now
+        config = json.loads(open(os.path.join(sync.current_dir, "adapter_config.json")).read())
+        ours = trainer.model.peft_config["default"]
+        assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (ours.r, ours.lora_alpha, ours.use_rslora)
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), sync.current_dir)
+        ids = torch.tensor([[2, 5, 6, 7, 8, 9, 10]])
+        with torch.no_grad():
+            assert torch.allclose(loaded(input_ids=ids).logits, trainer.model(input_ids=ids).logits, atol=1e-5)
+    finally:
+        server.close()

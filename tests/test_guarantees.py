@@ -322,11 +322,11 @@ def lora_config(source: str):
 
 
 def adapter_that_matters(model, seed: int = 0) -> None:
-    """Give a fresh LoRA adapter a B that is not 0 (peft starts it at 0): from the first push on, a sampler that
-    ignored the adapter would differ from the trainer's policy far beyond the tolerance of the log-prob checks."""
+    """Give a fresh LoRA adapter a B that is not 0 (peft starts it at 0; an embedding's A): from the first push on, a
+    sampler that ignored the adapter would differ from the trainer's policy far beyond the log-prob checks' bounds."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
-        if "lora_B" in name:
+        if "lora_B" in name or "lora_embedding_A" in name:
             param.data.copy_(torch.randn(param.shape, generator=generator) * 0.3)
 
 

@@ -30,15 +30,17 @@ def model_bytes(model_dir) -> int:
     return sum(p.numel() * p.element_size() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
 
 
-def test_a_lora_run_samples_from_its_adapter_and_retires_old_names(lora_server, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["embed_tokens", "q_proj"]], ids=["linear", "embed"])
+def test_a_lora_run_samples_from_its_adapter_and_retires_old_names(lora_server, tiny_model_dir, tmp_path, targets):
     """TRL's synchronous generation, a stale batch every other step: the server's log-probs match the trainer's
-    recomputation with the same adapter (the bound the full push meets), every push after the first carries the adapter
-    alone, and a replaced adapter's name is refused by the server (404), so it cannot be sampled from."""
+    recomputation with the same adapter (the bound the full push meets; with an adapter on ``embed_tokens`` too, whose
+    tensors peft names without a trailing part), every push after the first carries the adapter alone, and a replaced
+    adapter's name is refused by the server (404), so it cannot be sampled from."""
     from test_adapter_sync import server_config
 
     reset_server_weights(lora_server.url, tiny_model_dir)
     trainer = tiny_trainer(tiny_model_dir, server_config(lora_server, tmp_path, max_steps=6),
-                           peft_config=LoraConfig(r=RANK, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+                           peft_config=LoraConfig(r=RANK, lora_alpha=16, target_modules=targets))
     adapter_that_matters(trainer.model)  # a sampler without the adapter would be far off from the first push
     trainer.train()
     diffs = logp_differences(trainer)

@@ -207,6 +207,11 @@ def adapter_hint(message: str, path: str) -> str:
         return (f"\nThe server does not load LoRA adapters at run time: it needs {RUNTIME_LORA_ENV}=1 in its "
                 f"environment and --enable-lora ({SERVE_LORA_HINT}), or set `vllm_lora_sync=\"merged\"` to push "
                 "merged full weights.")
+    if "expected target modules" in message or "expected target_modules" in message:
+        return ("\nThis vLLM cannot serve a LoRA adapter on some of the adapter's modules for this model class (its "
+                "answer lists them: embedding and output layers are served for some architectures only). Set "
+                "`vllm_lora_sync=\"merged\"` to push merged full weights, or leave those modules out of "
+                "`target_modules`.")
     if "LoRA is not enabled" in message:
         return f"\nThe server runs without --enable-lora: {SERVE_LORA_HINT}, or set `vllm_lora_sync=\"merged\"`."
     if "max_lora_rank" in message:

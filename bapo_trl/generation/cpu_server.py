@@ -411,10 +411,10 @@ class CPUServerVLLMGeneration(VLLMGeneration):
         return AdapterSync(urls, config, switch, timeout=self.server_timeout, refresh_output_layers=tied)
 
     def _adapter_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """The active adapter's LoRA parameters (peft's names, the adapter's own included)."""
-        marker = f".{self.model.active_adapter}."
-        return [(name, param) for name, param in self.model.named_parameters()
-                if "lora_" in name and marker in name]
+        """Every tensor of the active adapter (peft's names, the adapter's own included): a linear layer's
+        ``lora_A.<adapter>.weight``, an embedding's ``lora_embedding_A.<adapter>`` (no trailing part), ``lm_head``'s,
+        whatever ``target_modules`` names."""
+        return adapter_parameters(self.model, self.model.active_adapter)
 
     def _adapter_shapes(self) -> dict[str, tuple[int, ...]]:
         """The adapter's tensors as peft saves them: name -> full shape (ZeRO-3 keeps it in ``ds_shape``)."""
@@ -422,7 +422,7 @@ class CPUServerVLLMGeneration(VLLMGeneration):
 
         shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self._adapter_parameters()}
         saved = get_peft_model_state_dict(self.model, state_dict={n: torch.empty(0) for n in shapes},
-                                          adapter_name=self.model.active_adapter)
+                                          adapter_name=self.model.active_adapter, save_embedding_layers=False)
         renamed = dict(zip(saved, shapes.values())) if len(saved) == len(shapes) else None
         if renamed is None:
             raise ValueError("vllm_lora_sync='adapter': peft's saved names of this adapter do not match its "
@@ -452,7 +452,8 @@ class CPUServerVLLMGeneration(VLLMGeneration):
             state = {name: p.detach().to("cpu", copy=True) for name, p in named} if keep else {}
         if not keep:
             return {}
-        return get_peft_model_state_dict(self.model, state_dict=state, adapter_name=self.model.active_adapter)
+        return get_peft_model_state_dict(self.model, state_dict=state, adapter_name=self.model.active_adapter,
+                                         save_embedding_layers=False)  # the base embeddings go with the base
 
     def _load_colocated_adapter(self) -> None:
         """Every process (each has its own engine): gather the adapter (collective under ZeRO-3), write it, have the
@@ -533,6 +534,17 @@ class CPUServerVLLMGeneration(VLLMGeneration):
                          "on the main process",
                          kinds={"WeightSyncError": WeightSyncError, "VLLMLogprobsModeError": VLLMLogprobsModeError},
                          default=ConnectionError)
+
+
+def adapter_parameters(model, adapter: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """``model``'s parameters of peft adapter ``adapter``: a name part is the adapter's name and another a LoRA
+    tensor's (``lora_A``, ``lora_embedding_B``, ...)."""
+    found = []
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        if adapter in parts and any(part.startswith("lora_") for part in parts):
+            found.append((name, param))
+    return found
 
 
 def refresh_output_layers(worker) -> int:
