@@ -16,6 +16,8 @@ deepspeed), this script checks, on ``--device cuda``:
    of BAPO steps under ``torch.profiler``: the search's and BAPO's whole adaptation's (search + metrics) share of
    the block's device time and host time, and the host syncs the search makes inside those real training steps;
 4. **replay queue** and **partial rollout**, a few BAPO steps each, on the device;
+   **LoRA adapter push**: a LoRA run in server mode pushing its adapter from the device (gather, peft's files, the
+   bytes and seconds of each push) to the stand-in server of ``tests/policy_server.py`` (no vLLM GPU wheel travels);
 5. **DeepSpeed**: a 1-process ZeRO-3 launch of ``train_bapo.py`` (``accelerate_configs/deepspeed_zero3.yaml``),
    and, on CUDA, a JIT build of DeepSpeed's FusedAdam op with the machine's nvcc, then one step of it (last: the
    longest, and what a short lease can lose).
@@ -36,14 +38,14 @@ then send the working tree with ``.gpu_wheels`` (ignored by git, under 64 MiB) a
 (``$PWD`` first: the checkout's ``bapo_trl`` is what gets checked; the wheel of it is there for installing without
 the checkout.) About 6.5 minutes on an H200 (2026-11-26: 342 s with the op build failing at once; the step timing
 293 s, a passing DeepSpeed section 57-80 s with the op's build 32-39 s). ``--skip``
-leaves sections out (``search,steps,replay,deepspeed``); ``--batches`` and ``--rounds`` set the step comparison's
+leaves sections out (``search,steps,replay,lora,deepspeed``); ``--batches`` and ``--rounds`` set the step comparison's
 micro-batch sizes and rounds (a repeat of it alone: ``--skip search,replay,deepspeed``).
 
 Output: one table row per check, then one machine-readable line::
 
     device=<cpu|cuda> checks=<n> failed=<n> search_tokens=<n> speedup_vs_loop=<x> floor_ratio=<x> host_syncs=<n>
     step_time_ratio=<bapo/grpo> peak_memory_ratio=<bapo/grpo or nan> search_device_share=<x or nan>
-    adapt_host_share=<x> step_syncs=<n> zero3=<pass|fail|skip> replay=<...> partial_rollout=<...>
+    adapt_host_share=<x> step_syncs=<n> zero3=<pass|fail|skip> replay=<...> partial_rollout=<...> lora_push=<...>
 
 (all on one line; over the batch sizes of the step comparison, the ratios and shares are the largest and
 ``step_syncs`` the sum). Exit code 1 if any check failed. Timings are reported, never judged: only wrong results
@@ -101,7 +103,9 @@ GPU_STEP_ARGS = dict(per_device_train_batch_size=16, num_generations=8, steps_pe
 #: The micro-batch sizes the step comparison runs at on CUDA (8 completions per group): 2 and 8 groups.
 GPU_STEP_BATCHES = (16, 64)
 #: The sections, in the order they run (``--skip`` names some of them).
-SECTIONS = ("search", "steps", "replay", "deepspeed")
+SECTIONS = ("search", "steps", "replay", "lora", "deepspeed")
+#: The LoRA push's adapter: rank 16 on q_proj and v_proj, as benchmarks/lora_push.py measures it on SmolLM2.
+LORA = dict(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"])
 
 
 # -- host synchronisation -------------------------------------------------------------------------------------------
@@ -513,6 +517,76 @@ def section_replay(device: str, tmp: str) -> list[dict]:
     return rows
 
 
+def section_lora(device: str, quick: bool, tmp: str) -> list[dict]:
+    """A LoRA run's adapter push from the device, end to end: BAPOTrainer in server mode with a peft adapter
+    (:data:`LORA`) on the random model of the step comparison, 4 steps, a push every 2. No vLLM GPU wheel can travel
+    to the GPU machine, so the server is the STAND-IN of ``tests/policy_server.py`` (a thread sampling on the CPU
+    with transformers, loading each pushed adapter with peft as vLLM would load it): what runs for real is the
+    trainer's side of the push on the device, the gather of the adapter's parameters, peft's files written, the
+    base weights once, the name switch and unload. Checked: two pushes, the first with the base weights, the second
+    the adapter alone; every request named an adapter the server held. Reported: bytes and seconds of each push, the
+    adapter's gather alone, TRL's sampler/trainer log-prob difference (the stand-in samples in float32 on the CPU,
+    the trainer runs in bf16 on CUDA: the gap there is precision, not staleness)."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bapo_trl import BAPOConfig, BAPOTrainer
+    from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from policy_server import PolicyServer  # the stand-in server (named so in the row)
+
+    cuda = device == "cuda"
+    model_dir = os.path.join(tmp, "random-model")  # the step comparison's, when that section ran
+    if not os.path.isdir(model_dir):
+        build_random_model(model_dir, device=device, dtype=torch.bfloat16 if cuda else torch.float32,
+                           **(GPU_MODEL if cuda else CPU_MODEL))
+    server = PolicyServer(model_dir)
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        args = step_overhead.common_args(
+            os.path.join(tmp, "lora"), 4, device, steps_per_generation=2, learning_rate=1e-4,
+            max_completion_length=8 if cuda else 6, use_vllm=True, vllm_mode="server", vllm_server_host=host,
+            vllm_server_port=int(port), vllm_server_timeout=600)
+        trainer = BAPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reverse_reward,
+                              args=BAPOConfig(**args), train_dataset=make_reverse_dataset(64, seed=step_overhead.SEED),
+                              processing_class=AutoTokenizer.from_pretrained(model_dir),
+                              peft_config=LoraConfig(**LORA))
+        backend = trainer.vllm_generation
+        trainer.train()
+        logs = trainer.state.log_history
+        pushed = [h["weight_sync/pushed_bytes"] for h in logs if "weight_sync/pushed_bytes" in h]
+        seconds = [h["weight_sync/seconds"] for h in logs if "weight_sync/seconds" in h]
+        gaps = [h["sampling/sampling_logp_difference/mean"] for h in logs
+                if "sampling/sampling_logp_difference/mean" in h]
+        adapter = sum(p.numel() * p.element_size() for _, p in backend._adapter_parameters())
+        model = sum(p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if "lora_" not in n)
+        gathers = []
+        for _ in range(5):
+            start = time.perf_counter()
+            backend._gathered_adapter()
+            gathers.append(time.perf_counter() - start)
+        events = [event for event, _ in server.lora_events]
+        on = next(p for _, p in backend._adapter_parameters()).device.type
+        # loads and unloads: the start-up probe's (a zero adapter of the run's shapes), then the two pushes'
+        ok = (on == device and len(pushed) == 2 and pushed[0] > 0.5 * model and pushed[1] < adapter + 2**16
+              and events.count("load") == 3 and events.count("unload") == 2 and "unknown" not in events
+              and server.requests["RPC", "reload_weights"] == 1 and backend.uses_adapter_sync)
+        backend.disk_sync.close()
+        detail = (f"stand-in server (tests/policy_server.py, CPU); adapter r={LORA['r']} on "
+                  f"{'/'.join(LORA['target_modules'])} of the {model / 2**20:.0f} MiB model on {on}: "
+                  f"{adapter / 2**20:.2f} MiB ({adapter / model:.2%}); pushes "
+                  + ", ".join(f"{b / 2**20:.2f} MiB in {s:.2f} s" for b, s in zip(pushed, seconds))
+                  + f" (first: base weights once + adapter); adapter gather alone "
+                  f"{1e3 * statistics.median(gathers):.1f} ms (median of 5); loads/unloads "
+                  f"{events.count('load')}/{events.count('unload')} (start-up probe included); sampler/trainer "
+                  f"log-prob difference {' '.join(f'{g:.2e}' for g in gaps)}")
+        return [{"check": "LoRA adapter push (server mode, stand-in server)", "ok": ok, "detail": detail,
+                 "lora_push_mib": pushed[-1] / 2**20 if pushed else math.nan}]
+    finally:
+        server.close()
+
+
 # -- report ---------------------------------------------------------------------------------------------------------
 
 
@@ -572,6 +646,7 @@ def main(argv=None) -> int:
     sections = {"search": lambda tmp: section_search(args.device, args.quick),
                 "steps": lambda tmp: section_steps(args.device, args.quick, tmp, batches, args.rounds),
                 "replay": lambda tmp: section_replay(args.device, tmp),
+                "lora": lambda tmp: section_lora(args.device, args.quick, tmp),
                 "deepspeed": lambda tmp: section_deepspeed(args.device, tmp)}
     rows, started = [], time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -617,7 +692,8 @@ def main(argv=None) -> int:
           f"adapt_host_share={pick('adapt_host_share', combine=max):.4f} "
           f"step_syncs={pick('step_syncs', -1, combine=sum)} "
           f"zero3={status('DeepSpeed ZeRO-3 launch of train_bapo.py')} "
-          f"replay={status('replay queue')} partial_rollout={status('partial rollout')}")
+          f"replay={status('replay queue')} partial_rollout={status('partial rollout')} "
+          f"lora_push={status('LoRA adapter push (server mode, stand-in server)')}")
     return 1 if failed else 0
 
 
