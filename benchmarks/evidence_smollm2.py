@@ -93,8 +93,9 @@ from study import SMOLLM2_QUICK as QUICK_TRAINING
 from study import SMOLLM2_TRAINING as LOSS_STUDY_TRAINING
 from study import train_smollm2 as train
 
-#: The paired comparisons' references: the TRL baseline BAPO's default replaces, and the strongest TRL loss.
-REFERENCES = ("TRL dapo clip-higher", "TRL GSPO")
+#: The paired comparisons' references: the TRL baseline BAPO's default replaces, and the strongest TRL loss as TRL
+#: documents it (``TRL GSPO`` is the variant with epsilon 0.2 the first study ran).
+REFERENCES = ("TRL dapo clip-higher", "TRL GSPO (documented)", "TRL GSPO")
 #: The settings the tiny evidence study ranks highest (docs/results.md): BAPO's balance of GSPO with the dual clip,
 #: BAPO's default (paper + dual clip) and the widest fixed window. (Its GSPO balance without the dual clip ties the
 #: one with it there, and gave the same model on the one SmolLM2 seed it ran: left out.)
@@ -319,12 +320,12 @@ def with_interval(values: list[float], resamples: int, digits: int = 1) -> str:
     return f"{mean(values):.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
 
-def report(runs: list[dict], results: str, resamples: int = 10000) -> tuple[str, int]:
+def report(runs: list[dict], results: str, resamples: int = 10000, references=REFERENCES) -> tuple[str, int]:
     """The markdown report of a results file and the number of intervals that exclude zero."""
     METHODS = evidence_methods()
     base = [r for r in runs if r["method"] == "base"]
     trained = [r for r in runs if r["method"] != "base"]
-    order = [m for m in dict.fromkeys((*REFERENCES, *METHODS)) if any(r["method"] == m for r in trained)]
+    order = [m for m in dict.fromkeys((*references, *METHODS)) if any(r["method"] == m for r in trained)]
     seeds = sorted({r["seed"] for r in trained})
     settings = sorted({json.dumps(r["training"], sort_keys=True) for r in runs})
     commits = sorted({r.get("commit") or "unknown" for r in runs})
@@ -366,7 +367,7 @@ def report(runs: list[dict], results: str, resamples: int = 10000) -> tuple[str,
                      f"{mean([r['grad_norm_max'] for r in rs]):.1f} | {mean([r['clip_high'] for r in rs]):.2f} | "
                      f"{mean([r['seconds'] / 60 for r in rs]):.1f} |")
     claims = []
-    for reference in REFERENCES:
+    for reference in references:
         rows = []
         for method in order:
             if method == reference or reference not in order:
@@ -397,6 +398,16 @@ def main(argv=None) -> int:
                         f"always run (default: {', '.join(DEFAULT_METHODS)})")
     parser.add_argument("--seeds", default=DEFAULT_SEEDS, help=f"A-B or a list 3,5,8 (default {DEFAULT_SEEDS})")
     parser.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps per run (default {STEPS})")
+    parser.add_argument("--staleness", type=int, default=TRAINING["steps_per_generation"],
+                        help="steps_per_generation: each generation batch is trained on for this many optimizer "
+                        f"steps, its last step that many minus one stale (default {TRAINING['steps_per_generation']})")
+    parser.add_argument("--lr", type=float, default=TRAINING["learning_rate"],
+                        help=f"learning rate (default {TRAINING['learning_rate']:g})")
+    parser.add_argument("--references", nargs="+", default=list(REFERENCES),
+                        help=f"the methods every other is paired with; they always run (default: "
+                        f"{', '.join(REFERENCES)})")
+    parser.add_argument("--eval-problems", type=int, default=None,
+                        help=f"score on the first N held-out problems only (default all {HELDOUT_SIZE}; a pilot)")
     parser.add_argument("--workers", type=int, default=2, help="runs at a time (default 2: one per core)")
     parser.add_argument("--results", default=None, help=f"runs file (default {os.path.relpath(RESULTS, REPO)})")
     parser.add_argument("--report", action="store_true", help="only read the runs file and write the report")
@@ -411,16 +422,20 @@ def main(argv=None) -> int:
         return 0
     METHODS = evidence_methods()
 
-    unknown = [m for m in args.methods if m not in METHODS]
+    unknown = [m for m in [*args.methods, *args.references] if m not in METHODS]
     if unknown:
         parser.error(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
-    if args.steps < 1 or args.workers < 1 or args.resamples < 1:
-        parser.error("--steps, --workers and --resamples must be >= 1")
+    if args.steps < 1 or args.workers < 1 or args.resamples < 1 or args.staleness < 1:
+        parser.error("--steps, --staleness, --workers and --resamples must be >= 1")
+    if not args.lr > 0:
+        parser.error(f"--lr must be > 0, got {args.lr}")
+    if args.eval_problems is not None and not 1 <= args.eval_problems <= HELDOUT_SIZE:
+        parser.error(f"--eval-problems must be in 1..{HELDOUT_SIZE}, got {args.eval_problems}")
     try:
         seeds = parse_seeds(args.seeds, count=False)
     except ValueError as error:
         parser.error(str(error))
-    methods = list(dict.fromkeys([*args.methods, *REFERENCES]))
+    methods = list(dict.fromkeys([*args.methods, *args.references]))
     tmp = tempfile.mkdtemp(prefix="evidence-smollm2-") if args.quick else None
     results = args.results or (os.path.join(tmp, "runs.jsonl") if args.quick else RESULTS)
     out = args.report_out or (os.path.join(tmp, "evidence_smollm2.md") if args.quick else REPORT)
@@ -429,7 +444,8 @@ def main(argv=None) -> int:
         if args.quick:
             todo = plan(methods[:1], seeds[:1], QUICK_TRAINING, HELDOUT, 2)
         else:
-            todo = plan(methods, seeds, dict(TRAINING, max_steps=args.steps), HELDOUT, None)
+            training = dict(TRAINING, max_steps=args.steps, steps_per_generation=args.staleness, learning_rate=args.lr)
+            todo = plan(methods, seeds, training, HELDOUT, args.eval_problems)
         from bapo_trl.recipes.models import prepare_model
 
         prepare_model("smollm2")  # once, before the workers race for the cache
@@ -437,7 +453,7 @@ def main(argv=None) -> int:
     runs = read_jsonl(results)
     if not runs:
         parser.error(f"no runs in {results}")
-    text, claims = report(runs, results, args.resamples)
+    text, claims = report(runs, results, args.resamples, args.references)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         f.write(text)

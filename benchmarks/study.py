@@ -390,6 +390,8 @@ def loss_methods() -> dict[str, dict]:
 
 #: GSPO's settings in the evidence study (TRL's loss grpo with the sequence-level ratio).
 GSPO = dict(loss_type="grpo", importance_sampling_level="sequence")
+#: GSPO as TRL's documentation gives it for the GSPO paper's setting (the sequence-level ratio's window is narrow).
+GSPO_DOCUMENTED = dict(GSPO, epsilon=3e-4, epsilon_high=4e-4, beta=0.0)
 
 
 def evidence_methods() -> dict[str, dict]:
@@ -401,8 +403,12 @@ def evidence_methods() -> dict[str, dict]:
     return {
         "TRL dapo clip-higher": dict(trainer="trl", settings=dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28),
                                      bapo=dict(trainer="bapo", settings=dict(loss_type="dapo", **window(0.8, 1.28)))),
-        "TRL GSPO": dict(trainer="trl", settings=dict(GSPO, epsilon=0.2),
+        "TRL GSPO": dict(trainer="trl", settings=dict(GSPO, epsilon=0.2),  # a variant: epsilon 0.2 (TRL's default)
                          bapo=dict(trainer="bapo", settings=dict(GSPO, **window(0.8, 1.2)))),
+        # GSPO as TRL documents it for the paper's setting (TRL's paper index): epsilon 3e-4 / 4e-4, beta 0
+        "TRL GSPO (documented)": dict(trainer="trl", settings=dict(GSPO_DOCUMENTED),
+                                      bapo=dict(trainer="bapo", settings=dict(GSPO, beta=0.0, **window(
+                                          1 - GSPO_DOCUMENTED["epsilon"], 1 + GSPO_DOCUMENTED["epsilon_high"])))),
         "TRL vespo": dict(trainer="trl", settings=dict(loss_type="vespo")),
         "TRL cispo": dict(trainer="trl", settings=dict(loss_type="cispo", epsilon_high=5.0)),
         "widest fixed [0.9,3.0]": dict(trainer="bapo", settings=window(0.9, 3.0)),
