@@ -579,7 +579,7 @@ def test_the_staleness_bound_is_the_documented_formula(fields, bound):
 #: hold a group's members as prompts of their own (partial rollout, sync and async), the slow tier the rest.
 SERVER_SOURCES = ["trl", "replay", "partial", "replay_saves", "async_k1", "async_k2", "async_partial",
                   "async_inflight", "replay_async", "replay_saves_async"]
-FAST_SERVER_SOURCES = {"partial", "async_partial"}
+FAST_SERVER_SOURCES = {"partial", "async_partial", "async_inflight"}
 
 
 @pytest.mark.parametrize("source", [s if s in FAST_SERVER_SOURCES else pytest.param(s, marks=pytest.mark.slow)

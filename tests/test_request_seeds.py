@@ -22,7 +22,7 @@ from test_vllm_server import reset_server_weights
 
 from bapo_trl.generation.cpu_server import HTTPVLLMClient
 from bapo_trl.generation.fleet import ServerFleet
-from bapo_trl.generation.seeding import SeededEngine, per_prompt_seeds, prompt_seeds
+from bapo_trl.generation.seeding import SeededEngine, per_prompt_seeds, prompt_seeds, seed_salt
 from bapo_trl.rollout.port import TRLPort
 
 PROMPT = [6, 7, 14, 43]  # a reverse-task prompt of the toy tokenizer
@@ -184,6 +184,65 @@ def test_the_colocated_engine_wrapper_with_a_stand_in_sampling_params():
     wrapped.generate(prompts[:1], sampling_params=Params(seed=9, n=1))  # one prompt keeps its seed
     assert engine.calls[-1].seed == 9
     assert wrapped.other == "engine attribute"
+
+
+def test_a_salt_gives_the_same_prompts_other_seeds_one_prompt_included():
+    """The trainer's salt (step, call in the step, engine group): two colocated engines holding the same prompts, or
+    the same prompts in another step, draw other numbers; a call of one prompt too (TRL spreads a group of 2 over 2
+    processes as one copy each)."""
+    class Params(SimpleNamespace):  # a STAND-IN for vllm.SamplingParams
+        def clone(self):
+            return Params(**vars(self))
+
+    engine = RecordingEngine()
+    wrapped = SeededEngine(engine)
+    drawn = {}
+    for salt in [(0, 0, 0), (0, 0, 1), (1, 0, 0), (0, 1, 0)]:  # (step, call, group)
+        for count in (1, 2):
+            with seed_salt(*salt):
+                wrapped.generate([{"prompt_token_ids": PROMPT}] * count, sampling_params=Params(seed=9, n=1))
+            params = engine.calls[-1]
+            drawn[salt, count] = tuple(p.seed for p in params) if isinstance(params, list) else (params.seed,)
+    seeds = [s for key in drawn.values() for s in key]
+    assert len(set(seeds)) == len(seeds), drawn
+    with seed_salt(0, 0, 1):  # reproducible
+        wrapped.generate([{"prompt_token_ids": PROMPT}] * 2, sampling_params=Params(seed=9, n=1))
+    assert tuple(p.seed for p in engine.calls[-1]) == drawn[(0, 0, 1), 2]
+
+
+def test_a_salted_call_is_derived_once_on_a_fleet_as_on_one_server(tiny_model_dir):
+    servers = [PolicyServer(tiny_model_dir) for _ in range(2)]
+    try:
+        clients = [HTTPVLLMClient(base_url=s.url, connection_timeout=30, request_timeout=60) for s in servers]
+        for count in (1, 3):
+            sampling = dict(n=2, temperature=1.0, max_tokens=6, logprobs=0, generation_kwargs={"seed": 3})
+            with seed_salt(4, 0, 0):
+                alone = clients[0].generate(prompts=[PROMPT] * count, **sampling)
+                spread = ServerFleet(clients).generate(prompts=[PROMPT] * count, **sampling)
+            assert spread["completion_ids"] == alone["completion_ids"]
+        sent = [body[2] for server in servers for body in server.bodies]
+        assert 3 not in sent  # the user's seed itself never reaches a server inside a salt
+    finally:
+        for server in servers:
+            server.close()
+
+
+def test_a_user_seed_samples_a_repeated_prompt_anew_at_every_step(tiny_model_dir, tmp_path):
+    """TRL's generation through a server with `generation_kwargs={"seed": ...}` and a data set of one prompt (every
+    generation batch the same prompts in the same order): each batch's requests carry other seeds (the step is in the
+    salt), so batches are not replays of the first."""
+    from harness import tiny_trainer
+    from test_adapter_sync import server_config
+
+    server = PolicyServer(tiny_model_dir)
+    try:
+        args = server_config(server, tmp_path, steps_per_generation=1, max_steps=3, shuffle_dataset=False,
+                             generation_kwargs={"seed": 11})
+        tiny_trainer(tiny_model_dir, args, prompts=2).train()
+        seeds = [body[2] for body in server.bodies]  # 2 prompts a batch, one request each
+        assert len(seeds) == 6 and None not in seeds and len(set(seeds)) == 6, seeds
+    finally:
+        server.close()
 
 
 @pytest.mark.slow

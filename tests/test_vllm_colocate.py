@@ -38,9 +38,9 @@ def vllm_trainer_python():
 def test_partial_rollout_with_colocated_vllm_on_two_processes(vllm_trainer_python, tiny_model_dir, tmp_path,
                                                               tensor_parallel):
     """2 processes, each with an in-process vLLM engine (tensor_parallel=2: ONE engine sharded over both ranks, which
-    gather their prompts and must send identical sampling settings). Completions grow by the budget through vLLM's
-    max_tokens; segments span steps; TRL's importance-sampling correction sees sampler noise only (the stored
-    per-segment log-probs answer its old-logp forward)."""
+    gather their prompts and must send identical sampling settings, a user seed's per-prompt seeds included).
+    Completions grow by the budget through vLLM's max_tokens; segments span steps; TRL's importance-sampling
+    correction sees sampler noise only (the stored per-segment log-probs answer its old-logp forward)."""
     env = {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_HOST_IP": "127.0.0.1", "BAPO_TEST_VLLM_TP": str(tensor_parallel)}
     segments = set(Path("/dev/shm").glob("*cpushm*"))
@@ -84,3 +84,32 @@ def test_lora_adapter_push_to_the_colocated_engine(vllm_trainer_python, tiny_mod
     pushed = [h["weight_sync/pushed_bytes"] for h in logs if "weight_sync/pushed_bytes" in h]  # each rank pushes
     adapter = result["adapter_params"] * 4
     assert len(pushed) == 3 and pushed[0] > 10 * adapter and all(adapter < b < adapter + 4096 for b in pushed[1:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["1,2,4", "2,1,4", "1,1,2"],
+                         ids=["per_device_1_group_4", "per_device_2_group_4", "one_copy_per_process"])
+def test_a_user_seed_gives_every_member_of_a_spread_group_its_own_numbers(vllm_trainer_python, tiny_model_dir,
+                                                                           tmp_path, shape):
+    """Colocate mode with `generation_kwargs={"seed": ...}` on 2 processes, a group's members spread over both (each
+    holds the same prompts): every prompt row of a generation batch, across processes, is sampled with a seed of its
+    own, the next batch with others again, and the groups are not copies (at temperature 1.5 the tiny model's
+    completions of one prompt differ). Without the process's group in the seed, both processes sampled identical
+    completions (2 distinct of 4; 1 of 2 with one copy per process: every advantage 0)."""
+    env = {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_HOST_IP": "127.0.0.1", "BAPO_TEST_SHAPE": shape}
+    accelerate_launch(REPO / "tests" / "dist_scripts" / "colocate_seeded_groups.py", tiny_model_dir, tmp_path,
+                      python=vllm_trainer_python, env=env, timeout=900)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    group = int(shape.split(",")[2])
+    assert all(r["world_size"] == 2 for r in ranks) and len(ranks[0]["calls"]) == len(ranks[1]["calls"]) == 2
+    seeds, copies, groups = [], 0, 0
+    for first, second in zip(ranks[0]["calls"], ranks[1]["calls"]):  # one generation batch: rank 0's rows, then 1's
+        prompts, completions = first["prompts"] + second["prompts"], first["completions"] + second["completions"]
+        seeds += first["seeds"] + second["seeds"]
+        for start in range(0, len(prompts), group):
+            assert len({tuple(p) for p in prompts[start:start + group]}) == 1  # a group: one prompt
+            members = {tuple(c) for c in completions[start:start + group]}
+            groups, copies = groups + 1, copies + (len(members) == 1)
+    assert None not in seeds and len(set(seeds)) == len(seeds), seeds  # every row of every batch: its own seed
+    assert copies < groups, (copies, groups)

@@ -31,6 +31,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from urllib.parse import urlparse
 
@@ -45,7 +46,7 @@ from trl.generation.vllm_generation import VLLMGeneration, is_peft_model
 from .adapter_sync import LORA_RANKS, AdapterPush, AdapterSync, adapter_refusal, write_adapter
 from .fleet import ServerFleet, naming, one_client, server_urls
 from .processes import broadcast_from_main, raise_everywhere
-from .seeding import PerPromptSeeds, SeededEngine
+from .seeding import PerPromptSeeds, SeededEngine, seed_salt
 from .weight_sync import (
     SERVE_HINT,
     DiskWeightSync,
@@ -250,11 +251,29 @@ class CPUServerVLLMGeneration(VLLMGeneration):
     #: TRL's merged full push.
     lora_sync: str = "merged"
 
-    def __init__(self, *args, sampler_logprobs_use: str | None = None, lora_sync: str = "merged", **kwargs):
+    def __init__(self, *args, sampler_logprobs_use: str | None = None, lora_sync: str = "merged",
+                 seed_round: Callable[[], int] | None = None, **kwargs):
         self.sampler_logprobs_use = sampler_logprobs_use  # TRL's __init__ ends with _init_vllm, which checks it
         self.lora_sync = lora_sync
+        self.seed_round = seed_round  # the trainer's optimizer step: a user seed's calls differ from step to step
+        self._round_calls = (None, 0)  # (the step, generate calls made in it)
         self._pushes: list[tuple[int, float]] = []  # colocate reloads: (bytes, seconds), until taken
         super().__init__(*args, **kwargs)
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        """TRL's generation; with a ``seed`` in ``generation_kwargs``, every prompt row's seed is derived from it, the
+        optimizer step, the call's index in that step and, in colocate mode, this process's engine group (TRL spreads
+        a group's members over processes, which would otherwise hold the same prompts and seeds and sample copies;
+        the ranks of one tensor-parallel engine share a group, and must share seeds)."""
+        if (self.generation_kwargs or {}).get("seed") is None:
+            return super().generate(prompts, images, num_generations, profiler)
+        step = self.seed_round() if self.seed_round is not None else 0
+        last, calls = self._round_calls
+        calls = calls + 1 if step == last else 0
+        self._round_calls = (step, calls)
+        group = self.accelerator.process_index // self.tensor_parallel_size if self.mode == "colocate" else 0
+        with seed_salt(step, calls, group):
+            return super().generate(prompts, images, num_generations, profiler)
 
     @property
     def uses_adapter_sync(self) -> bool:

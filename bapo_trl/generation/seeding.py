@@ -9,16 +9,45 @@ batches concurrent requests itself), each seeded from the call's seed and the ca
 call samples the same completions), and no two prompts, nor two calls with other prompts, share a random stream.
 
 The derivation happens once, in the outermost client (one server, or a fleet that spreads the per-prompt requests);
-a call with one prompt keeps its seed as given.
+a call with one prompt keeps its seed as given. Inside :func:`seed_salt` (the trainer's generation: its step, the
+call's index in that step, and in colocate mode the process's engine group) the salt joins every derivation, a call
+of one prompt included: two processes holding the same prompts (TRL spreads a group over processes), or the same
+prompts in a later step, draw other numbers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import random
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+
+#: What makes a call's seeds unique beyond its own prompts (set by :func:`seed_salt`; per thread: a producer thread
+#: generating in the background never sees the trainer thread's).
+_SALT: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("bapo_seed_salt", default=None)
+
+
+@contextlib.contextmanager
+def seed_salt(*parts):
+    """Seeded calls made inside (this thread) derive their seeds from ``parts`` too (see the module doc)."""
+    token = _SALT.set(parts)
+    try:
+        yield
+    finally:
+        _SALT.reset(token)
+
+
+@contextlib.contextmanager
+def seed_salt_spent():
+    """No salt inside: a call whose seeds were derived already goes on with them as they are."""
+    token = _SALT.set(None)
+    try:
+        yield
+    finally:
+        _SALT.reset(token)
 
 
 def prompt_seeds(seed: int, count: int, n: int) -> list[int]:
@@ -35,8 +64,16 @@ def mixed_seed(*parts) -> int:
 
 
 def per_prompt_seeds(seed: int, prompts: Sequence, n: int) -> list[int]:
-    """The seed of each prompt of a seeded call: from the call's ``seed`` and its prompts (see the module doc)."""
-    return prompt_seeds(mixed_seed(int(seed), list(prompts)), len(prompts), n)
+    """The seed of each prompt of a seeded call: from the call's ``seed``, its prompts and the salt in force (see the
+    module doc)."""
+    salt = _SALT.get()
+    base = mixed_seed(int(seed), list(prompts)) if salt is None else mixed_seed(int(seed), salt, list(prompts))
+    return prompt_seeds(base, len(prompts), n)
+
+
+def derives(prompts: Sequence, seed) -> bool:
+    """Whether a call's prompts get seeds of their own: seeded, and several prompts or a salt in force."""
+    return seed is not None and (len(prompts) > 1 or _SALT.get() is not None)
 
 
 class RequestCounter:
@@ -56,7 +93,7 @@ def seeded_calls(prompts: Sequence, n: int, generation_kwargs: dict | None) -> l
     """The ``generation_kwargs`` of each per-prompt request of a call, or None where the call goes as one request
     (unseeded, or a single prompt)."""
     kwargs = generation_kwargs or {}
-    if kwargs.get("seed") is None or len(prompts) <= 1:
+    if not derives(prompts, kwargs.get("seed")):
         return None
     return [{**kwargs, "seed": s} for s in per_prompt_seeds(kwargs["seed"], prompts, n)]
 
@@ -87,19 +124,20 @@ def generate_seeded(send: Callable[..., dict], counter: RequestCounter, prompts:
     """A ``VLLMClient.generate`` call through ``send`` (the same signature, one request): a seeded call with several
     prompts as one request per prompt (see the module doc), every answered request counted."""
     calls = seeded_calls(prompts, sampling.get("n", 1), sampling.get("generation_kwargs"))
-    if calls is None:
-        output = send(prompts=prompts, features=features, **sampling)
-        counter.add()
-        return output
+    with seed_salt_spent():  # derived here, once: the clients below send the seeds as given
+        if calls is None:
+            output = send(prompts=prompts, features=features, **sampling)
+            counter.add()
+            return output
 
-    def one(index: int) -> dict:
-        part = None if features is None else features[index : index + 1]
-        output = send(prompts=prompts[index : index + 1], features=part,
-                      **{**sampling, "generation_kwargs": calls[index]})
-        counter.add()
-        return output
+        def one(index: int) -> dict:
+            part = None if features is None else features[index : index + 1]
+            output = send(prompts=prompts[index : index + 1], features=part,
+                          **{**sampling, "generation_kwargs": calls[index]})
+            counter.add()
+            return output
 
-    return merge_outputs(at_once(one, range(len(prompts))))
+        return merge_outputs(at_once(one, range(len(prompts))))
 
 
 class PerPromptSeeds:
@@ -138,7 +176,7 @@ class SeededEngine:
     def generate(self, prompts, sampling_params=None, *args, **kwargs):
         params = sampling_params
         seed = getattr(params, "seed", None)
-        if seed is not None and isinstance(prompts, (list, tuple)) and len(prompts) > 1:
+        if isinstance(prompts, (list, tuple)) and derives(prompts, seed):
             keys = [p.get("prompt_token_ids", p) if isinstance(p, dict) else p for p in prompts]
             seeds = per_prompt_seeds(seed, keys, getattr(params, "n", 1))
             params = [params.clone() for _ in prompts]

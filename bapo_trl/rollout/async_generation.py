@@ -50,6 +50,7 @@ from typing import Any, Callable
 
 from ..core.metrics import async_values
 from ..generation.processes import raise_everywhere
+from ..generation.seeding import mixed_seed
 from .contract import ReadyCompletions, ScoreFn, TrainerPort, is_iterable_dataset, stamp_token_versions
 from .producer import GeneratedBatch, Producer, PromptStream, Work
 
@@ -384,10 +385,12 @@ class AsyncGeneration:
         version = self.producer.version
         _, caps = pool.request(completions, chunk)
         pool.apply(completions, caps, first["completion_ids"], first["logps"], None, version)
+        chunks = 0
         while todo := pool.unfinished():
             version = self.producer.between_chunks()
             prefixes, caps = pool.request(todo, chunk)
-            out = port.server_generate(prefixes, 1, max(caps))
+            chunks += 1  # each chunk's request: a seed of its own, from the request's and its index
+            out = port.server_generate(prefixes, 1, max(caps), seed=mixed_seed(work.seed, chunks))
             pool.apply(todo, caps, out["completion_ids"], out["logps"], None, version)
         return {"completion_ids": [c.token_ids for c in completions], "logps": [c.logps for c in completions],
                 "versions": [c.versions for c in completions]}

@@ -29,7 +29,8 @@ args = BAPOConfig(output_dir=out_dir, use_cpu=True, bf16=False, gradient_checkpo
                   logging_steps=1, seed=0, max_steps=5, learning_rate=5e-3, steps_per_generation=1,
                   partial_rollout_budget=3, partial_rollout_max_resumes=3, use_vllm=True, vllm_mode="colocate",
                   vllm_max_model_length=64, vllm_gpu_memory_utilization=0.1,
-                  vllm_tensor_parallel_size=int(os.environ.get("BAPO_TEST_VLLM_TP", "1")))
+                  vllm_tensor_parallel_size=int(os.environ.get("BAPO_TEST_VLLM_TP", "1")),
+                  generation_kwargs={"seed": 5})  # seeds derived per engine group: the TP ranks of one share them
 trainer = CapProbe(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reverse_reward, args=args,
                    train_dataset=make_reverse_dataset(64, seed=0),
                    processing_class=AutoTokenizer.from_pretrained(model_dir))
