@@ -163,3 +163,22 @@ def test_a_second_train_restarts_the_closed_loop_target(tiny_model_dir, tmp_path
         trainer.train()
         runs.append([h["bapo/positive_contribution_target"] for h in trainer.state.log_history if "loss" in h])
     assert runs[0] == runs[1] == pytest.approx([0.5, 0.52, 0.54])
+
+
+def test_negatives_above_the_dual_clips_delta_count_as_clipped():
+    """TRL's two-sided clip (``delta``, BAPO's dual clip) leaves a negative token above delta no gradient: the
+    diagnostics count it as clipped and leave it out of ``predicted_change`` (issue 52: 4 of 8 negatives have no
+    gradient; counted without delta, 1)."""
+    logps = torch.tensor([[-0.2, -0.4, -3.0, -2.5, -0.1, -0.3, -4.0, -1.0]], dtype=torch.float64)
+    ratio = torch.tensor([[5.0, 4.0, 0.5, 1.0, 1.1, 8.0, 0.95, 1.05]], dtype=torch.float64)
+    adv = torch.tensor([-1.0], dtype=torch.float64)
+    kept = (ratio >= 0.8) & (ratio <= 3.0)  # below c_low or above delta: no gradient (4 of the 8)
+    out = entropy_clip_metrics(entropy_clip_sums(logps, ratio, adv, torch.ones(1, 8), 0.8, 1.2, delta=3.0).tolist())
+    high = logps >= logps.mean()
+    assert out["entropy_clip/clipped_neg_high"] == pytest.approx((~kept & high).sum().item() / high.sum().item())
+    assert out["entropy_clip/clipped_neg_low"] == pytest.approx((~kept & ~high).sum().item() / (~high).sum().item())
+    ax = torch.where(kept, adv, 0.0)
+    assert out["entropy_clip/predicted_change"] == pytest.approx(-((logps - logps.mean()) * (ax - ax.mean())).mean())
+    without = entropy_clip_metrics(entropy_clip_sums(logps, ratio, adv, torch.ones(1, 8), 0.8, 1.2).tolist())
+    assert without["entropy_clip/clipped_neg_high"] + without["entropy_clip/clipped_neg_low"] < (
+        out["entropy_clip/clipped_neg_high"] + out["entropy_clip/clipped_neg_low"])  # delta off: only r < c_low

@@ -12,7 +12,9 @@ processes with the other metrics in one collective) and :func:`entropy_clip_metr
 * ``entropy_clip/tokens_{pos,neg}_{high,low}``: share of the real tokens in each quadrant, advantage sign x
   probability above / below the micro-batch's geometric-mean probability (``log pi >= mean log pi`` on this
   process's micro-batch: no extra collective is spent on the threshold);
-* ``entropy_clip/clipped_{pos,neg}_{high,low}``: share of the quadrant's tokens the window clipped (no gradient);
+* ``entropy_clip/clipped_{pos,neg}_{high,low}``: share of the quadrant's tokens the window clipped (no gradient;
+  with TRL's two-sided clip ``delta``, the dual clip, a negative token above ``delta`` has none either: it counts as
+  clipped, :func:`without_gradient`);
 * ``entropy_clip/predicted_change``: ``-Cov(log pi, A * X)`` over the real tokens, the rule's predicted entropy
   change per unit learning rate (normalisation: a population covariance over tokens, token-weighted across the
   micro-batch, in nats x advantage units; its sign is what the rule predicts, its scale is comparable across steps
@@ -41,13 +43,29 @@ METRICS = tuple(f"entropy_clip/tokens_{q}" for q in QUADRANTS) + tuple(
     "entropy_clip/predicted_change", "entropy_clip/predicted_change_all", "entropy_clip/clip_effect")
 
 
+def without_gradient(clipped: Callable, delta: float | None) -> Callable:
+    """The clip flags ``clipped`` (the clipped surrogate's, :mod:`bapo_trl.core.loss_types`) with TRL's two-sided clip
+    ``delta`` (BAPO's dual clip, on by default) added: TRL's loss forms ``-min(min(r, delta) A, clip(r, c_low, c_high)
+    A)``, so a negative-advantage token with ``r > delta`` costs ``-delta A``, a constant: no gradient. Such tokens
+    join the HIGH flags (clipped from above, by ``delta``). ``delta`` None (TRL's one-sided clip): ``clipped``."""
+    if delta is None:
+        return clipped
+
+    def flags(ratio, advantages, c_low, c_high):
+        low, high = clipped(ratio, advantages, c_low, c_high)
+        return low, high | ((advantages < 0) & (ratio > delta))
+
+    return flags
+
+
 def entropy_clip_sums(logps: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                       clip_low: torch.Tensor | float, clip_high: torch.Tensor | float,
-                      clipped: Callable = surrogate_clipped) -> torch.Tensor:
+                      clipped: Callable = surrogate_clipped, delta: float | None = None) -> torch.Tensor:
     """Local float64 sums (length :data:`NUM_SUMS`) for one micro-batch. ``logps``/``ratio``/``mask``: ``(B, T)``;
     ``advantages``: ``(B,)``, ``(B, 1)`` or ``(B, T)``. Tokens off the mask, or with a non-finite log-prob, ratio or
     advantage, are left out (NaN on padding is harmless). ``clipped``: the loss type's clip flags
-    (:mod:`bapo_trl.core.loss_types`)."""
+    (:mod:`bapo_trl.core.loss_types`); ``delta``: TRL's two-sided clip of the clipped losses (None: off), whose
+    negatives above it keep no gradient either (:func:`without_gradient`)."""
     logps, ratio = logps.detach().double(), ratio.detach().double()
     adv = advantages.detach().double()
     adv = (adv[:, None] if adv.dim() == 1 else adv).expand_as(ratio)
@@ -58,7 +76,7 @@ def entropy_clip_sums(logps: torch.Tensor, ratio: torch.Tensor, advantages: torc
     n = valid.sum().double()
     threshold = l.sum() / n.clamp_min(1.0)  # log of the geometric-mean probability of this micro-batch
     high = l >= threshold
-    clipped_low, clipped_high = clipped(r, a, clip_low, clip_high)
+    clipped_low, clipped_high = without_gradient(clipped, delta)(r, a, clip_low, clip_high)
     kept = ~(clipped_low | clipped_high)  # tokens that keep a gradient
     quadrant_sums = []
     for sign in (a > 0, a < 0):

@@ -8,6 +8,7 @@ command, the notebooks, the run summary and the docs rely on them).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from .clipping import SearchPath
 from .entropy_clip import METRICS as ENTROPY_CLIP
 from .entropy_clip import NUM_SUMS as ENTROPY_CLIP_SUMS
-from .entropy_clip import entropy_clip_metrics, entropy_clip_sums
+from .entropy_clip import entropy_clip_metrics, entropy_clip_sums, without_gradient
 from .loss_types import CLIPPED_SURROGATE, LossType
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -94,7 +95,18 @@ GATES = (
 REGISTRY = {"search": SEARCH, "entropy_clip": ENTROPY_CLIP, "replay": REPLAY, "partial": PARTIAL, "async": ASYNC,
             "gates": GATES}
 
-_COUNTS = 8  # valid, positive, negative, low-clipped, high-clipped, window-sensitive, staleness sum, non-finite
+#: valid, positive, negative, low-clipped, high-clipped (by the window), window-sensitive, positive and negative tokens
+#: without gradient, staleness sum, non-finite
+_COUNTS = 10
+
+
+def with_trl_clip(loss: LossType, path: SearchPath) -> LossType:
+    """The loss type's row whose clip flags are every token TRL's loss gives no gradient: with TRL's two-sided clip
+    (``path.delta``, the dual clip; clipped losses only, as in TRL) a negative token above ``delta`` too
+    (:func:`~bapo_trl.core.entropy_clip.without_gradient`). Without ``delta``: ``loss`` itself."""
+    if loss.kind != "clip" or path.delta is None:
+        return loss
+    return dataclasses.replace(loss, clipped=without_gradient(loss.clipped, path.delta))
 
 
 def token_staleness(inputs: dict, step: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -112,14 +124,18 @@ def search_sums(result, path: SearchPath, ratio: torch.Tensor, advantages: torch
                 nonfinite_inputs: torch.Tensor,
                 loss: LossType = CLIPPED_SURROGATE) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sums, local largest staleness)`` of one micro-batch for :func:`search_values`; ``advantages`` as the search
-    saw them (per row or per token); ``loss`` says which tokens the chosen window clips."""
+    saw them (per row or per token); ``loss`` says which tokens the chosen window clips. The low/high counts are the
+    window's (what TRL's ``clip_ratio/*`` count); the counts by sign and the Entropy-Clip sums take every token TRL's
+    loss gives no gradient, negatives above TRL's two-sided clip ``path.delta`` included (:func:`with_trl_clip`)."""
     device = ratio.device
     advantages = (advantages[:, None] if advantages.dim() == 1 else advantages).expand_as(ratio)
     valid = (mask != 0) & torch.isfinite(ratio) & torch.isfinite(advantages)
     positive, negative = valid & (advantages > 0), valid & (advantages < 0)
-    low_clipped, high_clipped = loss.clipped(ratio, advantages, result.clip_low.to(ratio.dtype),
-                                             result.clip_high.to(ratio.dtype))
+    c_low, c_high = result.clip_low.to(ratio.dtype), result.clip_high.to(ratio.dtype)
+    low_clipped, high_clipped = loss.clipped(ratio, advantages, c_low, c_high)
     low_clipped, high_clipped = low_clipped & valid, high_clipped & valid
+    no_gradient = with_trl_clip(loss, path).clipped  # the window's flags, and the negatives above delta
+    dropped = torch.stack(no_gradient(ratio, advantages, c_low, c_high)).any(0) & valid
     # Tokens whose loss some window on the path would change (clipped surrogate: a positive above the smallest
     # c_high, a negative below the largest c_low). None (every ratio 1, or all inside both): the search cannot act.
     sensitive = loss.sensitive(ratio, positive, negative, path)
@@ -127,12 +143,12 @@ def search_sums(result, path: SearchPath, ratio: torch.Tensor, advantages: torch
     stale_sum = zero if staleness is None else (staleness * valid).sum()
     stale_max = zero if staleness is None or not staleness.numel() else torch.where(valid, staleness, 0.0).max()
     counts = torch.stack([valid.sum(), positive.sum(), negative.sum(), low_clipped.sum(), high_clipped.sum(),
-                          sensitive.sum()]).to(torch.float64)
+                          sensitive.sum(), (dropped & positive).sum(), (dropped & negative).sum()]).to(torch.float64)
     entropy = zero.expand(2) if entropies is None else torch.stack(
         [torch.where(valid, entropies.detach().double(), 0.0).sum(), valid.sum().double()])
     sums = torch.cat([counts, torch.stack([stale_sum, nonfinite_inputs.to(device=device, dtype=torch.float64)]),
                       entropy_clip_sums(logps, ratio, advantages, mask, result.clip_low, result.clip_high,
-                                        loss.clipped).to(device),
+                                        no_gradient).to(device),
                       entropy])
     return sums, stale_max
 
@@ -143,7 +159,8 @@ def search_values(sums: list[float], result: dict[str, float], path: SearchPath,
     policy entropy summed over the real tokens and their count (both 0 when unknown). An update on which no window of
     the path changes the loss is reported with the start window and 0 steps (``bapo/search_active`` 0), not the
     path's end."""
-    n, n_pos, n_neg, n_low, n_high, n_sensitive, stale_sum, nonfinite_inputs = sums[:_COUNTS]
+    n, n_pos, n_neg, n_low, n_high, n_sensitive, n_pos_clipped, n_neg_clipped, stale_sum, nonfinite_inputs = (
+        sums[:_COUNTS])
     entropy_sum, entropy_tokens = sums[_COUNTS + ENTROPY_CLIP_SUMS :]
     r = dict(result)
     active = n_sensitive > 0
@@ -164,8 +181,8 @@ def search_values(sums: list[float], result: dict[str, float], path: SearchPath,
         "bapo/positive_gradient_share": r["gradient_share"],
         "bapo/clip_fraction_low": n_low / max(n, 1.0),
         "bapo/clip_fraction_high": n_high / max(n, 1.0),
-        "bapo/clip_fraction_positive": n_high / n_pos if n_pos else float("nan"),
-        "bapo/clip_fraction_negative": n_low / n_neg if n_neg else float("nan"),
+        "bapo/clip_fraction_positive": n_pos_clipped / n_pos if n_pos else float("nan"),
+        "bapo/clip_fraction_negative": n_neg_clipped / n_neg if n_neg else float("nan"),
         "bapo/positive_token_fraction": n_pos / max(n, 1.0),
         "bapo/nonfinite_tokens": r["num_nonfinite"] + nonfinite_inputs,
         "bapo/staleness_mean": stale_sum / max(n, 1.0),
@@ -319,7 +336,9 @@ def update_values(result, path: SearchPath, loss: LossType, ratio: torch.Tensor,
                   max_over_processes: Reduce, by_age: bool) -> tuple[dict[str, float], tuple[float, float]]:
     """Every value a micro-batch logs (search, Entropy-Clip; fresh vs replayed tokens when the batch holds replayed
     rows; the share by token age when ``by_age``), with the fewest collectives: one sum and one max per group.
-    Returns the values and ``(entropy sum, tokens)`` over all processes (0, 0 when the entropy is unknown)."""
+    Returns the values and ``(entropy sum, tokens)`` over all processes (0, 0 when the entropy is unknown). Clipped
+    tokens are those TRL's loss gives no gradient, the dual clip's negatives above ``delta`` included (except in
+    ``bapo/clip_fraction_low/high``, the window's, as TRL's ``clip_ratio/*``)."""
     staleness = token_staleness(inputs, step, ratio)
     sums, stale_max = search_sums(result, path, ratio, advantages, mask, logps, entropies, staleness,
                                   nonfinite_inputs, loss)
@@ -328,12 +347,13 @@ def update_values(result, path: SearchPath, loss: LossType, ratio: torch.Tensor,
     values.update(gate_values(loss, values["bapo/clip_low"], values["bapo/clip_high"]))
     if "replayed" in inputs:  # fresh vs replayed tokens
         replay_staleness = (step - inputs["policy_version"]).double()[:, None].expand_as(ratio)
-        totals, rep_max = origin_sums(result, ratio, advantages, mask, inputs["replayed"], replay_staleness, loss)
+        totals, rep_max = origin_sums(result, ratio, advantages, mask, inputs["replayed"], replay_staleness,
+                                      with_trl_clip(loss, path))
         totals, rep_max = sum_over_processes(totals), max_over_processes(rep_max)
         values.update(origin_values(totals.tolist(), float(rep_max)))
     if by_age and staleness is not None:
         values.update(age_values(sum_over_processes(age_sums(result, ratio, advantages, mask, staleness,
-                                                             loss)).tolist()))
+                                                             with_trl_clip(loss, path))).tolist()))
     return values, entropy
 
 
