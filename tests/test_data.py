@@ -1,6 +1,7 @@
 """Local dataset files for train_bapo.py: every format the README names (.json, .jsonl, .parquet, .csv)."""
 
 import json
+import re
 
 import pytest
 from datasets import Dataset
@@ -57,3 +58,32 @@ def test_an_unknown_file_format_is_refused(tmp_path):
     path.write_text("123>\n")
     with pytest.raises(ValueError, match=r"must end in one of \['.csv', '.json', '.jsonl', '.parquet'\]"):
         load(path)
+
+
+def _bad_rows():
+    yield from ROWS  # question and answer, no prompt
+
+
+@pytest.mark.parametrize("kind", ["train", "iterable", "eval_dict"])
+def test_a_dataset_without_a_prompt_column_is_refused_when_the_trainer_is_built(kind, tmp_path):
+    """The Python API checks as ``bapo train`` does (issue 52): before any model is loaded (here: a model path that
+    does not exist), naming the dataset and the columns it has; an IterableDataset without known columns is read
+    by its first example, an eval set of several datasets set by set."""
+    from datasets import IterableDataset
+
+    from bapo_trl import BAPOConfig, BAPOTrainer
+    from bapo_trl.trainer.bapo_trainer import check_prompt_column
+
+    good, bad = Dataset.from_list([{"prompt": "123>"}]), Dataset.from_list(ROWS)
+    datasets, name = {"train": ({"train_dataset": bad}, "`train_dataset`"),
+                      "iterable": ({"train_dataset": IterableDataset.from_generator(_bad_rows)}, "`train_dataset`"),
+                      "eval_dict": ({"train_dataset": good, "eval_dataset": {"easy": good, "hard": bad}},
+                                    "`eval_dataset`['hard']")}[kind]
+    if kind == "iterable":
+        assert datasets["train_dataset"].column_names is None  # the case the check must read an example for
+    args = BAPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
+    with pytest.raises(ValueError, match=re.escape(f"{name} has no column 'prompt'") + ".*"
+                       + re.escape("its columns are ['question', 'answer']")):
+        BAPOTrainer(model=str(tmp_path / "no-such-model"), reward_funcs=lambda completions, **kw: [0.0], args=args,
+                    **datasets)
+    check_prompt_column(IterableDataset.from_generator(lambda: iter([{"prompt": "1>"}])))  # has one: no error

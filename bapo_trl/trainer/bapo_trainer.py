@@ -46,6 +46,27 @@ BAPO_METRICS = metrics.SEARCH + metrics.ENTROPY_CLIP
 REPLAY_METRICS = metrics.REPLAY
 
 
+def check_prompt_column(dataset, name: str = "train_dataset", column: str = "prompt",
+                        why: str = ", where TRL's GRPOTrainer reads the prompts",
+                        fix: str = "Rename the one that holds them: `dataset.rename_column(NAME, 'prompt')`.") -> None:
+    """Raise ``ValueError`` when ``dataset`` has no ``column``, naming the columns it has (``bapo train`` uses it too,
+    with its flag as the fix). A dict of datasets (``eval_dataset``) is checked set by set; an ``IterableDataset``
+    whose columns are unknown (``column_names`` None) by its first example; a dataset of another kind is not checked.
+    """
+    if isinstance(dataset, dict):
+        for key, part in dataset.items():
+            check_prompt_column(part, f"{name}[{key!r}]", column, why, fix)
+        return
+    from datasets import IterableDataset
+
+    columns = getattr(dataset, "column_names", None)
+    if columns is None and isinstance(dataset, IterableDataset):
+        first = next(iter(dataset), None)
+        columns = None if not isinstance(first, dict) else list(first)
+    if columns is not None and column not in columns:
+        raise ValueError(f"{name} has no column {column!r}{why}; its columns are {list(columns)}. {fix}")
+
+
 class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrainer):
     """GRPO with BAPO's adaptive clipping window (Xi et al., 2025).
 
@@ -65,6 +86,8 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
     def __init__(self, model, reward_funcs=None, args: BAPOConfig | None = None, **kwargs):
         args = trainer_config(args, model)
         check_source_arguments(args, kwargs)  # at construction, before TRL loads anything
+        for name in ("train_dataset", "eval_dataset"):
+            check_prompt_column(kwargs.get(name), f"`{name}`")
         self._bapo_pending: dict[str, Any] | None = None
         self.port = TRLPort(self)  # the rollout sources' only way into TRL (its log-prob answers are needed below)
         self.loss = LOSS_TYPES[args.loss_type].bind(args)  # the row of this loss type, with the run's gate shapes
