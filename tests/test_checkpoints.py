@@ -9,13 +9,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, TrainerCallback
 
 import bapo_trl.trainer.checkpoints as checkpoints_module
 from bapo_trl import BAPOConfig, BAPOTrainer
 from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 from bapo_trl.trainer.checkpoints import (
     MARKER,
+    SUPERSEDED,
     is_complete,
     latest_complete_checkpoint,
     mark_complete,
@@ -155,6 +156,53 @@ def test_a_rollback_resume_cut_short_while_rewriting_a_checkpoint_is_never_resum
     assert is_complete(str(torn)) and files(torn).keys() == old_files.keys()
 
 
+class StopAtStep(TrainerCallback):
+    """Stands for a preemption (OOM, Ctrl-C): the run dies as it begins optimizer step ``step``."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise Crash
+
+
+@pytest.mark.parametrize("stopped_at, latest", [(2, 2), (3, 3)], ids=["before_any_rewrite", "after_rewriting_3"])
+def test_a_rollback_cut_short_is_what_latest_resumes(four_checkpoints, tiny_model_dir, tmp_path, stopped_at, latest):
+    """A run reached checkpoint-4; the user resumes from checkpoint-2 in the same output_dir, and that run stops
+    (before it wrote anything, or once it had rewritten checkpoint-3). `resume_from_checkpoint=True` then follows the
+    branch the user chose: its newest checkpoint, never the abandoned run's checkpoint-4 (which still resumes by
+    path)."""
+    out = tmp_path / "out"
+    shutil.copytree(four_checkpoints, out)
+    old = json.loads((out / "checkpoint-3" / MARKER).read_text())["time"]
+    rollback = build(tiny_model_dir, out, max_steps=4, save_total_limit=None)
+    rollback.add_callback(StopAtStep(stopped_at))
+    with pytest.raises(Crash):
+        rollback.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert resolve_resume(True, str(out)) == str(out / f"checkpoint-{latest}")
+    if latest == 3:
+        assert json.loads((out / "checkpoint-3" / MARKER).read_text())["time"] > old  # the rollback's own write
+    assert (out / "checkpoint-4" / SUPERSEDED).exists() and resolve_resume(str(out / "checkpoint-4"), str(out))
+    resumed, trained = build(tiny_model_dir, out, max_steps=4, save_total_limit=None), []
+    resumed.add_callback(type("Steps", (TrainerCallback,), {"on_step_begin": lambda self, args, state, control, **k:
+                                                            trained.append(state.global_step)})())
+    resumed.train(resume_from_checkpoint=True)
+    assert trained == list(range(latest, 4))  # from the rollback branch's newest checkpoint on
+    assert is_complete(str(out / "checkpoint-4")) and not (out / "checkpoint-4" / SUPERSEDED).exists()
+
+
+def test_a_fresh_run_in_a_used_output_dir_leaves_the_old_checkpoints_out_of_latest(four_checkpoints, tiny_model_dir,
+                                                                                   tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(four_checkpoints, out)
+    fresh = build(tiny_model_dir, out, max_steps=4, save_total_limit=None)
+    fresh.add_callback(StopAtStep(1))
+    with pytest.raises(Crash):
+        fresh.train()
+    assert latest_complete_checkpoint(str(out)) == str(out / "checkpoint-1")
+
+
 def test_rotation_still_keeps_save_total_limit(tiny_model_dir, tmp_path):
     build(tiny_model_dir, tmp_path, max_steps=3, save_total_limit=2).train()
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-3"]
@@ -170,6 +218,29 @@ def make_checkpoint(root, step, complete=True, trainer_state=True):
     if complete:
         mark_complete(str(folder), step)
     return str(folder)
+
+
+@pytest.mark.parametrize("removed_before_crash", [0, 1, 2])
+def test_a_rewrite_cut_short_while_clearing_the_old_files_leaves_no_marker(tmp_path, monkeypatch,
+                                                                           removed_before_crash):
+    """clear_for_rewrite dies after removing 0, 1 or 2 of the earlier write's files: the folder must already have lost
+    its marker (removed first), so no marker ever vouches for a folder missing some of its files."""
+    folder = make_checkpoint(tmp_path, 3)
+    for name in ("model.safetensors", "optimizer.pt", "scheduler.pt"):
+        (Path(folder) / name).write_text(name)
+    real_remove, removed = checkpoints_module._remove, []
+
+    def remove(path):
+        if len(removed) == removed_before_crash:
+            raise Crash
+        real_remove(path)
+        removed.append(path)
+
+    monkeypatch.setattr(checkpoints_module, "_remove", remove)
+    with pytest.raises(Crash):
+        checkpoints_module.clear_for_rewrite(folder)
+    assert not is_complete(folder) and latest_complete_checkpoint(str(tmp_path)) is None
+    assert len(os.listdir(folder)) == 4 - removed_before_crash  # the files not yet removed are still there
 
 
 def test_latest_complete_checkpoint_orders_by_step_and_skips_incomplete(tmp_path):

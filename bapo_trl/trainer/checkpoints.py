@@ -8,6 +8,11 @@ an earlier step writes the later steps again; an interrupted write left it): it 
 rest of the earlier write, before the first file of the new write lands, so a marker always vouches for the files
 of the write that wrote it and nothing else. With ``save_total_limit``, older checkpoints are rotated out (by
 transformers' own ``rotate_checkpoints``) only after the new one is marked complete.
+
+A run that starts at step k (fresh: 0; a resume: its checkpoint's step) abandons every complete checkpoint of its
+``output_dir`` past k, which an earlier run wrote: before it writes anything their markers are renamed (durably), so
+``resume_from_checkpoint=True`` follows the run the user chose, also when that run stops before it rewrote them. The
+folders stay (an explicit path still resumes one) until this run writes them again.
 """
 
 from __future__ import annotations
@@ -17,7 +22,13 @@ import os
 import re
 import time
 
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
 MARKER = "bapo_checkpoint_complete.json"
+#: A complete checkpoint of a branch a later run abandoned (its marker, renamed): never taken by ``latest``.
+SUPERSEDED = "bapo_checkpoint_superseded.json"
 _STEP = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -100,6 +111,42 @@ def latest_complete_checkpoint(output_dir: str) -> str | None:
         if is_complete(folder):
             return folder
     return None
+
+
+def checkpoint_step(folder: str) -> int:
+    """The optimizer step a checkpoint was written at: its marker's, else its trainer state's, else its name's."""
+    for name, key in ((MARKER, "global_step"), ("trainer_state.json", "global_step")):
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                step = json.load(f).get(key)
+            if step is not None:
+                return int(step)
+    match = _STEP.match(os.path.basename(os.path.normpath(folder)))
+    if match is None:
+        raise ValueError(f"resume_from_checkpoint: cannot tell the step of {folder!r} (no marker, no "
+                         "trainer_state.json, not named checkpoint-N).")
+    return int(match.group(1))
+
+
+def supersede_later(output_dir: str, step: int) -> list[str]:
+    """Before a run that starts at ``step`` writes anything: every complete checkpoint in ``output_dir`` past ``step``
+    belongs to the branch it abandons. Each loses its marker (renamed to :data:`SUPERSEDED`, synced to disk, the
+    folder's time kept for transformers' rotation); returns those folders."""
+    if not os.path.isdir(output_dir):
+        return []
+    superseded = []
+    for name in sorted(os.listdir(output_dir)):
+        match = _STEP.match(name)
+        folder = os.path.join(output_dir, name)
+        if match is None or int(match.group(1)) <= step or not is_complete(folder):
+            continue
+        times = os.stat(folder)
+        os.replace(os.path.join(folder, MARKER), os.path.join(folder, SUPERSEDED))
+        _fsync_dir(folder)
+        os.utime(folder, ns=(times.st_atime_ns, times.st_mtime_ns))
+        superseded.append(folder)
+    return superseded
 
 
 def resolve_resume(resume, output_dir: str):
@@ -247,6 +294,15 @@ class CheckpointMixin:
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """``resume_from_checkpoint=True`` (or ``"latest"``) resumes from the newest COMPLETE checkpoint."""
         resume = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        if self.args.should_save:  # checkpoints past this run's start belong to an abandoned branch
+            start = 0 if resume is None else checkpoint_step(resume)
+            abandoned = supersede_later(self.args.output_dir, start)
+            if abandoned:
+                logger.warning(
+                    f"This run starts at step {start}: {len(abandoned)} complete checkpoint(s) of an earlier run in "
+                    f"{self.args.output_dir} past it ({', '.join(map(os.path.basename, abandoned))}) no longer count "
+                    "for resume_from_checkpoint=True (their marker is renamed to "
+                    f"{SUPERSEDED}; a path still resumes one). This run writes them again as it reaches them.")
         GenerationBatchState(self).reset()
         self._begin_run()
         try:
