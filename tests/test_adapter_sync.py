@@ -241,8 +241,11 @@ def test_every_tensor_peft_trains_is_pushed(tiny_model_dir, tmp_path, targets):
         server.close()
 
 
-@pytest.mark.parametrize("targets", [["embed_tokens", "q_proj"], ["v_proj", "down_proj"]], ids=["embed", "linear"])
-def test_the_server_samples_with_the_adapter_the_trainer_trains(tiny_model_dir, tmp_path, targets):
+@pytest.mark.parametrize("config", [dict(target_modules=["embed_tokens", "q_proj"]),
+                                    dict(target_modules=["v_proj", "down_proj"]),
+                                    dict(init_lora_weights="pissa"), dict(init_lora_weights="olora")],
+                         ids=["embed", "linear", "pissa", "olora"])
+def test_the_server_samples_with_the_adapter_the_trainer_trains(tiny_model_dir, tmp_path, config):
     """A LoRA run through the stand-in (which applies a pushed adapter with peft itself): TRL's sampler/trainer
     log-prob difference stays at float32 noise at every step, so the server samples from the trainer's policy, the
     adapter's embedding tensors included; and the adapter the server holds at the end, loaded in peft
@@ -250,17 +253,21 @@ def test_the_server_samples_with_the_adapter_the_trainer_trains(tiny_model_dir, 
     server = PolicyServer(tiny_model_dir)
     try:
         trainer = tiny_trainer(tiny_model_dir, server_config(server, tmp_path, learning_rate=2e-2),
-                               model=peft_model(tiny_model_dir, target_modules=targets))
+                               model=peft_model(tiny_model_dir, **config))
         trainer.train()
         diffs = [h["sampling/sampling_logp_difference/mean"] for h in trainer.state.log_history
                  if "sampling/sampling_logp_difference/mean" in h]
         assert len(diffs) == 2 and max(diffs) < 1e-4, diffs  # one per generation batch
         sync = trainer.vllm_generation.disk_sync
         trainer.vllm_generation.sync_weights()  # the trained adapter, as the server holds it now
-        config = json.loads(open(os.path.join(sync.current_dir, "adapter_config.json")).read())
+        pushed = json.loads(open(os.path.join(sync.current_dir, "adapter_config.json")).read())
         ours = trainer.model.peft_config["default"]
-        assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (ours.r, ours.lora_alpha, ours.use_rslora)
-        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), sync.current_dir)
+        assert (pushed["r"], pushed["lora_alpha"], pushed["use_rslora"]) == (ours.r, ours.lora_alpha, ours.use_rslora)
+        assert pushed["init_lora_weights"] is True
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        if ours.init_lora_weights is not True:  # the trainer's rewritten base, as the first push carried it
+            base.load_state_dict(server.model.state_dict())
+        loaded = PeftModel.from_pretrained(base, sync.current_dir)
         ids = torch.tensor([[2, 5, 6, 7, 8, 9, 10]])
         with torch.no_grad():
             assert torch.allclose(loaded(input_ids=ids).logits, trainer.model(input_ids=ids).logits, atol=1e-5)

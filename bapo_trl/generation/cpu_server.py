@@ -416,7 +416,9 @@ class CPUServerVLLMGeneration(VLLMGeneration):
         if refusal:
             raise ValueError(f"vllm_lora_sync='adapter' cannot push this adapter: {refusal}. Set "
                              "vllm_lora_sync='merged' to push merged full weights instead (TRL's way).")
-        return {**peft_config.to_dict(), "inference_mode": True}
+        # An init that rewrites the base weights (PiSSA, OLoRA, CorDA, LoftQ) is served as plain LoRA: the first push
+        # carries the trainer's base weights, rewritten ones included, so the served base already holds them.
+        return {**peft_config.to_dict(), "inference_mode": True, "init_lora_weights": True}
 
     def _adapter_sync(self, urls: list[str], tied: bool) -> AdapterSync:
         """Main process: the adapter push's client."""
