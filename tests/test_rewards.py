@@ -1,6 +1,7 @@
 """Reward functions: failures name the function; None results are handled as TRL documents."""
 
 import math
+import re
 
 import pytest
 from transformers import AutoTokenizer
@@ -103,3 +104,67 @@ def test_registry_names_of_trl_rewards_resolve_to_trl_and_score():
     assert think_format([right, wrong]) == [1.0, 0.0]
     with pytest.raises(ValueError, match="Unknown reward function 'accuracy'.*'accuracy_reward'"):
         resolve_reward_funcs(["accuracy"])
+
+
+def forgot_return(completions, **kwargs):
+    [1.0 for _ in completions]  # noqa: B018  (the return the user forgot)
+
+
+async def async_forgot_return(completions, **kwargs):
+    return None
+
+
+@pytest.mark.parametrize("reward, name", [(forgot_return, "forgot_return"),
+                                          (async_forgot_return, "async_forgot_return")])
+def test_a_reward_that_returns_none_instead_of_a_list_is_named(reward, name, tiny_model_dir, tmp_path):
+    """Not TRL's ``TypeError: 'NoneType' object is not iterable``: the function and what it returned (issue 52)."""
+    trainer = trainer_with(reward, tiny_model_dir, tmp_path)
+    expected = f"reward function '{name}' returned None (NoneType); expected a list with one reward per completion"
+    with pytest.raises(RewardFunctionError, match=re.escape(expected + " (16 here)")):
+        trainer.train()
+
+
+def test_batches_without_any_reward_train_on_but_warn_and_are_counted(tiny_model_dir, tmp_path):
+    """Every reward None for every completion of a batch: TRL trains on (its own test expects it), so the first such
+    batch warns naming the reward functions, and the totals are logged for the run summary (issue 52)."""
+    from bapo_trl.cli.summary import format_summary, run_problems
+
+    calls = []
+
+    def late_reward(completions, **kwargs):  # applies to nothing in the first generation batch
+        calls.append(len(completions))
+        return [None] * len(completions) if len(calls) == 1 else [float(len(c)) for c in completions]
+
+    def never(completions, **kwargs):
+        return [None] * len(completions)
+
+    args = BAPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, gradient_checkpointing=False,
+                      report_to="none", save_strategy="no", per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=6, max_steps=4, logging_steps=3, steps_per_generation=2)
+    trainer = BAPOTrainer(model=tiny_model_dir, reward_funcs=[late_reward, never], args=args,
+                          train_dataset=make_reverse_dataset(16),
+                          processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+    with pytest.warns(UserWarning, match=r"generation batch scored at step 0 got a reward: every reward function "
+                                         r"\('late_reward', 'never'\) returned None") as record:
+        trainer.train()
+    assert sum("got a reward" in str(w.message) for w in record) == 1  # once, not per batch
+    assert trainer.state.global_step == 4  # trained on
+    history = trainer.state.log_history
+    assert [(h["bapo/generation_batches"], h["bapo/generation_batches_without_reward"])
+            for h in history if "bapo/generation_batches" in h] == [(2, 1)]  # logged at step 3: totals of steps 0, 2
+    summary = format_summary(history, args)
+    assert "generation batches with no reward (every reward function returned None): 1 of 2 (50%)" in summary
+    assert run_problems(history, args) == []  # one batch had rewards
+
+
+def test_the_tally_goes_on_from_a_resumed_runs_log():
+    from types import SimpleNamespace
+
+    from bapo_trl.trainer.reward_errors import RewardTally
+
+    tally = RewardTally(["f"])
+    state = SimpleNamespace(global_step=7, log_history=[
+        {"bapo/generation_batches": 3.0, "bapo/generation_batches_without_reward": 1.0}, {"loss": 0.1}])
+    tally.observe(0.5, state)
+    tally.observe(math.nan, state)
+    assert (tally.scored, tally.without_reward) == (5, 2)

@@ -62,8 +62,9 @@ def test_undefined_metric_on_one_micro_batch_does_not_turn_the_logged_mean_nan(t
 
 
 @pytest.mark.parametrize("extra,groups", [
-    (dict(replay_buffer_size=32, replay_ratio=0.5, replay_max_staleness=8), ("search", "entropy_clip", "replay")),
-    (dict(partial_rollout_budget=4), ("search", "entropy_clip", "partial")),
+    (dict(replay_buffer_size=32, replay_ratio=0.5, replay_max_staleness=8),
+     ("search", "entropy_clip", "replay", "rewards")),
+    (dict(partial_rollout_budget=4), ("search", "entropy_clip", "partial", "rewards")),
 ], ids=["replay", "partial_rollout"])
 def test_every_logged_metric_is_registered_and_every_registered_one_logged(tiny_model_dir, tmp_path, extra, groups):
     from bapo_trl.core.metrics import REGISTRY

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..core.metrics import is_active
+from ..core.metrics import REWARDS, is_active
 
 
 def _mean(values):
@@ -44,11 +44,48 @@ def generation_rows(log_history: list[dict]) -> list[dict]:
     return rows
 
 
+def reward_batches(log_history: list[dict]) -> tuple[int, int] | None:
+    """``(generation batches scored, those without any reward)`` over the run (:data:`~bapo_trl.core.metrics.REWARDS`,
+    totals in the last entry that logs them); None when no entry does (a log written before they existed)."""
+    last = next((h for h in reversed(log_history) if h.get(REWARDS[0]) is not None), None)
+    return None if last is None else (int(last[REWARDS[0]]), int(last.get(REWARDS[1]) or 0))
+
+
+def _reward_line(log_history: list[dict]) -> list[str]:
+    counts = reward_batches(log_history)
+    if counts is None:
+        return []
+    scored, without = counts
+    share = f"{100 * without / scored:.0f}%" if scored else "-"
+    line = f"generation batches with no reward (every reward function returned None): {without} of {scored} ({share})"
+    return [line + (": they train nothing." if without else ".")]
+
+
+def run_problems(log_history: list[dict], args=None) -> list[str]:
+    """What makes a finished run a failed one (``bapo train`` exits non-zero on any): no training step logged, or no
+    generation batch with a reward. Empty: none."""
+    problems = []
+    if not generation_rows(log_history):
+        steps = next((h["step"] for h in reversed(log_history) if "step" in h), 0)
+        strategy = getattr(args, "logging_strategy", None)
+        settings = "" if args is None else (f" with logging_strategy={getattr(strategy, 'value', strategy)}, "
+                                            f"logging_steps={args.logging_steps}")
+        problems.append(f"no training step was logged ({steps} optimizer steps ran{settings}): there is no metric, "
+                        "summary or plot of the run. Log at least once within the run (e.g. --logging_steps 1).")
+    counts = reward_batches(log_history)
+    if counts is not None and counts[0] and counts[0] == counts[1]:
+        problems.append(f"no generation batch had a reward: in all {counts[0]}, every reward function returned None "
+                        "for every completion, so every advantage was 0 and nothing was trained. Return a float for "
+                        "the completions a reward function scores.")
+    return problems
+
+
 def format_summary(log_history: list[dict], args=None, max_rows: int = 12) -> str:
-    """Reward per generation (thinned to ``max_rows``), mean bounds and positive share, and the overall trend."""
+    """Reward per generation (thinned to ``max_rows``), mean bounds and positive share, the overall trend, and the
+    share of generation batches without any reward."""
     rows = generation_rows(log_history)
     if not rows:
-        return "No training steps were logged."
+        return "\n".join(["No training steps were logged."] + _reward_line(log_history))
     stride = max(1, math.ceil(len(rows) / max_rows))
     shown = rows[::stride]
     if shown[-1] is not rows[-1]:
@@ -88,4 +125,4 @@ def format_summary(log_history: list[dict], args=None, max_rows: int = 12) -> st
         f"reward: {first:.3f} (first quarter of generations) -> {last:.3f} (last quarter); {search}; "
         f"bounds moved in {100 * _mean([moved(e) for e in train]):.0f}% of updates."
     )
-    return "\n".join(lines)
+    return "\n".join(lines + _reward_line(log_history))

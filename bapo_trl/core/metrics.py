@@ -91,9 +91,15 @@ GATES = (
     "bapo/vespo_k_neg",
     "bapo/vespo_lambda_neg",
 )
+#: Logged when a training generation batch is scored: totals since the start of the run (a resume included) of the
+#: batches scored, and of those in which no completion got a reward (every reward function returned None).
+REWARDS = (
+    "bapo/generation_batches",
+    "bapo/generation_batches_without_reward",
+)
 #: Every metric name bapo_trl logs, by group.
 REGISTRY = {"search": SEARCH, "entropy_clip": ENTROPY_CLIP, "replay": REPLAY, "partial": PARTIAL, "async": ASYNC,
-            "gates": GATES}
+            "gates": GATES, "rewards": REWARDS}
 
 #: valid, positive, negative, low-clipped, high-clipped (by the window), window-sensitive, positive and negative tokens
 #: without gradient, staleness sum, non-finite

@@ -33,7 +33,7 @@ from .checkpoints import CheckpointMixin
 from .loop_hooks import AtEachUpdate, training_random_state_kept
 from .loss_hook import install, optimised_tokens, restore, search_inputs
 from .model_card import PAPER_CITATION, ModelCardMixin
-from .reward_errors import name_errors
+from .reward_errors import RewardTally, name_errors
 from .trl_seams import check_trl_seams
 from .vllm_backend import CPUServerSyncMixin  # vLLM server mode on CPU (disk weight sync)
 
@@ -104,11 +104,13 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
         self.add_callback(AtEachUpdate(self._end_of_update))
 
     def _new_run_state(self) -> None:
-        """What one ``train()`` call owns: the rollout source and the closed-loop target. The first run uses the
-        constructed ones (and anything attached to them); every later ``train()`` on this object, resumed or not,
-        starts from new ones, as a new trainer would."""
+        """What one ``train()`` call owns: the rollout source, the closed-loop target and the count of batches without
+        a reward (:class:`~.reward_errors.RewardTally`). The first run uses the constructed ones (and anything attached
+        to them); every later ``train()`` on this object, resumed or not, starts from new ones, as a new trainer
+        would."""
         args = self.args
         self.rollout_source = build_source(self.port, args)
+        self.reward_tally = RewardTally(self.reward_func_names)
         self.target_controller = None if args.target_entropy is None else TargetController(
             args.target_entropy, args.target_adapt_rate, args.target_min, args.target_max,
             args.positive_contribution_target)
@@ -142,7 +144,7 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
     def _generate_and_score_completions(self, inputs):
         score = super()._generate_and_score_completions
         if self.model.training:
-            return self.rollout_source.next_batch(inputs, score)
+            return self.rollout_source.next_batch(inputs, self.reward_tally.counting(score, self))
         with self.rollout_source.paused():  # evaluation: TRL's own generation, background generation held
             return stamp_policy_version(score(inputs), self.state.global_step)
 
