@@ -88,21 +88,38 @@ class PolicyServer:
         self.lora = lora
         self.adapters: dict[str, dict[str, torch.Tensor]] = {}  # name -> {base weight name: scale * B @ A}
         self.lora_events: list[tuple[str, str]] = []  # ("load" | "unload" | "generate" | "unknown", name), in order
+        # path -> how its next POSTs are lost: "before" (the connection closes before the request runs: a keep-alive
+        # connection the server closed as it was reused) or "after" (it ran, the answer never comes back)
+        self.drops: dict[str, list[str]] = {}
         self.release = threading.Event()
         self.stalled_at: float | None = None  # time.perf_counter() when the first stalled request arrived
         server = self
 
         class Handler(JSONHandler):
+            def answer(self, body: dict, status: int = 200):
+                if getattr(self, "answer_lost", False):  # the request ran; its connection closes before the answer
+                    self.close_connection = True
+                    return
+                super().answer(body, status)
+
             def do_GET(self):
                 server.requests["GET", self.path.split("?")[0]] += 1
-                answers = {"/v1/models": {"data": [{"id": "stand-in"}]},
+                served = [{"id": "stand-in"}] + [{"id": name} for name in list(server.adapters)]
+                answers = {"/v1/models": {"data": served},
                            "/server_info": {"vllm_config": {"model_config": server.model_config}}}
                 self.answer(answers.get(self.path.split("?")[0], {}))
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 with server.counting:
+                    drop = server.drops.get(self.path, [])
+                    how = drop.pop(0) if drop else None
                     server.requests["POST", self.path] += 1
+                if how == "before":  # the connection closes before the request runs: no answer at all
+                    self.close_connection = True
+                    return
+                self.answer_lost = how == "after"
+                with server.counting:
                     index = server.requests["POST", self.path]
                     if self.path == "/v1/completions":
                         server.bodies.append((tuple(map(tuple, body["prompt"])), body.get("n", 1), body.get("seed"),
@@ -133,6 +150,10 @@ class PolicyServer:
                         self.answer({"error": {"message": "Call to add_lora method failed: Worker failed with error "
                                                "'LoRA is not enabled. Use --enable-lora to enable LoRA.'",
                                                "code": 500}}, 500)
+                        return
+                    if body["lora_name"] in server.adapters:  # vLLM's answer to a name it holds
+                        self.answer({"error": {"message": f"The lora adapter '{body['lora_name']}' has already been "
+                                               "loaded.", "code": 400}}, 400)
                         return
                     server.load_adapter(body["lora_name"], body["lora_path"])
                     self.answer({})

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from .resend import lost_before_answer
 from .weight_sync import DiskWeightSync, WeightSyncError, write_weights
 
 #: The environment variable vLLM reads before it exposes ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
@@ -38,6 +39,8 @@ RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 SERVE_LORA_HINT = "start it with `bapo serve MODEL --lora-rank R` (R >= the adapter's rank)"
 #: The ranks vLLM accepts as ``max_lora_rank`` (vllm/config/lora.py, 0.32): an adapter's rank is rounded up to one.
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: vLLM's endpoints that load and unload an adapter at run time.
+LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 #: The ``vllm_lora_sync`` values: the adapter alone (peft models in server mode), or TRL's merged full push.
 LORA_SYNC_MODES = ("adapter", "merged")
 
@@ -143,8 +146,8 @@ class AdapterSync(DiskWeightSync):
         bases = [os.path.join(directory, d) for d in sorted(os.listdir(directory)) if d.startswith("base-")]
         if bases:
             super()._load(base_url, bases[0])
-        self._post("/v1/load_lora_adapter", "LoRA adapter push failed", base_url=base_url,
-                   json={"lora_name": self.adapter_name(directory), "lora_path": directory})
+        self._lora_call(LOAD, "LoRA adapter push failed", base_url, self.adapter_name(directory),
+                        {"lora_path": directory})
 
     def _after_load(self, directory: str) -> None:
         """Every server holds the new adapter: requests name it from now on, then the one it replaces is unloaded
@@ -159,8 +162,24 @@ class AdapterSync(DiskWeightSync):
             self._on_every_server(lambda url: self._unload(url, old))
 
     def _unload(self, base_url: str, name: str) -> None:
-        self._post("/v1/unload_lora_adapter", "LoRA adapter unload failed", base_url=base_url,
-                   json={"lora_name": name})
+        self._lora_call(UNLOAD, "LoRA adapter unload failed", base_url, name, {})
+
+    def _lora_call(self, path: str, what: str, base_url: str, name: str, body: dict) -> None:
+        """Load or unload adapter ``name`` on one server. A request lost before its answer (:mod:`.resend`) may have
+        run: it is sent again only if the server's adapters (``/v1/models``) show that it did not."""
+        try:
+            self._post(path, what, base_url=base_url, json={"lora_name": name, **body})
+        except WeightSyncError as exc:
+            if not lost_before_answer(exc):
+                raise
+            if (name in self.served_adapters(base_url)) == (path == LOAD):
+                return  # the lost request had run
+            self._post(path, what, base_url=base_url, json={"lora_name": name, **body})
+
+    def served_adapters(self, base_url: str) -> set[str]:
+        """The names a server serves (``/v1/models``: the base model and every adapter loaded)."""
+        response = self.sessions[base_url].get(f"{base_url}/v1/models", timeout=self.timeout)
+        return {model["id"] for model in response.json().get("data", [])}
 
     def _post(self, path: str, what: str, json: dict | None = None, base_url: str | None = None):
         try:
@@ -177,9 +196,8 @@ class AdapterSync(DiskWeightSync):
         directory = write_adapter(zeros, self.adapter_config, self.root, "bapo-lora-probe-")
         name = self.adapter_name(directory)
         try:
-            self._on_every_server(lambda url: self._post(
-                "/v1/load_lora_adapter", "LoRA adapter check failed", base_url=url,
-                json={"lora_name": name, "lora_path": directory}))
+            self._on_every_server(lambda url: self._lora_call(LOAD, "LoRA adapter check failed", url, name,
+                                                              {"lora_path": directory}))
             self._on_every_server(lambda url: self._unload(url, name))
         finally:
             shutil.rmtree(directory, ignore_errors=True)

@@ -46,6 +46,7 @@ from trl.generation.vllm_generation import VLLMGeneration, is_peft_model
 from .adapter_sync import LORA_RANKS, AdapterPush, AdapterSync, adapter_refusal, write_adapter
 from .fleet import ServerFleet, naming, one_client, server_urls
 from .processes import broadcast_from_main, raise_everywhere
+from .resend import ResendOnLostConnection
 from .seeding import PerPromptSeeds, SeededEngine, seed_salt
 from .weight_sync import (
     SERVE_HINT,
@@ -109,8 +110,9 @@ def check_logprobs_mode(client, use: str) -> None:
             f"`--logprobs-mode {PROCESSED_LOGPROBS}` (`bapo serve` and `trl vllm-serve` set it).")
 
 
-class _OnceAdapter(HTTPAdapter):
-    """Sends each request once (no retries) and bounds every request that names no timeout of its own."""
+class _OnceAdapter(ResendOnLostConnection):
+    """Sends each request once (no retries; only a request lost before any answer, on a reused connection, goes again:
+    :mod:`.resend`) and bounds every request that names no timeout of its own."""
 
     def __init__(self, timeout: float, **kwargs):
         self.default_timeout = timeout

@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from .resend import ResendOnLostConnection
 from .seeding import at_once
 
 SERVE_HINT = "start it with `bapo serve MODEL --port PORT` or `python -m bapo_trl.cli.serve MODEL --port PORT`"
@@ -182,9 +183,11 @@ class DiskWeightSync:
         self.root = root or os.environ.get("BAPO_VLLM_WEIGHTS_DIR") or tempfile.gettempdir()
         self.refresh_output_layers = refresh_output_layers
         # One session per server (pushes reach the servers from threads at once); no automatic retries: a failure
-        # is reported at once.
+        # is reported at once (a request lost before any answer on a reused connection goes once more: .resend).
         self.sessions = {url: requests.Session() for url in self.base_urls}
         for session in self.sessions.values():
+            for prefix in ("http://", "https://"):
+                session.mount(prefix, ResendOnLostConnection())
             authorize_session(session)
         self.session = self.sessions[self.base_url]
         self._dirs: list[str] = []  # directories written by this client and not yet removed, oldest first
