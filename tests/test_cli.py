@@ -253,3 +253,66 @@ def test_the_summary_says_search_never_active_instead_of_nan_bounds():
     summary = format_summary(history + [{"loss": 0.3, "step": 3, "reward": 0.5, **active}])
     assert "search active (some window on the path changes the loss) in 33% of updates" in summary
     assert "mean bounds [0.700, 1.200]" in summary
+
+
+# --- DeepSpeed's shared-memory op on the CPU: a notice before its silent first build -------------------------------
+
+@pytest.fixture
+def deepspeed_ops(monkeypatch):
+    """DeepSpeed's table of ops built at install (``deepspeed.git_version_info.installed_ops``), without importing
+    DeepSpeed; a test sets entries in the returned dict."""
+    import types
+
+    installed = {}
+    package, info = types.ModuleType("deepspeed"), types.ModuleType("deepspeed.git_version_info")
+    info.installed_ops = installed
+    monkeypatch.setitem(sys.modules, "deepspeed", package)
+    monkeypatch.setitem(sys.modules, "deepspeed.git_version_info", info)
+    return installed
+
+
+def test_a_deepspeed_cpu_launch_says_it_compiles_the_shm_op_until_it_is_cached(deepspeed_ops, tmp_path):
+    from bapo_trl.cli.train import SHM_OP, deepspeed_cpu_build_notice
+
+    launch = {"ACCELERATE_USE_DEEPSPEED": "true", "WORLD_SIZE": "2", "RANK": "0",
+              "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    notice = deepspeed_cpu_build_notice([], launch, cuda_available=False)
+    assert notice.startswith("[bapo_trl] DeepSpeed on the CPU: compiling its shared-memory op (deepspeed_shm_comm)")
+    assert str(tmp_path / SHM_OP) in notice and "docs/distributed.md" in notice
+    plain = {k: v for k, v in launch.items() if k != "ACCELERATE_USE_DEEPSPEED"}
+    assert deepspeed_cpu_build_notice(["--deepspeed", "ds.json"], plain, cuda_available=False) == notice  # torchrun
+    assert deepspeed_cpu_build_notice([], {**launch, "WORLD_SIZE": "1"}, cuda_available=False) == notice  # built too
+    assert deepspeed_cpu_build_notice([], plain, cuda_available=False) is None  # not DeepSpeed
+    assert deepspeed_cpu_build_notice([], {**launch, "RANK": "1"}, cuda_available=False) is None  # rank 0 says it
+    assert deepspeed_cpu_build_notice([], launch, cuda_available=True) is None  # CUDA: NCCL, no shm op
+    deepspeed_ops[SHM_OP] = True  # built into DeepSpeed's install (DS_BUILD_SHM_COMM=1)
+    assert deepspeed_cpu_build_notice([], launch, cuda_available=False) is None
+    deepspeed_ops[SHM_OP] = False
+    (tmp_path / SHM_OP).mkdir()
+    (tmp_path / SHM_OP / f"{SHM_OP}.so").write_bytes(b"")  # compiled by an earlier launch: loaded in under a second
+    assert deepspeed_cpu_build_notice([], launch, cuda_available=False) is None
+
+
+def test_the_notice_names_the_folder_torch_builds_in(deepspeed_ops, tmp_path, monkeypatch):
+    """Without TORCH_EXTENSIONS_DIR: the folder torch.utils.cpp_extension would build the op in."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from bapo_trl.cli.train import SHM_OP, deepspeed_cpu_build_notice
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    notice = deepspeed_cpu_build_notice([], {"ACCELERATE_USE_DEEPSPEED": "true"}, cuda_available=False)
+    folder = _get_build_directory(SHM_OP, verbose=False)
+    assert folder.startswith(str(tmp_path)) and f" into {folder} before" in notice
+
+
+def test_parse_args_prints_the_notice_before_parsing(monkeypatch, capsys):
+    """The build starts inside the parse (BAPOConfig's device setup starts DeepSpeed's backend): the line comes
+    first."""
+    import bapo_trl.cli.train as train
+
+    seen = []
+    monkeypatch.setattr(train, "deepspeed_cpu_build_notice", lambda argv, cuda_available=None: seen.append(argv) or
+                        "NOTICE")
+    train.parse_args(["--max_steps", "2"], parser=make_parser(), cuda_available=False)
+    assert seen == [["--max_steps", "2"]] and capsys.readouterr().out.splitlines()[0] == "NOTICE"

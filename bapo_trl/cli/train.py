@@ -304,10 +304,55 @@ def parse_args(argv: list[str] | None = None, parser: TrlParser | None = None, c
     if not any(a.split("=")[0] in ("--model_name_or_path", "--config") for a in argv):
         parser.set_defaults_with_config(**EMBEDDED_DEFAULTS)
     apply_cpu_defaults(parser, argv, cuda_available)  # before parsing: the config file and the flags override it
+    notice = deepspeed_cpu_build_notice(argv, cuda_available=cuda_available)
+    if notice:  # the build runs inside the parse (BAPOConfig's device setup initializes DeepSpeed's backend)
+        print(notice, flush=True)
     try:
         return parser.parse_args_and_config(argv)
     except ValueError as err:  # no usage wall: the message names the field and the allowed range
         parser.exit(2, f"{parser.prog}: error: {err}\n")
+
+
+SHM_OP = "deepspeed_shm_comm"
+
+
+def deepspeed_cpu_build_notice(argv: list[str], environ=os.environ, cuda_available: bool | None = None) -> str | None:
+    """The line rank 0 prints before a DeepSpeed job on the CPU JIT-compiles DeepSpeed's shared-memory collectives op
+    (``deepspeed_shm_comm``, built whenever DeepSpeed's backend starts, one process or several: 2-4 minutes on 2
+    cores, with no output), or None: not DeepSpeed (``accelerate launch`` with a DeepSpeed config, or
+    ``--deepspeed``), not rank 0, CUDA, the op built into DeepSpeed's install, or already compiled in torch's
+    extensions folder (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions/py<ver>_<cpu|cuXY>``), from where
+    a later launch loads it in under a second."""
+    deepspeed = environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" or any(
+        a.split("=")[0] == "--deepspeed" for a in argv)
+    if not deepspeed or environ.get("RANK", "0") != "0":
+        return None
+    if sys.platform != "linux":  # DeepSpeed builds the op on Linux only; elsewhere it uses gloo's collectives
+        return None
+    import torch
+
+    if torch.cuda.is_available() if cuda_available is None else cuda_available:
+        return None
+    try:
+        from deepspeed.git_version_info import installed_ops
+    except Exception:  # DeepSpeed missing or broken: the launch itself will say so
+        return None
+    if installed_ops.get(SHM_OP):
+        return None
+    root = environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:  # torch.utils.cpp_extension's default
+        from torch.utils.cpp_extension import get_default_build_root
+
+        build = "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
+        build = f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip else build
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(get_default_build_root(), f"{python}_{build}")
+    folder = os.path.join(root, SHM_OP)
+    if os.path.exists(os.path.join(folder, f"{SHM_OP}.so")):
+        return None
+    return (f"[bapo_trl] DeepSpeed on the CPU: compiling its shared-memory op ({SHM_OP}) into {folder} before "
+            "training starts, once: a few minutes without output (2-4 on 2 cores); later launches load it from there "
+            "(docs/distributed.md).")
 
 
 class SetupError(SystemExit):
