@@ -255,6 +255,44 @@ def test_the_summary_says_search_never_active_instead_of_nan_bounds():
     assert "mean bounds [0.700, 1.200]" in summary
 
 
+def test_bapo_train_exits_1_when_no_generation_batch_had_a_reward(tmp_path, monkeypatch, capsys):
+    """A reward function that applies to nothing (None for every completion): TRL trains on with loss 0; the command
+    reports the share in the summary and fails (issue 52)."""
+    (tmp_path / "none_rewards.py").write_text("def never(completions, **kwargs):\n"
+                                              "    return [None] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        run(["--reward_funcs", "none_rewards.never", "--max_steps", "2", "--per_device_train_batch_size", "8",
+             "--num_generations", "4", "--steps_per_generation", "2", "--max_completion_length", "6",
+             "--output_dir", str(tmp_path / "out")], parser=make_parser())
+    assert exit_info.value.code == 1
+    out, err = capsys.readouterr()
+    assert "generation batches with no reward (every reward function returned None): 1 of 1 (100%)" in out
+    assert "error: no generation batch had a reward: in all 1, every reward function returned None" in err
+
+
+def test_an_on_policy_recipe_says_so_once_and_fails_when_no_step_was_logged(tmp_path, capsys):
+    """``bapo train --config recipe.yaml`` with on-policy data and TRL's logging_steps (10) above max_steps: one line
+    at the start says BAPO acts as GRPO (BAPOConfig's warning is not repeated), and the run that logged no step exits
+    with code 1 saying why (it printed "No training steps were logged." and exited 0; issue 52)."""
+    import warnings
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"output_dir: {tmp_path / 'out'}\nmax_steps: 2\nper_device_train_batch_size: 8\n"
+                      "num_generations: 4\nmax_completion_length: 6\nreport_to: none\nsave_strategy: 'no'\n")
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as exit_info:
+        warnings.simplefilter("always")
+        run(["--config", str(recipe)], parser=make_parser())
+    assert exit_info.value.code == 1
+    out, err = capsys.readouterr()
+    plans = [line for line in out.splitlines() if line.startswith("[bapo_trl] this run:")]
+    assert len(plans) == 1 and "on-policy data" in plans[0] and "BAPO acts as GRPO" in plans[0]
+    assert not [w for w in caught if "exactly on-policy" in str(w.message)]
+    assert "No training steps were logged." in out
+    assert ("error: no training step was logged (2 optimizer steps ran with logging_strategy=steps, "
+            "logging_steps=10)") in err
+
+
 # --- DeepSpeed's shared-memory op on the CPU: a notice before its silent first build -------------------------------
 
 @pytest.fixture

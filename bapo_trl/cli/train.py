@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, TrlParser
@@ -412,6 +413,27 @@ def prepare(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_a
     return reward_funcs, train_dataset, eval_dataset
 
 
+#: The start of BAPOConfig's warning for on-policy data, which :func:`run_plan`'s line says instead in ``bapo train``.
+ON_POLICY_WARNING = "BAPO: the data is exactly on-policy"
+
+
+def run_plan(args: BAPOConfig) -> str:
+    """One line saying what the run will do with the data: on-policy (every ratio 1, so BAPO acts as GRPO) or stale,
+    and from what. Printed once (rank 0) when the job starts."""
+    upg = args.updates_per_generation
+    sources = [name for name, on in (("replay", args.replay_enabled), ("async generation", args.async_generation),
+                                     ("partial rollout", args.partial_rollout_enabled)) if on]
+    if upg <= 1 and not sources:
+        return ("[bapo_trl] this run: on-policy data (steps_per_generation x num_iterations = "
+                f"{args.steps_per_generation} x {args.num_iterations} <= gradient_accumulation_steps = "
+                f"{args.gradient_accumulation_steps}; no replay, partial rollout or async generation): every ratio is "
+                "1, so BAPO acts as GRPO (the bound search never changes the loss). For stale data: "
+                "steps_per_generation > gradient_accumulation_steps, num_iterations > 1, replay_buffer_size/"
+                "replay_ratio, partial_rollout_budget or async_generation.")
+    return (f"[bapo_trl] this run: stale data ({upg} optimizer step(s) per generation batch"
+            f"{''.join(f', {name}' for name in sources)}): BAPO re-chooses the clipping window at every update.")
+
+
 def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args: ModelConfig):
     import torch
     from trl import get_peft_config, get_quantization_config
@@ -426,6 +448,8 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
     if threads:
         torch.set_num_threads(threads)
     reward_funcs, train_dataset, eval_dataset = prepare(script_args, training_args, model_args)
+    if os.environ.get("RANK", "0") == "0":
+        print(run_plan(training_args), flush=True)
 
     if embedded:
         from ..recipes.toy import build_tiny_model
@@ -465,16 +489,27 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
 
 
 def run(argv: list[str] | None = None, parser: TrlParser | None = None):
-    """Parse and train; setup errors print one ``error:`` line on stderr and exit with code 2. A job of several
-    processes on CPU ends through :func:`exit_past_gloo_teardown` (:func:`exits_past_gloo_teardown` says when)."""
+    """Parse and train; setup errors print one ``error:`` line on stderr and exit with code 2. A run that trained but
+    logged no step, or in which no generation batch had a reward (:func:`~bapo_trl.cli.summary.run_problems`), says
+    why in ``error:`` lines and exits with code 1. A job of several processes on CPU ends through
+    :func:`exit_past_gloo_teardown` (:func:`exits_past_gloo_teardown` says when)."""
+    from .summary import run_problems
+
     parser = parser or make_parser()
-    args = parse_args(argv, parser=parser)
+    with warnings.catch_warnings():  # main's plan line says it, once
+        warnings.filterwarnings("ignore", message=ON_POLICY_WARNING, category=UserWarning)
+        args = parse_args(argv, parser=parser)
     try:
         trainer = main(*args)
     except SetupError as err:
         parser.exit(2, f"{parser.prog}: error: {err.message}\n")
+    problems = run_problems(trainer.state.log_history, trainer.args)
+    if problems and trainer.accelerator.is_main_process:
+        sys.stderr.write("".join(f"{parser.prog}: error: {problem}\n" for problem in problems))
     if exits_past_gloo_teardown(trainer.accelerator.num_processes, trainer.accelerator.device.type, trainer.args):
-        exit_past_gloo_teardown()
+        exit_past_gloo_teardown(1 if problems else 0)
+    if problems:
+        sys.exit(1)
     return trainer
 
 
@@ -487,9 +522,9 @@ def exits_past_gloo_teardown(num_processes: int, device_type: str, args) -> bool
     return num_processes > 1 and device_type == "cpu" and not colocated
 
 
-def exit_past_gloo_teardown() -> None:
-    """End a finished job of several CPU processes (gloo) with exit code 0: the exit handlers run (loggers, trackers,
-    the weight directories' cleanup), then the process leaves without finalizing the interpreter.
+def exit_past_gloo_teardown(code: int = 0) -> None:
+    """End a finished job of several CPU processes (gloo) with exit code ``code``: the exit handlers run (loggers,
+    trackers, the weight directories' cleanup), then the process leaves without finalizing the interpreter.
 
     Why: gloo's worker threads outlive ``destroy_process_group`` and free the last collective's work after it has
     completed; when that work holds tensors Python has let go of, freeing them takes the GIL, and if the main thread
@@ -503,5 +538,5 @@ def exit_past_gloo_teardown() -> None:
     atexit._run_exitfuncs()  # what normal exit runs first: logging.shutdown, weakref finalizers, trackers
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
