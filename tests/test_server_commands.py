@@ -176,6 +176,8 @@ def test_the_rule_cites_trls_own_help_text():
     ("bapo serve deepseek-ai/DeepSeek-R1-Distill-Qwen-7B -- -dp 4", True),
     ("python -m bapo_trl.cli.serve MODEL -- --data-parallel-size=2", True),
     ("bapo serve MODEL -- --tensor-parallel-size 2", False),
+    ("bapo serve --model deepseek-ai/DeepSeek-R1-Distill-Qwen-7B -- --data-parallel-size 2", True),  # TRL's flag
+    ("bapo serve --model=Qwen/Qwen3-30B-A3B -- --data-parallel-size 2", False),
 ])
 def test_the_check_refuses_data_parallelism_for_a_dense_model(command, refused):
     vllm_argv, model, _ = vllm_command(command)
@@ -217,3 +219,49 @@ def test_serve_keeps_idle_connections_longer_than_a_training_step(monkeypatch):
     monkeypatch.setenv(serve.KEEP_ALIVE_ENV, "42")
     _, env = serve.build_command("m", "127.0.0.1", 8000, "cpu", sys.executable, None, [])
     assert env[serve.KEEP_ALIVE_ENV] == "42"
+
+
+def _dry_run(capsys, tmp_path, *argv: str) -> str:
+    from bapo_trl.cli import serve
+
+    serve.main([*argv, "--backend", "cpu", "--venv", str(tmp_path / "venv"), "--port", "8011"], prog="bapo serve")
+    return capsys.readouterr().out
+
+
+def test_serve_takes_the_model_as_trls_model_flag_or_positionally(capsys, tmp_path, monkeypatch):
+    """`bapo serve --model M` (TRL's `trl vllm-serve --model M`) is `bapo serve M`; each flag is accepted with
+    underscores too (`--dry_run`, `--lora_rank`, `--api_key`, `--allow_remote_dev_endpoints`), as TRL's parser
+    accepts both spellings."""
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    positional = _dry_run(capsys, tmp_path, "org/model", "--dry-run", "--lora-rank", "12", "--api-key", "k",
+                          "--host", "0.0.0.0", "--allow-remote-dev-endpoints")
+    assert "--model org/model" in positional and "--max-lora-rank 16" in positional
+    assert _dry_run(capsys, tmp_path, "--model", "org/model", "--dry-run", "--lora-rank", "12", "--api-key", "k",
+                    "--host", "0.0.0.0", "--allow-remote-dev-endpoints") == positional
+    assert _dry_run(capsys, tmp_path, "--host", "0.0.0.0", "--model=org/model", "--dry_run", "--lora_rank", "12",
+                    "--api_key", "k", "--allow_remote_dev_endpoints") == positional
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "the model is required: give it as MODEL or as --model MODEL"),
+    (["a/model", "--model", "b/model"], "the model is given twice ('a/model' and --model 'b/model')"),
+    (["--model"], "argument --model: expected one argument"),
+])
+def test_serve_without_a_model_or_with_two_is_one_error_naming_the_flag(argv, message, capsys, tmp_path):
+    from bapo_trl.cli import serve
+
+    with pytest.raises(SystemExit) as exit_info:
+        serve.main([*argv, "--dry-run"], prog="bapo serve")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"bapo serve: error: {message}" in err and "Traceback" not in err
+
+
+def test_every_serve_flag_has_both_spellings():
+    from bapo_trl.cli import serve
+    from bapo_trl.cli.main import both_spellings
+
+    flags = [a.option_strings for a in serve.make_parser()._actions if a.option_strings]
+    separated = [f for f in flags if any(c in f[0][2:] for c in "-_")]
+    assert len(separated) == 4, separated
+    assert all(f == both_spellings(f[0]) for f in separated), separated

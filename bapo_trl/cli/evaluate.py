@@ -4,7 +4,8 @@ evaluation itself: :mod:`bapo_trl.recipes.math_reasoning.evaluate`).
     bapo evaluate --model outputs/run/checkpoint-200 --dataset HuggingFaceH4/aime_2024 --k 16 \\
         --max_new_tokens 8192 --temperature 0.6 --output aime24.json
 
-(or ``python -m bapo_trl.cli.evaluate ...``, the same command.)
+(or ``python -m bapo_trl.cli.evaluate ...``, the same command.) Each flag is also accepted with dashes
+(``--max-new-tokens``), as TRL's parser accepts both spellings.
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ import json
 import sys
 
 from ..recipes.math_reasoning.evaluate import evaluate
+from .main import OneSpellingHelpFormatter, both_spellings
 
-DESCRIPTION = "avg@k / pass@k of a model or checkpoint on a math dataset, scored with the training reward."
+DESCRIPTION = ("avg@k / pass@k of a model or checkpoint on a math dataset, scored with the training reward. Each flag "
+               "is also accepted with dashes (--max-new-tokens = --max_new_tokens), as TRL's parser accepts both.")
 
 
-class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class DefaultsHelpFormatter(OneSpellingHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Each option's help ends with its default, except where there is none to show (a required option, or a default
-    of ``None``, whose meaning the help text gives)."""
+    of ``None``, whose meaning the help text gives). Each flag is listed once, with underscores; the dashed spelling
+    (``--max-new-tokens``) is accepted too."""
 
     def _get_help_string(self, action):
         if action.required or action.default is None:
@@ -33,27 +37,30 @@ def make_parser(prog: str = "python -m bapo_trl.cli.evaluate") -> argparse.Argum
     p.add_argument("--model", required=True, help="Model or checkpoint directory, hub id, LoRA adapter directory, or "
                    "a bapo_trl.recipes.models registry name (smollm2-135m-instruct).")
     p.add_argument("--dataset", required=True, help="Local .jsonl/.json/.parquet/.csv file or hub dataset id.")
-    p.add_argument("--dataset_config", default=None,
+    p.add_argument(*both_spellings("--dataset_config"), default=None,
                    help="Hub dataset config (default: none; GSM8K's 'main' is automatic).")
     p.add_argument("--split", default=None, help="Split (default: 'test', or 'train' if that is the only one).")
-    p.add_argument("--math_dataset_format", default="auto",
+    p.add_argument(*both_spellings("--math_dataset_format"), default="auto",
                    help="Math format (bapo_trl.recipes.math_reasoning.data): auto (known dataset ids, then the "
                    "columns) or a format name.")
-    p.add_argument("--math_instruction_role", default="system", choices=["system", "user"],
+    p.add_argument(*both_spellings("--math_instruction_role"), default="system", choices=["system", "user"],
                    help="The boxed-answer instruction as a system message, or after the problem in the user message.")
     p.add_argument("--k", type=int, default=16, help="Samples per problem (the paper: 16).")
-    p.add_argument("--num_problems", type=int, default=None, help="Only the first N problems (default: all).")
-    p.add_argument("--max_new_tokens", type=int, default=1024, help="Longest completion, in tokens.")
+    p.add_argument(*both_spellings("--num_problems"),
+                   type=int, default=None, help="Only the first N problems (default: all).")
+    p.add_argument(*both_spellings("--max_new_tokens"), type=int, default=1024, help="Longest completion, in tokens.")
     p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy (then all k samples agree).")
-    p.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling (1.0 = off).")
-    p.add_argument("--batch_size", type=int, default=16, help="Samples generated together.")
+    p.add_argument(*both_spellings("--top_p"), type=float, default=1.0, help="Nucleus sampling (1.0 = off).")
+    p.add_argument(*both_spellings("--batch_size"), type=int, default=16, help="Samples generated together.")
     p.add_argument("--reward", default="boxed_accuracy", help="Reward by registry name or dotted path.")
-    p.add_argument("--correct_threshold", type=float, default=0.5, help="A sample with reward >= this is correct.")
+    p.add_argument(*both_spellings("--correct_threshold"),
+                   type=float, default=0.5, help="A sample with reward >= this is correct.")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16.")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU; default: torch's).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the sampling.")
-    p.add_argument("--keep_chars", type=int, default=2000, help="Characters of the first completion kept per problem.")
+    p.add_argument(*both_spellings("--keep_chars"),
+                   type=int, default=2000, help="Characters of the first completion kept per problem.")
     p.add_argument("--output", default=None,
                    help="Write the JSON report here (default: only the summary line on stdout).")
     return p

