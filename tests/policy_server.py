@@ -65,6 +65,7 @@ class PolicyServer:
                  nan_logprob_every: int = 0, lora: bool | None = True):
         from transformers import AutoModelForCausalLM
 
+        self.model_dir = model_dir
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.lock = threading.Lock()  # one request at a time touches the model (as one vLLM engine)
         self.generator = torch.Generator().manual_seed(seed)
@@ -267,6 +268,15 @@ class PolicyServer:
                         "top_logprobs": [{f"token_id:{t}": lp} for t, lp in zip(tokens, logps)]}})
         self.completions.append(len(choices))
         return {"choices": choices}
+
+    def restart(self) -> None:
+        """As a server restarted at the same address: its checkpoint's weights again, no adapter loaded."""
+        from transformers import AutoModelForCausalLM
+
+        with self.lock:
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+            self.adapters.clear()
+            self.lora_events.append(("restart", ""))
 
     def resent(self) -> list[tuple]:
         """Generate requests that arrived more than once (a seeded request is never sent twice by design)."""

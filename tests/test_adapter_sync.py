@@ -13,7 +13,7 @@ import torch
 from harness import tiny_trainer
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from policy_server import PolicyServer
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from bapo_trl import BAPOConfig
 from bapo_trl.cli.serve import LORA_RANKS, build_command, lora_rank, make_parser
@@ -94,8 +94,9 @@ def test_pushes_load_a_fresh_name_switch_requests_then_unload_the_old(tiny_model
         assert server.lora_events == [("load", first), ("load", second), ("unload", first)]
         assert server.requests["RPC", "reload_weights"] == 1  # the adapter alone
         assert sync.last_bytes < big / 5 and [b for b, _ in sync.take_pushes()] == [big, sync.last_bytes]
-        # only the directory loaded last is kept, without its base weights
-        assert os.listdir(tmp_path) == [os.path.basename(sync.current_dir)]
+        # only the directory loaded last is kept, without its base weights (kept aside for a restarted server)
+        assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(sync.current_dir),
+                                                       os.path.basename(sync._base_dir)])
         assert sorted(os.listdir(sync.current_dir)) == ["adapter_config.json", "adapter_model.safetensors"]
         sync.close()
         assert os.listdir(tmp_path) == [] and server.lora_events[-1] == ("unload", second) and not server.adapters
@@ -271,5 +272,56 @@ def test_the_server_samples_with_the_adapter_the_trainer_trains(tiny_model_dir, 
         ids = torch.tensor([[2, 5, 6, 7, 8, 9, 10]])
         with torch.no_grad():
             assert torch.allclose(loaded(input_ids=ids).logits, trainer.model(input_ids=ids).logits, atol=1e-5)
+    finally:
+        server.close()
+
+
+class RestartAt(TrainerCallback):
+    """Restarts the stand-in server (its checkpoint's weights again, no adapter) at the end of optimizer step ``step``:
+    between two pushes."""
+
+    def __init__(self, server, step: int):
+        self.server, self.step = server, step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.server.restart()
+
+
+@pytest.mark.parametrize("when", ["between_steps", "after_a_push"])
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async_k1"])
+def test_a_server_restarted_mid_run_gets_the_base_weights_and_the_adapter_again(tiny_model_dir, tmp_path,
+                                                                                  asynchronous, when):
+    """The server restarts (from its own checkpoint, holding no adapter) at the end of a step, or just after it loaded
+    a push (the next request names an adapter it no longer has: answered 404). Either the next push finds the adapter
+    it gave last gone, or the request's 404 does: the server reloads the base weights first pushed (kept for that)
+    and gets the adapter again; the run goes on, sampling from the trainer's policy (TRL's sampler/trainer gap stays
+    at float32 noise)."""
+    server = PolicyServer(tiny_model_dir)
+    try:
+        extra = dict(async_generation=True, max_staleness=1) if asynchronous else {}
+        trainer = tiny_trainer(tiny_model_dir, server_config(server, tmp_path, max_steps=6, **extra),
+                               model=peft_model(tiny_model_dir),
+                               callbacks=[RestartAt(server, 2)] if when == "between_steps" else [])
+        sync = trainer.vllm_generation.disk_sync
+        if when == "after_a_push":
+            load = sync.load
+
+            def load_then_restart(*args, **kwargs):
+                seconds = load(*args, **kwargs)
+                if len(sync.loaded_names) == 2:
+                    server.restart()
+                return seconds
+
+            sync.load = load_then_restart
+        trainer.train()
+        assert sync.restarts == [server.url] and server.requests["RPC", "reload_weights"] == 2
+        assert ("restart", "") in server.lora_events
+        # after a push, a request found the adapter gone (answered 404) and went again once it was restored
+        assert (when == "after_a_push") == any(event == "unknown" for event, _ in server.lora_events)
+        if not asynchronous:
+            diffs = [h["sampling/sampling_logp_difference/mean"] for h in trainer.state.log_history
+                     if "sampling/sampling_logp_difference/mean" in h]
+            assert len(diffs) == 3 and max(diffs) < 1e-4, diffs
     finally:
         server.close()

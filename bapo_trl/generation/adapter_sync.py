@@ -9,7 +9,9 @@ How a push goes (:class:`AdapterSync`, the disk path's client with another paylo
 
 * the first push of a client also writes the trainer's base weights and has every server reload them (vLLM's
   ``reload_weights``, under LoRA as without): a server started from another checkpoint (another revision, dtype or
-  fine-tune) would otherwise apply the adapter to the wrong base, silently;
+  fine-tune) would otherwise apply the adapter to the wrong base, silently. That directory is kept until the client
+  closes: a server found without the adapter it was given last has restarted (from its own checkpoint) and reloads
+  it before the new adapter;
 * every push writes ``adapter_config.json`` and ``adapter_model.safetensors`` to a fresh directory, every server loads
   it under a fresh name (the directory's), and only then the name it replaces is unloaded and generation requests
   name the new adapter. Pushes and requests are ordered by the rollout sources as for a full push, so a request names
@@ -26,6 +28,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -119,6 +122,9 @@ class AdapterSync(DiskWeightSync):
         self.active_name: str | None = None  # the adapter every request names now
         self.loaded_names: list[str] = []  # every adapter loaded, in push order (what a test or a log reads)
         self.base_pushed = False
+        self._base_dir: str | None = None  # the base weights as first pushed (they never change): a restarted server's
+        self.restarts: list[str] = []  # servers found restarted (they got the base weights and the adapter again)
+        self._restore_lock = threading.Lock()
 
     @staticmethod
     def adapter_name(directory: str) -> str:
@@ -142,10 +148,15 @@ class AdapterSync(DiskWeightSync):
     # -- loading --------------------------------------------------------------------------------------------------
 
     def _load(self, base_url: str, directory: str) -> None:
-        """One server: reload the base weights when the push carries them, then load the adapter."""
+        """One server: reload the base weights when the push carries them, or when the server no longer holds the
+        adapter it was given last (it restarted, from its own checkpoint: the base pushed first is loaded again),
+        then load the adapter."""
         bases = [os.path.join(directory, d) for d in sorted(os.listdir(directory)) if d.startswith("base-")]
         if bases:
             super()._load(base_url, bases[0])
+        elif self.active_name is not None and self.active_name not in self.served_adapters(base_url):
+            self.restarts.append(base_url)
+            super()._load(base_url, self._base_dir)
         self._lora_call(LOAD, "LoRA adapter push failed", base_url, self.adapter_name(directory),
                         {"lora_path": directory})
 
@@ -154,12 +165,28 @@ class AdapterSync(DiskWeightSync):
         everywhere (a request naming it would now be refused, 404)."""
         old, self.active_name = self.active_name, self.adapter_name(directory)
         self.loaded_names.append(self.active_name)
-        for base in [d for d in os.listdir(directory) if d.startswith("base-")]:
-            shutil.rmtree(os.path.join(directory, base), ignore_errors=True)  # loaded: only the adapter stays
-            self.base_pushed = True
+        for base in [d for d in os.listdir(directory) if d.startswith("base-")]:  # kept aside until close()
+            kept = tempfile.mkdtemp(prefix="bapo-lora-base-", dir=self.root)
+            os.replace(os.path.join(directory, base), kept)
+            self._base_dir, self.base_pushed = kept, True
         self.on_switch(self.active_name)
         if old is not None:
             self._on_every_server(lambda url: self._unload(url, old))
+
+    def restore(self, base_url: str, name: str) -> bool:
+        """A request named adapter ``name`` and the server answered that no such model exists. If ``name`` is the
+        adapter in use and the server holds none of ours (it restarted), have it reload the base weights first pushed
+        and load the adapter under the same name again; returns whether the request can go again. Any thread; one
+        restore at a time (a seeded batch's requests all find the adapter gone at once)."""
+        with self._restore_lock:
+            if name != self.active_name or self._loaded is None or self._base_dir is None:
+                return False
+            if name in self.served_adapters(base_url):
+                return True  # another request's restore did it
+            self.restarts.append(base_url)
+            DiskWeightSync._load(self, base_url, self._base_dir)
+            self._lora_call(LOAD, "LoRA adapter restore failed", base_url, name, {"lora_path": self._loaded})
+            return True
 
     def _unload(self, base_url: str, name: str) -> None:
         self._lora_call(UNLOAD, "LoRA adapter unload failed", base_url, name, {})
@@ -170,6 +197,8 @@ class AdapterSync(DiskWeightSync):
         try:
             self._post(path, what, base_url=base_url, json={"lora_name": name, **body})
         except WeightSyncError as exc:
+            if path == UNLOAD and "cannot be found" in str(exc):
+                return  # gone already (a restarted server holds none of this run's adapters)
             if not lost_before_answer(exc):
                 raise
             if (name in self.served_adapters(base_url)) == (path == LOAD):
@@ -212,6 +241,9 @@ class AdapterSync(DiskWeightSync):
                     self._unload(url, name)
                 except WeightSyncError:
                     pass
+        if self._base_dir is not None:
+            shutil.rmtree(self._base_dir, ignore_errors=True)
+            self._base_dir, self.base_pushed = None, False  # a later push carries the base weights again
         super().close()
 
 

@@ -220,8 +220,20 @@ class HTTPVLLMClient(PerPromptSeeds, VLLMClient):
     def _get(self, url: str, **kwargs) -> dict:
         return self._once(urlparse(url).path, lambda: super(HTTPVLLMClient, self)._get(url, **kwargs))
 
+    #: ``restore(base_url, name) -> bool``: called when the server answers that the adapter a request named does not
+    #: exist (it restarted); True: send the request again (:meth:`~.adapter_sync.AdapterSync.restore`).
+    restore_adapter: Callable[[str, str], bool] | None = None
+
     def _post(self, url: str, **kwargs) -> dict:
-        return self._once(urlparse(url).path, lambda: super(HTTPVLLMClient, self)._post(url, **kwargs))
+        send = partial(self._once, urlparse(url).path, lambda: super(HTTPVLLMClient, self)._post(url, **kwargs))
+        try:
+            return send()
+        except Exception as exc:  # TRL's client raises a bare Exception naming the status
+            name = (kwargs.get("json") or {}).get("model")
+            if (self.restore_adapter is None or "404" not in str(exc) or "does not exist" not in str(exc)
+                    or not self.restore_adapter(self.base_url, name)):
+                raise
+            return send()
 
     def get_server_info(self) -> dict:
         return self._once("/server_info", super().get_server_info)
@@ -426,12 +438,17 @@ class CPUServerVLLMGeneration(VLLMGeneration):
         """Main process: the adapter push's client."""
         config = self._adapter_config()
 
+        fleet = self.vllm_client
+        clients = fleet.clients if isinstance(fleet, ServerFleet) else [fleet]
+
         def switch(name: str) -> None:  # every request names the adapter loaded last
-            fleet = self.vllm_client
-            for client in fleet.clients if isinstance(fleet, ServerFleet) else [fleet]:
+            for client in clients:
                 client.model = name
 
-        return AdapterSync(urls, config, switch, timeout=self.server_timeout, refresh_output_layers=tied)
+        sync = AdapterSync(urls, config, switch, timeout=self.server_timeout, refresh_output_layers=tied)
+        for client in clients:  # a restarted server answers that the adapter does not exist: load it again
+            client.restore_adapter = sync.restore
+        return sync
 
     def _adapter_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """Every tensor of the active adapter (peft's names, the adapter's own included): a linear layer's
