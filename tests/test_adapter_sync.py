@@ -5,6 +5,7 @@ CPU server (test_lora_real_server.py) and the guarantees matrix has LoRA rows (t
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 
@@ -99,7 +100,11 @@ def test_pushes_load_a_fresh_name_switch_requests_then_unload_the_old(tiny_model
                                                        os.path.basename(sync._base_dir)])
         assert sorted(os.listdir(sync.current_dir)) == ["adapter_config.json", "adapter_model.safetensors"]
         sync.close()
-        assert os.listdir(tmp_path) == [] and server.lora_events[-1] == ("unload", second) and not server.adapters
+        assert os.listdir(tmp_path) == [os.path.basename(sync._base_dir)]
+        assert server.lora_events[-1] == ("unload", second) and not server.adapters
+        del sync
+        gc.collect()
+        assert os.listdir(tmp_path) == []  # the base weights' directory goes with its client
     finally:
         server.close()
 
@@ -323,5 +328,41 @@ def test_a_server_restarted_mid_run_gets_the_base_weights_and_the_adapter_again(
             diffs = [h["sampling/sampling_logp_difference/mean"] for h in trainer.state.log_history
                      if "sampling/sampling_logp_difference/mean" in h]
             assert len(diffs) == 3 and max(diffs) < 1e-4, diffs
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("ending", ["finished", "failed"])
+def test_a_run_leaves_no_adapter_on_the_server_and_the_next_generation_pushes_again(tiny_model_dir, tmp_path,
+                                                                                      monkeypatch, ending):
+    """At the end of a run, and when it fails, its last adapter is unloaded from the server and the push's directories
+    removed; an evaluation afterwards pushes first (it never names an adapter the server no longer holds)."""
+    server = PolicyServer(tiny_model_dir)
+    calls = []
+    (tmp_path / "weights").mkdir()
+    monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path / "weights"))
+
+    def reward(completions, **kwargs):
+        calls.append(1)
+        if ending == "failed" and len(calls) == 2 and trainer.model.training:
+            raise RuntimeError("the reward service is down")
+        return [float(len(c)) for c in completions]
+
+    try:
+        trainer = tiny_trainer(tiny_model_dir, server_config(server, tmp_path / "run"), reward=reward,
+                               model=peft_model(tiny_model_dir), eval_prompts=8)
+        sync = trainer.vllm_generation.disk_sync
+        if ending == "failed":
+            with pytest.raises(Exception, match="reward service is down"):
+                trainer.train()
+        else:
+            trainer.train()
+        assert server.adapters == {} and sync.active_name is None
+        assert os.listdir(tmp_path / "weights") == [os.path.basename(sync._base_dir)]  # for a restarted server
+        assert server.lora_events[-1][0] == "unload"
+        calls.clear()
+        trainer.evaluate()
+        assert "unknown" not in [event for event, _ in server.lora_events]
+        assert server.lora_events[-1] == ("generate", sync.active_name) and len(server.adapters) == 1
     finally:
         server.close()

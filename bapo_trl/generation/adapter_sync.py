@@ -29,6 +29,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -169,6 +170,7 @@ class AdapterSync(DiskWeightSync):
             kept = tempfile.mkdtemp(prefix="bapo-lora-base-", dir=self.root)
             os.replace(os.path.join(directory, base), kept)
             self._base_dir, self.base_pushed = kept, True
+            weakref.finalize(self, shutil.rmtree, kept, ignore_errors=True)  # with the client, or at exit
         self.on_switch(self.active_name)
         if old is not None:
             self._on_every_server(lambda url: self._unload(url, old))
@@ -233,7 +235,8 @@ class AdapterSync(DiskWeightSync):
 
     def close(self) -> None:
         """Unload the adapter this client loaded last from every server (best effort: a server already gone is not an
-        error here), then remove every directory it wrote."""
+        error here), then remove every directory it wrote but the base weights' (kept while the client lives, for a
+        server restarted in a later run)."""
         if self.active_name is not None:
             name, self.active_name = self.active_name, None
             for url in self.base_urls:
@@ -241,10 +244,7 @@ class AdapterSync(DiskWeightSync):
                     self._unload(url, name)
                 except WeightSyncError:
                     pass
-        if self._base_dir is not None:
-            shutil.rmtree(self._base_dir, ignore_errors=True)
-            self._base_dir, self.base_pushed = None, False  # a later push carries the base weights again
-        super().close()
+        super().close()  # the base weights' directory stays for a later run's restarted server (removed at exit)
 
 
 def adapter_hint(message: str, path: str) -> str:

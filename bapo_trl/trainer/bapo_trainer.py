@@ -156,7 +156,10 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
         return states
 
     def _end_of_training(self) -> None:
-        self.rollout_source.close()  # background generation ends with the run
+        try:
+            self.rollout_source.close()  # background generation ends with the run
+        finally:
+            self._close_weight_pushes()  # no adapter of this run left registered on a server
 
     # -- loss: arm the search, let TRL compute the loss with the chosen window ----------------------------------
 

@@ -29,6 +29,17 @@ class CPUServerSyncMixin:
         else:
             super().__init__(model, reward_funcs, args=args, **kwargs)
 
+    def _close_weight_pushes(self) -> None:
+        """The end of a run (an error's too): the disk push's client unloads its last adapter from every server and
+        removes the weight directories it wrote; the next generation (a later ``train()``, an evaluation) pushes
+        again, on every process (the push is collective under ZeRO-3)."""
+        backend = getattr(self, "vllm_generation", None)
+        if not isinstance(backend, CPUServerVLLMGeneration) or not backend.uses_disk_sync:
+            return
+        if backend.disk_sync is not None:  # the main process's
+            backend.disk_sync.close()
+        self._last_loaded_step = -1
+
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """Add the weight pushes since the last log: ``weight_sync/pushed_bytes`` (bytes written for the servers to
         load, per push) and ``weight_sync/seconds`` (write and load, per push), averaged over the pushes (the disk
