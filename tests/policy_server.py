@@ -62,7 +62,7 @@ class PolicyServer:
 
     def __init__(self, model_dir: str, stall_on: tuple[int, ...] = (), seed: int = 0, seconds_per_token: float = 0.0,
                  busy_resets: int = 0, latency: float = 0.0, logprobs_mode: str | None = "processed_logprobs",
-                 nan_logprob_every: int = 0, lora: bool | None = True):
+                 nan_logprob_every: int = 0, lora: bool | None = True, data_parallel_size: int | None = None):
         from transformers import AutoModelForCausalLM
 
         self.model_dir = model_dir
@@ -84,6 +84,8 @@ class PolicyServer:
         self.in_flight = self.most_in_flight = 0  # generate requests open at once (now, and the most seen)
         # what /server_info reports (its sampled tokens' log-probs are processed ones whatever it reports)
         self.model_config = {} if logprobs_mode is None else {"logprobs_mode": logprobs_mode}
+        # what /server_info reports of its engines (--data-parallel-size; None: no such field)
+        self.parallel_config = {} if data_parallel_size is None else {"data_parallel_size": data_parallel_size}
         self.nan_logprob_every = nan_logprob_every  # every k-th token sampled is answered with a NaN log-prob
         self.tokens_sampled = 0
         self.lora = lora
@@ -107,7 +109,8 @@ class PolicyServer:
                 server.requests["GET", self.path.split("?")[0]] += 1
                 served = [{"id": "stand-in"}] + [{"id": name} for name in list(server.adapters)]
                 answers = {"/v1/models": {"data": served},
-                           "/server_info": {"vllm_config": {"model_config": server.model_config}}}
+                           "/server_info": {"vllm_config": {"model_config": server.model_config,
+                                                            "parallel_config": server.parallel_config}}}
                 self.answer(answers.get(self.path.split("?")[0], {}))
 
             def do_POST(self):

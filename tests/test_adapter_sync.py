@@ -366,3 +366,50 @@ def test_a_run_leaves_no_adapter_on_the_server_and_the_next_generation_pushes_ag
         assert server.lora_events[-1] == ("generate", sync.active_name) and len(server.adapters) == 1
     finally:
         server.close()
+
+
+def test_a_server_with_several_data_parallel_engines_is_refused_for_the_adapter_push(tiny_model_dir, tmp_path):
+    """A run-time adapter load reaches one engine of a --data-parallel-size server: refused at construction, naming
+    the reason and vllm_lora_sync='merged' (which starts)."""
+    server = PolicyServer(tiny_model_dir, data_parallel_size=2)
+    try:
+        with pytest.raises(WeightSyncError, match="2 data-parallel engines.*vllm_lora_sync=\"merged\""):
+            tiny_trainer(tiny_model_dir, server_config(server, tmp_path), peft_config=LoraConfig(**LORA))
+        assert server.requests["POST", "/v1/load_lora_adapter"] == 0
+        tiny_trainer(tiny_model_dir, server_config(server, tmp_path, vllm_lora_sync="merged"),
+                     peft_config=LoraConfig(**LORA))
+    finally:
+        server.close()
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_of_the_adapter_and_the_base_are_gathered_whole(tiny_model_dir, tmp_path):
+    """FSDP2 on 2 gloo processes: the adapter push gathers every shard (DTensors reached write_adapter before), the
+    adapter with its embedding tensors and the base weights equal to the unsharded model's, on rank 0 only."""
+    from launching import REPO, accelerate_launch
+
+    accelerate_launch(REPO / "tests" / "dist_scripts" / "fsdp2_adapter_gather.py", tiny_model_dir, tmp_path,
+                      timeout=600)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["world_size"] == 2 and result["sharded_parameters"] > 0
+    assert result["adapter_equal"] and result["embedding_tensors"] == 2 and result["base_equal"], result
+    assert result["all_plain"], result
+
+
+def test_fsdp1_is_refused_for_the_adapter_push_naming_merged(tiny_model_dir, tmp_path, monkeypatch):
+    """FSDP1's flattened shards are not gathered for the adapter: refused at construction, naming the merged push."""
+    from trl.distributed import DistributedBackend
+
+    server = PolicyServer(tiny_model_dir)
+    init = DistributedBackend.__init__
+
+    def as_fsdp1(self, accelerator):  # accelerate makes no FSDP on CPU: TRL's record of it says version 1
+        init(self, accelerator)
+        self.fsdp_version = 1
+
+    monkeypatch.setattr(DistributedBackend, "__init__", as_fsdp1)
+    try:
+        with pytest.raises(ValueError, match="FSDP1.*vllm_lora_sync='merged'"):
+            tiny_trainer(tiny_model_dir, server_config(server, tmp_path), peft_config=LoraConfig(**LORA))
+    finally:
+        server.close()

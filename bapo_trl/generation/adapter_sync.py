@@ -222,7 +222,16 @@ class AdapterSync(DiskWeightSync):
 
     def check_adapter_support(self, shapes: Mapping[str, Sequence[int]]) -> None:
         """Load a zero adapter of the run's shapes (peft's saved names) on every server and unload it: a server that
-        cannot take the run's adapters fails here, before training, naming the flag to add."""
+        cannot take the run's adapters fails here, before training, naming the flag to add. A server running several
+        data-parallel engines is refused: a run-time adapter load reaches one of its engines only."""
+        for url in self.base_urls:
+            size = data_parallel_size(self.sessions[url], url, self.timeout)
+            if size > 1:
+                raise WeightSyncError(
+                    f"the vLLM server at {url} runs {size} data-parallel engines (--data-parallel-size {size}): a "
+                    "LoRA adapter loaded at run time reaches one of them only, and the others would go on sampling "
+                    "with an older adapter or none. Set `vllm_lora_sync=\"merged\"` (a full push reaches every "
+                    "engine), or start one server per engine and list them all in `vllm_server_base_url`.")
         zeros = {name: torch.zeros(tuple(shape)) for name, shape in shapes.items()}
         directory = write_adapter(zeros, self.adapter_config, self.root, "bapo-lora-probe-")
         name = self.adapter_name(directory)
@@ -245,6 +254,18 @@ class AdapterSync(DiskWeightSync):
                 except WeightSyncError:
                     pass
         super().close()  # the base weights' directory stays for a later run's restarted server (removed at exit)
+
+
+def data_parallel_size(session, base_url: str, timeout: float) -> int:
+    """The data-parallel engines a vLLM server runs, from its ``/server_info`` (1 where it does not say)."""
+    try:
+        response = session.get(f"{base_url}/server_info", params={"config_format": "json"}, timeout=timeout)
+        info = response.json() if response.status_code == 200 else {}
+    except ValueError:
+        return 1
+    config = info.get("vllm_config", info) if isinstance(info, dict) else {}
+    parallel = config.get("parallel_config") if isinstance(config, dict) else None
+    return int(parallel.get("data_parallel_size") or 1) if isinstance(parallel, dict) else 1
 
 
 def adapter_hint(message: str, path: str) -> str:

@@ -424,9 +424,13 @@ class CPUServerVLLMGeneration(VLLMGeneration):
     # -- LoRA: the adapter alone ------------------------------------------------------------------------------------
 
     def _adapter_config(self) -> dict:
-        """The active adapter's ``adapter_config.json``; a peft config vLLM cannot serve is refused here."""
+        """The active adapter's ``adapter_config.json``; a peft config vLLM cannot serve is refused here, and FSDP1
+        (its flat shards: only FSDP2's per-parameter shards are gathered for the adapter)."""
         peft_config = self.model.peft_config[self.model.active_adapter]
         refusal = adapter_refusal(peft_config)
+        if self._dist.fsdp_version == 1:
+            refusal = ("it is sharded by FSDP1, whose flattened shards the adapter push does not gather (FSDP2 and "
+                       "DeepSpeed ZeRO-3 are supported: fsdp_version: 2)")
         if refusal:
             raise ValueError(f"vllm_lora_sync='adapter' cannot push this adapter: {refusal}. Set "
                              "vllm_lora_sync='merged' to push merged full weights instead (TRL's way).")
@@ -488,8 +492,8 @@ class CPUServerVLLMGeneration(VLLMGeneration):
 
         keep = self.accelerator.is_main_process or every_process
         named = self._adapter_parameters()
-        with self._dist.gather_params([p for _, p in named]):
-            state = {name: p.detach().to("cpu", copy=True) for name, p in named} if keep else {}
+        with self._dist.gather_params([p for _, p in named]):  # ZeRO-3; FSDP2's shards are gathered by full()
+            state = {name: full(p).to("cpu", copy=True) for name, p in named}
         if not keep:
             return {}
         return get_peft_model_state_dict(self.model, state_dict=state, adapter_name=self.model.active_adapter,
@@ -541,8 +545,9 @@ class CPUServerVLLMGeneration(VLLMGeneration):
             name = self._fix_param_name_to_vllm(name.removeprefix("base_model.model.").replace(".base_layer", ""),
                                                 extra_prefixes=["modules_to_save.default."])
             with self._dist.gather_params([param]):
+                tensor = full(param).to("cpu", copy=True)  # every process: FSDP2's gather is collective
                 if main:
-                    base[name] = param.detach().to("cpu", copy=True)
+                    base[name] = tensor
         return base
 
     def take_pushes(self) -> list[tuple[int, float]]:
@@ -574,6 +579,14 @@ class CPUServerVLLMGeneration(VLLMGeneration):
                          "on the main process",
                          kinds={"WeightSyncError": WeightSyncError, "VLLMLogprobsModeError": VLLMLogprobsModeError},
                          default=ConnectionError)
+
+
+def full(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole tensor: an FSDP2 shard (a DTensor) gathered from every process (collective: every process
+    calls it, in the same order), anything else as it is (ZeRO-3's are gathered around it)."""
+    from torch.distributed.tensor import DTensor
+
+    return param.full_tensor().detach() if isinstance(param, DTensor) else param.detach()
 
 
 def adapter_parameters(model, adapter: str) -> list[tuple[str, torch.nn.Parameter]]:
