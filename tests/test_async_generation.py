@@ -1045,3 +1045,28 @@ def test_a_stalled_server_ends_every_process_of_a_two_process_run(stalled, tmp_p
     assert "async generation failed on the main process: VLLMServerTimeout" in text  # rank 1's error
     sent = server.requests["POST", "/v1/completions"]
     assert stalled * prompts_per_batch < sent <= (stalled + 1) * prompts_per_batch and not server.resent(), sent
+
+
+def test_the_trainer_feeds_the_servers_answers_to_the_producers_stall_bound(tiny_model_dir, tmp_path, monkeypatch):
+    """Wiring, through a trainer: a batch of in-flight updates is 12 requests one after another (a chunk of one token
+    each, EOS ignored), each answered within the 0.8 s timeout, together longer than the trainer's bound on a batch
+    (3.5 x 0.8 = 2.8 s). It trains only because every answer restarts the bound (the port's requests_answered, fed to
+    the producer); without it the wait for the first batch raised ProducerStalled."""
+    monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
+    server = PolicyServer(tiny_model_dir, latency=0.4)
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        args = BAPOConfig(
+            output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, gradient_checkpointing=False,
+            report_to="none", save_strategy="no", per_device_train_batch_size=4, steps_per_generation=1,
+            num_generations=2, max_completion_length=12, max_steps=1, logging_steps=1, seed=0, use_vllm=True,
+            vllm_mode="server", vllm_server_host=host, vllm_server_port=int(port), vllm_server_timeout=0.8,
+            async_generation=True, max_staleness=1, inflight_update_tokens=1, generation_kwargs={"ignore_eos": True})
+        trainer = tiny_trainer(tiny_model_dir, args, reward=completion_length, prompts=8)
+        started = time.perf_counter()
+        trainer.train()
+        seconds = time.perf_counter() - started
+    finally:
+        server.close()
+    assert trainer.state.global_step == 1
+    assert server.requests["POST", "/v1/completions"] >= 12 and seconds > 3.5 * 0.8, seconds

@@ -522,6 +522,22 @@ def test_guarantees_fast_rows(source, tiny_model_dir, tmp_path):
     run_row(source, FAST, tiny_model_dir, tmp_path)
 
 
+def test_async_k2_reaches_its_staleness_bound_and_never_passes_it(tiny_model_dir, tmp_path):
+    """The fast tier's K = 2 check without replay (whose longer bound would hide a batch generated one too far ahead;
+    the async_k2 row runs in the slow tier): one update per batch, 6 steps, no checkpoint; the oldest token of some
+    step is exactly 2 steps old, none older (a producer running K + 1 batches ahead fails here)."""
+    server = PolicyServer(tiny_model_dir)
+    try:
+        args = config("async_k2", (1, 1, 1), tmp_path / "out", [server], max_steps=6, save_strategy="no")
+        trainer = build(tiny_model_dir, args)
+        trainer.train()
+    finally:
+        server.close()
+    assert staleness_bound(args) == 2
+    check_versions_and_staleness(trainer.trained, 2)
+    assert max(r["step"] - min(r["versions"]) for r in trainer.trained) == 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", [s for s in SETTINGS if s != FAST], ids=lambda s: "S{}_I{}_GA{}".format(*s))
 # a fleet adds nothing per setting; ONE_SETTING rows run at the fast setting only
