@@ -72,16 +72,27 @@ SOURCES = {
     "async_partial_lora": dict(async_generation=True, partial_rollout_budget=3, partial_rollout_max_resumes=2),
     "async_inflight_lora": dict(async_generation=True, max_staleness=2, inflight_update_tokens=2),
     "async_k2_two_servers_lora": dict(async_generation=True, max_staleness=2),
+    # off_policy_correction="decoupled" on every source: the proximal log-probs are checked too
+    "replay_decoupled": dict(replay_buffer_size=8, replay_ratio=0.5),
+    "partial_decoupled": dict(partial_rollout_budget=3, partial_rollout_max_resumes=2),
+    "async_k1_decoupled": dict(async_generation=True, max_staleness=1),
+    "async_inflight_decoupled": dict(async_generation=True, max_staleness=2, inflight_update_tokens=2),
+    "async_k2_two_servers_decoupled": dict(async_generation=True, max_staleness=2),
+    "async_k1_lora_decoupled": dict(async_generation=True, max_staleness=1),
 }
 #: LoRA rows: a peft model (rank 4 on q_proj and v_proj) whose pushes carry only the adapter (vllm_lora_sync="adapter",
 #: the default): every server loads each push under a fresh name and unloads the one it replaces, and a request names
 #: the adapter of the push it was queued after. Besides the row's checks (the behaviour log-probs are recomputed with
 #: the saved LoRA policy of each token's version): every request named an adapter, never one already unloaded (the
 #: stand-in answers such a name 404, as vLLM does), and the base weights were reloaded once per trainer object.
-LORA = {"async_k1_lora", "async_partial_lora", "async_inflight_lora", "async_k2_two_servers_lora"}
+LORA = {"async_k1_lora", "async_partial_lora", "async_inflight_lora", "async_k2_two_servers_lora",
+        "async_k1_lora_decoupled"}
+#: Rows with ``off_policy_correction="decoupled"``: each trained token's proximal log-prob equals a recomputation with
+#: the policy of the step its generation batch started training at (check_proximal_logps).
+DECOUPLED = {s for s in SOURCES if s.endswith("_decoupled")}
 #: Rows that generate on several servers (``vllm_server_base_url`` lists them): every server answers requests and
 #: loads every push, and the guarantees hold as with one.
-SERVERS = {"async_k2_two_servers": 2, "async_k2_two_servers_lora": 2}
+SERVERS = {"async_k2_two_servers": 2, "async_k2_two_servers_lora": 2, "async_k2_two_servers_decoupled": 2}
 #: Rows whose trainer pushes as TRL's NCCL push does on CUDA: synchronously, holding the producer between two requests
 #: (after the request of the batch it takes next has started), through TRL's own ``sync_weights`` (here the disk push):
 #: ``TRLPort.gather_weights`` is patched to return None, as it does without a deferred push. A STAND-IN for CUDA's
@@ -96,11 +107,13 @@ HELD_PUSH = {"async_k1_held_push", "async_partial_held_push"}
 #: adapter push's steps are checked fast against the stand-in in test_adapter_sync.py).
 SLOW_ROWS = {"async_inflight", "async_k2_two_servers", "async_k2", "async_partial", "replay_async", "async_k2_lazy",
              "async_partial_held_push", "async_k2_eval", "async_sync3_eval", "async_partial_lora",
-             "async_inflight_lora", "async_k2_two_servers_lora", "async_k1_lora"}
+             "async_inflight_lora", "async_k2_two_servers_lora", "async_k1_lora", "partial_decoupled",
+             "async_inflight_decoupled", "async_k2_two_servers_decoupled", "async_k1_lora_decoupled",
+             "async_k1_decoupled"}
 #: Rows whose completions depend on timing: with in-flight updates, where a push lands in a request depends on when
 #: it arrives; with lazy loading, whether a request runs before or after the push it could skip. There a resume trains
 #: the same PROMPT multiset (nothing lost, nothing twice) under the same bounds.
-TIMING_DEPENDENT = {"async_inflight", "async_k2_lazy", "async_inflight_lora"}
+TIMING_DEPENDENT = {"async_inflight", "async_k2_lazy", "async_inflight_lora", "async_inflight_decoupled"}
 #: Rows whose resumes generate from newer weights than the uninterrupted run: with ``weight_sync_steps`` > 1 a resume
 #: pushes at its first hand-over (the server's older weights are not in the checkpoint), so the batches generated
 #: after it may differ; the prompt multiset and the bounds are the same.
@@ -110,10 +123,11 @@ RESUME_PUSHES = {"async_sync3", "async_sync3_eval"}
 #: state (the async evaluating row runs at every setting). 7 steps at u = 2 updates per batch reach staleness 4, past
 #: the bound with W = 1 (3). The LoRA rows change what is pushed, not what a setting does (the plain rows run every
 #: setting); their async K=1 row was seen to pass at every setting once (2026-11, 4 settings, 29 s).
-ONE_SETTING = {"async_sync3", "async_sync3_eval", "trl_eval"} | HELD_PUSH | LORA
+ONE_SETTING = {"async_sync3", "async_sync3_eval", "trl_eval"} | HELD_PUSH | LORA | DECOUPLED
 #: A slower stand-in server for these rows, so requests outlast a training step and pushes land inside them (or, lazy,
 #: pushes wait while the producer is behind).
-SECONDS_PER_TOKEN = {"async_inflight": 0.004, "async_k2_lazy": 0.004, "async_inflight_lora": 0.004}
+SECONDS_PER_TOKEN = {"async_inflight": 0.004, "async_k2_lazy": 0.004, "async_inflight_lora": 0.004,
+                     "async_inflight_decoupled": 0.004}
 #: Rows that evaluate at every step (async K=2: while batches generated by older weights are queued, GATED keeping them
 #: queued): they also train exactly what the same row without evaluation trains, step by step (prompts,
 #: completions, versions), so evaluating changes nothing that is trained. Not with weight_sync_steps > 1
@@ -251,7 +265,8 @@ def rows_of(inputs: dict, step: int) -> list[dict]:
             continue
         token_versions = (versions[i, :length].tolist() if versions is not None
                           else [int(inputs["policy_version"][i])] * length)
-        old = inputs.get("old_per_token_logps")
+        old = inputs.get("behaviour_per_token_logps", inputs.get("old_per_token_logps"))  # the behaviour
+        prox = inputs.get("old_per_token_logps") if "behaviour_per_token_logps" in inputs else None
         rows.append({
             "step": step,
             "prompt": tuple(inputs["prompt_ids"][i][inputs["prompt_mask"][i].bool()].tolist()),
@@ -259,6 +274,7 @@ def rows_of(inputs: dict, step: int) -> list[dict]:
             "versions": tuple(token_versions),
             "old": None if old is None else old[i, :length].tolist(),
             "replayed": bool(inputs["replayed"][i]) if "replayed" in inputs else False,
+            "prox": None if prox is None else prox[i, :length].tolist(),
         })
     return rows
 
@@ -284,6 +300,8 @@ def config(source: str, setting: tuple[int, int, int], out: Path, servers: list,
     steps_per_generation, num_iterations, accumulation = setting
     updates = max(1, -(-steps_per_generation * num_iterations // accumulation))
     extra = dict(SOURCES[source], **(USER_SAMPLING if setting == USER_SAMPLING_SETTING else {}))
+    if source in DECOUPLED:
+        extra["off_policy_correction"] = "decoupled"
     if "replay_buffer_size" in extra:  # the youngest age a replayed group can have, and more
         ahead = 1 + extra.get("max_staleness", 1) if extra.get("replay_saves_generation") else 0
         extra["replay_max_staleness"] = (3 + ahead) * updates
@@ -381,6 +399,28 @@ def check_behaviour_logps(rows: list[dict], policies: dict, model_dir, temperatu
     return checked
 
 
+def check_proximal_logps(rows: list[dict], policies: dict, model_dir, updates: int, temperature: float,
+                         atol: float, limit: int = 6, peft=None) -> int:
+    """Decoupled rows: each token's proximal log-prob (the clip's reference) = the policy of the step its generation
+    batch started training at (``updates`` optimizer steps per batch), recomputed; returns how many rows were
+    checked (the stalest first). A proximal log-prob equal to the behaviour one would pass only where they agree."""
+    from harness import logps_under
+
+    candidates = [r for r in rows if r["prox"] is not None and r["completion"]]
+    candidates.sort(key=lambda r: min(r["versions"]) - r["step"])
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if peft is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft)
+    for r in candidates[:limit]:
+        start = r["step"] - r["step"] % updates
+        ids = torch.tensor([list(r["prompt"]) + list(r["completion"])])
+        expected = logps_under(model, policies[start], ids, len(r["completion"]), temperature)[0]
+        assert torch.allclose(expected, torch.tensor(r["prox"]), atol=atol), (r["step"], start, expected, r["prox"])
+    return min(len(candidates), limit)
+
+
 def generation_so_far(own_servers: list, server) -> float:
     """How much the servers of a row have generated: the stand-ins count their completion requests, the real vLLM
     server its generated tokens (its /metrics)."""
@@ -428,6 +468,10 @@ def run_row(source: str, setting, model_dir, tmp_path: Path, server=None, atol: 
             assert max(trainer.queue_ages) <= args.replay_max_staleness, (source, max(trainer.queue_ages))
         check_groups_sampled_independently(full)
         checked = check_behaviour_logps(full, snapshots.policies, model_dir, args.temperature, atol, peft=peft)
+        if source in DECOUPLED:  # the clip's reference is the policy the batch started training with
+            assert check_proximal_logps(full, snapshots.policies, model_dir, args.updates_per_generation,
+                                        args.temperature, 2e-4, peft=peft) > 0, source
+            assert any("decoupled/ess" in h for h in trainer.state.log_history), source
         on_policy = setting[2] % (setting[0] * setting[1]) == 0  # TRL then skips the behaviour log-probs: ratio 1
         assert checked > 0 or source == "trl" and on_policy
         regenerates = steps > args.updates_per_generation + 2  # see MAX_ROW_STEPS

@@ -117,6 +117,10 @@ BAPO_OPTION_GROUPS = (
      "log-probs of the policy that sampled them; partial rollout grows long completions over several rounds.",
      ("replay_buffer_size", "replay_ratio", "replay_max_staleness", "replay_sampling", "replay_fill_zero_std_groups",
       "replay_saves_generation", "partial_rollout_budget", "partial_rollout_max_resumes", "rollout_source")),
+    ("BAPO: the decoupled off-policy correction",
+     "Clip around the policy the batch starts training with (one forward pass), and weight each token by the "
+     "truncated proximal / behaviour ratio, which carries staleness and sampler mismatch (docs/off_policy.md).",
+     ("off_policy_correction", "off_policy_weight_mode", "off_policy_weight_cap", "off_policy_weight_floor")),
     ("BAPO: async generation",
      "The vLLM server generates the next batches while the trainer trains on the current one (use_vllm, "
      "vllm_mode=server). Not TRL's AsyncGRPOTrainer: max_staleness here counts generation batches run ahead and "

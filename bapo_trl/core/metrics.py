@@ -18,6 +18,7 @@ from .entropy_clip import METRICS as ENTROPY_CLIP
 from .entropy_clip import NUM_SUMS as ENTROPY_CLIP_SUMS
 from .entropy_clip import entropy_clip_metrics, entropy_clip_sums, without_gradient
 from .loss_types import CLIPPED_SURROGATE, LossType
+from .off_policy import METRICS as DECOUPLED
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -99,7 +100,7 @@ REWARDS = (
 )
 #: Every metric name bapo_trl logs, by group.
 REGISTRY = {"search": SEARCH, "entropy_clip": ENTROPY_CLIP, "replay": REPLAY, "partial": PARTIAL, "async": ASYNC,
-            "gates": GATES, "rewards": REWARDS}
+            "gates": GATES, "rewards": REWARDS, "decoupled": DECOUPLED}
 
 #: valid, positive, negative, low-clipped, high-clipped (by the window), window-sensitive, positive and negative tokens
 #: without gradient, staleness sum, non-finite

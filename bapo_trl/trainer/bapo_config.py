@@ -10,6 +10,7 @@ from trl import GRPOConfig
 
 from ..core.clipping import MODES, VARIANTS, BAPOSettings, settings_errors
 from ..core.loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SUPPORTED_LOSS_TYPES
+from ..core.off_policy import CORRECTIONS, WEIGHT_MODES
 from ..generation.adapter_sync import LORA_SYNC_MODES
 from ..generation.fleet import normalized_server_urls, server_urls
 from ..rollout.settings import RolloutSettings, field_default, rollout_errors
@@ -109,6 +110,21 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
             ``bapo serve MODEL --lora-rank R``). In colocate mode the in-process engine is built with LoRA enabled and
             loads each push's adapter the same way (not with ``vllm_enable_sleep_mode``, which pushes merged weights).
             ``"merged"`` merges it and pushes the full weights (TRL's way). Ignored without a peft model.
+
+        off_policy_correction (`str`, *optional*, defaults to `"none"`):
+            `"none"`: the ratio BAPO searches and TRL clips is ``pi_theta / pi_behaviour`` (the policy that sampled
+            each token). `"decoupled"` (AReaL's decoupled objective, ``docs/off_policy.md``): when a generation batch
+            starts training, one forward pass gives the proximal log-probs ``pi_prox`` (the trainer's policy then);
+            the search and TRL's loss act on ``pi_theta / pi_prox``, and each token's loss is multiplied by the
+            truncated weight ``pi_prox / pi_behaviour``, which carries staleness and sampler mismatch (it replaces
+            TRL's vLLM importance-sampling weight, the mismatch part alone). Logged as ``decoupled/*``.
+        off_policy_weight_mode (`str`, *optional*, defaults to `"token_truncate"`):
+            How the decoupled weight is formed, as TRL's ``vllm_importance_sampling_mode`` reads: per token or per
+            sequence (the product of its tokens' ratios), truncated to the bounds or set to 0 outside them.
+        off_policy_weight_cap (`float`, *optional*, defaults to `3.0`):
+            Upper bound of the decoupled weight (TRL's ``vllm_importance_sampling_clip_max`` default), > 0.
+        off_policy_weight_floor (`float` or `None`, *optional*, defaults to `None`):
+            Lower bound of the decoupled weight, in [0, cap); None: none.
     """
 
     positive_contribution_target: float = field(
@@ -179,6 +195,21 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
                   "--lora-rank R`); 'merged' pushes merged full weights (TRL's way). Ignored without a peft model.",
                   "choices": list(LORA_SYNC_MODES)},
     )
+    off_policy_correction: str = field(
+        default="none",
+        metadata={"help": "'decoupled': clip pi_theta / pi_prox (the trainer's policy when the batch starts training, "
+                  "one forward pass) and weight each token's loss by the truncated pi_prox / pi_behaviour (staleness "
+                  "and sampler mismatch); 'none': clip pi_theta / pi_behaviour.", "choices": list(CORRECTIONS)},
+    )
+    off_policy_weight_mode: str = field(
+        default="token_truncate",
+        metadata={"help": "The decoupled weight, as TRL's vllm_importance_sampling_mode: per token or sequence, "
+                  "truncated or masked outside the bounds.", "choices": list(WEIGHT_MODES)},
+    )
+    off_policy_weight_cap: float = field(default=3.0, metadata={"help": "Upper bound of the decoupled weight, > 0."})
+    off_policy_weight_floor: float | None = field(
+        default=None, metadata={"help": "Lower bound of the decoupled weight, in [0, cap); None: none."})
+
     def __post_init__(self):
         # Validate BAPO's own fields first: a bad value must fail before TrainingArguments sets up devices.
         errors = self.bapo_errors()
@@ -289,6 +320,17 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
             )
         if self.vllm_lora_sync not in LORA_SYNC_MODES:
             errors.append(f"`vllm_lora_sync` must be one of {LORA_SYNC_MODES}, got {self.vllm_lora_sync!r}.")
+        if self.off_policy_correction not in CORRECTIONS:
+            errors.append(f"`off_policy_correction` must be one of {CORRECTIONS}, got {self.off_policy_correction!r}.")
+        if self.off_policy_weight_mode not in WEIGHT_MODES:
+            errors.append(f"`off_policy_weight_mode` must be one of {WEIGHT_MODES} (TRL's "
+                          f"vllm_importance_sampling_mode values), got {self.off_policy_weight_mode!r}.")
+        cap, floor = self.off_policy_weight_cap, self.off_policy_weight_floor
+        if not (_finite(cap) and cap > 0):
+            errors.append(f"`off_policy_weight_cap` must be a finite number > 0, got {cap!r}.")
+        elif floor is not None and not (_finite(floor) and 0 <= floor < cap):
+            errors.append(f"`off_policy_weight_floor` must be None or in [0, off_policy_weight_cap = {cap}), got "
+                          f"{floor!r}.")
         if self.use_liger_kernel:
             errors.append("`use_liger_kernel` must be False with BAPO (the Liger GRPO loss has a fixed window), got "
                           "True: set use_liger_kernel=False.")

@@ -30,6 +30,7 @@ from ..rollout.port import TRLPort
 from ..rollout.registry import build_source, check_source_arguments
 from .bapo_config import BAPOConfig, trainer_config
 from .checkpoints import CheckpointMixin
+from .decoupled import decouple
 from .loop_hooks import AtEachUpdate, training_random_state_kept
 from .loss_hook import install, optimised_tokens, restore, search_inputs
 from .model_card import PAPER_CITATION, ModelCardMixin
@@ -144,7 +145,10 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
     def _generate_and_score_completions(self, inputs):
         score = super()._generate_and_score_completions
         if self.model.training:
-            return self.rollout_source.next_batch(inputs, self.reward_tally.counting(score, self))
+            batch = self.rollout_source.next_batch(inputs, self.reward_tally.counting(score, self))
+            if self.args.off_policy_correction == "decoupled":
+                batch = decouple(self, batch)  # the proximal policy: this one, as the batch starts training
+            return batch
         with self.rollout_source.paused():  # evaluation: TRL's own generation, background generation held
             return stamp_policy_version(score(inputs), self.state.global_step)
 

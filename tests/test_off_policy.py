@@ -1,0 +1,176 @@
+"""The decoupled off-policy correction (``off_policy_correction="decoupled"``): its weights and metrics against plain
+float64 loops on random inputs, and, through a trainer, what reaches TRL's loss (the proximal log-probs as the clip's
+reference, the behaviour ones kept, each token's advantage times its weight) and what a resume restores. The
+guarantees matrix (test_guarantees.py) runs every rollout source with it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from harness import PolicySnapshots, Probe, logps_under, tiny_trainer
+from transformers import AutoModelForCausalLM
+
+from bapo_trl import BAPOConfig
+from bapo_trl.core.clipping_reference import decoupled_weights_reference, effective_sample_size_reference
+from bapo_trl.core.off_policy import WEIGHT_MODES, behaviour_weights, weight_sums, weight_values
+
+
+def random_batch(seed: int, rows: int = 6, width: int = 9):
+    generator = torch.Generator().manual_seed(seed)
+    behaviour = -torch.rand(rows, width, generator=generator) * 3
+    proximal = behaviour + torch.randn(rows, width, generator=generator) * 0.6
+    lengths = torch.randint(1, width + 1, (rows,), generator=generator)
+    mask = (torch.arange(width)[None] < lengths[:, None]).float()
+    behaviour[0, 0] = float("nan")  # a token the sampler could not score
+    behaviour[1, -1] = float("nan")
+    return proximal, behaviour, mask
+
+
+@pytest.mark.parametrize("mode", WEIGHT_MODES)
+@pytest.mark.parametrize("bounds", [(3.0, None), (1.5, 0.5), (None, 0.8)], ids=["cap", "cap_and_floor", "floor"])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_weights_are_the_definitions(mode, bounds, seed):
+    proximal, behaviour, mask = random_batch(seed)
+    cap, floor = bounds
+    weights, capped = behaviour_weights(proximal, behaviour, mask, mode, cap, floor)
+    expected = torch.tensor(decoupled_weights_reference(proximal, behaviour, mask, mode, cap, floor))
+    assert torch.allclose(weights.double(), expected.double(), rtol=1e-5, atol=1e-7)
+    outside = torch.zeros_like(weights, dtype=torch.bool)
+    raw = torch.tensor(decoupled_weights_reference(proximal, behaviour, mask, mode, None, None))
+    if cap is not None:
+        outside |= raw > cap
+    if floor is not None:
+        outside |= raw < floor
+    assert torch.equal(capped, outside)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_the_metrics_are_the_definitions(mode):
+    proximal, behaviour, mask = random_batch(7, rows=8)
+    weights, capped = behaviour_weights(proximal, behaviour, mask, mode, 1.5, None)
+    replayed = torch.tensor([0, 1, 0, 1, 1, 0, 0, 1], dtype=torch.bool)
+    staleness = torch.tensor([0, 3, 0, 1, 2, 0, 5, 1], dtype=torch.float64)[:, None].expand_as(mask)
+    # split over two "processes": the sums add up, the values come from the totals
+    halves = [weight_sums(weights[s], capped[s], mask[s], mode, proximal[s], behaviour[s], replayed[s], staleness[s])
+              for s in (slice(0, 3), slice(3, 8))]
+    values = weight_values((halves[0] + halves[1]).tolist())
+
+    def unit_weights(rows):
+        out = []
+        for i in rows:
+            valid = [t for t in range(mask.size(1)) if mask[i, t] > 0]
+            out += [float(weights[i, t]) for t in (valid if mode.startswith("token") else valid[:1])]
+        return out
+
+    all_rows = range(8)
+    assert math.isclose(values["decoupled/ess"], effective_sample_size_reference(unit_weights(all_rows)),
+                        rel_tol=1e-9)
+    for name, rows in [("/fresh", [i for i in all_rows if not replayed[i]]),
+                       ("/replayed", [i for i in all_rows if replayed[i]]),
+                       ("/age_0", [i for i in all_rows if staleness[i, 0] == 0]),
+                       ("/age_3+", [i for i in all_rows if staleness[i, 0] >= 3])]:
+        assert math.isclose(values[f"decoupled/ess{name}"], effective_sample_size_reference(unit_weights(rows)),
+                            rel_tol=1e-9), name
+    units = unit_weights(all_rows)
+    capped_units = sum(bool(capped[i, t]) for i in all_rows for t in range(mask.size(1)) if mask[i, t] > 0
+                       and (mode.startswith("token") or t == 0))
+    assert math.isclose(values["decoupled/capped_fraction"], capped_units / len(units), rel_tol=1e-9)
+    gaps = {True: [], False: []}
+    for i in all_rows:
+        for t in range(mask.size(1)):
+            if mask[i, t] > 0:
+                gap = abs(float(proximal[i, t]) - float(behaviour[i, t]))
+                gaps[bool(staleness[i, 0] == 0)].append(0.0 if math.isnan(gap) else gap)
+    assert math.isclose(values["decoupled/mismatch"], sum(gaps[True]) / len(gaps[True]), rel_tol=1e-6)
+    assert math.isclose(values["decoupled/staleness"], sum(gaps[False]) / len(gaps[False]), rel_tol=1e-6)
+
+
+def decoupled_config(tmp_path, **overrides) -> BAPOConfig:
+    return BAPOConfig(**{**dict(
+        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
+        save_strategy="no", per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+        logging_steps=1, seed=0, learning_rate=5e-3, lr_scheduler_type="constant", steps_per_generation=2,
+        max_steps=6, replay_buffer_size=8, replay_ratio=0.5, off_policy_correction="decoupled",
+        off_policy_weight_cap=1.2, disable_tqdm=True), **overrides})
+
+
+def keep_inputs(trainer, compute_loss, model, inputs, *args, **kwargs):
+    if model.training:
+        trainer.batches.append((trainer.state.global_step, {k: v.detach().clone() if torch.is_tensor(v) else v
+                                                            for k, v in inputs.items()}))
+    return compute_loss(model, inputs, *args, **kwargs)
+
+
+def test_what_reaches_trls_loss(tiny_model_dir, tmp_path):
+    """Replay (groups up to several steps old), decoupled, a cap of 1.2 that binds: every micro-batch's
+    old_per_token_logps is the policy of the step its batch started training at; behaviour_per_token_logps is what
+    the batch carried; its advantages are the group advantages times the truncated weight of each token (the plain
+    loop), so TRL's loss, linear in the advantage, weights each token's loss by it; and the ESS metrics are logged."""
+    snapshots = PolicySnapshots()
+    trainer = tiny_trainer(tiny_model_dir, decoupled_config(tmp_path), cls=Probe, callbacks=[snapshots],
+                           around={"compute_loss": keep_inputs}, record=("batches",))
+    scored = []
+    decouple_inputs = trainer.rollout_source.next_batch
+
+    def keep_scored(*args, **kwargs):  # the batch before the correction
+        out = decouple_inputs(*args, **kwargs)
+        scored.append({k: v.clone() if torch.is_tensor(v) else v for k, v in out.items()})
+        return out
+
+    trainer.rollout_source.next_batch = keep_scored
+    trainer.train()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    stale, capped = 0, 0
+    for step, inputs in trainer.batches:
+        start = step - step % 2
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        width = inputs["completion_ids"].size(1)
+        mask = inputs["completion_mask"].float()
+        expected = logps_under(model, snapshots.policies[start], ids, width, attention_mask=attention)
+        assert torch.allclose(expected * mask, inputs["old_per_token_logps"] * mask, atol=2e-4), step
+        weights = torch.tensor(decoupled_weights_reference(inputs["old_per_token_logps"],
+                                                           inputs["behaviour_per_token_logps"], mask,
+                                                           "token_truncate", 1.2), dtype=torch.float32)
+        group = inputs["advantages"] / torch.where(weights > 0, weights, 1.0)  # the group advantage, per token
+        assert torch.allclose(group * mask, (group[:, :1] * mask), atol=1e-5)  # one per completion
+        assert torch.allclose(inputs["advantages"] * mask, group[:, :1] * weights * mask, atol=1e-5)
+        stale += int(inputs["replayed"].sum())
+        capped += int(((weights >= 1.2 - 1e-6) & (mask > 0)).sum())
+    assert stale > 0 and capped > 0  # replayed rows trained, and the cap bound somewhere
+    behaviour_all = torch.cat([b["old_per_token_logps"].flatten() for b in scored])
+    kept_all = torch.cat([b["behaviour_per_token_logps"].flatten() for _, b in trainer.batches])
+    assert set(kept_all.tolist()) <= set(behaviour_all.tolist())  # the behaviour log-probs the batches carried
+    logged = [h for h in trainer.state.log_history if h.get("decoupled/ess") is not None]  # once per batch
+    assert len(logged) == 3 and all(0 < h["decoupled/ess"] <= 1 for h in logged)
+    assert any(h["decoupled/capped_fraction"] > 0 for h in logged)
+    assert any((h.get("decoupled/ess/replayed") or 1) < 1 for h in logged)
+
+
+def test_a_resume_mid_batch_trains_the_decoupled_batch_it_saved(tiny_model_dir, tmp_path):
+    """A checkpoint in the middle of a generation batch saves the batch as it was decoupled: the resumed run trains
+    the same proximal log-probs and weighted advantages (not ones recomputed with the resumed weights)."""
+    args = decoupled_config(tmp_path, save_strategy="steps", save_steps=1, max_steps=4)
+    full = tiny_trainer(tiny_model_dir, args, cls=Probe, around={"compute_loss": keep_inputs}, record=("batches",))
+    full.train()
+    resumed = tiny_trainer(tiny_model_dir, decoupled_config(tmp_path / "again", max_steps=4), cls=Probe,
+                           around={"compute_loss": keep_inputs}, record=("batches",))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))  # step 3: the batch of steps 2-3
+    (step, after), = [b for b in resumed.batches]
+    (_, before), = [b for b in full.batches if b[0] == 3]
+    assert step == 3
+    for key in ("old_per_token_logps", "behaviour_per_token_logps", "advantages", "completion_ids"):
+        assert torch.equal(after[key], before[key]), key
+
+
+def test_bad_settings_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match="off_policy_correction"):
+        BAPOConfig(output_dir="unused", use_cpu=True, off_policy_correction="aereal")
+    with pytest.raises(ValueError, match="off_policy_weight_mode"):
+        BAPOConfig(output_dir="unused", use_cpu=True, off_policy_weight_mode="token")
+    with pytest.raises(ValueError, match="off_policy_weight_cap"):
+        BAPOConfig(output_dir="unused", use_cpu=True, off_policy_weight_cap=0)
+    with pytest.raises(ValueError, match="off_policy_weight_floor"):
+        BAPOConfig(output_dir="unused", use_cpu=True, off_policy_weight_floor=5.0)
