@@ -1,22 +1,24 @@
 """Wall-clock cost of BAPO (and of its replay queue) per full training step, against TRL's GRPOTrainer.
 
 Why: BAPO claims to add only a search and a few metrics to a GRPO step. This measures whole steps (generation,
-old log-probs, forward, loss, backward, optimizer, logging) on the embedded tiny model, three trainers built once
+old log-probs, forward, loss, backward, optimizer, logging) on the embedded tiny model, four trainers built once
 in one process:
 
 * ``grpo``: TRL's ``GRPOTrainer``; ``bapo``: ``BAPOTrainer``; ``replay``: ``BAPOTrainer`` with
-  ``replay_buffer_size=16, replay_ratio=0.25``. Same aggregation (``dapo``), seed, model, data and batch; stale
-  micro-batches (``steps_per_generation=4``), so old log-probs are computed and the search runs on every step.
+  ``replay_buffer_size=16, replay_ratio=0.25``; ``decoupled``: ``BAPOTrainer`` with
+  ``off_policy_correction="decoupled"`` (one more forward pass over each generation batch). Same aggregation
+  (``dapo``), seed, model, data and batch; stale micro-batches (``steps_per_generation=4``), so old log-probs are
+  computed and the search runs on every step.
 * Learning rate 0: every trainer then generates the same completions from the same seed, so the runs do the same
   work and only the method's own machinery differs (the search always scores the whole path in one pass, so its
   cost does not depend on where it stops).
 * Interleaved: each round runs one block of ``--steps`` steps per trainer (a short ``train()`` call, reseeded
   identically), the order rotating between rounds; a block's time runs from its first step's start to its last
   step's end (setup excluded). Overheads are medians over rounds of the paired ratios ``bapo / grpo - 1`` and
-  ``replay / bapo - 1``.
+  ``replay / bapo - 1`` and ``decoupled / bapo - 1``.
 
 Usage: ``python benchmarks/step_overhead.py [--quick] [--rounds N] [--steps N]``. The last line is
-``bapo_overhead=<ratio-1> replay_overhead=<ratio-1>``.
+``bapo_overhead=<ratio-1> replay_overhead=<ratio-1> decoupled_overhead=<ratio-1>``.
 
 ``--model smollm2-135m-instruct`` (a registry name of :mod:`bapo_trl.recipes.models`, or a model directory) measures
 GRPO against BAPO on that model instead, on the shipped chat arithmetic task with its math-verify reward (replay is
@@ -96,7 +98,8 @@ def build(kind: str, model_dir: str, output_dir: str, steps: int, device: str = 
         config = GRPOConfig(**args)
         cls = GRPOTrainer
     else:
-        extra = dict(replay_buffer_size=16, replay_ratio=0.25) if kind == "replay" else {}
+        extra = {"replay": dict(replay_buffer_size=16, replay_ratio=0.25),
+                 "decoupled": dict(off_policy_correction="decoupled")}.get(kind, {})
         config = BAPOConfig(**args, **extra, **(bapo_extra or {}))
         cls = BAPOTrainer
     timer = BlockTimer(torch.cuda.synchronize if device != "cpu" else None)
@@ -257,12 +260,13 @@ def main(argv=None) -> None:
 
     torch.set_num_threads(1)  # measured several times faster than 2 threads for a model this small
     model_dir = build_tiny_model()
-    kinds = ("grpo", "bapo", "replay")
+    kinds = ("grpo", "bapo", "replay", "decoupled")
     result = measure(model_dir, kinds, rounds, steps)
     times, tokens, inside = result["times"], result["tokens"], result["inside"]
 
     bapo_ratios = [b / g for b, g in zip(times["bapo"], times["grpo"])]
     replay_ratios = [rp / b for rp, b in zip(times["replay"], times["bapo"])]
+    decoupled_ratios = [d / b for d, b in zip(times["decoupled"], times["bapo"])]
     cpu = platform.processor() or platform.machine()
     print(f"# step overhead: embedded tiny model, batch 8 (2 groups of 4 per step), completions <= "
           f"{common_args('', 0)['max_completion_length']} tokens, steps_per_generation=4, loss dapo, lr 0; "
@@ -272,7 +276,8 @@ def main(argv=None) -> None:
     print("| trainer | median ms per step | min ms per step | paired ratio, median over rounds "
           "| ms per step inside BAPO's own code |")
     print("|---|---|---|---|---|")
-    paired = {"bapo": ("bapo / grpo", bapo_ratios), "replay": ("replay / bapo", replay_ratios)}
+    paired = {"bapo": ("bapo / grpo", bapo_ratios), "replay": ("replay / bapo", replay_ratios),
+              "decoupled": ("decoupled / bapo", decoupled_ratios)}
     total_steps = rounds * steps
     for kind in kinds:
         per_step = [1e3 * t / steps for t in times[kind]]
@@ -283,6 +288,7 @@ def main(argv=None) -> None:
     print()
     print(f"# per-round ratios bapo/grpo: {' '.join(f'{x:.3f}' for x in bapo_ratios)}")
     print(f"# per-round ratios replay/bapo: {' '.join(f'{x:.3f}' for x in replay_ratios)}")
+    print(f"# per-round ratios decoupled/bapo: {' '.join(f'{x:.3f}' for x in decoupled_ratios)}")
     print(f"# completion tokens per generation in the last block: {tokens}")
     # lower-noise estimates: time measured inside BAPO's own code, against the median step
     median_ms = {kind: statistics.median(1e3 * t / steps for t in times[kind]) for kind in kinds}
@@ -291,7 +297,8 @@ def main(argv=None) -> None:
           f"median GRPO step; replay adds {own['replay'] - own['bapo']:.2f} ms = "
           f"{100 * (own['replay'] - own['bapo']) / median_ms['bapo']:.1f}% of a median BAPO step")
     print(f"bapo_overhead={statistics.median(bapo_ratios) - 1:.4f} "
-          f"replay_overhead={statistics.median(replay_ratios) - 1:.4f}")
+          f"replay_overhead={statistics.median(replay_ratios) - 1:.4f} "
+          f"decoupled_overhead={statistics.median(decoupled_ratios) - 1:.4f}")
 
 
 def main_model(args) -> None:

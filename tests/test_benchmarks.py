@@ -81,7 +81,8 @@ def test_bound_search_quick_prints_its_summary():
 @pytest.mark.slow
 def test_step_overhead_quick_prints_its_summary():
     last = run_quick("step_overhead.py")
-    assert re.fullmatch(rf"bapo_overhead=({NUMBER}) replay_overhead=({NUMBER})", last), last
+    assert re.fullmatch(rf"bapo_overhead=({NUMBER}) replay_overhead=({NUMBER}) decoupled_overhead=({NUMBER})",
+                        last), last
 
 
 @pytest.mark.slow
