@@ -11,7 +11,8 @@ deepspeed), this script checks, on ``--device cuda``:
    ``.tolist()``, ``bool(tensor)``, ``nonzero``, boolean-mask indexing, host data copied to the device, ...);
 3. **BAPO vs TRL GRPO steps** in bf16 on a randomly initialised model of Qwen2.5-0.5B's shape (Llama
    architecture, 24 layers, hidden 896, vocabulary 151,936: 494M parameters, built locally, no hub), at two batch
-   sizes, same batch, learning rate 0 so both do identical work: step-time ratio and peak-memory ratio
+   sizes, same batch, learning rate 0 so both do identical work: step-time ratio and peak-memory ratio (and BAPO
+   with ``off_policy_correction="decoupled"`` against BAPO: the cost of its extra forward pass)
    (``benchmarks/step_overhead.py``'s ``measure``; target: BAPO within 1% of GRPO); then, per batch size, one block
    of BAPO steps under ``torch.profiler``: the search's and BAPO's whole adaptation's (search + metrics) share of
    the block's device time and host time, and the host syncs the search makes inside those real training steps;
@@ -45,7 +46,8 @@ Output: one table row per check, then one machine-readable line::
 
     device=<cpu|cuda> checks=<n> failed=<n> search_tokens=<n> speedup_vs_loop=<x> floor_ratio=<x> host_syncs=<n>
     step_time_ratio=<bapo/grpo> peak_memory_ratio=<bapo/grpo or nan> search_device_share=<x or nan>
-    adapt_host_share=<x> step_syncs=<n> zero3=<pass|fail|skip> replay=<...> partial_rollout=<...> lora_push=<...>
+    adapt_host_share=<x> step_syncs=<n> decoupled_step_ratio=<decoupled/bapo> zero3=<pass|fail|skip>
+    replay=<...> partial_rollout=<...> lora_push=<...>
 
 (all on one line; over the batch sizes of the step comparison, the ratios and shares are the largest and
 ``step_syncs`` the sum). Exit code 1 if any check failed. Timings are reported, never judged: only wrong results
@@ -274,16 +276,18 @@ def section_steps(device: str, quick: bool, tmp: str, batches=GPU_STEP_BATCHES, 
 
 def step_row(model_dir: str, device: str, overrides: dict, rounds: int, steps: int, params: int,
              build_s: float) -> dict:
-    """BAPO vs GRPO, interleaved blocks of ``steps`` steps: the paired step-time ratio and the peak-memory ratio."""
+    """BAPO vs GRPO, interleaved blocks of ``steps`` steps: the paired step-time ratio and the peak-memory ratio; and
+    BAPO with ``off_policy_correction="decoupled"`` (one more forward pass per generation batch) against BAPO."""
     cuda = device == "cuda"
-    result = step_overhead.measure(model_dir, ("grpo", "bapo"), rounds=rounds, steps=steps, device=device,
-                                   overrides=overrides or None)
+    result = step_overhead.measure(model_dir, ("grpo", "bapo", "decoupled"), rounds=rounds, steps=steps,
+                                   device=device, overrides=overrides or None)
     times = result["times"]
     ratios = [b / g for b, g in zip(times["bapo"], times["grpo"])]
     step_ratio = statistics.median(ratios)
+    decoupled = [d / b for d, b in zip(times["decoupled"], times["bapo"])]
     ms = {k: 1e3 * statistics.median(t) / steps for k, t in times.items()}
     tokens = result["tokens"]
-    same_work = tokens["grpo"] == tokens["bapo"]
+    same_work = tokens["grpo"] == tokens["bapo"] == tokens["decoupled"]
     peak = result["peak"]
     memory_ratio = peak["bapo"] / peak["grpo"] if peak else math.nan
     inside = 1e3 * sum(result["inside"]["bapo"].values()) / (rounds * steps)
@@ -301,8 +305,11 @@ def step_row(model_dir: str, device: str, overrides: dict, rounds: int, steps: i
                    f"{ms['grpo']:.1f} ms/step, bapo {ms['bapo']:.1f} ms/step, paired bapo/grpo {step_ratio:.4f} "
                    f"(per round {' '.join(f'{r:.3f}' for r in ratios)}; target <= 1.01: "
                    f"{'met' if step_ratio <= 1.01 else 'not met'}); inside BAPO's own code {inside:.2f} ms/step"
-                   f"{memory}; same completion tokens: {same_work}"),
-        "step_ratio": step_ratio, "memory_ratio": memory_ratio,
+                   f"{memory}; decoupled {ms['decoupled']:.1f} ms/step, paired decoupled/bapo "
+                   f"{statistics.median(decoupled):.4f} (per round {' '.join(f'{r:.3f}' for r in decoupled)})"
+                   + (f", peak {peak['decoupled'] / 2**30:.2f} GiB" if peak else "")
+                   + f"; same completion tokens: {same_work}"),
+        "step_ratio": step_ratio, "memory_ratio": memory_ratio, "decoupled_ratio": statistics.median(decoupled),
     }
 
 
@@ -691,6 +698,7 @@ def main(argv=None) -> int:
           f"search_device_share={pick('search_device_share', combine=max):.5f} "
           f"adapt_host_share={pick('adapt_host_share', combine=max):.4f} "
           f"step_syncs={pick('step_syncs', -1, combine=sum)} "
+          f"decoupled_step_ratio={pick('decoupled_ratio', combine=max):.4f} "
           f"zero3={status('DeepSpeed ZeRO-3 launch of train_bapo.py')} "
           f"replay={status('replay queue')} partial_rollout={status('partial rollout')} "
           f"lora_push={status('LoRA adapter push (server mode, stand-in server)')}")

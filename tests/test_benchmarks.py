@@ -102,7 +102,8 @@ def test_gpu_check_cpu_quick_passes_every_check():
     match = re.fullmatch(
         rf"device=cpu checks=(\d+) failed=0 search_tokens=16384 speedup_vs_loop=({NUMBER}) floor_ratio=({NUMBER}) "
         rf"host_syncs=0 step_time_ratio=({NUMBER}) peak_memory_ratio=nan search_device_share=nan "
-        rf"adapt_host_share=({NUMBER}) step_syncs=0 zero3=pass replay=pass partial_rollout=pass lora_push=pass",
+        rf"adapt_host_share=({NUMBER}) step_syncs=0 decoupled_step_ratio=({NUMBER}) zero3=pass replay=pass "
+        rf"partial_rollout=pass lora_push=pass",
         last)
     assert match, last
     assert int(match[1]) == 8 and float(match[2]) > 0 and float(match[4]) > 0 and 0 < float(match[5]) < 1
