@@ -29,6 +29,7 @@ MOVED: dict[str, str] = {
         "loss_hook", "checkpoints", "model_card", "trl_seams", "reward_errors")},
     "bapo_trl.rollout_settings": "bapo_trl.rollout.settings",
     "bapo_trl.rollout.queue": "bapo_trl.rollout.replay_queue",  # it shadowed the standard library's queue
+    "bapo_trl.rollout.port": "bapo_trl.trainer.trl_port",  # the trainer's adapter onto TRL
     "bapo_trl.toy": "bapo_trl.recipes.toy",
     "bapo_trl.math_recipe": "bapo_trl.recipes.math_reasoning",
     "bapo_trl.reward_funcs": "bapo_trl.recipes.reward_funcs",

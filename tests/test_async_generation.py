@@ -531,7 +531,7 @@ def test_a_generation_batch_above_the_old_request_pool_trains_within_a_short_tim
     once, so the run trains, with the push handed over (the disk path) or held between two requests (as TRL's NCCL
     push on CUDA; ``TRLPort.gather_weights`` patched to None, a STAND-IN for that path). With the pool capped at 64
     the held row raised ProducerStalled (the review's measurement)."""
-    from bapo_trl.rollout.port import TRLPort
+    from bapo_trl.trainer.trl_port import TRLPort
 
     monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
     if push == "held":
@@ -561,7 +561,7 @@ def test_ignore_eos_runs_every_chunked_completion_to_the_cap(chunking, tiny_mode
     """vLLM's ``ignore_eos`` generates past EOS to ``max_tokens``; chunked generation (in-flight chunks, partial
     rollout's rounds through TRL's vLLM generation) takes no EOS for a stop then, so every completion handed to TRL
     is as long as without chunks: ``max_completion_length`` (it ended at the first chunk holding an EOS before)."""
-    from bapo_trl.rollout.port import TRLPort
+    from bapo_trl.trainer.trl_port import TRLPort
 
     lengths = []
     score = TRLPort.score_completions

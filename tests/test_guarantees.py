@@ -42,9 +42,9 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from bapo_trl import BAPOConfig
 from bapo_trl.core.numerics import loss_mask
-from bapo_trl.rollout.port import TRLPort
 from bapo_trl.rollout.producer import Producer
 from bapo_trl.rollout.settings import staleness_bound
+from bapo_trl.trainer.trl_port import TRLPort
 
 #: Evaluation at every step (TRL's own generation, on the current policy), on a 2-prompt eval set.
 EVALUATING = dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=8)

@@ -23,7 +23,7 @@ from test_vllm_server import reset_server_weights
 from bapo_trl.generation.cpu_server import HTTPVLLMClient
 from bapo_trl.generation.fleet import ServerFleet
 from bapo_trl.generation.seeding import SeededEngine, per_prompt_seeds, prompt_seeds, seed_salt
-from bapo_trl.rollout.port import TRLPort
+from bapo_trl.trainer.trl_port import TRLPort
 
 PROMPT = [6, 7, 14, 43]  # a reverse-task prompt of the toy tokenizer
 COPIES = 8

@@ -1,5 +1,5 @@
-"""Where training batches come from: rollout sources behind one contract (``contract.py``), reaching TRL through one
-port (``port.py``), chosen by name (``registry.py``).
+"""Where training batches come from: rollout sources behind one contract (``contract.py``), reaching TRL through the
+port the trainer gives them (:mod:`bapo_trl.trainer.trl_port`), chosen by name (``registry.py``).
 
 * :class:`TRLGeneration` (``trl_generation.py``): TRL's own generation, the default;
 * :class:`PartialRollout` (``partial.py``, over the pool in ``pool.py``): completions grow by a token budget per
@@ -36,14 +36,15 @@ _EXPORTS = {
 }
 #: Names this package exported in 0.1 that only the trainer and the tests use: still importable here until 0.2, with
 #: a DeprecationWarning naming their module.
-_INTERNAL = {"PartialRolloutPool": "pool", "ReplayQueue": "replay_queue", "TRLPort": "port",
+_INTERNAL = {"PartialRolloutPool": "pool", "ReplayQueue": "replay_queue", "TRLPort": "bapo_trl.trainer.trl_port",
              "build_source": "registry", "check_source_arguments": "registry"}
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
     if name in _INTERNAL:
-        module = f"{__name__}.{_INTERNAL[name]}"
+        where = _INTERNAL[name]
+        module = where if "." in where else f"{__name__}.{where}"
         warnings.warn(f"bapo_trl.rollout.{name} is internal: import it from {module}; this name goes away in bapo_trl "
                       "0.2.", DeprecationWarning, stacklevel=2)
         return getattr(importlib.import_module(module), name)

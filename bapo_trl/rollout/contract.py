@@ -1,8 +1,9 @@
 """The rollout contract: what a rollout source is, and the narrow port through which it reaches TRL.
 
 A *rollout source* makes the training batches of one trainer process. It never sees the trainer: it is built with a
-:class:`TrainerPort`, the only rollout code that touches ``GRPOTrainer`` internals (``port.py``), and asked for one
-batch at a time with TRL's own scoring function. What every source guarantees, whatever it does inside:
+:class:`TrainerPort`, the only code between a source and ``GRPOTrainer``'s internals (the trainer's ``trl_port.py``),
+and asked for one batch at a time with TRL's own scoring function. What every source guarantees, whatever it does
+inside:
 
 * the batch is TRL's (what ``GRPOTrainer._generate_and_score_completions`` returns) with one group of
   ``num_generations`` completions per ``num_generations`` rows of ``inputs`` (the dataloader's rows for this
@@ -164,8 +165,8 @@ class PortProcesses(Protocol):
 
 class TrainerPort(PortFacts, PortGeneration, PortWeights, PortScoring, PortProcesses, Protocol):
     """What a rollout source may ask of the trainer, and nothing more, in five parts. Implemented over
-    ``GRPOTrainer`` by :class:`bapo_trl.rollout.port.TRLPort`; a test can implement it (or the parts its source uses)
-    over anything."""
+    ``GRPOTrainer`` by :class:`bapo_trl.trainer.trl_port.TRLPort`; a test can implement it (or the parts its source
+    uses) over anything."""
 
 
 class NothingInBackground:

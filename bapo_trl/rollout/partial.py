@@ -3,7 +3,7 @@ through TRL's own generation.
 
 Each step the new prompts join the pool (topped up from the train set to two steps' worth of groups, so completions
 can stay in flight), every unfinished completion grows by one budget, the oldest groups are finished if fewer than
-a batch are done, and TRL scores and batches the finished groups (:meth:`~.port.TRLPort.score_completions`). Each
+a batch are done, and TRL scores and batches the finished groups (the port's ``score_completions``). Each
 token keeps the log-prob and version of the policy that produced it. Every rank makes the same generate calls and
 forwards (ZeRO-3 gathers the weights collectively).
 """

@@ -26,7 +26,6 @@ from ..core.loss_types import LOSS_TYPES
 from ..core.numerics import loss_mask, mask_nonfinite_inputs, sanitize_after_forward
 from ..core.target_controller import TargetController
 from ..rollout.contract import parts, stamp_policy_version
-from ..rollout.port import TRLPort
 from ..rollout.registry import build_source, check_source_arguments
 from .bapo_config import BAPOConfig, trainer_config
 from .checkpoints import CheckpointMixin
@@ -35,6 +34,7 @@ from .loop_hooks import AtEachUpdate, training_random_state_kept
 from .loss_hook import install, optimised_tokens, restore, search_inputs
 from .model_card import PAPER_CITATION, ModelCardMixin
 from .reward_errors import RewardTally, name_errors
+from .trl_port import TRLPort
 from .trl_seams import check_trl_seams
 from .vllm_backend import CPUServerSyncMixin  # vLLM server mode on CPU (disk weight sync)
 

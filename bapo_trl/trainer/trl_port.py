@@ -1,5 +1,6 @@
-"""``TRLPort``: the :class:`~.contract.TrainerPort` over a ``GRPOTrainer``, the only rollout code that touches TRL's
-internals (every private name it uses is listed in :mod:`bapo_trl.trainer.trl_seams`).
+"""``TRLPort``: the rollout sources' :class:`~bapo_trl.rollout.contract.TrainerPort` over a ``GRPOTrainer``: the
+trainer's adapter onto TRL for them, the only code between a source and TRL's internals (every private name it uses is
+listed in :mod:`bapo_trl.trainer.trl_seams`).
 
 Besides plain accessors it does two things for sources that generate outside TRL's generate call (partial rollout,
 async generation): :meth:`TRLPort.score_completions` hands their finished completions to TRL's own scoring (rewards,
@@ -17,8 +18,8 @@ import torch
 
 from ..generation.processes import broadcast_from_main
 from ..generation.seeding import mixed_seed
-from .contract import ReadyCompletions, ScoreFn, right_pad
-from .settings import SourceSettings
+from ..rollout.contract import ReadyCompletions, ScoreFn, right_pad
+from ..rollout.settings import SourceSettings
 
 
 class TRLPort:
