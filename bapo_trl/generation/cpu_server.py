@@ -261,13 +261,11 @@ class CPUServerVLLMGeneration(VLLMGeneration):
     #: no check of the servers.
     sampler_logprobs_use: str | None = None
 
-    #: ``"adapter"``: a peft model in server mode pushes its LoRA adapter only (:mod:`.adapter_sync`); ``"merged"``:
-    #: TRL's merged full push.
-    lora_sync: str = "merged"
-
-    def __init__(self, *args, sampler_logprobs_use: str | None = None, lora_sync: str = "merged",
+    def __init__(self, *args, lora_sync: str, sampler_logprobs_use: str | None = None,
                  seed_round: Callable[[], int] | None = None, **kwargs):
         self.sampler_logprobs_use = sampler_logprobs_use  # TRL's __init__ ends with _init_vllm, which checks it
+        # ``"adapter"``: a peft model pushes its LoRA adapter only (:mod:`.adapter_sync`); ``"merged"``: TRL's merged
+        # full push (BAPOConfig.vllm_lora_sync, its one default)
         self.lora_sync = lora_sync
         self.seed_round = seed_round  # the trainer's optimizer step: a user seed's calls differ from step to step
         self._round_calls = (None, 0)  # (the step, generate calls made in it)

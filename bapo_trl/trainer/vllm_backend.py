@@ -22,7 +22,7 @@ class CPUServerSyncMixin:
                 "server", "colocate"):
             use = sampler_logprobs_use(args) if args.vllm_mode == "server" else None  # colocate: TRL sets the mode
             backend = functools.partial(CPUServerVLLMGeneration, sampler_logprobs_use=use,
-                                        lora_sync=getattr(args, "vllm_lora_sync", "merged"),
+                                        lora_sync=args.vllm_lora_sync,
                                         seed_round=lambda: self.state.global_step)
             with patched(_trl_grpo_trainer, "VLLMGeneration", backend):
                 super().__init__(model, reward_funcs, args=args, **kwargs)
