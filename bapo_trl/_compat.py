@@ -37,11 +37,17 @@ MOVED: dict[str, str] = {
     "bapo_trl.plot": "bapo_trl.cli.plot",
     "bapo_trl.generation.serve": "bapo_trl.cli.serve",
 }
-#: old module that was split in two -> (the module with its functions, the command's module, whose ``main`` and
-#: ``make_parser`` it held); ``python -m <old module>`` runs the command
-SPLIT: dict[str, tuple[str, str]] = {
+#: old module that was split -> the modules its names went to, searched in order (the first holds its functions)
+SPLIT: dict[str, tuple[str, ...]] = {
     "bapo_trl.models": ("bapo_trl.recipes.models", "bapo_trl.cli.models"),
     "bapo_trl.math_recipe.evaluate": ("bapo_trl.recipes.math_reasoning.evaluate", "bapo_trl.cli.evaluate"),
+    "bapo_trl.generation.cpu_server": ("bapo_trl.generation.vllm_generation", "bapo_trl.generation.http_client",
+                                       "bapo_trl.generation.gather"),
+}
+#: a split module whose command moved: ``python -m <old module>`` runs this one (its ``main`` and ``make_parser``)
+SPLIT_COMMANDS: dict[str, str] = {
+    "bapo_trl.models": "bapo_trl.cli.models",
+    "bapo_trl.math_recipe.evaluate": "bapo_trl.cli.evaluate",
 }
 #: old modules kept for good, without a warning
 PERMANENT = frozenset({"bapo_trl.config"})
@@ -98,7 +104,7 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def get_code(self, fullname):
         """``python -m <old path>``: warn, then run the command that took its place as ``__main__``."""
-        new = SPLIT[fullname][1] if fullname in SPLIT else new_name(fullname)
+        new = SPLIT_COMMANDS.get(fullname) or new_name(fullname)
         message = (f"python -m {fullname} moved to python -m {new}; the old form is deprecated and goes away in "
                    f"bapo_trl {REMOVED_IN}.")
         source = ("import runpy, warnings\n"

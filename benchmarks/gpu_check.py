@@ -538,6 +538,7 @@ def section_lora(device: str, quick: bool, tmp: str) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bapo_trl import BAPOConfig, BAPOTrainer
+    from bapo_trl.generation.gather import adapter_parameters
     from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 
     sys.path.insert(0, str(REPO / "tests"))
@@ -566,7 +567,7 @@ def section_lora(device: str, quick: bool, tmp: str) -> list[dict]:
         seconds = [h["weight_sync/seconds"] for h in logs if "weight_sync/seconds" in h]
         gaps = [h["sampling/sampling_logp_difference/mean"] for h in logs
                 if "sampling/sampling_logp_difference/mean" in h]
-        adapter = sum(p.numel() * p.element_size() for _, p in backend._adapter_parameters())
+        adapter = sum(p.numel() * p.element_size() for _, p in adapter_parameters(trainer.model, "default"))
         model = sum(p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if "lora_" not in n)
         gathers = []
         for _ in range(5):
@@ -574,19 +575,20 @@ def section_lora(device: str, quick: bool, tmp: str) -> list[dict]:
             backend._gathered_adapter()
             gathers.append(time.perf_counter() - start)
         events = [event for event, _ in server.lora_events]
-        on = next(p for _, p in backend._adapter_parameters()).device.type
-        # loads and unloads: the start-up probe's (a zero adapter of the run's shapes), then the two pushes'
+        on = next(p for _, p in adapter_parameters(trainer.model, "default")).device.type
+        # loads and unloads: the start-up probe's (a zero adapter of the run's shapes), the two pushes' (the first
+        # adapter unloaded when the second replaced it), and the last adapter's at the end of training
         ok = (on == device and len(pushed) == 2 and pushed[0] > 0.5 * model and pushed[1] < adapter + 2**16
-              and events.count("load") == 3 and events.count("unload") == 2 and "unknown" not in events
+              and events.count("load") == 3 and events.count("unload") == 3 and "unknown" not in events
               and server.requests["RPC", "reload_weights"] == 1 and backend.uses_adapter_sync)
-        backend.disk_sync.close()
         detail = (f"stand-in server (tests/policy_server.py, CPU); adapter r={LORA['r']} on "
                   f"{'/'.join(LORA['target_modules'])} of the {model / 2**20:.0f} MiB model on {on}: "
                   f"{adapter / 2**20:.2f} MiB ({adapter / model:.2%}); pushes "
                   + ", ".join(f"{b / 2**20:.2f} MiB in {s:.2f} s" for b, s in zip(pushed, seconds))
                   + f" (first: base weights once + adapter); adapter gather alone "
                   f"{1e3 * statistics.median(gathers):.1f} ms (median of 5); loads/unloads "
-                  f"{events.count('load')}/{events.count('unload')} (start-up probe included); sampler/trainer "
+                  f"{events.count('load')}/{events.count('unload')} (start-up probe and end of training included); "
+                  f"sampler/trainer "
                   f"log-prob difference {' '.join(f'{g:.2e}' for g in gaps)}")
         return [{"check": "LoRA adapter push (server mode, stand-in server)", "ok": ok, "detail": detail,
                  "lora_push_mib": pushed[-1] / 2**20 if pushed else math.nan}]

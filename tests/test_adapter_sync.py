@@ -27,6 +27,7 @@ from bapo_trl.generation.adapter_sync import (
     adapter_refusal,
     write_adapter,
 )
+from bapo_trl.generation.gather import adapter_parameters, adapter_shapes
 from bapo_trl.generation.weight_sync import WeightSyncError
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
@@ -237,10 +238,10 @@ def test_every_tensor_peft_trains_is_pushed(tiny_model_dir, tmp_path, targets):
                                model=peft_model(tiny_model_dir, target_modules=targets))
         backend = trainer.vllm_generation
         trainable = {name for name, p in trainer.model.named_parameters() if p.requires_grad}
-        assert {name for name, _ in backend._adapter_parameters()} == trainable
+        assert {name for name, _ in adapter_parameters(trainer.model, "default")} == trainable
         pushed = backend._gathered_adapter()
         expected = get_peft_model_state_dict(trainer.model, save_embedding_layers=False)
-        assert set(pushed) == set(expected) == set(backend._adapter_shapes())
+        assert set(pushed) == set(expected) == set(adapter_shapes(trainer.model))
         assert len(pushed) == len(trainable)
         assert all(torch.equal(pushed[k], expected[k]) for k in pushed)
     finally:

@@ -580,7 +580,7 @@ def test_ignore_eos_runs_every_chunked_completion_to_the_cap(chunking, tiny_mode
 def test_a_stalled_server_is_an_error_naming_the_timeout(tiny_model_dir, tmp_path, monkeypatch):
     """The producer's request to a server that never answers surfaces in the trainer as the client's timeout error,
     sent once."""
-    from bapo_trl.generation.cpu_server import VLLMServerTimeout
+    from bapo_trl.generation.http_client import VLLMServerTimeout
 
     monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
     server = PolicyServer(tiny_model_dir, stall_on=(1,))

@@ -720,7 +720,7 @@ def trl_configured_client(url: str):
     use if bapo_trl left it TRL's client (on CUDA)."""
     import trl.generation.vllm_client as trl_client
 
-    from bapo_trl.generation.cpu_server import patched
+    from bapo_trl.generation.http_client import patched
 
     with patched(trl_client, "is_vllm_available", lambda *a, **k: True):
         return trl_client.VLLMClient(base_url=url)

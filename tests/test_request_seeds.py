@@ -20,8 +20,8 @@ import requests
 from policy_server import PolicyServer
 from test_vllm_server import reset_server_weights
 
-from bapo_trl.generation.cpu_server import HTTPVLLMClient
 from bapo_trl.generation.fleet import ServerFleet
+from bapo_trl.generation.http_client import HTTPVLLMClient
 from bapo_trl.generation.seeding import SeededEngine, per_prompt_seeds, prompt_seeds, seed_salt
 from bapo_trl.trainer.trl_port import TRLPort
 

@@ -12,7 +12,7 @@ from policy_server import PolicyServer
 from transformers import AutoModelForCausalLM
 
 from bapo_trl.generation.adapter_sync import LOAD, UNLOAD, AdapterPush, AdapterSync
-from bapo_trl.generation.cpu_server import HTTPVLLMClient, VLLMServerTimeout, VLLMServerUnreachable
+from bapo_trl.generation.http_client import HTTPVLLMClient, VLLMServerTimeout, VLLMServerUnreachable
 from bapo_trl.generation.resend import lost_before_answer
 from bapo_trl.generation.weight_sync import DiskWeightSync, WeightSyncError
 

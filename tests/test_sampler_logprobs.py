@@ -26,11 +26,8 @@ from trl import GRPOTrainer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
 from bapo_trl.core.numerics import loss_mask
-from bapo_trl.generation.cpu_server import (
-    CPUServerVLLMGeneration,
-    VLLMLogprobsModeError,
-    check_logprobs_mode,
-)
+from bapo_trl.generation.http_client import VLLMLogprobsModeError, check_logprobs_mode
+from bapo_trl.generation.vllm_generation import CPUServerVLLMGeneration
 from bapo_trl.recipes.toy import make_reverse_dataset
 from bapo_trl.rollout.settings import sampler_logprobs_use
 
@@ -184,7 +181,7 @@ def test_another_process_raises_the_main_process_refusal_as_the_same_error(monke
 
 def test_a_client_error_names_the_server(stand_ins):
     """A server that answers /server_info with an error (no dev mode: 404) is named in the error."""
-    from bapo_trl.generation.cpu_server import HTTPVLLMClient
+    from bapo_trl.generation.http_client import HTTPVLLMClient
 
     server = stand_ins()
 
@@ -215,7 +212,7 @@ def test_every_process_of_a_launch_is_stopped(stand_ins, tiny_model_dir, tmp_pat
 @pytest.mark.slow
 def test_the_real_server_reports_processed_logprobs(tiny_server):
     """The project's serve command, on the real vLLM CPU server: the field is where the check reads it."""
-    from bapo_trl.generation.cpu_server import HTTPVLLMClient, server_logprobs_mode
+    from bapo_trl.generation.http_client import HTTPVLLMClient, server_logprobs_mode
 
     client = HTTPVLLMClient(base_url=tiny_server.url, connection_timeout=30, request_timeout=30)
     assert server_logprobs_mode(client) == "processed_logprobs"

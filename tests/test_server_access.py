@@ -274,7 +274,7 @@ def build_trainer(model_dir: str, output_dir: Path, url: str, **overrides):
 
 
 def test_every_client_sends_the_key_from_the_environment(dev_server, tmp_path, monkeypatch):
-    from bapo_trl.generation.cpu_server import HTTPVLLMClient
+    from bapo_trl.generation.http_client import HTTPVLLMClient
     from bapo_trl.generation.weight_sync import DiskWeightSync
 
     server = dev_server(key=KEY)
@@ -297,7 +297,8 @@ def test_trls_own_client_sends_the_key_too(dev_server, monkeypatch):
     import trl.generation.vllm_generation as trl_generation
     from trl.generation.vllm_generation import VLLMGeneration
 
-    from bapo_trl.generation.cpu_server import CPUServerVLLMGeneration, KeyedVLLMClient
+    from bapo_trl.generation.http_client import KeyedVLLMClient
+    from bapo_trl.generation.vllm_generation import CPUServerVLLMGeneration
 
     server = dev_server(key=KEY)
     monkeypatch.setenv("VLLM_API_KEY", KEY)

@@ -21,8 +21,8 @@ from test_vllm_server import IN_SYNC, LOGP_DIFF, reset_server_weights
 from vllm_servers import Server
 
 from bapo_trl import BAPOConfig
-from bapo_trl.generation.cpu_server import HTTPVLLMClient, VLLMServerTimeout
 from bapo_trl.generation.fleet import ServerFleet, merge_outputs, server_urls, shares
+from bapo_trl.generation.http_client import HTTPVLLMClient, VLLMServerTimeout
 from bapo_trl.generation.weight_sync import DiskWeightSync, WeightSyncError
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")
@@ -231,7 +231,7 @@ def test_on_cuda_each_server_gets_a_client_and_a_group_port_of_its_own(monkeypat
     """What TRL's server mode builds on CUDA (``_cuda_client`` stands in for its ``VLLMClient``): one client per
     server, each on ``vllm_group_port`` + its index; requests from the async producer then go through HTTP clients
     for the same servers (TRL's client retries and sets no read timeout)."""
-    from bapo_trl.generation import cpu_server
+    from bapo_trl.generation import http_client, vllm_generation
 
     made = []
 
@@ -244,15 +244,15 @@ def test_on_cuda_each_server_gets_a_client_and_a_group_port_of_its_own(monkeypat
         def __init__(self, base_url, connection_timeout, request_timeout):
             super().__init__(base_url, None, connection_timeout)
 
-    monkeypatch.setattr(cpu_server, "KeyedVLLMClient", RecordingKeyed)
-    one = cpu_server.CPUServerVLLMGeneration._cuda_client(None, "http://a:8000", group_port=51216,
+    monkeypatch.setattr(vllm_generation, "KeyedVLLMClient", RecordingKeyed)
+    one = vllm_generation.CPUServerVLLMGeneration._cuda_client(None, "http://a:8000", group_port=51216,
                                                            connection_timeout=5)
     assert isinstance(one, RecordingKeyed) and one.group_port == 51216
-    fleet = cpu_server.CPUServerVLLMGeneration._cuda_client(None, ["http://a:8000", "http://b:8000"],
+    fleet = vllm_generation.CPUServerVLLMGeneration._cuda_client(None, ["http://a:8000", "http://b:8000"],
                                                              group_port=51216, connection_timeout=5)
     assert isinstance(fleet, ServerFleet) and [c.group_port for c in fleet.clients] == [51216, 51217]
-    monkeypatch.setattr(cpu_server, "HTTPVLLMClient", RecordingHTTP)
-    requests_client = cpu_server.request_client(fleet, timeout=7)
+    monkeypatch.setattr(http_client, "HTTPVLLMClient", RecordingHTTP)
+    requests_client = http_client.request_client(fleet, timeout=7)
     assert isinstance(requests_client, ServerFleet) and requests_client.base_urls == fleet.base_urls
     assert all(isinstance(c, RecordingHTTP) for c in requests_client.clients)
 

@@ -476,7 +476,8 @@ def scan_seams(seams=SEAMS, extra_sources: dict[str, str] | None = None) -> Seam
 def _runtime_checked_classes(scan: SeamScan) -> list[type]:
     """The classes bapo_trl builds on TRL that can be imported: the trainer and the vLLM classes, and every one the
     scan found (a class defined inside a function and not exposed is checked by the scan only)."""
-    from bapo_trl.generation.cpu_server import CPUServerVLLMGeneration, HTTPVLLMClient
+    from bapo_trl.generation.http_client import HTTPVLLMClient
+    from bapo_trl.generation.vllm_generation import CPUServerVLLMGeneration
     from bapo_trl.trainer.bapo_trainer import BAPOTrainer
 
     found = {BAPOTrainer, CPUServerVLLMGeneration, HTTPVLLMClient}
@@ -563,9 +564,9 @@ def test_a_private_name_of_our_own_objects_is_not_a_seam():
 
 @pytest.mark.parametrize("removed, reported", [
     ("transformers.trainer:Trainer._load_optimizer_and_scheduler", "bapo_trl/trainer/checkpoints.py"),
-    ("trl.generation.vllm_generation:VLLMGeneration._iter_named_params", "bapo_trl/generation/cpu_server.py"),
+    ("trl.generation.vllm_generation:VLLMGeneration._iter_named_params", "bapo_trl/generation/vllm_generation.py"),
     ("trl.trainer.grpo_trainer:GRPOTrainer._tag_names", "bapo_trl/trainer/bapo_trainer.py"),
-    ("trl.generation.vllm_client:VLLMClient.check_server", "bapo_trl/generation/cpu_server.py"),
+    ("trl.generation.vllm_client:VLLMClient.check_server", "bapo_trl/generation/http_client.py"),
 ])
 def test_a_seam_removed_from_the_list_is_reported(removed, reported):
     seams = tuple(s for s in SEAMS if s.target != removed)

@@ -88,7 +88,7 @@ def logp_differences(trainer) -> list[float]:
 @pytest.mark.slow
 def test_training_generates_through_the_server_with_weights_in_sync(tiny_server, tiny_model_dir, tmp_path,
                                                                    monkeypatch):
-    from bapo_trl.generation.cpu_server import CPUServerVLLMGeneration
+    from bapo_trl.generation.vllm_generation import CPUServerVLLMGeneration
 
     weights_root = tmp_path / "weights"
     weights_root.mkdir()
@@ -345,7 +345,7 @@ def test_unreachable_server_is_a_clear_error_within_the_timeout(tiny_model_dir, 
 
 
 def test_a_stalled_generation_is_one_request_and_an_error_naming_the_timeout(tiny_model_dir, tmp_path, monkeypatch):
-    from bapo_trl.generation.cpu_server import VLLMServerTimeout
+    from bapo_trl.generation.http_client import VLLMServerTimeout
 
     monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
     server = PolicyServer(tiny_model_dir, stall_on=(1,))  # a stand-in that stalls on its first generate request

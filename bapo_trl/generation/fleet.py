@@ -199,5 +199,5 @@ class ServerFleet:
 
     def get_server_info(self) -> dict:
         """The first server's (what TRL reads). Settings may differ between servers: the trainer checks the log-prob
-        mode of every server itself (:func:`~.cpu_server.check_logprobs_mode`)."""
+        mode of every server itself (:func:`~.http_client.check_logprobs_mode`)."""
         return self.clients[0].get_server_info()

@@ -136,7 +136,7 @@ class TRLPort:
         one request the same seed and sample a group's members, or continued prefixes that agree, identically.
 
         Sent through a client that sends each request once and bounds it by ``vllm_server_timeout``
-        (:func:`~bapo_trl.generation.cpu_server.request_client`); with several servers, each request goes to the
+        (:func:`~bapo_trl.generation.http_client.request_client`); with several servers, each request goes to the
         least-loaded one (:class:`~bapo_trl.generation.fleet.ServerFleet`)."""
         backend = self._trainer.vllm_generation
         client = self._request_client()
@@ -155,7 +155,7 @@ class TRLPort:
 
     def _request_client(self):
         if self.request_client is None:
-            from ..generation.cpu_server import request_client
+            from ..generation.http_client import request_client
 
             backend = self._trainer.vllm_generation
             self.request_client = request_client(backend.vllm_client, backend.server_timeout)

@@ -1,7 +1,7 @@
-"""The trainer's vLLM backend: TRL builds :class:`~bapo_trl.generation.cpu_server.CPUServerVLLMGeneration` in place of
-its own ``VLLMGeneration`` while ``BAPOTrainer`` is constructed (server mode, and colocate mode without CUDA); that
-backend defers to TRL's own code wherever TRL's path works (:mod:`bapo_trl.generation.cpu_server` says why each
-piece exists)."""
+"""The trainer's vLLM backend: TRL builds :class:`~bapo_trl.generation.vllm_generation.CPUServerVLLMGeneration` in
+place of its own ``VLLMGeneration`` while ``BAPOTrainer`` is constructed (server mode, and colocate mode without
+CUDA); that backend defers to TRL's own code wherever TRL's path works (:mod:`bapo_trl.generation.vllm_generation`
+says why each piece exists)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import functools
 
 import trl.trainer.grpo_trainer as _trl_grpo_trainer
 
-from ..generation.cpu_server import CPUServerVLLMGeneration, patched
+from ..generation.http_client import patched
+from ..generation.vllm_generation import CPUServerVLLMGeneration
 from ..rollout.settings import sampler_logprobs_use
 
 

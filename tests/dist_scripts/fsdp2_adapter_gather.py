@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 from trl.distributed import DistributedBackend
 
-from bapo_trl.generation.cpu_server import CPUServerVLLMGeneration
+from bapo_trl.generation.vllm_generation import CPUServerVLLMGeneration
 
 model_dir, out_dir = sys.argv[1], sys.argv[2]
 accelerator = Accelerator(cpu=True)

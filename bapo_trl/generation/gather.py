@@ -1,0 +1,83 @@
+"""Gathering what a weight push sends, on every process (collective under DeepSpeed ZeRO-3 and FSDP2), as CPU copies
+on the process that writes it: a LoRA adapter's tensors under peft's saved names, and the base model's weights under
+vLLM's names.
+
+Why here, apart from the backend: an adapter push gathers only the adapter's parameters, and a sharded parameter must
+be whole before it is written (ZeRO-3 gathers around the copy; an FSDP2 shard is a DTensor, gathered by
+:func:`full`), so every gather of the package goes through these few functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def full(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole tensor: an FSDP2 shard (a DTensor) gathered from every process (collective: every process
+    calls it, in the same order), anything else as it is (ZeRO-3's are gathered around it)."""
+    from torch.distributed.tensor import DTensor
+
+    return param.full_tensor().detach() if isinstance(param, DTensor) else param.detach()
+
+
+def adapter_parameters(model, adapter: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """``model``'s parameters of peft adapter ``adapter``: a name part is the adapter's name and another a LoRA
+    tensor's (``lora_A``, ``lora_embedding_B``, ...): a linear layer's ``lora_A.<adapter>.weight``, an embedding's
+    ``lora_embedding_A.<adapter>`` (no trailing part), whatever ``target_modules`` names."""
+    found = []
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        if adapter in parts and any(part.startswith("lora_") for part in parts):
+            found.append((name, param))
+    return found
+
+
+def adapter_shapes(model) -> dict[str, tuple[int, ...]]:
+    """The active adapter's tensors as peft saves them: name -> full shape (ZeRO-3 keeps it in ``ds_shape``)."""
+    from peft import get_peft_model_state_dict
+
+    shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in adapter_parameters(model,
+                                                                                            model.active_adapter)}
+    saved = get_peft_model_state_dict(model, state_dict={n: torch.empty(0) for n in shapes},
+                                      adapter_name=model.active_adapter, save_embedding_layers=False)
+    if len(saved) != len(shapes):
+        raise ValueError("vllm_lora_sync='adapter': peft's saved names of this adapter do not match its parameters "
+                         "one to one; set vllm_lora_sync='merged'.")
+    return dict(zip(saved, shapes.values()))
+
+
+def gathered_adapter(model, dist, keep: bool) -> dict:
+    """The active adapter under peft's saved names, CPU copies where ``keep`` (empty elsewhere); peft's copy of the
+    base embeddings left out (the base goes with the base push). Every process calls it (``dist``: TRL's
+    ``DistributedBackend``; the gather, over the adapter's parameters only, is collective)."""
+    from peft import get_peft_model_state_dict
+
+    named = adapter_parameters(model, model.active_adapter)
+    state = {}
+    with dist.gather_params([p for _, p in named]):
+        for name, param in named:
+            tensor = full(param)  # every process
+            if keep:
+                state[name] = tensor.to("cpu", copy=True)
+    if not keep:
+        return {}
+    return get_peft_model_state_dict(model, state_dict=state, adapter_name=model.active_adapter,
+                                     save_embedding_layers=False)
+
+
+def gathered_base(model, dist, vllm_name: Callable[[str], str], keep: bool) -> dict:
+    """A peft model's base weights under vLLM's names (``vllm_name`` of the peft name without its wrapping; adapter
+    layers skipped, nothing merged), one parameter gathered at a time; CPU copies where ``keep``. Every process calls
+    it."""
+    base = {}
+    for name, param in model.named_parameters():
+        if model.prefix in name or "original_module" in name:
+            continue
+        with dist.gather_params([param]):
+            tensor = full(param)  # every process
+            if keep:
+                base[vllm_name(name.removeprefix("base_model.model.").replace(".base_layer", ""))] = tensor.to(
+                    "cpu", copy=True)
+    return base

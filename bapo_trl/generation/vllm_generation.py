@@ -1,0 +1,338 @@
+"""TRL's vLLM backend, built by TRL in place of its own ``VLLMGeneration`` while ``BAPOTrainer`` is constructed
+(:mod:`bapo_trl.trainer.vllm_backend`): it defers to TRL's code wherever TRL's path works, and takes over where it
+does not.
+
+* Server mode on a machine without CUDA: TRL's server mode opens vLLM's NCCL weight-transfer group, which refuses any
+  non-CUDA device. Here the client is :class:`~.http_client.HTTPVLLMClient` and weights go through a directory the
+  server reloads (:class:`~.weight_sync.DiskWeightSync`); generation, the importance-sampling correction and the
+  sync schedule stay TRL's code.
+* A LoRA (peft) run with ``vllm_lora_sync="adapter"``: only the adapter is pushed (:mod:`.adapter_sync`), in server
+  mode (CUDA too) and in colocate mode (the in-process engine loads it), the base weights once.
+* Colocate mode without CUDA: TRL's per-tensor ``load_weights`` fails where vLLM re-packs its linear layers (AMX);
+  the in-process engine reloads a safetensors directory instead, as the server.
+* A user ``seed`` in ``generation_kwargs``: every prompt row gets a seed of its own, per process group, step and call
+  (:mod:`.seeding`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from functools import partial
+
+import requests
+import trl.generation.vllm_generation as _trl_vllm_generation
+from trl.generation.vllm_generation import VLLMGeneration, is_peft_model
+
+from .adapter_sync import LORA_RANKS, AdapterPush, AdapterSync, adapter_refusal, write_adapter
+from .fleet import ServerFleet, one_client, server_urls
+from .gather import adapter_shapes, gathered_adapter, gathered_base
+from .http_client import (
+    HTTPVLLMClient,
+    KeyedVLLMClient,
+    VLLMLogprobsModeError,
+    VLLMServerUnreachable,
+    check_logprobs_mode,
+    patched,
+)
+from .processes import broadcast_from_main, raise_everywhere
+from .seeding import SeededEngine, seed_salt
+from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError, directory_bytes, write_weights
+
+
+class CPUServerVLLMGeneration(VLLMGeneration):
+    """TRL's vLLM backend; in server mode on a non-CUDA device, connects over HTTP and syncs weights via disk."""
+
+    disk_sync: DiskWeightSync | None = None
+    #: What training does with the sampler's log-probs (:func:`bapo_trl.rollout.settings.sampler_logprobs_use`); None:
+    #: no check of the servers.
+    sampler_logprobs_use: str | None = None
+
+    def __init__(self, *args, lora_sync: str, sampler_logprobs_use: str | None = None,
+                 seed_round: Callable[[], int] | None = None, **kwargs):
+        self.sampler_logprobs_use = sampler_logprobs_use  # TRL's __init__ ends with _init_vllm, which checks it
+        # ``"adapter"``: a peft model pushes its LoRA adapter only (:mod:`.adapter_sync`); ``"merged"``: TRL's merged
+        # full push (BAPOConfig.vllm_lora_sync, its one default)
+        self.lora_sync = lora_sync
+        self.seed_round = seed_round  # the trainer's optimizer step: a user seed's calls differ from step to step
+        self._round_calls = (None, 0)  # (the step, generate calls made in it)
+        self._pushes: list[tuple[int, float]] = []  # colocate reloads: (bytes, seconds), until taken
+        super().__init__(*args, **kwargs)
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        """TRL's generation; with a ``seed`` in ``generation_kwargs``, every prompt row's seed is derived from it, the
+        optimizer step, the call's index in that step and, in colocate mode, this process's engine group (TRL spreads
+        a group's members over processes, which would otherwise hold the same prompts and seeds and sample copies;
+        the ranks of one tensor-parallel engine share a group, and must share seeds)."""
+        if (self.generation_kwargs or {}).get("seed") is None:
+            return super().generate(prompts, images, num_generations, profiler)
+        step = self.seed_round() if self.seed_round is not None else 0
+        last, calls = self._round_calls
+        calls = calls + 1 if step == last else 0
+        self._round_calls = (step, calls)
+        group = self.accelerator.process_index // self.tensor_parallel_size if self.mode == "colocate" else 0
+        with seed_salt(step, calls, group):
+            return super().generate(prompts, images, num_generations, profiler)
+
+    @property
+    def uses_adapter_sync(self) -> bool:
+        """Server mode with a peft model and ``vllm_lora_sync="adapter"``: only the adapter is pushed (through the
+        disk on CUDA too: an adapter is small enough for a shared directory)."""
+        return self.mode == "server" and self.lora_sync == "adapter" and is_peft_model(self.model)
+
+    @property
+    def uses_colocate_adapter(self) -> bool:
+        """Colocate mode with a peft model and ``vllm_lora_sync="adapter"``: the in-process engine loads each push's
+        adapter (``add_lora``) and generates with it (a ``lora_request``), its base weights loaded once. Not with
+        vLLM's sleep mode, whose wake-up belongs to TRL's own push (that case pushes merged weights, TRL's way)."""
+        return (self.mode == "colocate" and self.lora_sync == "adapter" and is_peft_model(self.model)
+                and not getattr(self, "enable_sleep_mode", False))
+
+    @property
+    def uses_disk_sync(self) -> bool:
+        return self.mode == "server" and (self.accelerator.device.type != "cuda" or self.uses_adapter_sync)
+
+    @property
+    def uses_colocate_reload(self) -> bool:
+        """Colocate mode without CUDA: TRL loads each tensor through the layers' ``weight_loader``, which vLLM's CPU
+        backend drops from layers it re-packs for its GEMM kernels (seen on AMX CPUs: ``'Parameter' object has no
+        attribute 'weight_loader'``). The in-process engine reloads a safetensors directory instead, as the server
+        does."""
+        return self.mode == "colocate" and self.accelerator.device.type != "cuda"
+
+    @property
+    def server_urls(self) -> list[str]:
+        """Every server of ``vllm_server_base_url`` (or the one at ``vllm_server_host:vllm_server_port``)."""
+        return server_urls(self.server_base_url) or [f"http://{self.server_host}:{self.server_port}"]
+
+    def _init_vllm(self):
+        if self.mode == "server" and not self.uses_disk_sync:  # CUDA: TRL's code and NCCL, its client sends the key
+            with patched(_trl_vllm_generation, "VLLMClient", self._cuda_client):
+                super()._init_vllm()
+            if self.sampler_logprobs_use is not None:  # the same on every process: all join the broadcast
+                error = None
+                if self.accelerator.is_main_process:  # TRL builds the client there only
+                    try:
+                        self._check_logprobs_mode()
+                    except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
+                        error = exc
+                self._raise_everywhere(error)
+            return
+        if not self.uses_disk_sync:  # colocate: TRL's code; its engine gives each prompt of a seeded call its own seed
+            if self.uses_colocate_adapter:  # the engine serves LoRA adapters (one at a time)
+                config = self._adapter_config()
+                rank = max([config["r"], *(config.get("rank_pattern") or {}).values()])
+                engine = partial(_trl_vllm_generation.LLM, enable_lora=True, max_loras=1,
+                                 max_lora_rank=next(r for r in LORA_RANKS if r >= rank))
+                with patched(_trl_vllm_generation, "LLM", engine):
+                    super()._init_vllm()
+            else:
+                super()._init_vllm()
+            if self.mode == "colocate" and not isinstance(self.llm, SeededEngine):
+                self.llm = SeededEngine(self.llm)
+            return
+        error = None
+        if self.accelerator.is_main_process:
+            try:
+                clients = [HTTPVLLMClient(base_url=url, group_port=self.group_port,
+                                          connection_timeout=self.server_timeout, request_timeout=self.server_timeout)
+                           for url in self.server_urls]
+                self.vllm_client = one_client(clients)
+                self._check_logprobs_mode()  # before anything is written or generated
+            except requests.ConnectionError as exc:
+                error = VLLMServerUnreachable(f"{exc} On a machine without CUDA, {SERVE_HINT}.")
+                error.__cause__ = exc
+            except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
+                error = exc
+            else:
+                config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+                urls = [client.base_url for client in clients]
+                tied = bool(getattr(config, "tie_word_embeddings", False))
+                try:
+                    if self.uses_adapter_sync:
+                        self.disk_sync = self._adapter_sync(urls, tied)
+                    else:
+                        self.disk_sync = DiskWeightSync(urls, timeout=self.server_timeout, refresh_output_layers=tied)
+                    # the server must read the directory the weights go to (another machine: a shared mount)
+                    self.disk_sync.check_shared_directory()
+                    if self.uses_adapter_sync:  # and take the run's adapters (--enable-lora, rank)
+                        self.disk_sync.check_adapter_support(adapter_shapes(self.model))
+                except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
+                    error = exc
+        self._raise_everywhere(error)
+        self.accelerator.wait_for_everyone()
+
+    def _check_logprobs_mode(self) -> None:
+        """Main process: every server must report ``processed_logprobs`` where training uses the sampler's
+        log-probs (:func:`check_logprobs_mode`)."""
+        if self.sampler_logprobs_use is not None:
+            check_logprobs_mode(self.vllm_client, self.sampler_logprobs_use)
+
+    def _cuda_client(self, base_url, group_port=51216, connection_timeout=0.0, **kwargs):
+        """What TRL's server mode builds as its client on CUDA: TRL's own (sending the API key) for one server; for
+        several, a :class:`~.fleet.ServerFleet` of them, each with a weight-transfer group on a port of its own
+        (``vllm_group_port`` + its index). Never run here (no CUDA on the machines this was built on)."""
+        urls = server_urls(base_url)
+        clients = [KeyedVLLMClient(base_url=url, group_port=group_port + index, connection_timeout=connection_timeout,
+                                   **kwargs) for index, url in enumerate(urls)]
+        return one_client(clients)
+
+    def sync_weights(self):
+        if self.uses_colocate_adapter:
+            return self._load_colocated_adapter()
+        if self.uses_colocate_reload:
+            return self._reload_colocated()
+        if not self.uses_disk_sync:
+            return super().sync_weights()
+        state = self.gather_state()
+        error = None
+        if self.accelerator.is_main_process:
+            try:
+                self.disk_sync.push(state)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
+                error = exc
+        self._raise_everywhere(error)
+
+    def gather_state(self) -> dict:
+        """The current weights as CPU copies on the main process (empty elsewhere); every process must call it, the
+        gather is collective under ZeRO-3. With :attr:`disk_sync` they can be pushed later, from another thread.
+        With the adapter push, only the adapter (:meth:`gather_adapter`)."""
+        if self.uses_adapter_sync:
+            return self.gather_adapter()
+        main = self.accelerator.is_main_process
+        state = {}
+        for name, param in self._iter_named_params():
+            if main:
+                state[name] = param.detach().to("cpu", copy=True)
+        return state
+
+    # -- LoRA: the adapter alone ------------------------------------------------------------------------------------
+
+    def _adapter_config(self) -> dict:
+        """The active adapter's ``adapter_config.json``; a peft config vLLM cannot serve is refused here, and FSDP1
+        (its flat shards: only FSDP2's per-parameter shards are gathered for the adapter)."""
+        peft_config = self.model.peft_config[self.model.active_adapter]
+        refusal = adapter_refusal(peft_config)
+        if self._dist.fsdp_version == 1:
+            refusal = ("it is sharded by FSDP1, whose flattened shards the adapter push does not gather (FSDP2 and "
+                       "DeepSpeed ZeRO-3 are supported: fsdp_version: 2)")
+        if refusal:
+            raise ValueError(f"vllm_lora_sync='adapter' cannot push this adapter: {refusal}. Set "
+                             "vllm_lora_sync='merged' to push merged full weights instead (TRL's way).")
+        # An init that rewrites the base weights (PiSSA, OLoRA, CorDA, LoftQ) is served as plain LoRA: the first push
+        # carries the trainer's base weights, rewritten ones included, so the served base already holds them.
+        return {**peft_config.to_dict(), "inference_mode": True, "init_lora_weights": True}
+
+    def _adapter_sync(self, urls: list[str], tied: bool) -> AdapterSync:
+        """Main process: the adapter push's client."""
+        config = self._adapter_config()
+
+        fleet = self.vllm_client
+        clients = fleet.clients if isinstance(fleet, ServerFleet) else [fleet]
+
+        def switch(name: str) -> None:  # every request names the adapter loaded last
+            for client in clients:
+                client.model = name
+
+        sync = AdapterSync(urls, config, switch, timeout=self.server_timeout, refresh_output_layers=tied)
+        for client in clients:  # a restarted server answers that the adapter does not exist: load it again
+            client.restore_adapter = sync.restore
+        return sync
+
+    def gather_adapter(self) -> AdapterPush | dict:
+        """The adapter as peft saves it, CPU copies on the main process (empty elsewhere); on the pushes before the
+        servers have loaded this trainer's base weights once, those too. Every process calls it (the gathers are
+        collective under ZeRO-3, over the adapter's parameters only)."""
+        main = self.accelerator.is_main_process
+        need_base = broadcast_from_main(bool(main and not self.disk_sync.base_pushed),
+                                        self.accelerator.num_processes)
+        state = self._gathered_adapter()
+        base = self._gather_base() if need_base else None
+        return AdapterPush(state, base) if main else {}
+
+    def _gathered_adapter(self, every_process: bool = False) -> dict:
+        """The active adapter under peft's saved names, CPU copies on the main process (``every_process``: on each;
+        empty elsewhere). Every process calls it (:func:`.gather.gathered_adapter`)."""
+        return gathered_adapter(self.model, self._dist, self.accelerator.is_main_process or every_process)
+
+    def _load_colocated_adapter(self) -> None:
+        """Every process (each has its own engine): gather the adapter (collective under ZeRO-3), write it, have the
+        engine load it under a fresh id and generate with it from now on, then drop the one it replaces. The first
+        time, the engine's base weights are reloaded from the trainer's (the engine was built from the checkpoint's
+        path, the trainer's model may have been changed in memory)."""
+        from vllm.lora.request import LoRARequest
+
+        start, llm = time.perf_counter(), self.llm
+        state = self._gathered_adapter(every_process=True)
+        rank = self.accelerator.process_index
+        written = 0
+        if getattr(llm, "lora_request", None) is None:  # the base weights, once
+            base = write_weights(self._gather_base(every_process=True), None, f"bapo-vllm-colocate-base-rank{rank}-",
+                                 handed_over=True)
+            try:
+                written += directory_bytes(base)
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": base})
+                llm.collective_rpc(refresh_output_layers)
+            finally:
+                shutil.rmtree(base, ignore_errors=True)
+        directory = write_adapter(state, self._adapter_config(), None, f"bapo-lora-colocate-rank{rank}-")
+        written += directory_bytes(directory)
+        old = llm.lora_request
+        request = LoRARequest(os.path.basename(directory), (old.lora_int_id + 1) if old else 1, directory)
+        try:
+            llm.llm_engine.add_lora(request)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        llm.lora_request = request  # every generate call from now on
+        if old is not None:
+            llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        llm.reset_prefix_cache()
+        self._pushes.append((written, time.perf_counter() - start))
+
+    def _gather_base(self, every_process: bool = False) -> dict:
+        """The base model's weights under vLLM's names, CPU copies on the main process (``every_process``: on each).
+        Every process calls it (:func:`.gather.gathered_base`)."""
+        return gathered_base(self.model, self._dist, partial(self._fix_param_name_to_vllm,
+                                                             extra_prefixes=["modules_to_save.default."]),
+                             self.accelerator.is_main_process or every_process)
+
+    def take_pushes(self) -> list[tuple[int, float]]:
+        """``(bytes, seconds)`` of every push since the last call (main process; logged by the trainer)."""
+        pushes, self._pushes = self._pushes, []
+        if self.disk_sync is not None:
+            pushes += self.disk_sync.take_pushes()
+        return pushes
+
+    def _reload_colocated(self) -> None:
+        """Every process: gather the weights (collective under ZeRO-3), write them, and have this process's engine
+        reload them (``reload_weights``, which re-packs the layers), refresh a tied head, reset the prefix cache."""
+        start = time.perf_counter()
+        directory = write_weights(self._iter_named_params(), None,
+                                  f"bapo-vllm-colocate-rank{self.accelerator.process_index}-")
+        written = directory_bytes(directory)
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": directory})
+            self.llm.collective_rpc(refresh_output_layers)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        self.llm.reset_prefix_cache()
+        self._pushes.append((written, time.perf_counter() - start))
+
+    def _raise_everywhere(self, error: Exception | None) -> None:
+        """An error on the main process is raised on every process, so no rank waits forever in a collective."""
+        processes = self.accelerator.num_processes
+        raise_everywhere(error, processes, partial(broadcast_from_main, num_processes=processes),
+                         "on the main process",
+                         kinds={"WeightSyncError": WeightSyncError, "VLLMLogprobsModeError": VLLMLogprobsModeError},
+                         default=ConnectionError)
+
+
+def refresh_output_layers(worker) -> int:
+    """Run inside a vLLM worker (``LLM.collective_rpc``): the worker extension's refresh of tied vocabulary layers."""
+    from .vllm_worker.bapo_vllm_worker import BAPOWorkerExtension
+
+    return BAPOWorkerExtension.bapo_refresh_output_layers(worker)
