@@ -737,7 +737,7 @@ def test_a_server_stalled_on_a_later_request_ends_in_an_error(client, tiny_model
                       save_strategy="no")
         trainer = build(tiny_model_dir, args, probe=False)
         if client == "trl":
-            trainer.port.request_client = trl_configured_client(server.url)
+            trainer.port.backend._client = trl_configured_client(server.url)  # the "vllm" backend's requests
         with pytest.raises((ProducerStalled, TimeoutError)) as error:
             trainer.train()
         seconds = time.perf_counter() - server.stalled_at

@@ -125,7 +125,8 @@ BAPO_OPTION_GROUPS = (
      "The vLLM server generates the next batches while the trainer trains on the current one (use_vllm, "
      "vllm_mode=server). Not TRL's AsyncGRPOTrainer: max_staleness here counts generation batches run ahead and "
      "nothing is dropped; weight_sync_steps counts optimizer steps between weight pushes.",
-     ("async_generation", "max_staleness", "weight_sync_steps", "inflight_update_tokens", "lazy_weight_loading")),
+     ("async_generation", "max_staleness", "weight_sync_steps", "inflight_update_tokens", "lazy_weight_loading",
+      "generation_backend")),
     ("BAPO: weight pushes to the vLLM servers",
      "How a LoRA run's weights reach the vLLM servers (vllm_mode=server), with or without async generation.",
      ("vllm_lora_sync",)),

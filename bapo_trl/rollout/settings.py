@@ -117,6 +117,12 @@ class RolloutSettings:
             those settings turn on (every check and bound reads them). Any other value names a source registered with
             :func:`bapo_trl.rollout.register_source` (one file and one registration line; see
             ``bapo_trl/rollout/contract.py``). Replay, when on, wraps whichever source is chosen.
+        generation_backend (`str`, *optional*, defaults to `"vllm"`):
+            The engine the sources that generate outside TRL's generate call use (async generation, in-flight
+            updates): `"vllm"`, the vLLM server(s) of ``vllm_server_base_url`` / host and port (``use_vllm=True,
+            vllm_mode="server"``), or a backend registered with
+            :func:`bapo_trl.generation.contract.register_backend` (one file and one registration line). TRL's own
+            generation (the synchronous sources) is TRL's, whatever this says.
     """
 
     replay_buffer_size: int = field(
@@ -178,6 +184,11 @@ class RolloutSettings:
         default="auto",
         metadata={"help": "Where batches come from: 'auto' (TRL's generation, or partial rollout / async generation "
                   "as configured) or the name of a registered rollout source. Replay wraps it when on."},
+    )
+    generation_backend: str = field(
+        default="vllm",
+        metadata={"help": "The engine async generation and in-flight updates generate with: 'vllm' (the vLLM "
+                  "server(s)) or the name of a backend registered with bapo_trl.generation.contract."},
     )
 
     @property
@@ -299,6 +310,7 @@ class SourceSettings:
     weight_sync_steps: int
     inflight_update_tokens: int | None
     lazy_weight_loading: bool
+    generation_backend: str
 
     @classmethod
     def of(cls, config) -> SourceSettings:
@@ -443,9 +455,10 @@ def async_errors(cfg) -> list[str]:
             f"`generation_kwargs` keys {clashing} cannot be used with `inflight_update_tokens` (it caps each chunk "
             "itself and recognises stops by EOS token ids only: a stop string across two chunks would be missed); "
             "use `stop_token_ids` / `eos_token_id`.")
-    if not (cfg.use_vllm and cfg.vllm_mode == "server"):
+    if cfg.generation_backend == "vllm" and not (cfg.use_vllm and cfg.vllm_mode == "server"):
         errors.append("`async_generation` needs a vLLM server to generate in (`use_vllm=True`, "
-                      f"`vllm_mode='server'`); got use_vllm={cfg.use_vllm}, vllm_mode={cfg.vllm_mode!r}.")
+                      f"`vllm_mode='server'`); got use_vllm={cfg.use_vllm}, vllm_mode={cfg.vllm_mode!r} (or a "
+                      "`generation_backend` of your own).")
     changed = sampling_changes(cfg)
     if changed:
         errors.append(
@@ -519,9 +532,21 @@ def staleness_bound(cfg) -> int:
     return max(bound, cfg.replay_max_staleness) if cfg.replay_buffer_size > 0 else bound
 
 
+def generation_backend_errors(cfg) -> list[str]:
+    """The backend must be registered (by the time the config is built)."""
+    from ..generation.contract import registered_backends
+
+    if cfg.generation_backend not in registered_backends():
+        return [f"`generation_backend` must be one of the registered generation backends {registered_backends()}, "
+                f"got {cfg.generation_backend!r} (register yours with "
+                "bapo_trl.generation.contract.register_backend(name, cls) before building the config)."]
+    return []
+
+
 def rollout_errors(cfg) -> list[str]:
     """Every problem with the rollout settings of ``cfg``."""
-    return replay_errors(cfg) + partial_rollout_errors(cfg) + async_errors(cfg) + rollout_source_errors(cfg)
+    return (replay_errors(cfg) + partial_rollout_errors(cfg) + async_errors(cfg) + rollout_source_errors(cfg)
+            + generation_backend_errors(cfg))
 
 
 def sampler_logprobs_use(args) -> str | None:

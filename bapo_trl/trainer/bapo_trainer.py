@@ -163,6 +163,7 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
         try:
             self.rollout_source.close()  # background generation ends with the run
         finally:
+            self.port.close_backend()
             self._close_weight_pushes()  # no adapter of this run left registered on a server
 
     # -- loss: arm the search, let TRL compute the loss with the chosen window ----------------------------------

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from ..generation.contract import GenerationBackend, build_backend
 from ..generation.processes import broadcast_from_main
-from ..generation.seeding import mixed_seed
 from ..rollout.contract import ReadyCompletions, ScoreFn, right_pad
 from ..rollout.settings import SourceSettings
 
@@ -27,7 +27,7 @@ class TRLPort:
 
     def __init__(self, trainer):
         self._trainer = trainer  # may be built before GRPOTrainer.__init__ ran: every fact is read when asked
-        self.request_client = None  # the producer's HTTP client (made at its first request)
+        self._backend: GenerationBackend | None = None  # built at its first use
         self._ready: ReadyCompletions | None = None  # being scored, served by `_rollout`
         self._awaiting_old_logps: ReadyCompletions | None = None  # armed while TRL computes its old-logp forward
 
@@ -125,78 +125,53 @@ class TRLPort:
         completion_ids = [list(ids[:cap]) for ids in completion_ids[:count]]
         return completion_ids, (None if logprobs is None else [list(lp[:cap]) for lp in logprobs[:count]])
 
+    @property
+    def backend(self) -> GenerationBackend:
+        """The generation backend of the sources that generate outside TRL's generate call (``generation_backend``,
+        built at its first use: :mod:`bapo_trl.generation.contract`)."""
+        if self._backend is None:
+            self._backend = build_backend(self.settings.generation_backend, self._trainer)
+        return self._backend
+
     def server_generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int | None = None
                         ) -> dict[str, list]:
-        """The vLLM server's completions (any thread): ``n`` of every prompt (token ids), TRL's sampling settings, at
-        most ``max_tokens`` each. Returns ``completion_ids`` (prompt-major) and the sampler's ``logps`` per token.
-
-        With ``seed``, or a ``seed`` in ``generation_kwargs`` (then mixed with ``seed``), the sampling is reproducible
-        and every sequence still draws its own random numbers: the client sends each prompt as a request of its own
-        with a seed of its own, all at once (:mod:`bapo_trl.generation.seeding`), since vLLM would give every prompt of
-        one request the same seed and sample a group's members, or continued prefixes that agree, identically.
-
-        Sent through a client that sends each request once and bounds it by ``vllm_server_timeout``
-        (:func:`~bapo_trl.generation.http_client.request_client`); with several servers, each request goes to the
-        least-loaded one (:class:`~bapo_trl.generation.fleet.ServerFleet`)."""
-        backend = self._trainer.vllm_generation
-        client = self._request_client()
-        kwargs = dict(backend.generation_kwargs or {})
-        if seed is not None:
-            user_seed = kwargs.get("seed")
-            kwargs["seed"] = seed if user_seed is None else mixed_seed(user_seed, seed)
-        output = client.generate(
-            prompts=prompts, n=n, repetition_penalty=backend.repetition_penalty, temperature=backend.temperature,
-            top_p=backend.top_p, top_k=backend.top_k, min_p=0.0 if backend.min_p is None else backend.min_p,
-            max_tokens=max_tokens, logprobs=0, structured_outputs_regex=backend.structured_outputs_regex,
-            generation_kwargs=kwargs,
-        )
-        logps = [[float("nan") if lp[0] is None else float(lp[0]) for lp in seq] for seq in output["logprobs"]]
-        return {"completion_ids": output["completion_ids"], "logps": logps}
-
-    def _request_client(self):
-        if self.request_client is None:
-            from ..generation.http_client import request_client
-
-            backend = self._trainer.vllm_generation
-            self.request_client = request_client(backend.vllm_client, backend.server_timeout)
-        return self.request_client
+        """The generation backend's completions (any thread): ``n`` of every prompt (token ids), at most
+        ``max_tokens`` each; ``completion_ids`` (prompt-major) and the sampler's ``logps`` per token
+        (:meth:`~bapo_trl.generation.contract.GenerationBackend.generate`)."""
+        return self.backend.generate(prompts, n, max_tokens, seed)
 
     def requests_answered(self) -> int:
-        """Generate requests the server(s) answered so far (any thread): the progress of a batch in flight."""
-        counter = getattr(self.request_client, "requests", None)  # a client of bapo_trl's counts them
-        return 0 if counter is None else counter.answered
+        """Requests the generation backend answered so far (any thread): the progress of a batch in flight."""
+        return 0 if self._backend is None else self._backend.requests_answered()
 
     @property
     def max_completion_length(self) -> int:
-        return self._trainer.vllm_generation.max_completion_length
+        return self._trainer.max_completion_length
 
     def push_weights(self) -> None:
-        """TRL's weight sync to the generation backend (every process: gathering may be collective)."""
-        self._trainer.vllm_generation.sync_weights()
+        """The generation backend brought to the current weights (every process: gathering may be collective)."""
+        self.backend.push_weights()
         self.mark_weights_current()
 
     def gather_weights(self):
         """The current weights for a push applied later, from another thread (:meth:`send_weights`); every process
-        calls it (collective under ZeRO-3). On the main process their write to the weight directory starts at once,
-        on the sync's writer thread, so the push applied later only has the server load them. ``None`` where only
-        TRL's synchronous push exists (NCCL on CUDA streams the gathered tensors straight to the server): then call
-        :meth:`push_weights`."""
-        backend = self._trainer.vllm_generation
-        if not getattr(backend, "uses_disk_sync", False):
-            return None
-        state = backend.gather_state()
-        sync = backend.disk_sync  # the main process's
-        return sync.write_later(state) if sync is not None else state
+        calls it. ``None`` where only the synchronous :meth:`push_weights` exists."""
+        return self.backend.gather_weights()
 
     def send_weights(self, state) -> None:
-        """Main process, any thread: have the server load the weights from :meth:`gather_weights` (waiting for their
-        write if it is still under way)."""
-        self._trainer.vllm_generation.disk_sync.load(state)
+        """Main process, any thread: have the generation backend load what :meth:`gather_weights` returned."""
+        self.backend.send_weights(state)
+
+    def close_backend(self) -> None:
+        """The run is over (the trainer calls it after its rollout source's ``close``)."""
+        if self._backend is not None:
+            self._backend.close()
 
     @property
     def weights_step(self) -> int | None:
-        """The optimizer step whose weights TRL last pushed to vLLM (TRL's own record; -1 before the first)."""
-        return self._trainer._last_loaded_step
+        """The optimizer step whose weights the generation backend holds (TRL's record of its vLLM pushes; -1 before
+        the first)."""
+        return getattr(self._trainer, "_last_loaded_step", -1)
 
     def mark_weights_current(self) -> None:
         """Record that the backend holds the current policy, so TRL's generation path does not push again."""
