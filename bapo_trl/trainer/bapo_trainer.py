@@ -116,6 +116,19 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
             args.target_entropy, args.target_adapt_rate, args.target_min, args.target_max,
             args.positive_contribution_target)
 
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """TRL's training run. ``resume_from_checkpoint=True`` (or ``"latest"``) resumes from the newest COMPLETE
+        checkpoint. Every call starts from a fresh run state, so a second call, or a resume on the same object,
+        behaves as on a new trainer; whatever the run started (background generation, the generation backend, weight
+        pushes) ends with it, also on an error."""
+        resume = self._checkpoint_to_resume(resume_from_checkpoint)
+        self._begin_run()
+        try:
+            return super().train(resume_from_checkpoint=resume, trial=trial,
+                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        finally:
+            self._end_of_training()
+
     def _begin_run(self) -> None:
         if self._runs:
             self._new_run_state()

@@ -261,9 +261,8 @@ class CheckpointMixin:
     """Trainer overrides (put before ``GRPOTrainer`` in the bases): per-rank rollout state and TRL's generation batch
     in progress join each checkpoint, a folder written again is cleared (its marker first) before the first file lands,
     the completeness marker is written last, rotation waits for it, and ``resume_from_checkpoint=True`` takes the
-    newest complete checkpoint. Every ``train()`` starts from a fresh run state (``_begin_run()``), so a second call,
-    or a resume on the same object, behaves as on a new trainer. The trainer provides ``_rank_states()`` (file stem ->
-    object with ``state_dict``), ``_begin_run()`` and ``_end_of_training()``."""
+    newest complete checkpoint (:meth:`_checkpoint_to_resume`, which the trainer's ``train()`` calls first). The
+    trainer provides ``_rank_states()`` (file stem -> object with ``state_dict``)."""
 
     def _checkpoint_states(self) -> dict:
         return {**self._rank_states(), GENERATION_BATCH: GenerationBatchState(self)}
@@ -291,8 +290,10 @@ class CheckpointMixin:
             rotate_checkpoints(output_dir=self._get_output_dir(trial=trial), save_total_limit=save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
-    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """``resume_from_checkpoint=True`` (or ``"latest"``) resumes from the newest COMPLETE checkpoint."""
+    def _checkpoint_to_resume(self, resume_from_checkpoint):
+        """What ``train(resume_from_checkpoint=...)`` resumes from, once per run before it writes anything:
+        ``True``/``"latest"`` is the newest COMPLETE checkpoint; the checkpoints of ``output_dir`` past the run's start
+        step belong to a branch it abandons (:func:`supersede_later`); TRL's generation batch starts empty."""
         resume = resolve_resume(resume_from_checkpoint, self.args.output_dir)
         if self.args.should_save:  # checkpoints past this run's start belong to an abandoned branch
             start = 0 if resume is None else checkpoint_step(resume)
@@ -304,12 +305,7 @@ class CheckpointMixin:
                     "for resume_from_checkpoint=True (their marker is renamed to "
                     f"{SUPERSEDED}; a path still resumes one). This run writes them again as it reaches them.")
         GenerationBatchState(self).reset()
-        self._begin_run()
-        try:
-            return super().train(resume_from_checkpoint=resume, trial=trial,
-                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
-        finally:
-            self._end_of_training()
+        return resume
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
