@@ -73,7 +73,8 @@ class BAPOSettings:
             raise ValueError(error)
 
 
-def _is_real(value) -> bool:
+def is_real(value) -> bool:
+    """A finite int or float, not a bool (a setting's number: the config's checks and these share it)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -101,7 +102,7 @@ def settings_errors(
         "ratio_upper_step": ratio_upper_step,
     }
     for name, value in numbers.items():
-        if not _is_real(value):
+        if not is_real(value):
             errors.append(f"`{name}` must be a finite number, got {value!r}.")
     if errors:
         return errors
@@ -138,7 +139,7 @@ def settings_errors(
         errors.append(f"`bapo_variant` must be one of {VARIANTS}, got {bapo_variant!r}.")
     if positive_contribution_mode not in MODES:
         errors.append(f"`positive_contribution_mode` must be one of {MODES}, got {positive_contribution_mode!r}.")
-    if delta is not None and not (_is_real(delta) and delta >= ratio_upper_max):
+    if delta is not None and not (is_real(delta) and delta >= ratio_upper_max):
         errors.append(
             f"`delta` must be None or a finite number >= `ratio_upper_max` ({ratio_upper_max}) (TRL's two-sided clip "
             f"caps every ratio there, so no c_high may exceed it), got {delta!r}."

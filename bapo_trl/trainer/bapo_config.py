@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from ..core.clipping import MODES, VARIANTS, BAPOSettings, settings_errors
+from ..core.clipping import MODES, VARIANTS, BAPOSettings, is_real, settings_errors
 from ..core.loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SUPPORTED_LOSS_TYPES
 from ..core.off_policy import CORRECTIONS, WEIGHT_MODES
 from ..generation.adapter_sync import LORA_SYNC_MODES
@@ -326,19 +326,19 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
             errors.append(f"`off_policy_weight_mode` must be one of {WEIGHT_MODES} (TRL's "
                           f"vllm_importance_sampling_mode values), got {self.off_policy_weight_mode!r}.")
         cap, floor = self.off_policy_weight_cap, self.off_policy_weight_floor
-        if not (_finite(cap) and cap > 0):
+        if not (is_real(cap) and cap > 0):
             errors.append(f"`off_policy_weight_cap` must be a finite number > 0, got {cap!r}.")
-        elif floor is not None and not (_finite(floor) and 0 <= floor < cap):
+        elif floor is not None and not (is_real(floor) and 0 <= floor < cap):
             errors.append(f"`off_policy_weight_floor` must be None or in [0, off_policy_weight_cap = {cap}), got "
                           f"{floor!r}.")
         if self.use_liger_kernel:
             errors.append("`use_liger_kernel` must be False with BAPO (the Liger GRPO loss has a fixed window), got "
                           "True: set use_liger_kernel=False.")
-        numbers_ok = all(_finite(getattr(self, n))
+        numbers_ok = all(is_real(getattr(self, n))
                          for n in ("ratio_upper_start", "ratio_upper_max", "ratio_lower_max"))
         kind = self._loss.kind
         if kind == "clip" and self.delta is not None and numbers_ok:
-            if not (_finite(self.delta) and self.delta >= self.ratio_upper_start):
+            if not (is_real(self.delta) and self.delta >= self.ratio_upper_start):
                 errors.append(
                     f"`delta` ({self.delta}) must be >= `ratio_upper_start` ({self.ratio_upper_start}) with BAPO: TRL "
                     "caps every ratio at delta, so no c_high of the search path could act. Raise `delta` or lower "
@@ -358,7 +358,7 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
                 )
         if self.loss_type == "sapo":
             for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-                if not (_finite(getattr(self, name)) and getattr(self, name) > 0):
+                if not (is_real(getattr(self, name)) and getattr(self, name) > 0):
                     errors.append(f"`{name}` must be a finite number > 0 with BAPO (the start of the gate's path, "
                                   f"scaled along it), got {getattr(self, name)!r}.")
         if not (isinstance(self.max_log_ratio, (int, float)) and math.isfinite(self.max_log_ratio)) or (
@@ -406,9 +406,6 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
             settings["ratio_upper_max"] = min(self.ratio_upper_max, self.delta)
         return BAPOSettings(**settings)
 
-
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def trainer_config(args, model) -> BAPOConfig:
