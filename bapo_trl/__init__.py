@@ -17,43 +17,31 @@ neither (``bapo plot``, ``bapo --help``) does not load torch.
 """
 
 from . import _compat
+from .core.lazy import lazy_names
 
 __version__ = "0.1.0"
 
-#: public name -> (module, attribute): imported on first use
+#: public name -> where it lives: imported on first use (:mod:`.core.lazy`)
 _EXPORTS = {
-    "BAPOSettings": ("bapo_trl.core.clipping", "BAPOSettings"),
-    "SearchResult": ("bapo_trl.core.clipping", "SearchResult"),
-    "search_clip_bounds": ("bapo_trl.core.clipping", "search_clip_bounds"),
-    "BAPOConfig": ("bapo_trl.trainer.bapo_config", "BAPOConfig"),
-    "BAPOTrainer": ("bapo_trl.trainer.bapo_trainer", "BAPOTrainer"),
-    "PlotDynamicsCallback": ("bapo_trl.cli.plot", "PlotDynamicsCallback"),
-    "plot_dynamics": ("bapo_trl.cli.plot", "plot_dynamics"),
-    "format_summary": ("bapo_trl.cli.summary", "format_summary"),
-    "generation_rows": ("bapo_trl.cli.summary", "generation_rows"),
-    "build_tiny_model": ("bapo_trl.recipes.toy", "build_tiny_model"),
-    "make_reverse_dataset": ("bapo_trl.recipes.toy", "make_reverse_dataset"),
-    "reverse_reward": ("bapo_trl.recipes.toy", "reverse_reward"),
-    "evaluate_accuracy": ("bapo_trl.recipes.toy", "evaluate_accuracy"),
-    "prepare_model": ("bapo_trl.recipes.models", "prepare_model"),
-    "chat_arithmetic_splits": ("bapo_trl.recipes.math_reasoning.chat_arithmetic", "splits"),
-    "boxed_accuracy": ("bapo_trl.recipes.math_reasoning.rewards", "boxed_accuracy"),
+    "BAPOSettings": "bapo_trl.core.clipping",
+    "SearchResult": "bapo_trl.core.clipping",
+    "search_clip_bounds": "bapo_trl.core.clipping",
+    "BAPOConfig": "bapo_trl.trainer.bapo_config",
+    "BAPOTrainer": "bapo_trl.trainer.bapo_trainer",
+    "PlotDynamicsCallback": "bapo_trl.cli.plot",
+    "plot_dynamics": "bapo_trl.cli.plot",
+    "format_summary": "bapo_trl.cli.summary",
+    "generation_rows": "bapo_trl.cli.summary",
+    "build_tiny_model": "bapo_trl.recipes.toy",
+    "make_reverse_dataset": "bapo_trl.recipes.toy",
+    "reverse_reward": "bapo_trl.recipes.toy",
+    "evaluate_accuracy": "bapo_trl.recipes.toy",
+    "prepare_model": "bapo_trl.recipes.models",
+    "chat_arithmetic_splits": "bapo_trl.recipes.math_reasoning.chat_arithmetic:splits",
+    "boxed_accuracy": "bapo_trl.recipes.math_reasoning.rewards",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        import importlib
-
-        module, attribute = _EXPORTS[name]
-        return getattr(importlib.import_module(module), attribute)
-    raise AttributeError(f"module 'bapo_trl' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
-
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
 
 _compat.install()  # the 0.1 import paths (bapo_trl.clipping, bapo_trl.config, ...): see _compat.py

@@ -6,5 +6,7 @@
   search balances); ``gates.py``: the soft gates of ``sapo`` and ``vespo``;
 * ``metrics.py``: every logged metric as a pure function, and the registry of their names; ``entropy_clip.py``: the
   Entropy-Clip Rule diagnostics;
-* ``numerics.py``: finite inputs for the loss; ``target_controller.py``: the closed-loop target (experimental).
+* ``numerics.py``: finite inputs for the loss; ``target_controller.py``: the closed-loop target (experimental);
+  ``off_policy.py``: the decoupled correction's weights and their metrics;
+* ``lazy.py``: how the package's ``__init__`` modules load a name on first use.
 """

@@ -4,12 +4,8 @@ Light on purpose: ``serve`` and the worker extension must import without TRL; th
 The trainer builds its backend from here (:mod:`bapo_trl.trainer.vllm_backend`).
 """
 
-__all__ = ["DiskWeightSync", "WeightSyncError"]
+from ..core.lazy import lazy_names
 
-
-def __getattr__(name):
-    if name in ("DiskWeightSync", "WeightSyncError"):
-        from . import weight_sync
-
-        return getattr(weight_sync, name)
-    raise AttributeError(f"module 'bapo_trl.generation' has no attribute {name!r}")
+_EXPORTS = {"DiskWeightSync": "weight_sync", "WeightSyncError": "weight_sync"}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)

@@ -16,8 +16,7 @@ log-prob, so BAPO's search sees the real staleness. Names are imported lazily: i
 
 from __future__ import annotations
 
-import importlib
-import warnings
+from ..core.lazy import lazy_names
 
 #: What a user writing or choosing a source needs: the contract, the registry and the built-in sources.
 _EXPORTS = {
@@ -39,15 +38,4 @@ _EXPORTS = {
 _INTERNAL = {"PartialRolloutPool": "pool", "ReplayQueue": "replay_queue", "TRLPort": "bapo_trl.trainer.trl_port",
              "build_source": "registry", "check_source_arguments": "registry"}
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _INTERNAL:
-        where = _INTERNAL[name]
-        module = where if "." in where else f"{__name__}.{where}"
-        warnings.warn(f"bapo_trl.rollout.{name} is internal: import it from {module}; this name goes away in bapo_trl "
-                      "0.2.", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(module), name)
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, _INTERNAL)

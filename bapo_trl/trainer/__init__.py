@@ -12,22 +12,11 @@
 Names load lazily: importing the config does not import the trainer (nor TRL's trainer).
 """
 
-import importlib
-import warnings
+from ..core.lazy import lazy_names
 
 _EXPORTS = {"BAPOConfig": "bapo_config", "BAPOTrainer": "bapo_trainer"}
 #: Names of the 0.1 module ``bapo_trl.trainer`` that live in one of its modules now (deprecated here).
 _MOVED = {"BAPO_METRICS": "bapo_trainer", "REPLAY_METRICS": "bapo_trainer", "AtEachUpdate": "loop_hooks",
           "training_random_state_kept": "loop_hooks"}
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        module = f"{__name__}.{_MOVED[name]}"
-        warnings.warn(f"bapo_trl.trainer.{name} moved to {module}.{name}; the old path is deprecated and goes away in "
-                      "bapo_trl 0.2.", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(module), name)
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, _MOVED)
