@@ -78,6 +78,33 @@ TRAINING = dict(use_cpu=True, bf16=False, gradient_checkpointing=False, report_t
                 max_completion_length=12, temperature=1.0, lr_scheduler_type="constant")
 
 
+#: The studies' tasks (a run's ``task`` field; a run without one ran the first, the published task): the toy task's
+#: digit range, the tiny model's warm start (``build_tiny_model``'s arguments), the completion budget, the tokens a
+#: partial rollout grows per step and the held-out evaluation's token budget. The variable-length task: 2-8 digits
+#: (answers 3-9 tokens with EOS, a ramble after an 8-digit answer up to 15, so 16 tokens), its own model warm-started
+#: 800 steps (80 teach it 2-digit answers only; after 800 its sampled reward is about the 3-digit model's, 0.25-0.3);
+#: partial rollout grows 6 tokens per step (5 digits and EOS, the median answer: longer answers are paused too).
+TASKS = {
+    "reverse3": dict(digits=(3, 3), model=dict(), max_completion_length=TRAINING["max_completion_length"],
+                     partial_budget=PARTIAL_BUDGET, eval_tokens=10),
+    "reverse2-8": dict(digits=(2, 8), model=dict(digits=(2, 8), warm_start_steps=800), max_completion_length=16,
+                       partial_budget=6, eval_tokens=16),
+}
+DEFAULT_TASK = "reverse3"
+
+
+def task_of(run: dict) -> str:
+    """A run's task: its ``task`` field, else the published 3-digit task."""
+    return run.get("task") or DEFAULT_TASK
+
+
+def task_model(task: str = DEFAULT_TASK) -> str:
+    """The warm-started tiny model of a task (built once, then cached)."""
+    from bapo_trl.recipes.toy import build_tiny_model
+
+    return build_tiny_model(**TASKS[task]["model"])
+
+
 def parse_seeds(text: str | int, count: bool = True) -> list[int]:
     """``"A-B"`` -> seeds A..B (inclusive); ``"3,5,8"`` -> those seeds; ``"N"`` -> seeds 0..N-1 (only with
     ``count``: the older studies' ``--seeds N``; elsewhere a bare 100 would silently mean seeds 0-99)."""
@@ -133,22 +160,25 @@ def run_one(spec: dict) -> dict:
     """One training run (one torch thread): its per-step history and a summary. ``spec``: method, staleness, lr,
     seed, steps; optional ``settings`` (config fields; default: ``METHODS[method]``), ``trainer`` (see
     :func:`trainer_classes`), ``trainer_kwargs``, ``extra_metrics`` (kept besides KEPT), ``server_url`` (the
-    server scenarios). Every method run with one seed sees the same prompts in the same order (the dataset and
-    TRL's sampler are seeded by it). ``step_seconds``: wall-clock from the start of training to the end of each
-    step."""
+    server scenarios), ``task`` (a key of :data:`TASKS`; default the published 3-digit task). Every method run with
+    one seed sees the same prompts in the same order (the dataset and TRL's sampler are seeded by it).
+    ``step_seconds``: wall-clock from the start of training to the end of each step."""
     import torch
 
     torch.set_num_threads(1)
     from transformers import AutoTokenizer, TrainerCallback
 
-    from bapo_trl.recipes.toy import build_tiny_model, evaluate_accuracy, make_reverse_dataset, reverse_reward
+    from bapo_trl.recipes.toy import evaluate_accuracy, make_reverse_dataset, reverse_reward
 
+    task = TASKS[task_of(spec)]
     kind = spec.get("trainer", "bapo")
     if kind in ("trl", "m2po") and spec["staleness"] in BAPO_ONLY:
         raise ValueError(f"{spec['staleness']} needs BAPOTrainer's rollouts; {spec['method']} runs on TRL's trainer")
     config_cls, trainer_cls = trainer_classes(kind)
     kept = KEPT + tuple(spec.get("extra_metrics", ()))
     scenario = dict(STALENESS[spec["staleness"]])
+    if "partial_rollout_budget" in scenario:
+        scenario["partial_rollout_budget"] = task["partial_budget"]
     if scenario.pop("server", False):
         scenario.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=spec["server_url"],
                         vllm_server_timeout=120)
@@ -158,18 +188,21 @@ def run_one(spec: dict) -> dict:
         def on_step_end(self, args, state, control, **kwargs):
             ends.append(time.perf_counter())
 
-    model_dir = build_tiny_model()
+    model_dir = task_model(task_of(spec))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    training = dict(TRAINING, max_completion_length=task["max_completion_length"])
     started = time.time()
     with tempfile.TemporaryDirectory() as out:
         args = config_cls(output_dir=out, learning_rate=spec["lr"], seed=spec["seed"], max_steps=spec["steps"],
-                          **TRAINING, **spec.get("settings", METHODS.get(spec["method"], {})), **scenario)
+                          **training, **spec.get("settings", METHODS.get(spec["method"], {})), **scenario)
         trainer = trainer_cls(model=model_dir, reward_funcs=reverse_reward, args=args, callbacks=[Clock()],
-                              train_dataset=make_reverse_dataset(8192, seed=spec["seed"]), processing_class=tokenizer,
-                              **spec.get("trainer_kwargs", {}))
+                              train_dataset=make_reverse_dataset(8192, seed=spec["seed"], digits=task["digits"]),
+                              processing_class=tokenizer, **spec.get("trainer_kwargs", {}))
         start = time.perf_counter()
         trainer.train()
-        accuracy = evaluate_accuracy(trainer.model, tokenizer, make_reverse_dataset(200, seed=1, split="test"))
+        accuracy = evaluate_accuracy(trainer.model, tokenizer,
+                                     make_reverse_dataset(200, seed=1, split="test", digits=task["digits"]),
+                                     max_new_tokens=task["eval_tokens"])
     history = [{k: v for k, v in h.items() if k in kept} for h in trainer.state.log_history if "loss" in h]
     return {**spec, "history": history, "heldout_accuracy": accuracy, "seconds": time.time() - started,
             "step_seconds": [t - start for t in ends]}
@@ -235,8 +268,10 @@ def table(runs, rows_key, filter_fn, columns) -> str:
 # -- result files ------------------------------------------------------------------------------------------------
 
 def run_key(run: dict) -> tuple:
-    """What identifies a run: the same key in two files is the same training run."""
-    return run["method"], run["staleness"], run["lr"], run["seed"], run["steps"]
+    """What identifies a run: the same key in two files is the same training run. A run of another task than the
+    published one has its task in its key (the published runs' keys are the five fields they always were)."""
+    key = run["method"], run["staleness"], run["lr"], run["seed"], run["steps"]
+    return key if task_of(run) == DEFAULT_TASK else (*key, task_of(run))
 
 
 def save_runs(runs: list[dict], path: str) -> None:

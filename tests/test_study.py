@@ -115,3 +115,71 @@ def test_the_at_a_glance_matrix_has_a_column_per_cell_and_a_verdict_only_from_en
     assert row["BAPO paper + dual clip - TRL dapo clip-higher"][0].startswith("**beats** +0.1")
     assert row["BAPO paper + dual clip - TRL dapo clip-higher"][1] == "- |"  # 5 pairs: no verdict at all
     assert row["BAPO paper + dual clip - BAPO paper"][0].startswith("ties ")
+
+
+def test_the_documented_gspo_is_a_rival_in_every_cell_and_the_eps_0_2_run_is_named_a_variant():
+    assert "TRL GSPO (documented)" in evidence_study.OTHER_METHODS and "TRL GSPO" in evidence_study.OTHER_METHODS
+    todo = evidence_study.plan(list(evidence_study.SCENARIOS), [100], [100])
+    for scenario in evidence_study.SCENARIOS:
+        runs = [r for r in todo if r["staleness"] == scenario and r["method"] == "TRL GSPO (documented)"]
+        assert len(runs) == len(evidence_study.LEARNING_RATES), scenario
+        assert runs[0]["settings"]["importance_sampling_level"] == "sequence"
+    for method in ("BAPO paper + dual clip", "BAPO GSPO + dual clip"):
+        assert (method, "TRL GSPO (documented)") in evidence_study.PAIRS
+    runs = []
+    for seed in range(100, 110):
+        runs += [record("TRL GSPO", "spg 8", 1e-3, seed, 0.5 + 0.01 * (seed % 3)),
+                 record("BAPO GSPO + dual clip", "spg 8", 1e-3, seed, 0.6),
+                 record("TRL dapo clip-higher", "spg 8", 1e-3, seed, 0.4)]
+    text, _ = evidence_study.report(runs, str(REPO / "x.jsonl"), resamples=500)
+    assert "| BAPO GSPO + dual clip - TRL GSPO eps 0.2 (variant) |" in text
+    assert "| TRL GSPO eps 0.2 (variant) | bapo | 10 |" in text and "| TRL GSPO |" not in text
+    assert {r["method"] for r in runs} >= {"TRL GSPO"}  # the runs keep their names
+
+
+def test_a_task_other_than_the_published_one_is_in_the_run_and_its_key():
+    from study import DEFAULT_TASK, TASKS, run_key, task_of
+
+    old = evidence_study.spec_for("BAPO paper", "spg 32", 1e-3, 100, 160)
+    new = evidence_study.spec_for("BAPO paper", "spg 32", 1e-3, 100, 160, task="reverse2-8")
+    assert "task" not in old and task_of(old) == DEFAULT_TASK == "reverse3"
+    assert run_key(old) == ("BAPO paper", "spg 32", 1e-3, 100, 160)  # the published runs' keys are unchanged
+    assert run_key(new) == (*run_key(old), "reverse2-8") and new["task"] == "reverse2-8"
+    assert all(r.get("task") == "reverse2-8" for r in evidence_study.plan(["spg 8"], [1], [1], task="reverse2-8"))
+    assert TASKS["reverse3"]["max_completion_length"] == 12 and TASKS["reverse3"]["model"] == {}
+    assert TASKS["reverse2-8"]["digits"] == (2, 8) and TASKS["reverse2-8"]["max_completion_length"] >= 8 + 1
+    assert evidence_study.default_paths("reverse3") == (evidence_study.RESULTS, evidence_study.REPORT)
+    assert all("reverse2-8" in path for path in evidence_study.default_paths("reverse2-8"))
+
+
+def test_report_writes_the_forest_plot_and_the_reward_curves(tmp_path):
+    """``--report`` on a runs file alone writes both figures beside the report, as small palette PNGs, and links
+    them; the forest plot has a row per pair and cell with enough seeds, the curves one per method and rate."""
+    from PIL import Image
+
+    runs = []
+    for seed in range(100, 112):
+        base = 0.5 + 0.02 * (seed % 5)
+        for lr in (1e-3, 2e-3):
+            for method, gain in (("TRL dapo clip-higher", 0.0), ("BAPO paper + dual clip", 0.1), ("TRL GSPO", 0.05)):
+                runs.append(dict(record(method, "spg 32", lr, seed, base + gain),
+                                 rewards=[0.3, 0.4 + gain, 0.5 + gain, base + gain, base + gain]))
+                if seed < 110:
+                    runs.append(dict(record(method, "spg 8", lr, seed, base + gain / 2), rewards=[0.3] * 20))
+    path = tmp_path / "runs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in runs))
+    out = tmp_path / "report.md"
+    assert evidence_study.main(["--report", "--results", str(path), "--report-out", str(out),
+                                "--resamples", "500"]) == 0
+    for name in ("report_forest.png", "report_rewards.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 150_000, name
+        image = Image.open(tmp_path / name)
+        assert image.mode == "P" and image.size[0] >= 1000 and len(image.getcolors(256)) > 8, name
+        assert f"]({name})" in out.read_text()
+    # the default against clip-higher and against GSPO eps 0.2, in 2 scenarios x 2 rates
+    assert evidence_study.forest_plot(runs, str(tmp_path / "f.png"), resamples=500) == 2 * 2 * 2
+    assert evidence_study.reward_curves(runs, str(tmp_path / "c.png")) == (3 * 2, "spg 32")
+    few = [r for r in runs if r["seed"] < 105]  # 5 pairs: no row, but still a figure
+    assert evidence_study.forest_plot(few, str(tmp_path / "g.png"), resamples=500) == 0
+    assert (tmp_path / "g.png").stat().st_size > 0

@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bapo_trl.recipes.toy import MARKER, build_tiny_model, build_tokenizer, make_reverse_dataset, reverse_reward
@@ -63,3 +64,55 @@ def test_evaluate_accuracy_counts_exact_answers(tiny_model_dir):
     random_init = LlamaForCausalLM(AutoModelForCausalLM.from_pretrained(tiny_model_dir).config)
     assert warm > 0.2
     assert evaluate_accuracy(random_init, tok, data) == 0.0
+
+
+def test_the_published_task_draws_the_prompts_it_always_drew():
+    """The default (3 digits) is the task the published runs trained on: the same prompts for the same seed (pinned
+    from the code before the variable-length variant existed), and its held-out split is every fifth number."""
+    from bapo_trl.recipes.toy import DIGITS, split_prompts
+
+    assert DIGITS == (3, 3)
+    assert list(make_reverse_dataset(6, seed=0)["prompt"]) == ["493>", "971>", "538>", "052>", "332>", "654>"]
+    assert list(make_reverse_dataset(4, seed=1, split="test")["prompt"]) == ["170>", "725>", "975>", "080>"]
+    assert make_reverse_dataset(6, seed=0, digits=(3, 3))["prompt"] == make_reverse_dataset(6, seed=0)["prompt"]
+    assert split_prompts("test") == [f"{i:03d}>" for i in range(0, 1000, 5)]
+
+
+def test_variable_length_variant_covers_its_range_and_keeps_the_splits_apart():
+    from bapo_trl.recipes.toy import is_test_prompt, sample_prompt
+
+    train = make_reverse_dataset(3000, seed=0, digits=(2, 8)).to_dict()
+    test = make_reverse_dataset(600, seed=1, split="test", digits=(2, 8)).to_dict()
+    lengths = [len(p) - 1 for p in train["prompt"]]
+    assert set(lengths) == set(range(2, 9)) and min(lengths.count(n) for n in range(2, 9)) > 3000 / 7 * 0.8
+    assert all(p.endswith(">") and p[:-1].isdigit() for p in train["prompt"] + test["prompt"])
+    assert all(a == p[:-1][::-1] for p, a in zip(train["prompt"], train["answer"]))
+    assert not any(map(is_test_prompt, train["prompt"])) and all(map(is_test_prompt, test["prompt"]))
+    assert not set(train["prompt"]) & set(test["prompt"])
+    # every digit starts an answer in both splits (the 3-digit split holds out the answers starting with 0 or 5)
+    for data in (train, test):
+        assert {a[0] for a in data["answer"]} == set("0123456789")
+    again = make_reverse_dataset(3000, seed=0, digits=(2, 8)).to_dict()
+    assert again["prompt"] == train["prompt"]  # a seed fixes the prompts
+    import random
+
+    for bad in ((0, 4), (5, 2)):
+        with pytest.raises(ValueError, match="digits"):
+            sample_prompt(random.Random(0), "train", bad)
+    with pytest.raises(ValueError, match="split"):
+        sample_prompt(random.Random(0), "valid", (2, 8))
+
+
+def test_variable_length_answers_fit_the_tokenizer_and_the_model():
+    """Every character of the variant is in the toy vocabulary (no <unk>), and the longest prompt with the
+    studies' 16-token completion fits the model's 64 positions; the reward scores answers of any length."""
+    tok = build_tokenizer()
+    data = make_reverse_dataset(500, seed=0, digits=(2, 8))
+    ids = tok(list(data["prompt"]), add_special_tokens=False).input_ids
+    assert all(tok.unk_token_id not in x for x in ids)
+    assert max(map(len, ids)) + 16 <= 64 and tok.model_max_length >= 9 + 16
+    eos = tok.eos_token_id
+    answer = "87654321"
+    right = tok(answer, add_special_tokens=False).input_ids + [eos]
+    assert reverse_reward([answer], [answer], completion_ids=[right]) == [1.0]
+    assert reverse_reward([answer[:-1]], [answer], completion_ids=[right[:-2] + [eos]]) == [0.0]

@@ -1,4 +1,5 @@
-"""The embedded default: a tiny character-level model and a 3-digit reversal task, built offline on CPU.
+"""The embedded default: a tiny character-level model and a 3-digit reversal task, built offline on CPU (and, for
+the studies, a variable-length variant: ``digits=(2, 5)``, its own warm-started model).
 
 Used by ``train_bapo.py`` with no arguments, by the tests, the notebooks, and the vLLM CPU server. Why it is
 shaped like this (measured, see the project's CPU testing notes):
@@ -19,7 +20,16 @@ import tempfile
 
 import torch
 
-from .task import EOS, make_reverse_dataset, reverse_reward, reverse_target, split_prompts  # noqa: F401
+from .task import (  # noqa: F401
+    DIGITS,
+    EOS,
+    is_test_prompt,
+    make_reverse_dataset,
+    reverse_reward,
+    reverse_target,
+    sample_prompt,
+    split_prompts,
+)
 from .tokenizer import build_tokenizer  # noqa: F401
 
 #: Bump when the model, tokenizer or warm start change, so stale caches are not reused.
@@ -50,18 +60,19 @@ def model_config(tokenizer):
     )
 
 
-def warm_start(model, tokenizer, steps: int = 80, seed: int = 0, ramble_prob: float = 0.5, lr: float = 5e-3):
+def warm_start(model, tokenizer, steps: int = 80, seed: int = 0, ramble_prob: float = 0.5, lr: float = 5e-3,
+               digits=DIGITS):
     """Supervised warm start on ``"123>" -> "321<eos>"``; with probability ``ramble_prob`` the target rambles on
-    (random characters) after the answer before EOS, which the reward counts as wrong."""
+    (random characters) after the answer before EOS, which the reward counts as wrong. ``digits``: the task's digit
+    range (training prompts drawn as :func:`make_reverse_dataset` draws them)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    prompts = split_prompts("train")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
         batch_ids, batch_labels = [], []
         for _ in range(64):
-            prompt = rng.choice(prompts)
+            prompt = sample_prompt(rng, "train", digits)
             target = reverse_target(prompt)
             if rng.random() < ramble_prob:
                 target += "".join(rng.choice("abcdefghij0123456789 ") for _ in range(rng.randint(2, 6)))
@@ -82,8 +93,10 @@ def warm_start(model, tokenizer, steps: int = 80, seed: int = 0, ramble_prob: fl
 
 
 def build_tiny_model(output_dir: str | None = None, seed: int = 0, warm_start_steps: int = 80,
-                     force: bool = False) -> str:
-    """Build (or reuse from the cache) the warm-started tiny model + tokenizer; returns the directory.
+                     force: bool = False, digits=DIGITS, warm_start_lr: float = 5e-3) -> str:
+    """Build (or reuse from the cache) the warm-started tiny model + tokenizer; returns the directory. ``digits``:
+    the task it is warm-started on (default the 3-digit task), ``warm_start_lr`` its learning rate; other values
+    than the defaults cache under their own directory.
 
     Written to a temporary directory and renamed into place, so concurrent processes (accelerate ranks) never
     load a half-written model; a marker file says the directory is complete.
@@ -91,7 +104,10 @@ def build_tiny_model(output_dir: str | None = None, seed: int = 0, warm_start_st
     from transformers import LlamaForCausalLM
 
     if output_dir is None:
-        output_dir = os.path.join(default_cache_dir(), f"tiny-reverse-{TOY_VERSION}-seed{seed}-ws{warm_start_steps}")
+        task = "" if tuple(digits) == DIGITS else f"-digits{digits[0]}-{digits[1]}"
+        task += "" if warm_start_lr == 5e-3 else f"-lr{warm_start_lr:g}"
+        output_dir = os.path.join(default_cache_dir(),
+                                  f"tiny-reverse-{TOY_VERSION}-seed{seed}-ws{warm_start_steps}{task}")
     if os.path.exists(os.path.join(output_dir, MARKER)) and not force:
         return output_dir
     tokenizer = build_tokenizer()
@@ -101,7 +117,7 @@ def build_tiny_model(output_dir: str | None = None, seed: int = 0, warm_start_st
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # several times faster than 2 threads for a model this small
         try:
-            warm_start(model, tokenizer, steps=warm_start_steps, seed=seed)
+            warm_start(model, tokenizer, steps=warm_start_steps, seed=seed, digits=digits, lr=warm_start_lr)
         finally:
             torch.set_num_threads(threads)
     parent = os.path.dirname(os.path.abspath(output_dir))
