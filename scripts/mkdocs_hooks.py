@@ -100,7 +100,11 @@ def _exports() -> dict[str, str]:
     """bapo_trl's public names (``bapo_trl.BAPOConfig``, imported lazily) -> the module path they are defined at."""
     import bapo_trl
 
-    return {name: f"{module}.{attribute}" for name, (module, attribute) in bapo_trl._EXPORTS.items()}
+    places = {}
+    for name, where in bapo_trl._EXPORTS.items():  # "module" or "module:attribute" (bapo_trl.core.lazy)
+        module, _, attribute = where.partition(":")
+        places[name] = f"{module}.{attribute or name}"
+    return places
 
 
 def resolve(name: str, obj) -> str | None:
