@@ -74,6 +74,7 @@ import time
 
 from study import (
     BAPO_ONLY,
+    CANDIDATES,
     COLLAPSE,
     DEFAULT_TASK,
     REPO,
@@ -126,7 +127,10 @@ PAIRS = (("BAPO paper", "TRL dapo clip-higher"), ("BAPO paper + dual clip", "TRL
          # GSPO as TRL documents it (issue 53): the default and the best adaptive settings against it, and the
          # epsilon-0.2 variant the study ran first
          ("BAPO paper + dual clip", "TRL GSPO (documented)"), ("BAPO GSPO", "TRL GSPO (documented)"),
-         ("BAPO GSPO + dual clip", "TRL GSPO (documented)"), ("TRL GSPO", "TRL GSPO (documented)"))
+         ("BAPO GSPO + dual clip", "TRL GSPO (documented)"), ("TRL GSPO", "TRL GSPO (documented)"),
+         # issue 53's candidates (docs/data/candidate_protocol.md) against the strongest rival and the default
+         *((candidate, reference) for candidate in CANDIDATES
+           for reference in ("TRL GSPO (documented)", "BAPO paper + dual clip", "TRL dapo clip-higher")))
 #: How the report names a method where its runs-file name would mislead (the runs keep their names): the study's
 #: first "TRL GSPO" ran epsilon 0.2, not TRL's documented setting for GSPO ("TRL GSPO (documented)").
 DISPLAY = {"TRL GSPO": "TRL GSPO eps 0.2 (variant)"}

@@ -455,7 +455,33 @@ def evidence_methods() -> dict[str, dict]:
         "BAPO verl": dict(trainer="bapo", settings=dict(bapo_variant="verl")),
         "BAPO GSPO": dict(trainer="bapo", settings=dict(GSPO, dual_clip=False)),
         "BAPO GSPO + dual clip": dict(trainer="bapo", settings=dict(GSPO, delta=3.0)),
+        # issue 53's candidates (docs/data/candidate_protocol.md)
+        "BAPO GSPO-scale x10": dict(trainer="bapo", settings=dict(GSPO_SCALE_X10)),
+        "BAPO paper + dual clip + decoupled": dict(trainer="bapo", settings=dict(
+            delta=3.0, off_policy_correction="decoupled")),
+        "BAPO GSPO-scale x10 + decoupled": dict(trainer="bapo", settings=dict(
+            GSPO_SCALE_X10, off_policy_correction="decoupled")),
+        "M2PO then balance": dict(trainer="m2po-bapo", settings=dict(loss_type="dapo", delta=3.0),
+                                  trainer_kwargs=dict(m2po_tau=m2po.TAU)),
     }
+
+
+def gspo_scale(k: float) -> dict:
+    """BAPO's balance of GSPO on a path around TRL's documented GSPO window, ``k`` times as wide: ``c_high`` from
+    ``1 + epsilon_high`` to ``1 + 10 k epsilon_high`` (37 points), ``c_low`` from ``1 - 3 k epsilon`` to
+    ``1 - epsilon`` (16 points); the dual clip on (docs/data/candidate_protocol.md)."""
+    low, high = GSPO_DOCUMENTED["epsilon"], GSPO_DOCUMENTED["epsilon_high"]
+    upper, lower = 10 * k, 3 * k
+    return dict(GSPO, beta=0.0, ratio_upper_start=1 + high, ratio_upper_max=1 + high * upper,
+                ratio_upper_step=high * (upper - 1) / 36, ratio_lower_start=1 - low * lower, ratio_lower_max=1 - low,
+                ratio_lower_step=low * (lower - 1) / 15)
+
+
+#: The candidate issue 53's development chose (x10 of the scales 1, 2, 4, 10, 25; seeds 100-104, staleness 32).
+GSPO_SCALE_X10 = gspo_scale(10)
+#: The candidates of issue 53, in the protocol's order.
+CANDIDATES = ("BAPO GSPO-scale x10", "BAPO paper + dual clip + decoupled", "BAPO GSPO-scale x10 + decoupled",
+              "M2PO then balance")
 
 
 #: The SmolLM2 studies' training (loss_study_smollm2, evidence_smollm2): the shipped chat arithmetic training split.
