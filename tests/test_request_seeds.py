@@ -23,6 +23,7 @@ from test_vllm_server import reset_server_weights
 from bapo_trl.generation.fleet import ServerFleet
 from bapo_trl.generation.http_client import HTTPVLLMClient
 from bapo_trl.generation.seeding import SeededEngine, per_prompt_seeds, prompt_seeds, seed_salt
+from bapo_trl.generation.vllm_server import VLLMServerBackend
 from bapo_trl.trainer.trl_port import TRLPort
 
 PROMPT = [6, 7, 14, 43]  # a reverse-task prompt of the toy tokenizer
@@ -30,12 +31,16 @@ COPIES = 8
 
 
 def port_for(url: str, **generation_kwargs) -> TRLPort:
-    """A TRLPort over the few facts server_generate reads of a trainer (its vLLM backend's sampling settings)."""
+    """A TRLPort over the few facts server_generate reads of a trainer: its vLLM backend's sampling settings, behind
+    the server backend."""
     client = HTTPVLLMClient(base_url=url, connection_timeout=30, request_timeout=60)
     backend = SimpleNamespace(vllm_client=client, server_timeout=60, repetition_penalty=1.0, temperature=1.0,
                               top_p=1.0, top_k=-1, min_p=0.0, structured_outputs_regex=None,
                               generation_kwargs=generation_kwargs)
-    return TRLPort(SimpleNamespace(vllm_generation=backend))
+    trainer = SimpleNamespace(vllm_generation=backend)
+    port = TRLPort(trainer)
+    port._backend = VLLMServerBackend(trainer)  # what generation_backend="vllm" builds
+    return port
 
 
 def distinct(output: dict) -> int:
