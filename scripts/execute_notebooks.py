@@ -4,12 +4,13 @@
     python scripts/execute_notebooks.py notebooks/bapo_quickstart.ipynb
 
 Each one runs in a scratch directory (its ``outputs/`` are not written under notebooks/), offline, on the tiny model
-(about a minute each on 2 CPU cores). Stored: every output, except the library warnings of this machine's packages
-(``FutureWarning``s, tqdm's "IProgress not found", DeepSpeed's "Setting accelerator to CPU"), with the PNG figures
-re-encoded with a 256-colour palette (same size in pixels, a third of the bytes). The stored notebook records a
-digest of the code cells it ran (``metadata.bapo_trl.executed_source_sha256``): tests/test_notebooks.py fails when a
-code cell was edited and the notebook not run again, so the outputs shown are always those of the code shown. CI runs
-every notebook again (slow tier).
+(under a minute each on 2 CPU cores: 44 s and 38 s). Stored: every output, except the library warnings of this
+machine's packages (``FutureWarning``s, tqdm's "IProgress not found", DeepSpeed's "Setting accelerator to CPU"), with
+the PNG figures re-encoded with a 256-colour palette (same size in pixels, a third of the bytes). The stored notebook
+records a digest of the code cells it ran (``metadata.bapo_trl.executed_source_sha256``): tests/test_notebooks.py
+fails when a code cell was edited and the notebook not run again, so the outputs shown are always those of the code
+shown. CI runs every notebook again (slow tier) and checks that it prints the stored numbers (within
+tests/test_notebooks.py's ``TOLERANCE``): after running this script, reread the text cells that quote them.
 """
 
 from __future__ import annotations

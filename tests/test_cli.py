@@ -114,12 +114,54 @@ def _tiny_run(tmp_path, *flags):
 
 @pytest.mark.parametrize("flags", [(), ("--use_peft", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj")],
                          ids=["full", "lora"])
-def test_a_saved_run_carries_the_bapo_model_card(tmp_path, flags):
-    """TRL's card with the BAPO section beside the saved weights; with LoRA it replaces PEFT's placeholder card."""
+def test_a_saved_run_carries_the_bapo_model_card(tmp_path, flags, capsys):
+    """TRL's card with the BAPO section beside the saved weights; with LoRA it replaces PEFT's placeholder card. The
+    base model, a local directory, is named by its path (TRL's card said "a fine-tuned version of [None]"). The run
+    starts with its plan and ends by printing where it saved and what is there."""
     out = _tiny_run(tmp_path, *flags)
     card = (out / "README.md").read_text()
     assert "## BAPO" in card and "2510.18927" in card and "More Information Needed" not in card
     assert (out / ("adapter_config.json" if flags else "config.json")).exists()
+    printed = capsys.readouterr().out
+    plan = plan_block(printed)
+    base = plan["model"].rsplit(": ", 1)[1]
+    assert "[None]" not in card and f"fine-tuned version of the local model `{base}`." in card
+    assert ("LoRA r=4" if flags else "every weight") in plan["model"]
+    assert plan["writes to"].startswith(f"{out}: ") and ("LoRA adapter" in plan["writes to"]) == bool(flags)
+    listing = saved_listing(printed)
+    assert listing["folder"] == str(out) and set(listing["entries"]) == {
+        p.name + ("/" if p.is_dir() else "") for p in out.iterdir()}
+    weights = "adapter_model.safetensors" if flags else "model.safetensors"
+    assert {"README.md", "dynamics.png", "bapo_log_history.json", "launch_info/", weights} <= set(listing["entries"])
+    assert f"bapo plot {out}" in listing["entries"]["dynamics.png"]
+
+
+def plan_block(out: str) -> dict[str, str]:
+    """The rows of the block a `bapo train` run prints at its start (``{label: text}``); exactly one block."""
+    lines = out.splitlines()
+    starts = [i for i, line in enumerate(lines) if line == "[bapo_trl] this run:"]
+    assert len(starts) == 1, out[-3000:]
+    rows = {}
+    for line in lines[starts[0] + 1:]:
+        if not line.startswith("  "):
+            break
+        label, text = line.strip().split(": ", 1)
+        rows[label] = text.strip()
+    return rows
+
+
+def saved_listing(out: str) -> dict:
+    """The listing a finished `bapo train` run prints last: the folder, and ``{entry: the rest of its line}``."""
+    lines = out.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("[bapo_trl] saved in ")]
+    assert len(starts) == 1, out[-3000:]
+    entries = {}
+    for line in lines[starts[0] + 1:]:
+        if not line.startswith("  "):
+            break
+        name, rest = line.strip().split(None, 1)
+        entries[name] = rest
+    return {"folder": lines[starts[0]][len("[bapo_trl] saved in "):].rstrip(":"), "entries": entries}
 
 
 def test_a_single_dataset_file_is_not_used_as_its_own_eval_split(tmp_path, capsys):
@@ -255,6 +297,75 @@ def test_the_summary_says_search_never_active_instead_of_nan_bounds():
     assert "mean bounds [0.700, 1.200]" in summary
 
 
+def test_the_summary_heading_says_which_generation_batches_its_rows_are():
+    """Every batch when they fit; when thinned, how many of how many, which, and the rows are those (the heading said
+    "one row per generation batch" over every other one)."""
+    from bapo_trl.cli.summary import format_summary
+
+    def history(batches):
+        return [{"loss": 0.1, "step": 2 * b + s + 1, "entropy": 1.0, **({"reward": b / 100} if s == 0 else {})}
+                for b in range(batches) for s in range(2)]
+
+    lines = format_summary(history(12)).splitlines()
+    assert lines[0].startswith("BAPO run summary (one row per generation batch, all 12;")
+    assert [line.split()[0] for line in lines[2:14]] == [f"{2 * b + 1}-{2 * b + 2}" for b in range(12)]
+    lines = format_summary(history(20)).splitlines()
+    assert lines[0].startswith("BAPO run summary (11 of the 20 generation batches: every 2nd and the last;")
+    rows = [line.split()[0] for line in lines[2:] if line.split()[0][0].isdigit() and "-" in line.split()[0]]
+    assert rows == [f"{2 * b + 1}-{2 * b + 2}" for b in (*range(0, 20, 2), 19)]
+    assert format_summary(history(40)).splitlines()[0].startswith(
+        "BAPO run summary (11 of the 40 generation batches: every 4th and the last;")  # 0, 4, ..., 36, then 39
+    lines = format_summary(history(15)).splitlines()  # 0, 2, ..., 14: the last is one of them
+    assert lines[0].startswith("BAPO run summary (8 of the 15 generation batches: every 2nd;")
+    assert lines[10].startswith("reward:") and lines[9].split()[0] == "29-30"
+
+
+def test_the_saved_listing_names_each_entry_and_says_what_it_is(tmp_path):
+    from bapo_trl.cli.summary import format_saved
+
+    missing = tmp_path / "missing"
+    assert format_saved(str(missing)) == f"[bapo_trl] nothing was saved: {missing} does not exist."
+    assert "the folder is empty" in format_saved(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 2048)
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "checkpoint-8").mkdir()
+    (tmp_path / "checkpoint-8" / "optimizer.pt").write_bytes(b"x" * 10)
+    lines = format_saved(str(tmp_path)).splitlines()
+    assert lines[0] == f"[bapo_trl] saved in {tmp_path}:"
+    assert [line.split()[0] for line in lines[1:]] == ["model.safetensors", "notes.txt", "checkpoint-8/"]
+    assert lines[1].split(None, 1)[1] == "2.0 KB  the trained weights"
+    assert lines[2].split() == ["notes.txt", "4", "B"]  # not a file bapo train writes: its size only
+    checkpoint = tmp_path / "checkpoint-8"
+    assert lines[3].endswith(f"the checkpoint of step 8 (resume: --resume_from_checkpoint {checkpoint})")
+
+
+def test_the_plan_names_the_data_format_the_checkpoints_and_the_stale_sources(tmp_path):
+    from datasets import Dataset
+
+    from bapo_trl.cli.train import run_plan
+
+    script_args, args, _ = _parse(
+        ["--model_name_or_path", "some/model", "--dataset_name", "prompts.jsonl", "--steps_per_generation", "4",
+         "--replay_buffer_size", "8", "--replay_ratio", "0.5", "--save_steps", "50", "--logging_steps", "5",
+         "--max_steps", "100", "--learning_rate", "2e-5"], tmp_path)
+    chats = Dataset.from_list([{"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5"}] * 3)
+    plan = plan_block(run_plan(args, script_args, "some/model (every weight)", chats, ["boxed_accuracy"]))
+    assert plan == {
+        "model": "some/model (every weight)",
+        "data": "prompts.jsonl, split 'train': 3 prompts, conversational (chat messages)",
+        "rewards": "boxed_accuracy",
+        "steps": "100 optimizer steps of 8 completions each (1 process), learning rate 2e-05 (linear), float32 on the "
+                 "CPU; a generation batch of 4 prompts x 8 completions of up to 512 tokens every 4 optimizer steps",
+        "staleness": "stale data (4 optimizer steps per generation batch, replay): BAPO re-chooses the clipping "
+                     "window at every update.",
+        "writes to": f"{tmp_path}: launch_info/ at the start, a checkpoint-N/ every 50 steps; at the end the model "
+                     "with its card (README.md), dynamics.png and bapo_log_history.json; metrics every 5 steps to "
+                     "the console",
+    }
+    texts = Dataset.from_list([{"prompt": "123>"}])
+    assert plan_block(run_plan(args, script_args, "m", texts))["data"].endswith(": 1 prompt, plain text")
+
+
 def test_bapo_train_exits_1_when_no_generation_batch_had_a_reward(tmp_path, monkeypatch, capsys):
     """A reward function that applies to nothing (None for every completion): TRL trains on with loss 0; the command
     reports the share in the summary and fails (issue 52)."""
@@ -285,8 +396,12 @@ def test_an_on_policy_recipe_says_so_once_and_fails_when_no_step_was_logged(tmp_
         run(["--config", str(recipe)], parser=make_parser())
     assert exit_info.value.code == 1
     out, err = capsys.readouterr()
-    plans = [line for line in out.splitlines() if line.startswith("[bapo_trl] this run:")]
-    assert len(plans) == 1 and "on-policy data" in plans[0] and "BAPO acts as GRPO" in plans[0]
+    plan = plan_block(out)
+    assert plan["staleness"].startswith("on-policy data") and "BAPO acts as GRPO" in plan["staleness"]
+    assert plan["data"] == "the embedded 3-digit reversal task: 4,096 prompts, plain text"
+    assert plan["steps"].startswith("2 optimizer steps of 8 completions each (1 process), learning rate 1e-06")
+    assert plan["writes to"].startswith(f"{tmp_path / 'out'}: launch_info/ at the start, no checkpoints")
+    assert "metrics every 10 steps to the console" in plan["writes to"]
     assert not [w for w in caught if "exactly on-policy" in str(w.message)]
     assert "No training steps were logged." in out
     assert ("error: no training step was logged (2 optimizer steps ran with logging_strategy=steps, "
@@ -354,3 +469,16 @@ def test_parse_args_prints_the_notice_before_parsing(monkeypatch, capsys):
                         "NOTICE")
     train.parse_args(["--max_steps", "2"], parser=make_parser(), cuda_available=False)
     assert seen == [["--max_steps", "2"]] and capsys.readouterr().out.splitlines()[0] == "NOTICE"
+
+
+def test_the_card_names_a_local_base_model_or_says_it_has_no_name():
+    """TRL's card links a Hub id only: for a local directory it wrote "a fine-tuned version of [None]"."""
+    from bapo_trl.trainer.model_card import NO_BASE_MODEL, name_base_model
+
+    card = f"# Model Card for run\n\nThis model is a {NO_BASE_MODEL}.\nIt has been trained using TRL.\n"
+    assert name_base_model(card, "/models/tiny") == (
+        "# Model Card for run\n\nThis model is a fine-tuned version of the local model `/models/tiny`.\n"
+        "It has been trained using TRL.\n")
+    assert "no name or path recorded" in name_base_model(card, None) and "[None]" not in name_base_model(card, None)
+    hub = "This model is a fine-tuned version of [org/model](https://huggingface.co/org/model).\n"
+    assert name_base_model(hub, "org/model") == hub  # TRL named it: unchanged

@@ -123,3 +123,29 @@ def test_evaluate_help_shows_the_defaults(capsys):
         if not action.required and action.default is not None:
             assert f"(default: {action.default})" in text, action.option_strings
     assert "(default: 16)" in text and "(default: 0.6)" in text and "(default: None)" not in text
+
+
+def _default_shown(text: str, flag: str) -> str:
+    """The ``(default: X)`` the help prints for ``flag``."""
+    block = " ".join(text.split(f"\n  {flag} ", 1)[1].split("\n  --", 1)[0].split())
+    return block.rsplit("(default: ", 1)[1].split(")", 1)[0]
+
+
+@pytest.mark.parametrize("help_flag", ["--help", "--help-all"])
+def test_the_help_shows_the_defaults_a_run_of_your_own_gets_and_names_the_embedded_jobs(capsys, help_flag):
+    """The embedded job's settings (lr 1e-3, 8 steps per generation, 160 steps) stop applying once
+    --model_name_or_path or --config is given: the help shows the defaults that apply then (TRL's and BAPO's, which a
+    parse of a run of your own gets), and lists the embedded job's in its description."""
+    text = command_output(capsys, "train", help_flag)
+    _, args, _ = train_cli.parse_args(["--model_name_or_path", "some/model"], parser=train_cli.make_parser(),
+                                      cuda_available=False)
+    capsys.readouterr()
+    for name in ("learning_rate", "max_steps", "max_completion_length", "num_generations", "bf16",
+                 "positive_contribution_target"):  # each in the short help too
+        assert _default_shown(text, f"--{name}") == str(getattr(args, name)), name
+    assert _default_shown(text, "--steps_per_generation") == "None"  # TRL: gradient_accumulation_steps
+    description = " ".join(text.split("options:", 1)[0].split())
+    assert "The defaults shown are those of a run of your own (--model_name_or_path or --config)" in description
+    for name, value in train_cli.EMBEDDED_DEFAULTS.items():
+        assert f"{name}={value}" in description, name
+    assert "learning_rate=0.001" in description and "max_steps=160" in description

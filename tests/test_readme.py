@@ -19,6 +19,16 @@ from launching import REPO
 
 README = (REPO / "README.md").read_text()
 PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+#: The real-model example (SmolLM2, converted into the default cache): run by the slow tier, in
+#: tests/test_smollm2.py, not here (a fresh cache would fetch the model's wheel from the package registry).
+REAL_MODEL_BLOCK = next(i for i, block in enumerate(PYTHON_BLOCKS) if 'prepare_model("smollm2")' in block)
+SEARCH_BLOCK = next(i for i, block in enumerate(PYTHON_BLOCKS) if "search_clip_bounds(" in block)
+
+
+def shown_output(index: int) -> str:
+    """The ```text block right after the python block ``index`` (what the README says it prints)."""
+    after = README.split(f"```python\n{PYTHON_BLOCKS[index]}```", 1)[1]
+    return re.match(r"(?:(?!```).)*```text\n(.*?)```", after, flags=re.S).group(1).strip()  # no block between
 #: The documents whose commands are checked: README, the contributor guide and every page of the site.
 DOCUMENTS = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md")),
              *sorted((REPO / "docs" / "reference").glob("*.md"))]
@@ -78,22 +88,39 @@ def test_every_command_shown_is_of_a_kind_the_tests_check():
     assert {"train", "bapo", "benchmark"} <= kinds
 
 
-@pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
+@pytest.mark.parametrize("index", [i for i in range(len(PYTHON_BLOCKS)) if i != REAL_MODEL_BLOCK])
 def test_python_examples_run(index, tmp_path):
     env = {**os.environ, "BAPO_TRL_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", PYTHON_BLOCKS[index]], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     if index == 0:  # the first example: its printed bounds are the ones shown under it, and they move
-        shown = re.search(r"```python\n.*?```.*?```text\n(.*?)```", README, flags=re.S).group(1).strip()
+        shown = shown_output(0)
         printed = proc.stdout.strip().splitlines()[-1]
         assert printed == shown, (printed, shown)
         assert len(set(json.loads(printed))) > 1, "the first example's bounds do not move"
 
 
 def test_search_example_prints_the_documented_window():
-    proc = subprocess.run([sys.executable, "-c", PYTHON_BLOCKS[1]], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", PYTHON_BLOCKS[SEARCH_BLOCK]], capture_output=True, text=True,
+                          timeout=120)
     assert "'clip_low': 0.6" in proc.stdout and "'clip_high': 1.5" in proc.stdout
+
+
+def test_the_real_model_example_follows_the_toy_one_and_shows_a_window_per_step():
+    """Right after the toy example: SmolLM2 by its registry name (a Hub id on a GPU), the shipped chat task, a reward
+    of the package, and under it a ``(c_low, c_high)`` pair for each of its steps (tests/test_smollm2.py runs it)."""
+    import ast
+
+    block = PYTHON_BLOCKS[REAL_MODEL_BLOCK]
+    assert REAL_MODEL_BLOCK == 1 and SEARCH_BLOCK == 2
+    assert "chat_arithmetic_splits()" in block and "reward_funcs=boxed_accuracy" in block
+    steps = int(re.search(r"max_steps=(\d+)", block).group(1))
+    shown = ast.literal_eval(shown_output(REAL_MODEL_BLOCK))
+    assert len(shown) == steps and all(0.6 <= low <= 0.9 and 1.2 <= high <= 3.0 for low, high in shown)
+    section = README.split("## A real model", 1)[1].split("\n## ", 1)[0]
+    assert "a `prompt` column, plain text or conversational" in section and "peak RSS" in section
+    assert "notebooks/bapo_quickstart.ipynb" in section and "notebooks/bapo_vs_grpo.ipynb" in section
 
 
 TRAIN_COMMANDS = [(where, line) for where, line in ALL_LINES if kind(line) == "train"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 from ..core.metrics import REWARDS, is_active
 
@@ -80,19 +81,29 @@ def run_problems(log_history: list[dict], args=None) -> list[str]:
     return problems
 
 
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
 def format_summary(log_history: list[dict], args=None, max_rows: int = 12) -> str:
-    """Reward per generation (thinned to ``max_rows``), mean bounds and positive share, the overall trend, and the
-    share of generation batches without any reward."""
+    """Reward per generation batch (every one, or every k-th and the last when there are more than ``max_rows``: the
+    heading says which), mean bounds and positive share, the overall trend, and the share of generation batches
+    without any reward."""
     rows = generation_rows(log_history)
     if not rows:
         return "\n".join(["No training steps were logged."] + _reward_line(log_history))
     stride = max(1, math.ceil(len(rows) / max_rows))
     shown = rows[::stride]
-    if shown[-1] is not rows[-1]:
+    last = "" if shown[-1] is rows[-1] else " and the last"
+    if last:
         shown.append(rows[-1])
+    if stride == 1:
+        which = f"one row per generation batch, all {len(rows)}"
+    else:
+        which = f"{len(shown)} of the {len(rows)} generation batches: every {_ordinal(stride)}{last}"
     lines = [
-        "BAPO run summary (one row per generation batch; means over the steps trained on it; window and shares over "
-        "the steps where the search was active, - where none was)",
+        f"BAPO run summary ({which}; each row: means over the steps trained on that batch, the window and shares "
+        "over those where the search was active, - where none was)",
         f"{'steps':>11} {'reward':>7} {'c_low':>6} {'c_high':>6} {'pos.share':>9} "
         f"{'met':>5} {'moved':>5} {'entropy':>7}",
     ]
@@ -126,3 +137,60 @@ def format_summary(log_history: list[dict], args=None, max_rows: int = 12) -> st
         f"bounds moved in {100 * _mean([moved(e) for e in train]):.0f}% of updates."
     )
     return "\n".join(lines + _reward_line(log_history))
+
+
+#: What ``bapo train`` leaves in its output folder, by name: said beside each entry of :func:`format_saved`.
+SAVED_FILES = {
+    "model.safetensors": "the trained weights",
+    "adapter_model.safetensors": "the trained LoRA adapter (load it on the base model with peft)",
+    "adapter_config.json": "the adapter's settings, with its base model",
+    "config.json": "the model's configuration",
+    "generation_config.json": "the model's generation defaults",
+    "tokenizer.json": "the tokenizer",
+    "tokenizer_config.json": "the tokenizer's settings",
+    "chat_template.jinja": "the chat template",
+    "special_tokens_map.json": "the tokenizer's special tokens",
+    "README.md": "the model card: base model, BAPO settings and what the search did",
+    "training_args.bin": "the BAPOConfig of the run (torch.load)",
+    "dynamics.png": "reward, entropy, bounds, positive share, clipping, staleness (redraw: bapo plot {folder})",
+    "bapo_log_history.json": "every logged step's metrics (bapo plot reads it)",
+    "trainer_state.json": "the trainer's state and log history",
+    "launch_info": "each process's device, precision and launch (one JSON per rank)",
+}
+
+
+def _size(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+
+
+def _human(size: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GB"
+
+
+def format_saved(output_dir: str) -> str:
+    """Where a finished run saved, and what is there: one line per file or folder of ``output_dir`` with its size
+    and, for what ``bapo train`` writes, what it is (:data:`SAVED_FILES`; ``checkpoint-N`` folders too)."""
+    folder = os.path.abspath(output_dir)
+    if not os.path.isdir(folder):
+        return f"[bapo_trl] nothing was saved: {folder} does not exist."
+    names = sorted(os.listdir(folder), key=lambda n: (n.startswith("checkpoint-"), n))
+    if not names:
+        return f"[bapo_trl] nothing was saved in {folder} (the folder is empty)."
+    entries = []
+    for name in names:
+        path = os.path.join(folder, name)
+        label = name + ("/" if os.path.isdir(path) else "")
+        what = SAVED_FILES.get(name, "").format(folder=folder)
+        if not what and name.startswith("checkpoint-") and os.path.isdir(path):
+            what = f"the checkpoint of step {name.split('-', 1)[1]} (resume: --resume_from_checkpoint {path})"
+        entries.append((label, _human(_size(path)), what))
+    width = max(len(label) for label, _, _ in entries)
+    lines = [f"[bapo_trl] saved in {folder}:"]
+    lines += [f"  {label:<{width}} {size:>9}  {what}".rstrip() for label, size, what in entries]
+    return "\n".join(lines)

@@ -45,6 +45,9 @@ EMBEDDED_DEFAULTS = dict(
     dataloader_num_workers=0,
 )
 
+#: The flags that print the help: the defaults they show are a run of the user's own, not the embedded job's.
+HELP_FLAGS = ("-h", "--help", "--help-all", "--help_all")
+
 #: Precision and device of any job on a machine without CUDA (each one only where the user set nothing).
 CPU_DEFAULTS = dict(use_cpu=True, bf16=False, fp16=False)
 
@@ -150,10 +153,19 @@ OTHER_BAPO_GROUP = "BAPO: other options"
 #: TRL's and transformers' options in --help-all, after BAPO's: (title, the dataclass whose fields it holds)
 TRL_GROUPS = ("TRL: GRPOConfig", "transformers: TrainingArguments (inherited by GRPOConfig)",
               "TRL: ModelConfig (model loading, LoRA, quantization)")
+def _embedded_settings() -> str:
+    """The embedded job's settings, as ``name=value`` pairs (for the help's description)."""
+    return ", ".join(f"{name}={value}" for name, value in EMBEDDED_DEFAULTS.items())
+
+
 DESCRIPTION = (
-    "Train with BAPO (adaptive clipping) on top of TRL's GRPOTrainer. With neither --model_name_or_path nor --config "
-    "it trains the embedded default (a tiny offline model, on CPU), and the defaults shown are that job's. Every "
-    "option is also a key of a --config recipe.yaml, as in TRL's scripts."
+    "Train with BAPO (adaptive clipping) on top of TRL's GRPOTrainer. The defaults shown are those of a run of your "
+    "own (--model_name_or_path or --config): TRL's GRPOConfig and BAPO's, and, on a machine without CUDA, the CPU in "
+    "float32 (use_cpu=True, bf16=False). With neither --model_name_or_path nor --config it trains the embedded "
+    "default instead: a tiny model built offline, on the 3-digit reversal task, with the reward 'reverse' and its "
+    f"own settings ({_embedded_settings()}; a flag still overrides each). Every option is also a key of a --config "
+    "recipe.yaml, as in TRL's scripts. At the start a run prints what it will do (model, data, steps, staleness, "
+    "where it writes); at the end its summary and what it saved."
 )
 
 
@@ -307,7 +319,8 @@ def parse_args(argv: list[str] | None = None, parser: TrlParser | None = None, c
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = parser or make_parser()
     # The embedded defaults apply to a bare run; a recipe (--config) or a model of your own brings its own settings.
-    if not any(a.split("=")[0] in ("--model_name_or_path", "--config") for a in argv):
+    # --help shows the defaults of such a run (the embedded job's are listed in the description).
+    if not any(a.split("=")[0] in ("--model_name_or_path", "--config", *HELP_FLAGS) for a in argv):
         parser.set_defaults_with_config(**EMBEDDED_DEFAULTS)
     apply_cpu_defaults(parser, argv, cuda_available)  # before parsing: the config file and the flags override it
     notice = deepspeed_cpu_build_notice(argv, cuda_available=cuda_available)
@@ -418,25 +431,94 @@ def prepare(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_a
     return reward_funcs, train_dataset, eval_dataset
 
 
-#: The start of BAPOConfig's warning for on-policy data, which :func:`run_plan`'s line says instead in ``bapo train``.
+#: The start of BAPOConfig's warning for on-policy data, which :func:`run_plan`'s block says instead in
+#: ``bapo train``.
 ON_POLICY_WARNING = "BAPO: the data is exactly on-policy"
 
 
-def run_plan(args: BAPOConfig) -> str:
-    """One line saying what the run will do with the data: on-policy (every ratio 1, so BAPO acts as GRPO) or stale,
-    and from what. Printed once (rank 0) when the job starts."""
+def staleness_plan(args: BAPOConfig) -> str:
+    """What the run does with the data: on-policy (every ratio 1, so BAPO acts as GRPO) or stale, and from what."""
     upg = args.updates_per_generation
     sources = [name for name, on in (("replay", args.replay_enabled), ("async generation", args.async_generation),
                                      ("partial rollout", args.partial_rollout_enabled)) if on]
     if upg <= 1 and not sources:
-        return ("[bapo_trl] this run: on-policy data (steps_per_generation x num_iterations = "
+        return ("on-policy data (steps_per_generation x num_iterations = "
                 f"{args.steps_per_generation} x {args.num_iterations} <= gradient_accumulation_steps = "
                 f"{args.gradient_accumulation_steps}; no replay, partial rollout or async generation): every ratio is "
                 "1, so BAPO acts as GRPO (the bound search never changes the loss). For stale data: "
                 "steps_per_generation > gradient_accumulation_steps, num_iterations > 1, replay_buffer_size/"
                 "replay_ratio, partial_rollout_budget or async_generation.")
-    return (f"[bapo_trl] this run: stale data ({upg} optimizer step(s) per generation batch"
+    return (f"stale data ({_count(upg, 'optimizer step')} per generation batch"
             f"{''.join(f', {name}' for name in sources)}): BAPO re-chooses the clipping window at every update.")
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}{'' if n == 1 else 'es' if thing.endswith('ss') else 's'}"
+
+
+def _name(function) -> str:
+    return function if isinstance(function, str) else getattr(function, "__name__", type(function).__name__)
+
+
+def _data_plan(script_args: BAPOScriptArguments | None, train_dataset) -> str:
+    if script_args is None or script_args.dataset_name is None:
+        source = "the embedded 3-digit reversal task"
+    else:
+        config = f" ({script_args.dataset_config})" if script_args.dataset_config else ""
+        source = f"{script_args.dataset_name}{config}, split {script_args.dataset_train_split!r}"
+    if train_dataset is None:
+        return source
+    try:
+        size = f"{len(train_dataset):,} prompt{'' if len(train_dataset) == 1 else 's'}"
+    except TypeError:  # an IterableDataset: no length, and its first row is not read here
+        return f"{source}: a stream of prompts"
+    first = train_dataset[0]["prompt"] if len(train_dataset) and "prompt" in train_dataset.column_names else None
+    kind = {str: ", plain text", list: ", conversational (chat messages)"}.get(type(first), "")
+    return f"{source}: {size}{kind}"
+
+
+def _output_plan(args: BAPOConfig, peft: bool) -> str:
+    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+    if strategy == "no":
+        checkpoints = "no checkpoints (save_strategy=no)"
+    elif strategy == "steps":
+        every = f"{args.save_steps:g} of the run" if args.save_steps < 1 else f"{int(args.save_steps)} steps"
+        checkpoints = f"a checkpoint-N/ every {every}"
+    else:
+        checkpoints = f"a checkpoint-N/ every {strategy}"
+    trackers = [name for name in (args.report_to or []) if name != "none"]
+    every = "at every step" if args.logging_steps == 1 else f"every {args.logging_steps:g} steps"
+    logs = f"metrics {every} to the console" + (
+        f" and {', '.join(trackers)}" if trackers else "")
+    hub = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
+    hub = f"; pushed to the Hub as {hub}" if args.push_to_hub else ""
+    return (f"{os.path.abspath(args.output_dir)}: launch_info/ at the start, {checkpoints}; at the end the "
+            f"{'LoRA adapter' if peft else 'model'} with its card (README.md), dynamics.png and "
+            f"bapo_log_history.json{hub}; {logs}")
+
+
+def run_plan(args: BAPOConfig, script_args: BAPOScriptArguments | None = None, model: str | None = None,
+             train_dataset=None, reward_funcs=None, peft: bool = False) -> str:
+    """What the run will do, in one block printed once (rank 0) when the job starts: the model, the data and the
+    rewards, the steps, the staleness of the data (:func:`staleness_plan`) and where it writes."""
+    world = getattr(args, "world_size", 1)
+    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+    length = (f"{args.max_steps} optimizer steps" if args.max_steps > 0 else
+              f"{args.num_train_epochs:g} epoch(s) of the prompts")
+    scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "float32"
+    device = "the CPU" if args.use_cpu else "the accelerator"
+    prompts = args.generation_batch_size // args.num_generations
+    steps = (f"{length} of {per_step} completions each ({_count(world, 'process')}), learning rate "
+             f"{args.learning_rate:g} ({scheduler}), {precision} on {device}; a generation batch of {prompts} prompts "
+             f"x {args.num_generations} completions of up to {args.max_completion_length} tokens every "
+             f"{_count(args.updates_per_generation, 'optimizer step')}")
+    rows = [("model", model or "(not loaded yet)"), ("data", _data_plan(script_args, train_dataset))]
+    if reward_funcs is not None:
+        rows.append(("rewards", ", ".join(_name(f) for f in reward_funcs) or "none"))
+    rows += [("steps", steps), ("staleness", staleness_plan(args)), ("writes to", _output_plan(args, peft))]
+    width = max(len(label) for label, _ in rows) + 1
+    return "\n".join(["[bapo_trl] this run:"] + [f"  {label + ':':<{width}} {text}" for label, text in rows])
 
 
 def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args: ModelConfig):
@@ -446,15 +528,13 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
     from ..trainer.bapo_trainer import BAPOTrainer
     from .launch_info import LaunchInfoCallback
     from .plot import PlotDynamicsCallback
-    from .summary import format_summary
+    from .summary import format_saved, format_summary
 
     embedded = model_args.model_name_or_path is None
     threads = script_args.torch_threads or (1 if embedded else None)
     if threads:
         torch.set_num_threads(threads)
     reward_funcs, train_dataset, eval_dataset = prepare(script_args, training_args, model_args)
-    if os.environ.get("RANK", "0") == "0":
-        print(run_plan(training_args), flush=True)
 
     if embedded:
         from ..recipes.toy import build_tiny_model
@@ -469,6 +549,13 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
         )
         model_init_kwargs.update(training_args.model_init_kwargs or {})
         training_args.model_init_kwargs = {k: v for k, v in model_init_kwargs.items() if v is not None}
+    peft_config = get_peft_config(model_args)
+    if os.environ.get("RANK", "0") == "0":
+        trained = f"LoRA r={model_args.lora_r}, alpha={model_args.lora_alpha}" if peft_config else "every weight"
+        model = (f"the embedded tiny model (~90k parameters, built offline and cached; {trained}): {model_path}"
+                 if embedded else f"{model_path} ({trained})")
+        print(run_plan(training_args, script_args, model, train_dataset, reward_funcs, peft=peft_config is not None),
+              flush=True)
 
     trainer = BAPOTrainer(
         model=model_path,
@@ -476,7 +563,7 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
-        peft_config=get_peft_config(model_args),
+        peft_config=peft_config,
         quantization_config=get_quantization_config(model_args),  # --load_in_4bit / --load_in_8bit, as TRL's script
     )
     trainer.add_callback(LaunchInfoCallback(trainer))
@@ -485,6 +572,7 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
         print(format_summary(trainer.state.log_history, training_args))
+        print(format_saved(training_args.output_dir), flush=True)
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
     trainer.accelerator.wait_for_everyone()

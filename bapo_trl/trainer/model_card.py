@@ -73,6 +73,21 @@ def bapo_card_section(args: BAPOConfig, log_history: list[dict]) -> str:
     )
 
 
+#: What TRL's card template writes when it has no Hub id for the base model (a local directory, or no name at all).
+NO_BASE_MODEL = "fine-tuned version of [None](https://huggingface.co/None)"
+
+
+def name_base_model(text: str, base: str | None) -> str:
+    """TRL's card ``text`` with the base model named where TRL names none: its card links a Hub id only, so for a model
+    loaded from a local directory it writes "a fine-tuned version of [None]". The directory (``base``, the model
+    config's ``_name_or_path``) is named instead, or, when the model came without a name or path, that is said."""
+    if NO_BASE_MODEL not in text:
+        return text
+    named = (f"fine-tuned version of the local model `{base}`" if base else
+             "fine-tuned version of a model given as an object, with no name or path recorded in its config")
+    return text.replace(NO_BASE_MODEL, named)
+
+
 class ModelCardMixin:
     """Trainer overrides (before ``GRPOTrainer`` in the bases): every saved model, full or adapter, carries TRL's
     card with the BAPO section."""
@@ -90,10 +105,15 @@ class ModelCardMixin:
             shutil.copyfile(card, os.path.join(target, "README.md"))
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """TRL's generated card (tags, citation of the paper), extended with a BAPO section."""
+        """TRL's generated card (tags, citation of the paper), extended with a BAPO section; a base model loaded from a
+        local directory is named by its path (:func:`name_base_model`)."""
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         path = os.path.join(self.args.output_dir, "README.md")
         if not self.is_world_process_zero() or not os.path.exists(path):
             return
-        with open(path, "a") as f:
-            f.write("\n" + bapo_card_section(self.args, self.state.log_history))
+        with open(path) as f:
+            text = f.read()
+        config = getattr(self.model, "config", None)
+        base = getattr(config, "_name_or_path", None) or None
+        with open(path, "w") as f:
+            f.write(name_base_model(text, base) + "\n" + bapo_card_section(self.args, self.state.log_history))
