@@ -36,6 +36,7 @@ MOVED: dict[str, str] = {
     "bapo_trl.datasets_io": "bapo_trl.recipes.datasets_io",
     "bapo_trl.plot": "bapo_trl.cli.plot",
     "bapo_trl.generation.serve": "bapo_trl.cli.serve",
+    "bapo_trl.cli.summary": "bapo_trl.trainer.summary",  # a library module: the public face takes nothing from cli
 }
 #: old module that was split -> the modules its names went to, searched in order (the first holds its functions)
 SPLIT: dict[str, tuple[str, ...]] = {

@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 import time
 
-from bapo_trl.cli.summary import moved  # one definition of "the bounds moved"
+from bapo_trl.trainer.summary import moved  # one definition of "the bounds moved"
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLLAPSE = 0.1  # final reward below this: the run collapsed

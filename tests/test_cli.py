@@ -279,7 +279,7 @@ def test_a_model_of_your_own_trains_without_cpu_flags_and_the_summary_says_searc
 
 
 def test_the_summary_says_search_never_active_instead_of_nan_bounds():
-    from bapo_trl.cli.summary import format_summary
+    from bapo_trl.trainer.summary import format_summary
 
     inactive = {"bapo/search_active": 0.0, "bapo/clip_low": 0.6, "bapo/clip_high": 1.2, "bapo/search_steps": 0.0,
                 "bapo/positive_contribution": 0.5, "bapo/positive_contribution_before": 0.5, "entropy": 1.0}
@@ -300,7 +300,7 @@ def test_the_summary_says_search_never_active_instead_of_nan_bounds():
 def test_the_summary_heading_says_which_generation_batches_its_rows_are():
     """Every batch when they fit; when thinned, how many of how many, which, and the rows are those (the heading said
     "one row per generation batch" over every other one)."""
-    from bapo_trl.cli.summary import format_summary
+    from bapo_trl.trainer.summary import format_summary
 
     def history(batches):
         return [{"loss": 0.1, "step": 2 * b + s + 1, "entropy": 1.0, **({"reward": b / 100} if s == 0 else {})}
@@ -321,7 +321,7 @@ def test_the_summary_heading_says_which_generation_batches_its_rows_are():
 
 
 def test_the_saved_listing_names_each_entry_and_says_what_it_is(tmp_path):
-    from bapo_trl.cli.summary import format_saved
+    from bapo_trl.trainer.summary import format_saved
 
     missing = tmp_path / "missing"
     assert format_saved(str(missing)) == f"[bapo_trl] nothing was saved: {missing} does not exist."

@@ -21,7 +21,8 @@ SAMPLES = [("bapo_trl.clipping", "bapo_trl.core.clipping"), ("bapo_trl.loss_hook
            ("bapo_trl.toy.task", "bapo_trl.recipes.toy.task"),
            ("bapo_trl.math_recipe.rewards", "bapo_trl.recipes.math_reasoning.rewards"),
            ("bapo_trl.plot", "bapo_trl.cli.plot"), ("bapo_trl.generation.serve", "bapo_trl.cli.serve"),
-           ("bapo_trl.rollout.queue", "bapo_trl.rollout.replay_queue")]
+           ("bapo_trl.rollout.queue", "bapo_trl.rollout.replay_queue"),
+           ("bapo_trl.cli.summary", "bapo_trl.trainer.summary")]
 
 
 def fresh(name: str):
@@ -40,6 +41,18 @@ def test_an_old_path_is_the_new_module_and_warns_with_its_name(old, new):
     assert module is importlib.import_module(new)
     assert module.__spec__.name == new  # the import system's bookkeeping names the real module
     assert [w for w in caught if f"{old} moved to {new};" in str(w.message)]  # (its parent package may warn too)
+
+
+def test_the_plot_commands_library_names_still_answer_from_its_module():
+    """``bapo_trl.cli.plot`` is the command now; the callback it held answers there with a warning naming its place,
+    and the figure's functions (which the command imports) without one."""
+    from bapo_trl.cli import plot
+    from bapo_trl.trainer import callbacks, dynamics
+
+    with pytest.warns(DeprecationWarning, match="bapo_trl.cli.plot.PlotDynamicsCallback moved to "
+                                                "bapo_trl.trainer.callbacks.PlotDynamicsCallback"):
+        assert plot.PlotDynamicsCallback is callbacks.PlotDynamicsCallback
+    assert plot.plot_dynamics is dynamics.plot_dynamics and plot.load_run is dynamics.load_run
 
 
 def test_every_old_path_resolves():

@@ -167,3 +167,12 @@ def test_core_imports_torch_and_the_standard_library_only():
             problems += [f"{path.relative_to(ROOT)}:{node.lineno}: {name}" for name in names
                          if name.split(".")[0] not in sys.stdlib_module_names | {"torch"}]
     assert problems == []
+
+
+def test_the_public_face_takes_nothing_from_the_commands():
+    """``bapo_trl``'s names live in library modules (the plot callback and the summary as TRL keeps its callbacks,
+    in the trainer's folder); ``cli/`` only parses and calls them."""
+    import bapo_trl
+
+    assert {name: where for name, where in bapo_trl._EXPORTS.items() if where.startswith("bapo_trl.cli")} == {}
+

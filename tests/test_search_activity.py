@@ -8,9 +8,9 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
-from bapo_trl.cli.summary import format_summary
 from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 from bapo_trl.trainer.model_card import bapo_card_section, target_from_card
+from bapo_trl.trainer.summary import format_summary
 
 #: A run whose every stale update moves some ratio past a path bound (without the dual clip, which slows the policy:
 #: with it, one of the three stale updates of this seed stays inside the path's start window).

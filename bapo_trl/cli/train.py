@@ -526,9 +526,9 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
     from trl import get_peft_config, get_quantization_config
 
     from ..trainer.bapo_trainer import BAPOTrainer
+    from ..trainer.callbacks import PlotDynamicsCallback
+    from ..trainer.summary import format_saved, format_summary
     from .launch_info import LaunchInfoCallback
-    from .plot import PlotDynamicsCallback
-    from .summary import format_saved, format_summary
 
     embedded = model_args.model_name_or_path is None
     threads = script_args.torch_threads or (1 if embedded else None)
@@ -583,10 +583,10 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
 
 def run(argv: list[str] | None = None, parser: TrlParser | None = None):
     """Parse and train; setup errors print one ``error:`` line on stderr and exit with code 2. A run that trained but
-    logged no step, or in which no generation batch had a reward (:func:`~bapo_trl.cli.summary.run_problems`), says
+    logged no step, or in which no generation batch had a reward (:func:`~bapo_trl.trainer.summary.run_problems`), says
     why in ``error:`` lines and exits with code 1. A job of several processes on CPU ends through
     :func:`exit_past_gloo_teardown` (:func:`exits_past_gloo_teardown` says when)."""
-    from .summary import run_problems
+    from ..trainer.summary import run_problems
 
     parser = parser or make_parser()
     with warnings.catch_warnings():  # main's plan line says it, once
