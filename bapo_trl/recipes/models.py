@@ -43,6 +43,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass, field
 
+from .cache import default_cache_dir
+
 MARKER = "BAPO_MODEL_COMPLETE"
 
 
@@ -93,10 +95,6 @@ NAMES = tuple(sorted(_LOOKUP))
 GGUF_REQUIREMENT = "gguf>=0.10"
 #: The verification prompt: a question the model answers correctly when converted right ("3 + 4 = 7").
 CHECK_PROMPT = [{"role": "user", "content": "What is 3+4?"}]
-
-
-def default_cache_dir() -> str:
-    return os.environ.get("BAPO_TRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "bapo_trl"))
 
 
 def lookup(name: str | None) -> GGUFModel | None:

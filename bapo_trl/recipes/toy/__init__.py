@@ -20,6 +20,7 @@ import tempfile
 
 import torch
 
+from ..cache import default_cache_dir
 from .task import (  # noqa: F401
     DIGITS,
     EOS,
@@ -35,10 +36,6 @@ from .tokenizer import build_tokenizer  # noqa: F401
 #: Bump when the model, tokenizer or warm start change, so stale caches are not reused.
 TOY_VERSION = "v1"
 MARKER = "BAPO_TOY_COMPLETE"
-
-
-def default_cache_dir() -> str:
-    return os.environ.get("BAPO_TRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "bapo_trl"))
 
 
 def model_config(tokenizer):
