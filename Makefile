@@ -32,9 +32,13 @@ train: install
 	$(PYTHON) train_bapo.py
 
 # The slow tier must collect tests: pytest's exit code 5 ("no tests collected") fails the target.
+# The fast tier runs on 2 pytest-xdist workers (-n 2: each test holds one torch thread, tests/conftest.py); the slow
+# tier one test at a time (its launches and servers use every core, and its memory is sized for one at a time).
+FAST_WORKERS ?= 2
+
 test: install-test
-	$(PYTHON) -m pytest -m "not slow" -q --durations=20
+	$(PYTHON) -m pytest -m "not slow" -q -n $(FAST_WORKERS) --durations=20
 	$(PYTHON) -m pytest -m slow -q --durations=30
 
 test-fast: install-test
-	$(PYTHON) -m pytest -m "not slow" -q --durations=20
+	$(PYTHON) -m pytest -m "not slow" -q -n $(FAST_WORKERS) --durations=20

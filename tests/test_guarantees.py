@@ -98,18 +98,19 @@ SERVERS = {"async_k2_two_servers": 2, "async_k2_two_servers_lora": 2, "async_k2_
 #: ``TRLPort.gather_weights`` is patched to return None, as it does without a deferred push. A STAND-IN for CUDA's
 #: path on CPU: the NCCL transfer itself cannot run here, the hold around it does.
 HELD_PUSH = {"async_k1_held_push", "async_partial_held_push"}
-#: Rows the fast tier leaves to the slow tier: they wait on a slowed server, or start a second one, or are the
-#: longest rows whose parts fast rows check separately: async_k2 (K=2 staleness: replay_saves_async runs with
-#: max_staleness=2), async_k2_lazy (a slowed server; the lazy producer's choice is unit-tested fast in
-#: test_async_generation.py), async_partial (16 s; partial and async_k1 are fast, their combination only slow),
-#: replay_async (10 s; replay and async_k1 are fast, and replay_saves_async replays under async, but only the
-#: generation-saving path: plain replay under async is checked in the slow tier only), the LoRA rows (11 s each; the
-#: adapter push's steps are checked fast against the stand-in in test_adapter_sync.py).
+#: Rows the fast tier leaves to the slow tier: they wait on a slowed server, or start a second one, or are the longest
+#: rows whose parts fast rows check separately: async_k2 (K=2 staleness: the fast
+#: test_async_k2_reaches_its_staleness_bound_and_never_passes_it), async_sync3 and replay_saves_async (26-28 s each;
+#: async_k1 and replay_saves are fast; the validation of weight_sync_steps too), async_k2_lazy (a slowed server; the
+#: lazy producer's choice is unit-tested fast in test_async_generation.py), async_partial (16 s; partial and async_k1
+#: are fast, their combination only slow), replay_async (10 s; replay and async_k1 are fast: replay under async is
+#: checked in the slow tier only), the LoRA rows (11 s each; the adapter push's steps are checked fast against the
+#: stand-in in test_adapter_sync.py).
 SLOW_ROWS = {"async_inflight", "async_k2_two_servers", "async_k2", "async_partial", "replay_async", "async_k2_lazy",
              "async_partial_held_push", "async_k2_eval", "async_sync3_eval", "async_partial_lora",
              "async_inflight_lora", "async_k2_two_servers_lora", "async_k1_lora", "partial_decoupled",
              "async_inflight_decoupled", "async_k2_two_servers_decoupled", "async_k1_lora_decoupled",
-             "async_k1_decoupled"}
+             "async_k1_decoupled", "async_sync3", "replay_saves_async"}
 #: Rows whose completions depend on timing: with in-flight updates, where a push lands in a request depends on when
 #: it arrives; with lazy loading, whether a request runs before or after the push it could skip. There a resume trains
 #: the same PROMPT multiset (nothing lost, nothing twice) under the same bounds.
@@ -635,11 +636,12 @@ def test_the_staleness_bound_is_the_documented_formula(fields, bound):
     assert staleness_bound(args) == bound
 
 
-#: Sources that generate through the server under the user's sampling settings; the fast tier runs the two whose calls
-#: hold a group's members as prompts of their own (partial rollout, sync and async), the slow tier the rest.
+#: Sources that generate through the server under the user's sampling settings; the fast tier runs two whose calls hold
+#: a group's members as prompts of their own (partial rollout, and async with in-flight updates), the slow tier the
+#: rest.
 SERVER_SOURCES = ["trl", "replay", "partial", "replay_saves", "async_k1", "async_k2", "async_partial",
                   "async_inflight", "replay_async", "replay_saves_async"]
-FAST_SERVER_SOURCES = {"partial", "async_partial", "async_inflight"}
+FAST_SERVER_SOURCES = {"partial", "async_inflight"}
 
 
 @pytest.mark.parametrize("source", [s if s in FAST_SERVER_SOURCES else pytest.param(s, marks=pytest.mark.slow)

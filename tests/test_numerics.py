@@ -35,7 +35,7 @@ def hostile_batches(draw):
     return ratio.to(dtype), adv.to(dtype), mask
 
 
-@settings(max_examples=1200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=hostile_batches(), variant=st.sampled_from(["paper", "verl"]), mode=st.sampled_from(["value", "gradient"]))
 def test_search_always_terminates_with_a_window_on_the_path(data, variant, mode):
     ratio, adv, mask = data

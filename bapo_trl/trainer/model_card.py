@@ -80,7 +80,7 @@ NO_BASE_MODEL = "fine-tuned version of [None](https://huggingface.co/None)"
 def name_base_model(text: str, base: str | None) -> str:
     """TRL's card ``text`` with the base model named where TRL names none: its card links a Hub id only, so for a model
     loaded from a local directory it writes "a fine-tuned version of [None]". The directory (``base``, the model
-    config's ``_name_or_path``) is named instead, or, when the model came without a name or path, that is said."""
+    config's ``name_or_path``) is named instead, or, when the model came without a name or path, that is said."""
     if NO_BASE_MODEL not in text:
         return text
     named = (f"fine-tuned version of the local model `{base}`" if base else
@@ -114,6 +114,6 @@ class ModelCardMixin:
         with open(path) as f:
             text = f.read()
         config = getattr(self.model, "config", None)
-        base = getattr(config, "_name_or_path", None) or None
+        base = getattr(config, "name_or_path", None) or None
         with open(path, "w") as f:
             f.write(name_base_model(text, base) + "\n" + bapo_card_section(self.args, self.state.log_history))
