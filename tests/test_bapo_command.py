@@ -159,8 +159,8 @@ def test_only_the_chosen_subcommand_is_imported(sub):
 
 
 def test_the_exit_code_is_the_entry_points(monkeypatch):
-    """What each `python -m` form exits with: plot/models return their code; serve/evaluate/train return something
-    that is not one (None, the evaluation report, the trainer), which exits 0."""
+    """What each command exits with (its module's ``command``): models returns main's code; evaluate's main returns
+    the report, and its command 0."""
     import bapo_trl.cli.evaluate as evaluate
     import bapo_trl.cli.models as models
 
@@ -272,3 +272,37 @@ def test_evaluate_takes_each_flag_with_dashes_or_underscores(capsys):
                                              ("--dry-run", ["--dry-run", "--dry_run"]), ("--k", ["--k"])])
 def test_both_spellings(flag, spellings):
     assert bapo.both_spellings(flag) == spellings
+
+
+def test_every_subcommand_is_a_module_with_the_one_command_contract():
+    """``command(argv, prog) -> int`` in each subcommand's module: what ``bapo NAME`` and ``python -m`` both run."""
+    import importlib
+    import inspect
+
+    from bapo_trl.cli.main import SUBCOMMANDS
+
+    for name, (module, _) in SUBCOMMANDS.items():
+        command = importlib.import_module(module).command
+        assert list(inspect.signature(command).parameters) == ["argv", "prog"], name
+        assert inspect.signature(command).return_annotation in (int, "int"), name
+
+
+def test_a_new_subcommand_is_a_module_and_one_line(monkeypatch, capsys):
+    """A stand-in subcommand module registered with one SUBCOMMANDS line runs with its argv and program name, and its
+    exit code is the command's: ``bapo`` has no case of its own for any subcommand."""
+    import types
+
+    from bapo_trl.cli import main as bapo
+
+    module = types.ModuleType("stand_in_subcommand")
+
+    def command(argv=None, prog="python -m stand_in_subcommand") -> int:
+        print(prog, argv)
+        return 7
+
+    module.command = command
+    monkeypatch.setitem(sys.modules, "stand_in_subcommand", module)
+    monkeypatch.setitem(bapo.SUBCOMMANDS, "hello", ("stand_in_subcommand", "a stand-in"))
+    assert bapo.main(["hello", "--flag", "x"]) == 7
+    assert capsys.readouterr().out == "bapo hello ['--flag', 'x']\n"
+    assert "hello" in bapo.usage()

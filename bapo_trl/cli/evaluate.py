@@ -80,5 +80,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.eval
     return report
 
 
+def command(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.evaluate") -> int:
+    """``bapo evaluate``'s contract (:mod:`.main`): the report is printed (and written with ``--output``)."""
+    main(argv, prog=prog)
+    return 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(command())

@@ -8,8 +8,10 @@
     bapo env            = python -m bapo_trl.cli.env          (versions and device, for a bug report)
     bapo --version      (also -V): the package's version
 
-The rest of the command line goes to that module's own ``main`` (or ``run``): its flags, help text and exit codes are
-the module's, with ``bapo SUBCOMMAND`` as the program name. Only the chosen subcommand's module is imported, so
+The contract of a subcommand: its module defines ``command(argv, prog) -> int`` (parse ``argv``, run, return the exit
+code), which its ``python -m`` form runs too (``sys.exit(command())``); the rest of the command line goes there, so
+its flags, help text and exit codes are the module's, with ``bapo SUBCOMMAND`` as the program name. A new subcommand
+is such a module plus one line of :data:`SUBCOMMANDS`. Only the chosen subcommand's module is imported, so
 ``bapo plot`` and ``bapo --help`` do not load torch or transformers.
 
 ``train``, ``serve`` and ``evaluate`` take each flag with dashes or underscores, as TRL's parser does
@@ -27,7 +29,7 @@ import sys
 
 PROG = "bapo"
 
-#: subcommand -> (module, one line of help)
+#: subcommand -> (module defining ``command(argv, prog) -> int``, one line of help)
 SUBCOMMANDS = {
     "train": ("bapo_trl.cli.train", "train with BAPO on top of TRL's GRPO (= train_bapo.py)"),
     "serve": ("bapo_trl.cli.serve", "start a vLLM server with the flags BAPO/TRL training needs (GPU or CPU)"),
@@ -83,16 +85,8 @@ def _error(message: str) -> int:
 
 
 def _run(name: str, argv: list[str]) -> int:
-    """Run subcommand ``name`` the way its ``python -m`` form does, and return that form's exit code."""
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    prog = f"{PROG} {name}"
-    if name == "train":  # train_bapo.py: run(parser=make_parser()); the trainer it returns is not an exit code
-        module.run(argv, parser=module.make_parser(prog=prog))
-        return 0
-    if name in ("serve", "evaluate"):  # their `python -m` forms ignore what main returns (None, the report)
-        module.main(argv, prog=prog)
-        return 0
-    return module.main(argv, prog=prog)  # plot, models, env: sys.exit(main())
+    """Run subcommand ``name`` as its ``python -m`` form does (its module's ``command``), and return the exit code."""
+    return importlib.import_module(SUBCOMMANDS[name][0]).command(argv, prog=f"{PROG} {name}")
 
 
 def main(argv: list[str] | None = None) -> int:

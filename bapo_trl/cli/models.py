@@ -38,5 +38,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.mode
     return 0
 
 
+def command(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.models") -> int:
+    """``bapo models``'s contract (:mod:`.main`): ``main`` parses ``argv`` and returns the exit code."""
+    return main(argv, prog=prog)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())

@@ -46,5 +46,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m bapo_trl.cli.
     return 0
 
 
+def command(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.plot") -> int:
+    """``bapo plot``'s contract (:mod:`.main`): ``main`` parses ``argv`` and returns the exit code."""
+    return main(argv, prog=prog)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())

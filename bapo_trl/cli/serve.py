@@ -256,5 +256,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.serv
     os.execvp(cmd[0], cmd)
 
 
+def command(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.serve") -> int:
+    """``bapo serve``'s contract (:mod:`.main`): the server replaces this process (``main`` does not return) unless
+    ``--dry-run``."""
+    main(argv, prog=prog)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(command())

@@ -606,6 +606,13 @@ def run(argv: list[str] | None = None, parser: TrlParser | None = None):
     return trainer
 
 
+def command(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """``bapo train``'s contract (:mod:`.main`): :func:`run` with the parser named ``prog``; a run it ends early exits
+    itself (2 for a setup error, 1 for a run that trained nothing), so a return is a finished run."""
+    run(argv, parser=make_parser(prog=prog))
+    return 0
+
+
 def exits_past_gloo_teardown(num_processes: int, device_type: str, args) -> bool:
     """Whether a finished job leaves through :func:`exit_past_gloo_teardown`: several processes on CPU (gloo), and no
     vLLM engine inside them (``vllm_mode="colocate"``): vLLM's CPU engine removes its shared-memory segments
