@@ -133,7 +133,7 @@ def test_a_push_of_gathered_copies_is_written_without_a_second_copy(tmp_path):
     file holds exactly the tensors."""
     from safetensors.torch import load_file
 
-    from bapo_trl.generation.weight_sync import writable, write_weights
+    from bapo_trl.generation.weight_files import writable, write_weights
 
     base = torch.randn(4, 6)
     gathered = {"owned": torch.randn(3, 5), "tied": base, "tied_again": base, "view": base[:, :3],

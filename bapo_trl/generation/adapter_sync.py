@@ -35,7 +35,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 
 from .resend import lost_before_answer
-from .weight_sync import DiskWeightSync, WeightSyncError, write_weights
+from .weight_files import write_weights
+from .weight_sync import DiskWeightSync, WeightSyncError
 
 #: The environment variable vLLM reads before it exposes ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"

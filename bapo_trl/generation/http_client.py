@@ -29,7 +29,7 @@ from trl.generation.vllm_client import VLLMClient
 from .fleet import ServerFleet, naming, one_client
 from .resend import ResendOnLostConnection
 from .seeding import PerPromptSeeds
-from .weight_sync import authorize_session
+from .server_auth import authorize_session
 
 _swap_lock = threading.RLock()
 #: Connections a client keeps open to one server: a seeded batch is one request per prompt, all in flight at once (TRL

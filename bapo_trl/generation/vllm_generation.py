@@ -39,7 +39,8 @@ from .http_client import (
 )
 from .processes import broadcast_from_main, raise_everywhere
 from .seeding import SeededEngine, seed_salt
-from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError, directory_bytes, write_weights
+from .weight_files import directory_bytes, write_weights
+from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError
 
 
 class CPUServerVLLMGeneration(VLLMGeneration):

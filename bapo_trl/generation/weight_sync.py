@@ -30,16 +30,15 @@ import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from urllib.parse import urlsplit
 
 import torch
 
 from .resend import ResendOnLostConnection
 from .seeding import at_once
+from .server_auth import API_KEY_ENV, VLLMServerAuthError, api_key_headers, authorize_session  # noqa: F401
+from .weight_files import _remove_all, directory_bytes, writable, write_weights  # noqa: F401
 
 SERVE_HINT = "start it with `bapo serve MODEL --port PORT` or `python -m bapo_trl.cli.serve MODEL --port PORT`"
-#: The variable the trainer reads its server's API key from (the name vLLM's server reads it from too).
-API_KEY_ENV = "VLLM_API_KEY"
 #: The worker extension's method that reads the start-up probe file (bapo_vllm_worker.BAPOWorkerExtension).
 PROBE_METHOD = "bapo_read_probe"
 #: What a server's failed reload says when the directory does not exist there. vLLM then takes the path for a hub id
@@ -51,37 +50,6 @@ class WeightSyncError(RuntimeError):
     """The vLLM server could not be reached, or did not load the new weights."""
 
 
-class VLLMServerAuthError(PermissionError):
-    """The vLLM server refused a request for want of the right API key (HTTP 401)."""
-
-
-def api_key_headers(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """``{"Authorization": "Bearer KEY"}`` when ``$VLLM_API_KEY`` is set, else nothing."""
-    key = environ.get(API_KEY_ENV)
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-def _refuse_unauthorized(response, *args, **kwargs):
-    """A ``requests`` response hook: a 401 answer becomes :class:`VLLMServerAuthError` saying what to set."""
-    if response.status_code == 401:
-        sent = "Authorization" in response.request.headers
-        url = urlsplit(response.url)
-        raise VLLMServerAuthError(
-            f"the vLLM server at {url.scheme}://{url.netloc} refused {response.request.method} {url.path} "
-            "(401 Unauthorized): "
-            + (f"${API_KEY_ENV} is not the key the server was started with."
-               if sent else f"it was started with an API key; set {API_KEY_ENV} to that key for the trainer.")
-        )
-
-
-def authorize_session(session) -> None:
-    """Make a ``requests.Session`` send the API key (when ``$VLLM_API_KEY`` is set) and turn a 401 answer into
-    :class:`VLLMServerAuthError`, whoever makes the request (TRL's client or ours). Idempotent."""
-    session.headers.update(api_key_headers())
-    if _refuse_unauthorized not in session.hooks["response"]:
-        session.hooks["response"].append(_refuse_unauthorized)
-
-
 def not_shared_message(base_url: str, path: str, detail: str | None = None) -> str:
     """The error for a weight directory that the trainer wrote and the server cannot read."""
     root = os.environ.get("BAPO_VLLM_WEIGHTS_DIR")
@@ -90,61 +58,6 @@ def not_shared_message(base_url: str, path: str, detail: str | None = None) -> s
             + (f" ({detail})" if detail else "") + f". The weight sync without CUDA passes weights through a "
             f"directory ({where}); when the server runs on another machine, set BAPO_VLLM_WEIGHTS_DIR to a directory "
             "both machines see at the same path (a shared mount such as NFS), for the trainer's processes.")
-
-
-def write_weights(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], root: str | None,
-                  prefix: str, on_created=None, handed_over: bool = False) -> str:
-    """Write ``tensors`` (checkpoint names) as ``model.safetensors`` in a new directory under ``root`` (default
-    ``$BAPO_VLLM_WEIGHTS_DIR`` or the temp dir), for vLLM's ``reload_weights``; returns the directory.
-    ``on_created(directory)`` is called as soon as the directory exists (so its owner can remove it whatever happens).
-    With ``handed_over`` the caller gives the tensors up (a push's gathered copies), and those safetensors can write
-    as they are are not copied again (:func:`writable`); otherwise (live parameters) every one is copied first."""
-    from safetensors.torch import save_file
-
-    items = tensors.items() if isinstance(tensors, Mapping) else tensors
-    if handed_over:
-        state, _ = writable(items)
-    else:  # own, contiguous CPU copies: safetensors refuses views and shared storage
-        state = {name: t.detach().to("cpu").contiguous().clone() for name, t in items}
-    directory = tempfile.mkdtemp(prefix=prefix, dir=root or os.environ.get("BAPO_VLLM_WEIGHTS_DIR") or None)
-    if on_created is not None:
-        on_created(directory)
-    try:
-        save_file(state, os.path.join(directory, "model.safetensors"))
-    except BaseException:
-        shutil.rmtree(directory, ignore_errors=True)
-        raise
-    return directory
-
-
-def writable(items: Iterable[tuple[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Tensors handed over for writing, as safetensors writes them, and the names that had to be copied: a CPU tensor
-    that owns its whole storage (as the gathered copies of a push do) is written as it is; a GPU tensor, a view or a
-    tensor sharing its storage with an earlier one (tied weights) is copied. So a push of gathered weights holds one
-    CPU copy of the model while it is written, not two."""
-    state, copied, seen = {}, [], set()
-    for name, tensor in items:
-        tensor = tensor.detach()
-        storage = tensor.untyped_storage() if tensor.device.type == "cpu" else None
-        owns = (storage is not None and tensor.is_contiguous() and tensor.storage_offset() == 0
-                and storage.nbytes() == tensor.numel() * tensor.element_size() and storage.data_ptr() not in seen)
-        if owns:
-            seen.add(storage.data_ptr())
-        else:
-            tensor = tensor.to("cpu").contiguous().clone()
-            copied.append(name)
-        state[name] = tensor
-    return state, copied
-
-
-def directory_bytes(directory: str) -> int:
-    """Bytes of the files under ``directory`` (what a push wrote for the servers to read)."""
-    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(directory) for name in names)
-
-
-def _remove_all(paths: list[str]) -> None:
-    while paths:
-        shutil.rmtree(paths.pop(), ignore_errors=True)
 
 
 class WrittenWeights:
