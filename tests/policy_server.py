@@ -200,18 +200,37 @@ class PolicyServer:
             self.reloads += 1
 
     def load_adapter(self, name: str, directory: str) -> None:
-        """Read a peft adapter as peft itself applies it: loaded onto a copy of the base model and merged there; what
-        the merge changed, by base weight name, is what a request naming it adds (any module kind peft adapts,
-        ``lora_alpha``, rsLoRA and rank patterns all as peft computes them)."""
-        import copy
+        """Read a peft LoRA adapter as peft merges it: a linear layer adds ``scale * B @ A``, an embedding
+        ``scale * (B @ A).T`` (peft's ``lora_embedding_A/B``), under the base weight's name; ``scale`` is
+        ``lora_alpha / r`` (over ``sqrt(r)`` with rsLoRA), r from the tensors' shapes (rank patterns) and alpha from
+        ``alpha_pattern`` where a key names the layer, as peft matches them. Computed from the files alone: building a
+        peft model here would draw its layers' initial weights from the process's global torch generator, which the
+        trainer beside this in-process server draws from too (TRL's shuffle of each generation batch), so a resumed
+        run would shuffle differently from the run it resumes. A real server is another process."""
+        import re
 
-        from peft import PeftModel
+        from safetensors.torch import load_file
 
-        with self.lock:
-            base = copy.deepcopy(self.model)
-        before = {k: v.detach().clone() for k, v in base.state_dict().items()}
-        merged = PeftModel.from_pretrained(base, directory).merge_and_unload().state_dict()
-        deltas = {k: merged[k] - v for k, v in before.items() if k in merged and not torch.equal(merged[k], v)}
+        with open(f"{directory}/adapter_config.json") as f:
+            config = json.load(f)
+        tensors = load_file(f"{directory}/adapter_model.safetensors")
+        deltas = {}
+        for key, a in tensors.items():
+            kind = "embedding" if ".lora_embedding_A" in key else "linear" if ".lora_A." in key else None
+            if kind is None:
+                continue
+            b = tensors[key.replace("lora_embedding_A", "lora_embedding_B") if kind == "embedding"
+                        else key.replace(".lora_A.", ".lora_B.")]
+            layer = key.split(".lora_embedding_A" if kind == "embedding" else ".lora_A.")[0]
+            layer = layer.removeprefix("base_model.model.")
+            r = a.shape[0]
+            alpha = config["lora_alpha"]
+            for pattern, value in (config.get("alpha_pattern") or {}).items():
+                if re.match(rf"(.*\.)?({pattern})$", layer):
+                    alpha = value
+            scale = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
+            product = b.float() @ a.float()
+            deltas[f"{layer}.weight"] = scale * (product.T if kind == "embedding" else product)
         with self.lock:
             self.adapters[name] = deltas
             self.lora_events.append(("load", name))
