@@ -312,12 +312,15 @@ SUMMARY_PAIRS = (("BAPO paper + dual clip", "TRL dapo clip-higher"), ("BAPO pape
                  ("BAPO GSPO + dual clip", "widest fixed [0.9,3.0]"), ("BAPO paper + dual clip", "M2PO"),
                  ("BAPO paper + dual clip", "TRL GSPO (documented)"),
                  ("BAPO GSPO + dual clip", "TRL GSPO (documented)"))
+#: ... and rows shown only where their runs exist: issue 53's candidates against the strongest rival.
+CANDIDATE_PAIRS = tuple((candidate, "TRL GSPO (documented)") for candidate in CANDIDATES)
 
 
 def summary(runs: list[dict], resamples: int = 10000, key: str = "reward_final", digits: int = 3) -> str:
-    """Markdown matrices, one per learning rate: each of SUMMARY_PAIRS a row, each scenario a column, each entry the
-    paired difference of ``key`` with its interval, after the verdict word (bold where the interval excludes zero);
-    a dash where fewer than MIN_PAIRS seeds are paired."""
+    """Markdown matrices, one per learning rate: each of SUMMARY_PAIRS a row (and each of CANDIDATE_PAIRS with some
+    cell of MIN_PAIRS paired seeds), each scenario a column, each entry the paired difference of ``key`` with its
+    interval, after the verdict word (bold where the interval excludes zero); a dash where fewer than MIN_PAIRS seeds
+    are paired."""
     words = next(w for _, k, w in FIGURES if k == key)
     tables = []
     for lr in sorted({c[1] for c in cells(runs)}):
@@ -325,7 +328,7 @@ def summary(runs: list[dict], resamples: int = 10000, key: str = "reward_final",
         figures = {cell: by_seed(runs, cell, key) for cell in cols}
         lines = [f"| lr {lr:g}: method - reference | " + " | ".join(s for s, _ in cols) + " |",
                  "|---|" + "---|" * len(cols)]
-        for method, reference in SUMMARY_PAIRS:
+        for method, reference in SUMMARY_PAIRS + CANDIDATE_PAIRS:
             entries = []
             for cell in cols:
                 c = paired(figures[cell], method, reference, resamples)
@@ -334,7 +337,8 @@ def summary(runs: list[dict], resamples: int = 10000, key: str = "reward_final",
                     continue
                 word = verdict(c["low"], c["high"], words)
                 entries.append(f"{f'**{word}**' if word in words[:2] else word} {interval(c, digits)} ({c['n']})")
-            lines.append(f"| {shown(method)} - {shown(reference)} | " + " | ".join(entries) + " |")
+            if (method, reference) in SUMMARY_PAIRS or any(entry != "-" for entry in entries):
+                lines.append(f"| {shown(method)} - {shown(reference)} | " + " | ".join(entries) + " |")
         tables.append("\n".join(lines) + "\n")
     return "\n".join(tables)
 
@@ -427,7 +431,7 @@ def _pyplot():
     return plt
 
 
-def forest_plot(runs: list[dict], path: str, resamples: int = 10000, pairs=SUMMARY_PAIRS,
+def forest_plot(runs: list[dict], path: str, resamples: int = 10000, pairs=SUMMARY_PAIRS + CANDIDATE_PAIRS,
                 key: str = "reward_final") -> int:
     """The paired differences of the at-a-glance pairs as a forest plot: one panel per learning rate, one row per
     pair and scenario (mean difference, 95% bootstrap interval; filled where it excludes zero), a line at 0. Pairs
