@@ -33,14 +33,15 @@ train: install
 
 # The slow tier must collect tests: pytest's exit code 5 ("no tests collected") fails the target.
 # The fast tier runs on 2 pytest-xdist workers (-n 2: each test holds one torch thread, tests/conftest.py), and so do
-# the slow tier's guarantee rows (marked stand_in: one process and the in-process stand-in server); the rest of the
-# slow tier runs one test at a time (its launches and real servers use every core, and its memory is sized for one).
+# the slow tests marked side_by_side (the guarantee rows on the in-process stand-in server, the benchmarks' quick runs
+# with servers of their own); the rest of the slow tier runs one test at a time (multi-process launches, servers
+# shared between tests, timing bounds).
 FAST_WORKERS ?= 2
 
 test: install-test
 	$(PYTHON) -m pytest -m "not slow" -q -n $(FAST_WORKERS) --durations=20
-	$(PYTHON) -m pytest -m "slow and stand_in" -q -n $(FAST_WORKERS) --durations=20
-	$(PYTHON) -m pytest -m "slow and not stand_in" -q --durations=30
+	$(PYTHON) -m pytest -m "slow and side_by_side" -q -n $(FAST_WORKERS) --durations=20
+	$(PYTHON) -m pytest -m "slow and not side_by_side" -q --durations=30
 
 test-fast: install-test
 	$(PYTHON) -m pytest -m "not slow" -q -n $(FAST_WORKERS) --durations=20

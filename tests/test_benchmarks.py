@@ -15,7 +15,9 @@ import pytest
 
 from launching import REPO, run_quick
 
-pytestmark = pytest.mark.usefixtures("use_test_cache")
+# side_by_side: the quick runs start their own servers (or the worker's own live one) and assert no timing, so the slow
+# tier runs them on 2 workers.
+pytestmark = [pytest.mark.usefixtures("use_test_cache"), pytest.mark.side_by_side]
 
 NUMBER = r"-?\d+(?:\.\d+)?"
 

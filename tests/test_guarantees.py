@@ -561,7 +561,7 @@ def check_adapter_pushes(trainer, servers: list, trainers: int) -> None:
     assert all(each == loads[0] for each in loads), loads  # every server loaded and unloaded the same adapters
 
 
-@pytest.mark.stand_in
+@pytest.mark.side_by_side
 @pytest.mark.parametrize("source", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_ROWS else s
                                     for s in SOURCES])
 def test_guarantees_fast_rows(source, tiny_model_dir, tmp_path):
@@ -585,7 +585,7 @@ def test_async_k2_reaches_its_staleness_bound_and_never_passes_it(tiny_model_dir
 
 
 @pytest.mark.slow
-@pytest.mark.stand_in
+@pytest.mark.side_by_side
 @pytest.mark.parametrize("setting", [s for s in SETTINGS if s != FAST], ids=lambda s: "S{}_I{}_GA{}".format(*s))
 # a fleet adds nothing per setting; ONE_SETTING rows run at the fast setting only
 @pytest.mark.parametrize("source", [s for s in SOURCES if s not in SERVERS.keys() | ONE_SETTING])
@@ -646,7 +646,7 @@ SERVER_SOURCES = ["trl", "replay", "partial", "replay_saves", "async_k1", "async
 FAST_SERVER_SOURCES = {"partial", "async_inflight"}
 
 
-@pytest.mark.stand_in
+@pytest.mark.side_by_side
 @pytest.mark.parametrize("source", [s if s in FAST_SERVER_SOURCES else pytest.param(s, marks=pytest.mark.slow)
                                     for s in SERVER_SOURCES])
 def test_user_sampling_settings_through_the_server(source, tiny_model_dir, tmp_path):
