@@ -50,11 +50,12 @@ def test_a_lora_run_samples_from_its_adapter_and_retires_old_names(lora_server, 
     pushed = [h["weight_sync/pushed_bytes"] for h in trainer.state.log_history if "weight_sync/pushed_bytes" in h]
     adapter = sum(p.numel() * 4 for n, p in trainer.model.named_parameters() if "lora_" in n)
     assert pushed[0] > model_bytes(tiny_model_dir) and all(adapter < b < adapter + 4096 for b in pushed[1:]), pushed
-    for name, status in ((sync.loaded_names[0], 404), (sync.loaded_names[-1], 200)):
+    # Every name is refused now: a replaced one since its replacement, the last one since the end of the run (which
+    # unloads it); the log-prob gaps above show requests named the live adapter while it ran.
+    for name in (sync.loaded_names[0], sync.loaded_names[-1]):
         answer = requests.post(f"{lora_server.url}/v1/completions", timeout=60,
                                json={"model": name, "prompt": [[2, 5, 6]], "max_tokens": 2})
-        assert answer.status_code == status, (name, answer.text[:300])
-    sync.close()
+        assert answer.status_code == 404, (name, answer.text[:300])
 
 
 def test_the_lora_row_of_the_matrix_with_the_real_server(lora_server, tiny_model_dir, tmp_path):
