@@ -162,7 +162,9 @@ SAVED_FILES = {
 def _size(path: str) -> int:
     if os.path.isfile(path):
         return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+    from ..generation.weight_files import directory_bytes  # the push's own count of a folder's bytes
+
+    return directory_bytes(path)
 
 
 def _human(size: int) -> str:
