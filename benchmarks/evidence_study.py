@@ -343,17 +343,87 @@ def summary(runs: list[dict], resamples: int = 10000, key: str = "reward_final",
     return "\n".join(tables)
 
 
-def report(runs: list[dict], results: str, resamples: int = 10000, figures: tuple = ()) -> tuple[str, int]:
+#: Issue 53's strongest rival: every candidate is chosen against it (docs/data/candidate_protocol.md).
+RIVAL = "TRL GSPO (documented)"
+#: The rivals the default rule names (each as its users run it); "TRL GSPO" (epsilon 0.2) is a variant, not one.
+RIVALS = (RIVAL, "TRL dapo clip-higher", "TRL vespo", "TRL cispo", "widest fixed [0.9,3.0]", "M2PO")
+
+
+def cell_name(cell: tuple) -> str:
+    return f"{cell[0]}, lr {cell[1]:g}"
+
+
+def choose(runs: list[dict], candidates=CANDIDATES, rival: str = RIVAL, resamples: int = 10000
+           ) -> tuple[str | None, list[str]]:
+    """The protocol's choice rule: per cell, each candidate's paired final-reward difference against ``rival``; the
+    chosen one has the largest mean of those differences over the cells, among the candidates whose interval lies
+    below zero in no cell (if every candidate loses a cell: the fewest losses, then the largest mean). Only cells with
+    at least MIN_PAIRS paired seeds count. Returns (the chosen name or None without candidate runs, markdown lines)."""
+    present = [c for c in candidates if any(r["method"] == c for r in runs)]
+    figures = {cell: by_seed(runs, cell, "reward_final") for cell in cells(runs)}
+    scored, rows = [], []
+    for candidate in present:
+        comparisons = {cell: paired(values, candidate, rival, resamples) for cell, values in figures.items()}
+        counted = {cell: c for cell, c in comparisons.items() if c["n"] >= MIN_PAIRS}
+        if not counted:
+            continue
+        losses = sum(c["high"] < 0 for c in counted.values())
+        wins = sum(c["low"] > 0 for c in counted.values())
+        average = mean([c["diff"] for c in counted.values()])
+        scored.append((losses, -average, candidate))
+        rows.append(f"| {candidate} | {len(counted)} | {wins} | {losses} | {average:+.3f} | "
+                    + "; ".join(f"{cell_name(cell)} {interval(c)}" for cell, c in counted.items()) + " |")
+    if not scored:
+        return None, []
+    chosen = min(scored)[2]
+    lines = [f"Each candidate against {rival}, final reward, over the cells with at least {MIN_PAIRS} paired seeds "
+             "(mean paired difference [95% CI] per cell):\n",
+             "| candidate | cells | beats | loses | mean difference | per cell |", "|---|---|---|---|---|---|", *rows,
+             f"\nChosen by the rule: **{chosen}** "
+             + ("(loses no cell)." if min(scored)[0] == 0 else f"(every candidate loses a cell; it loses "
+                                                                 f"{min(scored)[0]}).")]
+    return chosen, lines
+
+
+def default_rule(runs: list[dict], chosen: str, default: str = DEFAULT_METHOD, rivals=RIVALS,
+                 resamples: int = 10000) -> tuple[bool, list[str]]:
+    """The issue's default rule on one seed set: ``chosen`` beats or ties every rival present in every cell (at least
+    MIN_PAIRS paired seeds), and beats ``default`` in at least a third of the cells. Returns (whether it holds here,
+    markdown lines naming every loss)."""
+    losses, beats_default, counted = [], 0, 0
+    for cell in cells(runs):
+        values = by_seed(runs, cell, "reward_final")
+        for rival in rivals:
+            c = paired(values, chosen, rival, resamples)
+            if c["n"] >= MIN_PAIRS and c["high"] < 0:
+                losses.append(f"- {cell_name(cell)}: loses to {shown(rival)}, {interval(c)} ({c['n']} seeds)")
+        c = paired(values, chosen, default, resamples)
+        if c["n"] >= MIN_PAIRS:
+            counted += 1
+            beats_default += c["low"] > 0
+    holds = not losses and counted > 0 and 3 * beats_default >= counted
+    lines = [f"{chosen} against the rivals ({', '.join(shown(r) for r in rivals)}) and the default ({default}), "
+             f"final reward: it beats the default in {beats_default} of {counted} cells (the rule needs a third) and "
+             f"loses to a rival in {len(losses)} cell-rival pairs{':' if losses else '.'}", *losses,
+             f"\nThe default rule {'holds' if holds else 'does not hold'} on these runs."]
+    return holds, lines
+
+
+def report(runs: list[dict], results: str, resamples: int = 10000, figures: tuple = (), with_runs: tuple = ()
+           ) -> tuple[str, int]:
     """The markdown report of a results file and the number of claims it makes; ``figures``: (file name, what it
-    shows) of figures written beside the report, linked under the at-a-glance tables."""
+    shows) of figures written beside the report, linked under the at-a-glance tables; ``with_runs``: the other runs
+    files read beside it (``--with-runs``)."""
     seeds = {cell: sorted({r["seed"] for r in runs if (r["staleness"], r["lr"]) == cell}) for cell in cells(runs)}
     commits = sorted({r.get("commit", "unknown") for r in runs})
     hours = sum(r["seconds"] for r in runs) / 3600
     tasks = sorted({task_of(r) for r in runs}) or [DEFAULT_TASK]
     flag = f" --task {tasks[0]}" if tasks != [DEFAULT_TASK] else ""
+    also = "".join(f" {os.path.relpath(p, REPO)}" for p in with_runs)
+    flag += f" --with-runs{also}" if also else ""
     lines = [
         "# Evidence study: BAPO against its rivals, paired by seed (tiny scale)\n",
-        f"From `{os.path.relpath(results, REPO)}` ({len(runs)} runs, {hours:.1f} hours of run time; code "
+        f"From `{os.path.relpath(results, REPO)}`{f' and{also}' if also else ''} ({len(runs)} runs, {hours:.1f} hours of run time; code "
         f"{', '.join(c[:12] for c in commits)}; {platform.machine()}, {os.cpu_count()} cores, one torch thread, one "
         f"run at a time), written by `python benchmarks/evidence_study.py --report{flag} --results "
         f"{os.path.relpath(results, REPO)}` on {time.strftime('%Y-%m-%d')}. How the runs were made, the methods' "
@@ -374,6 +444,11 @@ def report(runs: list[dict], results: str, resamples: int = 10000, figures: tupl
     lines += ["## At a glance: final reward, paired difference [95% CI] (paired seeds)\n", summary(runs, resamples),
               "## At a glance: largest gradient norm, paired difference [95% CI] (paired seeds)\n",
               summary(runs, resamples, "grad_norm_max", 1)]
+    chosen, choice_lines = choose(runs, resamples=resamples)
+    if chosen is not None:
+        holds, rule_lines = default_rule(runs, chosen, resamples=resamples)
+        lines += ["## Issue 53's choice rule on these runs ([the protocol](candidate_protocol.md))\n", *choice_lines,
+                  "\n" + rule_lines[0], *rule_lines[1:], ""]
     if figures:
         lines += ["## Figures\n", *(f"![{text}]({name})\n\n{text}\n" for name, text in figures)]
     all_claims = []
@@ -595,6 +670,9 @@ def main(argv=None) -> int:
                         "its two figures (<report>_forest.png, <report>_rewards.png)")
     parser.add_argument("--report-out", default=None, help=f"default {os.path.relpath(REPORT, REPO)} (another task: "
                         f"{os.path.relpath(default_paths('reverse2-8')[1], REPO)} and so on)")
+    parser.add_argument("--with-runs", nargs="+", default=[], metavar="RUNS_FILE", help="more runs files read for "
+                        "the report only (e.g. the published study's docs/data/evidence_runs.jsonl.gz beside the "
+                        "candidates' runs: the rivals on the same seeds); a run in --results wins over the same run here")
     parser.add_argument("--resamples", type=int, default=10000, help="bootstrap resamples (>= 10000 for the study)")
     parser.add_argument("--agreement", default=None, metavar="OTHER_RESULTS", help="print the headline cell of "
                         "--results and of this runs file (another seed range) side by side, verdict by verdict")
@@ -638,9 +716,16 @@ def main(argv=None) -> int:
         task_model(args.task)  # built once here, not by each run
         run_study(todo, results, args.server_url)
     runs = task_runs(results)
+    seen = {run_key(r) for r in runs}
+    for path in args.with_runs:
+        if not os.path.exists(path):
+            parser.error(f"--with-runs: no file {path}")
+        extra = [r for r in task_runs(path) if run_key(r) not in seen]
+        seen |= {run_key(r) for r in extra}
+        runs += extra
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     figures = draw_figures(runs, out, args.resamples)
-    text, claims = report(runs, results, args.resamples, figures)
+    text, claims = report(runs, results, args.resamples, figures, tuple(args.with_runs))
     with open(out, "w") as f:
         f.write(text)
     print(f"wrote {out} and its figures {', '.join(name for name, _ in figures)}")

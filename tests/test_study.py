@@ -183,3 +183,35 @@ def test_report_writes_the_forest_plot_and_the_reward_curves(tmp_path):
     few = [r for r in runs if r["seed"] < 105]  # 5 pairs: no row, but still a figure
     assert evidence_study.forest_plot(few, str(tmp_path / "g.png"), resamples=500) == 0
     assert (tmp_path / "g.png").stat().st_size > 0
+
+
+def test_the_choice_rule_skips_a_candidate_that_loses_a_cell_and_the_default_rule_names_each_loss():
+    """Issue 53's protocol on made-up runs: "M2PO then balance" has the largest mean difference against the documented
+    GSPO but loses one cell, so "BAPO GSPO-scale x10" (smaller mean, no loss) is chosen; the default rule then holds
+    only while the chosen one loses to no rival and beats the default in a third of the cells."""
+    rival, default = evidence_study.RIVAL, evidence_study.DEFAULT_METHOD
+    runs = []
+    for seed in range(100, 110):
+        wobble = 0.01 * (seed % 3)
+        for cell in (("spg 32", 1e-3), ("spg 8", 1e-3), ("replay 0.5", 1e-3)):
+            big = -0.2 if cell[0] == "spg 8" else 0.4  # the big-mean candidate loses staleness 8
+            runs += [record(rival, *cell, seed, 0.5 + wobble), record(default, *cell, seed, 0.45 + wobble),
+                     record("TRL dapo clip-higher", *cell, seed, 0.4 + wobble),
+                     record("BAPO GSPO-scale x10", *cell, seed, 0.55 + 2 * wobble),
+                     record("M2PO then balance", *cell, seed, 0.5 + big + wobble)]
+    chosen, lines = evidence_study.choose(runs, resamples=2000)
+    assert chosen == "BAPO GSPO-scale x10"
+    assert lines[-1].strip() == "Chosen by the rule: **BAPO GSPO-scale x10** (loses no cell)."
+    assert any(line.startswith("| M2PO then balance | 3 | 2 | 1 |") for line in lines)
+    holds, text = evidence_study.default_rule(runs, chosen, resamples=2000)
+    assert holds and "beats the default in 3 of 3 cells" in text[0]
+    # the chosen one now loses staleness 8 to TRL's clip-higher: the rule fails, naming that cell and rival
+    worse = [dict(r, reward_final=0.3 + 0.01 * (r["seed"] % 3))
+             if (r["method"], r["staleness"]) == ("BAPO GSPO-scale x10", "spg 8") else r for r in runs]
+    holds, text = evidence_study.default_rule(worse, chosen, resamples=2000)
+    assert not holds and any(line.startswith("- spg 8, lr 0.001: loses to TRL dapo clip-higher") for line in text)
+    # every candidate loses one cell: the fewest losses, then the largest mean (M2PO then balance's +0.2)
+    both = [dict(r, reward_final=0.2) if (r["method"], r["staleness"]) == ("BAPO GSPO-scale x10", "spg 8") else r
+            for r in runs]
+    chosen, lines = evidence_study.choose(both, resamples=2000)
+    assert chosen == "M2PO then balance" and "every candidate loses a cell; it loses 1" in lines[-1]
