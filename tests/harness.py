@@ -1,5 +1,6 @@
-"""The scaffolding the trainer tests share: one tiny-trainer builder, one policy-snapshot callback, one behaviour
-log-prob check, one recording probe (and :func:`source_of`, to reach a part of a trainer's rollout source).
+"""The scaffolding the trainer tests share: the CPU settings (:data:`CPU`, :func:`cpu_config`), one tiny-trainer
+builder, one policy-snapshot callback, one behaviour log-prob check, one recording probe (and :func:`source_of`, to
+reach a part of a trainer's rollout source, :func:`replay_queue_of` its replay queue).
 
 Each test module keeps its own settings (model size, seeds, batch shapes) and passes them in; these helpers only
 build, record and check, so a defect in one of them shows in every test that uses it instead of in one copy.
@@ -14,14 +15,31 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-from bapo_trl import BAPOTrainer
+from bapo_trl import BAPOConfig, BAPOTrainer
 from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 from bapo_trl.rollout.contract import parts
+from bapo_trl.rollout.replay import ReplaySource
+
+#: How every trainer test runs: on the CPU in float32, without gradient checkpointing, reporting nowhere. Once here so
+#: that no test drifts from the others (TRL's defaults are bf16 and gradient checkpointing on).
+CPU = dict(use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none")
+
+
+def cpu_config(output_dir, *, config_cls=BAPOConfig, **settings):
+    """``config_cls`` (BAPOConfig, or TRL's GRPOConfig) writing to ``output_dir`` with :data:`CPU` and ``settings``;
+    a setting named in both is the test's (a test that keeps TRL's default for one states it here)."""
+    return config_cls(output_dir=str(output_dir), **{**CPU, **settings})
 
 
 def source_of(trainer, cls):
     """The part of ``trainer``'s rollout source (the source itself or one it wraps) that is a ``cls``; None if none."""
     return next((p for p in parts(trainer.rollout_source) if isinstance(p, cls)), None)
+
+
+def replay_queue_of(trainer):
+    """The queue of ``trainer``'s replay source (None without replay)."""
+    source = source_of(trainer, ReplaySource)
+    return None if source is None else source.queue
 
 
 def tiny_trainer(model_dir, args, *, cls=BAPOTrainer, reward=reverse_reward, prompts: int = 64, prompt_seed: int = 0,

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from harness import tiny_trainer
+from harness import cpu_config, tiny_trainer
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from policy_server import PolicyServer
 from transformers import AutoModelForCausalLM, TrainerCallback
@@ -151,11 +151,12 @@ def test_server_errors_get_the_flag_to_add():
 
 def server_config(server, tmp_path, **overrides) -> BAPOConfig:
     host, port = server.url.removeprefix("http://").split(":")
-    return BAPOConfig(**{**dict(
-        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
-        per_device_train_batch_size=8, num_generations=4, max_completion_length=6, logging_steps=1, seed=0,
-        learning_rate=5e-3, steps_per_generation=2, max_steps=4, use_vllm=True, vllm_mode="server",
-        vllm_server_host=host, vllm_server_port=int(port), vllm_server_timeout=30, disable_tqdm=True), **overrides})
+    return cpu_config(tmp_path / "out", **{**dict(
+        gradient_checkpointing=True,  # TRL's default, as these runs have always trained
+        save_strategy="no", per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
+        logging_steps=1, seed=0, learning_rate=5e-3, steps_per_generation=2, max_steps=4, use_vllm=True,
+        vllm_mode="server", vllm_server_host=host, vllm_server_port=int(port), vllm_server_timeout=30,
+        disable_tqdm=True), **overrides})
 
 
 @pytest.mark.parametrize("mode", ["adapter", "merged"])

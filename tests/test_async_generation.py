@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from harness import PolicySnapshots, Probe, check_behaviour_logps, tiny_trainer
+from harness import CPU, PolicySnapshots, Probe, check_behaviour_logps, cpu_config, tiny_trainer
 from policy_server import PolicyServer
 from test_vllm_server import completion_length, reset_server_weights, train_with_server
 from transformers import AutoModelForCausalLM, TrainerCallback
@@ -431,8 +431,8 @@ def test_a_failed_request_is_raised_where_the_trainer_takes_the_batch():
 
 # -- configuration ------------------------------------------------------------------------------------------------
 
-BASE = dict(output_dir="unused", use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=8,
-            num_generations=4)
+BASE = dict(CPU, output_dir="unused", gradient_checkpointing=True,  # TRL's default, as these checks have always run
+            per_device_train_batch_size=8, num_generations=4)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -540,12 +540,11 @@ def test_a_generation_batch_above_the_old_request_pool_trains_within_a_short_tim
     prompts, generations = 200, 2
     try:
         host, port = server.url.removeprefix("http://").split(":")
-        args = BAPOConfig(
-            output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
-            save_strategy="no", per_device_train_batch_size=prompts * generations // 4, steps_per_generation=4,
-            num_generations=generations, max_completion_length=1, max_steps=8, logging_steps=1, seed=0,
-            use_vllm=True, vllm_mode="server", vllm_server_host=host, vllm_server_port=int(port),
-            vllm_server_timeout=4, async_generation=True, max_staleness=1)
+        args = cpu_config(
+            tmp_path / "out", save_strategy="no", per_device_train_batch_size=prompts * generations // 4,
+            steps_per_generation=4, num_generations=generations, max_completion_length=1, max_steps=8,
+            logging_steps=1, seed=0, use_vllm=True, vllm_mode="server", vllm_server_host=host,
+            vllm_server_port=int(port), vllm_server_timeout=4, async_generation=True, max_staleness=1)
         trainer = tiny_trainer(tiny_model_dir, args, model=tiny_model_dir, reward=completion_length, prompts=prompts)
         trainer.train()
     finally:
@@ -1056,9 +1055,8 @@ def test_the_trainer_feeds_the_servers_answers_to_the_producers_stall_bound(tiny
     server = PolicyServer(tiny_model_dir, latency=0.4)
     try:
         host, port = server.url.removeprefix("http://").split(":")
-        args = BAPOConfig(
-            output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, gradient_checkpointing=False,
-            report_to="none", save_strategy="no", per_device_train_batch_size=4, steps_per_generation=1,
+        args = cpu_config(
+            tmp_path / "out", save_strategy="no", per_device_train_batch_size=4, steps_per_generation=1,
             num_generations=2, max_completion_length=12, max_steps=1, logging_steps=1, seed=0, use_vllm=True,
             vllm_mode="server", vllm_server_host=host, vllm_server_port=int(port), vllm_server_timeout=0.8,
             async_generation=True, max_staleness=1, inflight_update_tokens=1, generation_kwargs={"ignore_eos": True})

@@ -9,11 +9,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer, TrainerCallback
+from harness import cpu_config, tiny_trainer
+from transformers import TrainerCallback
 
 import bapo_trl.trainer.checkpoints as checkpoints_module
-from bapo_trl import BAPOConfig, BAPOTrainer
-from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
+from bapo_trl import BAPOTrainer
 from bapo_trl.trainer.checkpoints import (
     MARKER,
     SUPERSEDED,
@@ -26,13 +26,10 @@ from bapo_trl.trainer.checkpoints import (
 
 
 def build(model_dir, out, **overrides):
-    settings = dict(output_dir=str(out), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
-                    per_device_train_batch_size=8, num_generations=4, max_completion_length=6, logging_steps=1,
+    settings = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=6, logging_steps=1,
                     steps_per_generation=1, save_strategy="steps", save_steps=1, save_total_limit=1, seed=3)
     settings.update(overrides)
-    return BAPOTrainer(model=model_dir, reward_funcs=reverse_reward, args=BAPOConfig(**settings),
-                       train_dataset=make_reverse_dataset(32),
-                       processing_class=AutoTokenizer.from_pretrained(model_dir))
+    return tiny_trainer(model_dir, cpu_config(out, **settings), prompts=32, model=model_dir)  # loaded by its path
 
 
 class Crash(Exception):

@@ -86,11 +86,15 @@ def test_the_config_path_stays_silently_and_unpickles_a_saved_config():
 
 def test_the_old_trainer_module_names_warn():
     import bapo_trl.trainer as trainer
-    from bapo_trl.trainer.bapo_trainer import BAPO_METRICS
+    from bapo_trl.core.metrics import ENTROPY_CLIP, REPLAY, SEARCH, UPDATE
 
     with pytest.warns(DeprecationWarning, match="bapo_trl.trainer.BAPO_METRICS moved to "
-                                                "bapo_trl.trainer.bapo_trainer.BAPO_METRICS"):
-        assert trainer.BAPO_METRICS is BAPO_METRICS
+                                                "bapo_trl.core.metrics.UPDATE"):
+        assert trainer.BAPO_METRICS is UPDATE
+    assert UPDATE == SEARCH + ENTROPY_CLIP  # the names 0.1's BAPO_METRICS held
+    with pytest.warns(DeprecationWarning, match="bapo_trl.trainer.REPLAY_METRICS moved to "
+                                                "bapo_trl.core.metrics.REPLAY"):
+        assert trainer.REPLAY_METRICS is REPLAY
 
 
 def test_python_m_of_an_old_command_runs_the_new_one():

@@ -6,14 +6,13 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from harness import cpu_config, tiny_trainer
 
-from bapo_trl import BAPOConfig, BAPOTrainer, search_clip_bounds
+from bapo_trl import search_clip_bounds
 from bapo_trl.cli.plot import main as plot_main
 from bapo_trl.core.clipping_reference import entropy_clip_reference
 from bapo_trl.core.entropy_clip import METRICS, entropy_clip_metrics, entropy_clip_sums, predicted_vs_realised
 from bapo_trl.core.target_controller import TargetController
-from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 
 
 def random_batch(rng: random.Random):
@@ -70,16 +69,12 @@ def test_predicted_vs_realised_correlation():
     assert predicted_vs_realised(history[:3]) == (pytest.approx(float("nan"), nan_ok=True), 2)
 
 
-ARGS = dict(use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", per_device_train_batch_size=16,
-            num_generations=8, max_completion_length=10, logging_steps=1, seed=0, learning_rate=5e-3,
-            steps_per_generation=2, lr_scheduler_type="constant")
+ARGS = dict(per_device_train_batch_size=16, num_generations=8, max_completion_length=10, logging_steps=1, seed=0,
+            learning_rate=5e-3, steps_per_generation=2, lr_scheduler_type="constant")
 
 
 def build(model_dir, out, **overrides):
-    return BAPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reverse_reward,
-                       args=BAPOConfig(output_dir=str(out), **{**ARGS, **overrides}),
-                       train_dataset=make_reverse_dataset(256),
-                       processing_class=AutoTokenizer.from_pretrained(model_dir))
+    return tiny_trainer(model_dir, cpu_config(out, **{**ARGS, **overrides}), prompts=256)
 
 
 def test_a_run_logs_and_plots_the_diagnostics(tiny_model_dir, tmp_path, capsys):

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from harness import PolicySnapshots
+from harness import PolicySnapshots, cpu_config
 
 from bapo_trl import BAPOConfig
 from bapo_trl.generation.contract import GenerationBackend, register_backend, registered_backends
@@ -89,11 +89,10 @@ def test_async_generation_trains_through_a_registered_backend(tiny_model_dir, tm
     from test_guarantees import build, check_behaviour_logps, check_versions_and_staleness
 
     snapshots = PolicySnapshots()
-    args = BAPOConfig(
-        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
-        save_strategy="no", per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
-        logging_steps=1, seed=0, learning_rate=5e-3, steps_per_generation=2, max_steps=6, disable_tqdm=True,
-        async_generation=True, max_staleness=1, generation_backend="in_process_stand_in")
+    args = cpu_config(
+        tmp_path / "out", save_strategy="no", per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=6, logging_steps=1, seed=0, learning_rate=5e-3, steps_per_generation=2, max_steps=6,
+        disable_tqdm=True, async_generation=True, max_staleness=1, generation_backend="in_process_stand_in")
     trainer = build(tiny_model_dir, args, callbacks=[snapshots])
     trainer.train()
     backend = trainer.port.backend

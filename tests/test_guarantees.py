@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import PolicySnapshots, Probe, tiny_trainer
+from harness import PolicySnapshots, Probe, cpu_config, replay_queue_of, tiny_trainer
 from harness import check_behaviour_logps as behaviour_logps_match
 from policy_server import PolicyServer
 from transformers import AutoModelForCausalLM, TrainerCallback
@@ -251,8 +251,9 @@ def record_trained(trainer, compute_loss, model, inputs, *args, **kwargs):
     if model.training:
         step = trainer.state.global_step
         trainer.trained += rows_of(inputs, step)
-        if trainer.replay_queue is not None:
-            trainer.queue_ages += [step - int(g["policy_version"][0]) for g in trainer.replay_queue.groups]
+        queue = replay_queue_of(trainer)
+        if queue is not None:
+            trainer.queue_ages += [step - int(g["policy_version"][0]) for g in queue.groups]
     return compute_loss(model, inputs, *args, **kwargs)
 
 
@@ -314,13 +315,12 @@ def config(source: str, setting: tuple[int, int, int], out: Path, servers: list,
         extra.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=[s.url for s in servers],
                      vllm_server_timeout=30)
     settings = dict(
-        output_dir=str(out), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
         per_device_train_batch_size=8, num_generations=4, max_completion_length=8, logging_steps=1, seed=0,
         learning_rate=5e-3, lr_scheduler_type="constant", steps_per_generation=steps_per_generation,
         num_iterations=num_iterations, gradient_accumulation_steps=accumulation,
         max_steps=row_steps(source, updates),
         save_strategy="steps", save_steps=1, disable_tqdm=True)
-    return BAPOConfig(**{**settings, **extra, **overrides})
+    return cpu_config(out, **{**settings, **extra, **overrides})
 
 
 def row_steps(source: str, updates: int) -> int:

@@ -6,14 +6,14 @@ import math
 
 import pytest
 import torch
+from harness import cpu_config, tiny_trainer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
-from bapo_trl import BAPOConfig, BAPOTrainer, search_clip_bounds
+from bapo_trl import search_clip_bounds
 from bapo_trl.core.clipping import BAPOSettings, search_path
 from bapo_trl.core.numerics import loss_mask, sanitize_micro_batch
-from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 
 NASTY = [math.nan, math.inf, -math.inf, 1e30, 1e-30, 0.0, 1e38]
 ratio_values = st.floats(1e-30, 1e30, allow_nan=False) | st.sampled_from([1.0, 0.6, 1.2, 3.0, 1e-30, 1e30])
@@ -54,13 +54,11 @@ def test_search_always_terminates_with_a_window_on_the_path(data, variant, mode)
 
 @pytest.fixture(scope="module")
 def trainer(tiny_model_dir, tmp_path_factory):
-    args = BAPOConfig(output_dir=str(tmp_path_factory.mktemp("num")), use_cpu=True, bf16=False,
-                      gradient_checkpointing=False, report_to="none", per_device_train_batch_size=4,
-                      num_generations=4, max_completion_length=6, beta=0.04)
+    args = cpu_config(tmp_path_factory.mktemp("num"), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=6, beta=0.04)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     model.train()
-    t = BAPOTrainer(model=model, reward_funcs=reverse_reward, args=args, train_dataset=make_reverse_dataset(8),
-                    processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+    t = tiny_trainer(tiny_model_dir, args, model=model, prompts=8)
     t.current_gradient_accumulation_steps = 1
     return t
 

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from harness import PolicySnapshots, Probe, logps_under, tiny_trainer
+from harness import PolicySnapshots, Probe, cpu_config, logps_under, tiny_trainer
 from transformers import AutoModelForCausalLM
 
 from bapo_trl import BAPOConfig
@@ -88,8 +88,7 @@ def test_the_metrics_are_the_definitions(mode):
 
 
 def decoupled_config(tmp_path, **overrides) -> BAPOConfig:
-    return BAPOConfig(**{**dict(
-        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
+    return cpu_config(tmp_path / "out", **{**dict(
         save_strategy="no", per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
         logging_steps=1, seed=0, learning_rate=5e-3, lr_scheduler_type="constant", steps_per_generation=2,
         max_steps=6, replay_buffer_size=8, replay_ratio=0.5, off_policy_correction="decoupled",

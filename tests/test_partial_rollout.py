@@ -4,10 +4,9 @@ import copy
 import math
 
 import pytest
-from harness import PolicySnapshots, Probe, check_behaviour_logps, source_of, tiny_trainer
+from harness import PolicySnapshots, Probe, check_behaviour_logps, cpu_config, source_of, tiny_trainer
 from transformers import AutoModelForCausalLM
 
-from bapo_trl import BAPOConfig
 from bapo_trl.rollout import PartialRollout
 from bapo_trl.rollout.pool import PartialRolloutPool
 
@@ -114,13 +113,13 @@ def record_scored(trainer, pop_ready, num_groups):
 RECORDING = dict(cls=Probe, around={(PartialRollout, "pool.pop_ready"): record_scored}, record=("trained",))
 
 
-ARGS = dict(use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", per_device_train_batch_size=16,
-            num_generations=4, max_completion_length=10, logging_steps=1, learning_rate=2e-3, seed=1,
-            partial_rollout_budget=3, partial_rollout_max_resumes=3, lr_scheduler_type="constant")
+ARGS = dict(per_device_train_batch_size=16, num_generations=4, max_completion_length=10, logging_steps=1,
+            learning_rate=2e-3, seed=1, partial_rollout_budget=3, partial_rollout_max_resumes=3,
+            lr_scheduler_type="constant")
 
 
 def build(model_dir, out, callbacks=(), probe=None, **overrides):
-    return tiny_trainer(model_dir, BAPOConfig(output_dir=str(out), **{**ARGS, **overrides}), prompts=256,
+    return tiny_trainer(model_dir, cpu_config(out, **{**ARGS, **overrides}), prompts=256,
                         callbacks=callbacks, **(probe or {}))
 
 

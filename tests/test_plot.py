@@ -17,22 +17,16 @@ CORE = ["reward", "entropy", "clip_bounds", "positive_share", "clip_fractions", 
 @pytest.fixture(scope="module")
 def run(tiny_model_dir, tmp_path_factory):
     """8 BAPO steps on stale data (4 steps per generation), checkpoints at steps 4 and 8, with the callback."""
-    from transformers import AutoTokenizer
-
-    from bapo_trl import BAPOConfig, BAPOTrainer
-    from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
+    from harness import cpu_config, tiny_trainer
 
     out = tmp_path_factory.mktemp("plot") / "bapo-run"
-    args = BAPOConfig(
-        output_dir=str(out), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
-        per_device_train_batch_size=8, num_generations=4, max_completion_length=8, logging_steps=1, seed=0,
+    args = cpu_config(
+        out, per_device_train_batch_size=8, num_generations=4, max_completion_length=8, logging_steps=1, seed=0,
         steps_per_generation=4, max_steps=8, learning_rate=5e-3, save_strategy="steps", save_steps=4,
         positive_contribution_target=0.45,
     )
-    trainer = BAPOTrainer(
-        model=tiny_model_dir, reward_funcs=reverse_reward, args=args, train_dataset=make_reverse_dataset(64),
-        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir), callbacks=[PlotDynamicsCallback()],
-    )
+    trainer = tiny_trainer(tiny_model_dir, args, model=tiny_model_dir, prompts=64,
+                           callbacks=[PlotDynamicsCallback()])
     trainer.train()
     return out, trainer.state.log_history
 
@@ -40,20 +34,14 @@ def run(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def replay_run(tiny_model_dir, tmp_path_factory):
     """A real short replay run (half of every batch's groups from the queue after the first step)."""
-    from transformers import AutoTokenizer
+    from harness import cpu_config, tiny_trainer
 
-    from bapo_trl import BAPOConfig, BAPOTrainer
-    from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
-
-    args = BAPOConfig(
-        output_dir=str(tmp_path_factory.mktemp("plot-replay")), use_cpu=True, bf16=False,
-        gradient_checkpointing=False, report_to="none", save_strategy="no", per_device_train_batch_size=16,
+    args = cpu_config(
+        tmp_path_factory.mktemp("plot-replay"), save_strategy="no", per_device_train_batch_size=16,
         num_generations=4, max_completion_length=8, logging_steps=1, seed=0, steps_per_generation=1, max_steps=4,
         learning_rate=5e-3, replay_buffer_size=16, replay_ratio=0.5,
     )
-    trainer = BAPOTrainer(model=tiny_model_dir, reward_funcs=reverse_reward, args=args,
-                          train_dataset=make_reverse_dataset(64), processing_class=AutoTokenizer.from_pretrained(
-                              tiny_model_dir))
+    trainer = tiny_trainer(tiny_model_dir, args, model=tiny_model_dir, prompts=64)
     trainer.train()
     return trainer.state.log_history
 

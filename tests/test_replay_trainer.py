@@ -4,18 +4,17 @@ import math
 
 import pytest
 import torch
-from harness import PolicySnapshots, Probe, check_behaviour_logps, tiny_trainer
+from harness import PolicySnapshots, Probe, check_behaviour_logps, cpu_config, replay_queue_of, tiny_trainer
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl import BAPOTrainer
+from bapo_trl.core import metrics
 from bapo_trl.recipes.toy import reverse_reward
 from bapo_trl.rollout import ReplaySource
-from bapo_trl.trainer.bapo_trainer import REPLAY_METRICS
 
 REPLAY = dict(
-    use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", per_device_train_batch_size=16,
-    num_generations=4, max_completion_length=10, logging_steps=1, seed=0, learning_rate=5e-3,
-    steps_per_generation=1, replay_buffer_size=32, replay_ratio=0.5, replay_max_staleness=3,
+    per_device_train_batch_size=16, num_generations=4, max_completion_length=10, logging_steps=1, seed=0,
+    learning_rate=5e-3, steps_per_generation=1, replay_buffer_size=32, replay_ratio=0.5, replay_max_staleness=3,
     lr_scheduler_type="constant",
 )
 
@@ -30,13 +29,13 @@ def record_pushed(trainer, push, group):
     """Keeps every group the queue stored, for the checks (around the real push)."""
     stored = push(group)
     if stored:
-        trainer.pushed.append(trainer.replay_queue.groups[-1])
+        trainer.pushed.append(replay_queue_of(trainer).groups[-1])
     return stored
 
 
 def build(cls, model_dir, out, callbacks=(), reward=reverse_reward, around=None, record=(), **overrides):
     probe = dict(around=around, record=record) if cls is Probe else {}
-    return tiny_trainer(model_dir, BAPOConfig(output_dir=str(out), **{**REPLAY, **overrides}), cls=cls, reward=reward,
+    return tiny_trainer(model_dir, cpu_config(out, **{**REPLAY, **overrides}), cls=cls, reward=reward,
                         prompts=512, prompt_seed=0, callbacks=callbacks, **probe)
 
 
@@ -44,7 +43,7 @@ def build(cls, model_dir, out, callbacks=(), reward=reverse_reward, around=None,
 def replay_run(tiny_model_dir, tmp_path_factory):
     snapshots = PolicySnapshots()
     trainer = build(Probe, tiny_model_dir, tmp_path_factory.mktemp("replay"), [snapshots],
-                    around={"_log_search": record_search, "replay_queue.push": record_pushed},
+                    around={"_log_search": record_search, (ReplaySource, "queue.push"): record_pushed},
                     record=("seen", "pushed"), max_steps=8, save_strategy="no", replay_sampling="recent")
     trainer.train()
     return trainer, snapshots
@@ -80,7 +79,7 @@ def test_stored_logps_are_those_of_the_sampling_policy(replay_run, tiny_model_di
 def test_staleness_and_replay_metrics(replay_run):
     trainer, _ = replay_run
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    for name in REPLAY_METRICS:
+    for name in metrics.REPLAY:
         assert any(name in h for h in logs), name
     for h in logs:
         assert h["replay/size"] <= 32
@@ -131,7 +130,7 @@ def test_resume_restores_the_queue_and_continues_identically(tiny_model_dir, tmp
     # the checkpoint: it ran steps 5-8 only, and left the checkpoint as it was.
     assert steps_run.steps == [5, 6, 7, 8]
     assert files() == before
-    a, b = full.replay_queue, resumed.replay_queue
+    a, b = replay_queue_of(full), replay_queue_of(resumed)
     assert len(a) == len(b) > 0
     for ga, gb in zip(a.groups, b.groups):
         assert ga.keys() == gb.keys()
@@ -168,18 +167,19 @@ def record_fill(trainer, mix, output, *args, **kwargs):
     and the groups without spread that stayed in the trained batch (around the real mix and queue sampling)."""
     groups = output["advantages"].view(-1, trainer.num_generations)
     flat_fresh = int((groups.max(1).values == groups.min(1).values).sum())
-    sample, asked = trainer.replay_queue.sample, []
+    queue = replay_queue_of(trainer)
+    sample, asked = queue.sample, []
 
     def recording_sample(num_groups, current_step):
         got = sample(num_groups, current_step)
         asked.append((num_groups, len(got)))
         return got
 
-    trainer.replay_queue.sample = recording_sample
+    queue.sample = recording_sample
     try:
         mixed = mix(output, *args, **kwargs)
     finally:
-        trainer.replay_queue.sample = sample
+        queue.sample = sample
     adv, replayed = (mixed["advantages"].view(-1, trainer.num_generations),
                      mixed["replayed"].view(-1, trainer.num_generations))
     flat_kept = int(((adv.max(1).values == adv.min(1).values) & ~replayed[:, 0]).sum())
@@ -199,7 +199,7 @@ def test_fill_zero_std_groups_replaces_groups_without_spread_first(tiny_model_di
         assert b["asked"] == max(1, b["flat_fresh"])  # replay_ratio's 1 group, or one per group without spread
         assert b["flat_kept"] == max(0, b["flat_fresh"] - b["given"])  # those are the first to give up their place
     assert any(b["given"] >= 2 and b["flat_fresh"] >= 2 for b in log), log  # more than replay_ratio asks for
-    assert all(bool(g["advantages"].max() > g["advantages"].min()) for g in trainer.replay_queue.groups)
+    assert all(bool(g["advantages"].max() > g["advantages"].min()) for g in replay_queue_of(trainer).groups)
 
 
 def test_replay_staleness_is_counted_at_the_last_update_on_the_batch(tiny_model_dir, tmp_path):

@@ -4,20 +4,16 @@ import math
 import re
 
 import pytest
-from transformers import AutoTokenizer
+from harness import cpu_config, tiny_trainer
 
-from bapo_trl import BAPOConfig, BAPOTrainer
 from bapo_trl.cli.rewards import RewardFunctionError, resolve_reward_funcs
-from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
+from bapo_trl.recipes.toy import reverse_reward
 
 
 def trainer_with(reward, model_dir, tmp_path):
-    args = BAPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, gradient_checkpointing=False,
-                      report_to="none", save_strategy="no", per_device_train_batch_size=8, num_generations=4,
+    args = cpu_config(tmp_path, save_strategy="no", per_device_train_batch_size=8, num_generations=4,
                       max_completion_length=6, max_steps=2, logging_steps=1, steps_per_generation=2)
-    return BAPOTrainer(model=model_dir, reward_funcs=[reverse_reward, reward], args=args,
-                       train_dataset=make_reverse_dataset(16),
-                       processing_class=AutoTokenizer.from_pretrained(model_dir))
+    return tiny_trainer(model_dir, args, reward=[reverse_reward, reward], prompts=16, model=model_dir)
 
 
 def test_a_reward_that_raises_is_named(tiny_model_dir, tmp_path):
@@ -138,12 +134,9 @@ def test_batches_without_any_reward_train_on_but_warn_and_are_counted(tiny_model
     def never(completions, **kwargs):
         return [None] * len(completions)
 
-    args = BAPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, gradient_checkpointing=False,
-                      report_to="none", save_strategy="no", per_device_train_batch_size=8, num_generations=4,
+    args = cpu_config(tmp_path, save_strategy="no", per_device_train_batch_size=8, num_generations=4,
                       max_completion_length=6, max_steps=4, logging_steps=3, steps_per_generation=2)
-    trainer = BAPOTrainer(model=tiny_model_dir, reward_funcs=[late_reward, never], args=args,
-                          train_dataset=make_reverse_dataset(16),
-                          processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+    trainer = tiny_trainer(tiny_model_dir, args, reward=[late_reward, never], prompts=16, model=tiny_model_dir)
     with pytest.warns(UserWarning, match=r"generation batch scored at step 0 got a reward: every reward function "
                                          r"\('late_reward', 'never'\) returned None") as record:
         trainer.train()

@@ -14,9 +14,9 @@ import math
 
 import pytest
 import torch
-from harness import Probe, tiny_trainer
+from harness import Probe, cpu_config, tiny_trainer
 
-from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl import BAPOTrainer
 from bapo_trl.recipes.toy import build_tokenizer
 from bapo_trl.rollout import ReadyCompletions, ReplaySource, register_source
 from bapo_trl.rollout.contract import NothingInBackground, RolloutSource, TrainerPort, stamp_policy_version
@@ -71,13 +71,12 @@ def record_batch(trainer, next_batch, inputs, score):
 
 def build(tiny_model_dir, tmp_path, cls=Probe, **overrides):
     """``cls``: a :class:`harness.Probe` keeping every batch (``batches``), or BAPOTrainer."""
-    settings = dict(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, gradient_checkpointing=False,
-                    report_to="none", per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-                    logging_steps=1, seed=0, max_steps=4, learning_rate=1e-3, steps_per_generation=2,
-                    save_strategy="no", rollout_source="fixed")
+    settings = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8, logging_steps=1,
+                    seed=0, max_steps=4, learning_rate=1e-3, steps_per_generation=2, save_strategy="no",
+                    rollout_source="fixed")
     probe = dict(around={"rollout_source.next_batch": record_batch}, record=("batches",)) if cls is Probe else {}
-    return tiny_trainer(tiny_model_dir, BAPOConfig(**{**settings, **overrides}), cls=cls, reward=length_reward,
-                        prompts=64, prompt_seed=0, **probe)
+    return tiny_trainer(tiny_model_dir, cpu_config(tmp_path / "out", **{**settings, **overrides}), cls=cls,
+                        reward=length_reward, prompts=64, prompt_seed=0, **probe)
 
 
 def test_the_trainer_trains_from_a_source_registered_in_one_line(tiny_model_dir, tmp_path):

@@ -20,15 +20,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from harness import cpu_config, tiny_trainer
 from policy_server import PolicyServer
-from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOTrainer
 
-from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl import BAPOTrainer
 from bapo_trl.core.numerics import loss_mask
 from bapo_trl.generation.http_client import VLLMLogprobsModeError, check_logprobs_mode
 from bapo_trl.generation.vllm_generation import CPUServerVLLMGeneration
-from bapo_trl.recipes.toy import make_reverse_dataset
 from bapo_trl.rollout.settings import sampler_logprobs_use
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")
@@ -44,13 +43,11 @@ def spread_reward(completions, **kwargs) -> list[float]:
 
 def build(model_dir: str, out, servers, **overrides) -> BAPOTrainer:
     """A BAPOTrainer in server mode against ``servers`` (constructing it connects and runs the start-up checks)."""
-    settings = dict(output_dir=str(out), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
-                    save_strategy="no", per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
+    settings = dict(save_strategy="no", per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
                     max_steps=1, logging_steps=1, seed=0, disable_tqdm=True, use_vllm=True, vllm_mode="server",
                     vllm_server_base_url=",".join(s.url for s in servers), vllm_server_timeout=30)
-    return BAPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=spread_reward,
-                       args=BAPOConfig(**{**settings, **overrides}), train_dataset=make_reverse_dataset(32, seed=0),
-                       processing_class=AutoTokenizer.from_pretrained(model_dir))
+    return tiny_trainer(model_dir, cpu_config(out, **{**settings, **overrides}), reward=spread_reward, prompts=32,
+                        prompt_seed=0)
 
 
 @pytest.fixture

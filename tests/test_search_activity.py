@@ -5,25 +5,19 @@ undefined on one micro-batch (NaN) does not turn the logged average NaN."""
 import math
 
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from harness import cpu_config, tiny_trainer
 
-from bapo_trl import BAPOConfig, BAPOTrainer
-from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 from bapo_trl.trainer.model_card import bapo_card_section, target_from_card
 from bapo_trl.trainer.summary import format_summary
 
 #: A run whose every stale update moves some ratio past a path bound (without the dual clip, which slows the policy:
 #: with it, one of the three stale updates of this seed stays inside the path's start window).
-ARGS = dict(use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no",
-            per_device_train_batch_size=16, num_generations=8, max_completion_length=10, logging_steps=1, seed=0,
-            learning_rate=5e-3, steps_per_generation=2, max_steps=6, dual_clip=False)
+ARGS = dict(save_strategy="no", per_device_train_batch_size=16, num_generations=8, max_completion_length=10,
+            logging_steps=1, seed=0, learning_rate=5e-3, steps_per_generation=2, max_steps=6, dual_clip=False)
 
 
 def train(model_dir, tmp_path, **overrides):
-    trainer = BAPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reverse_reward,
-                          args=BAPOConfig(output_dir=str(tmp_path), **{**ARGS, **overrides}),
-                          train_dataset=make_reverse_dataset(256),
-                          processing_class=AutoTokenizer.from_pretrained(model_dir))
+    trainer = tiny_trainer(model_dir, cpu_config(tmp_path, **{**ARGS, **overrides}), prompts=256)
     trainer.train()
     return trainer, [h for h in trainer.state.log_history if "bapo/clip_low" in h]
 

@@ -259,14 +259,12 @@ def dev_server():
 
 def build_trainer(model_dir: str, output_dir: Path, url: str, **overrides):
     """A BAPOTrainer in server mode (constructing it connects and runs the start-up check; no training)."""
-    from harness import tiny_trainer
+    from harness import cpu_config, tiny_trainer
 
-    from bapo_trl import BAPOConfig
-
-    args = BAPOConfig(output_dir=str(output_dir), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
-                      per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_steps=1,
-                      use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=10,
-                      **overrides)
+    args = cpu_config(output_dir, gradient_checkpointing=True,  # TRL's default, as this check has always run
+                      save_strategy="no", per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+                      max_steps=1, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
+                      vllm_server_timeout=10, **overrides)
     return tiny_trainer(model_dir, args, prompts=16, prompt_seed=0)
 
 

@@ -60,8 +60,10 @@ def test_a_bad_server_list_names_the_field(value, message):
 
 
 def test_the_config_keeps_one_url_as_trl_does_and_several_as_a_list(tmp_path):
-    common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", use_vllm=True,
-                  vllm_mode="server")
+    from harness import CPU
+
+    common = dict(CPU, output_dir=str(tmp_path), gradient_checkpointing=True,  # TRL's default, as this check ran
+                  use_vllm=True, vllm_mode="server")
     assert BAPOConfig(vllm_server_base_url="http://a:8000/", **common).vllm_server_base_url == "http://a:8000"
     assert BAPOConfig(vllm_server_base_url=["http://a:8000"], **common).vllm_server_base_url == "http://a:8000"
     several = BAPOConfig(vllm_server_base_url="http://a:8000,http://b:8000", **common)
@@ -292,20 +294,15 @@ def test_a_stalled_server_of_the_fleet_is_named_in_the_error(two_stand_ins):
 
 
 def train_through(servers, model_dir, out, **overrides):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from harness import cpu_config, tiny_trainer
 
-    from bapo_trl import BAPOTrainer
-    from bapo_trl.recipes.toy import make_reverse_dataset
-
-    settings = dict(output_dir=str(out), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=8,
-                    num_generations=4, max_completion_length=8, logging_steps=1, seed=0, learning_rate=5e-3,
-                    max_steps=3, save_strategy="no", disable_tqdm=True, use_vllm=True, vllm_mode="server",
-                    vllm_server_base_url=",".join(s.url for s in servers), vllm_server_timeout=60)
-    args = BAPOConfig(**{**settings, **overrides})
-    trainer = BAPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args,
-                          reward_funcs=lambda completions, **kw: [random.random() for _ in completions],
-                          train_dataset=make_reverse_dataset(64, seed=0),
-                          processing_class=AutoTokenizer.from_pretrained(model_dir))
+    settings = dict(gradient_checkpointing=True,  # TRL's default, as these runs have always trained
+                    per_device_train_batch_size=8, num_generations=4, max_completion_length=8, logging_steps=1,
+                    seed=0, learning_rate=5e-3, max_steps=3, save_strategy="no", disable_tqdm=True, use_vllm=True,
+                    vllm_mode="server", vllm_server_base_url=",".join(s.url for s in servers), vllm_server_timeout=60)
+    args = cpu_config(out, **{**settings, **overrides})
+    trainer = tiny_trainer(model_dir, args, reward=lambda completions, **kw: [random.random() for _ in completions],
+                           prompts=64, prompt_seed=0)
     trainer.train()
     return trainer
 

@@ -6,19 +6,15 @@ import re
 
 import pytest
 import torch
-from harness import tiny_trainer
+from harness import cpu_config, tiny_trainer
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl.core import metrics
 from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
-from bapo_trl.trainer.bapo_trainer import BAPO_METRICS
 
 COMMON = dict(
-    use_cpu=True,
-    bf16=False,
-    gradient_checkpointing=False,
-    report_to="none",
     save_strategy="no",
     per_device_train_batch_size=8,
     num_generations=4,
@@ -29,7 +25,7 @@ COMMON = dict(
 
 
 def make_trainer(cls, config_cls, model_dir, tmp_path, **overrides):
-    args = config_cls(output_dir=str(tmp_path), **{**COMMON, **overrides})
+    args = cpu_config(tmp_path, config_cls=config_cls, **{**COMMON, **overrides})
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model.train()  # compute_loss reads train/eval mode; the training loop would set it
     trainer = tiny_trainer(model_dir, args, cls=cls, model=model, prompts=32, prompt_seed=0)
@@ -143,7 +139,7 @@ def test_training_moves_bounds_updates_weights_and_logs_every_metric(tiny_model_
     assert len(logs) == 8
     for h in logs:
         assert math.isfinite(h["loss"])
-        for name in BAPO_METRICS:
+        for name in metrics.UPDATE:
             assert name in h, name
     # staleness grows within a generation: 0, 1, 2, 3 updates since sampling
     assert [h["bapo/staleness_max"] for h in logs[:4]] == [0, 1, 2, 3]
@@ -163,7 +159,7 @@ def test_training_moves_bounds_updates_weights_and_logs_every_metric(tiny_model_
 def test_peft_lora_trains_with_bapo(tiny_model_dir, tmp_path):
     from peft import LoraConfig
 
-    args = BAPOConfig(output_dir=str(tmp_path), steps_per_generation=2, max_steps=2, learning_rate=1e-2, **COMMON)
+    args = cpu_config(tmp_path, steps_per_generation=2, max_steps=2, learning_rate=1e-2, **COMMON)
     trainer = tiny_trainer(tiny_model_dir, args, model=tiny_model_dir, prompts=16, prompt_seed=1,
                            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     lora_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
@@ -251,7 +247,7 @@ def test_conflicting_arguments_are_refused_at_construction(tiny_model_dir, tmp_p
     dataset = make_reverse_dataset(32, seed=0)
     if kwargs.pop("iterable", False):
         dataset = dataset.to_iterable_dataset()
-    args = BAPOConfig(output_dir=str(tmp_path), **{**COMMON, **settings})
+    args = cpu_config(tmp_path, **{**COMMON, **settings})
     with pytest.raises(ValueError, match=re.escape(message)):
         BAPOTrainer(model=str(tmp_path / "no-model-here"), reward_funcs=reverse_reward, args=args,
                     train_dataset=dataset, **kwargs)

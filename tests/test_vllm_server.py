@@ -60,21 +60,20 @@ def completion_length(completions, **kwargs) -> list[float]:
 
 def train_with_server(model_dir: str, output_dir: Path, server_url: str, max_steps: int = 6, reward=None,
                       trainer_cls=None, callbacks=(), **overrides):
-    from harness import tiny_trainer
+    from harness import cpu_config, tiny_trainer
 
-    from bapo_trl import BAPOConfig, BAPOTrainer
+    from bapo_trl import BAPOTrainer
     from bapo_trl.recipes.toy import reverse_reward
 
     host, port = server_url.removeprefix("http://").split(":")
     overrides = {"vllm_server_timeout": 30, **overrides}
     settings = dict(
-        output_dir=str(output_dir), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
         save_strategy="no", per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
         logging_steps=1, seed=0, max_steps=max_steps, learning_rate=3e-3,
         steps_per_generation=2,  # every batch is trained on twice: the second time stale, so BAPO's bounds act
         use_vllm=True, vllm_mode="server", vllm_server_host=host, vllm_server_port=int(port),
     )
-    args = BAPOConfig(**{**settings, **overrides})
+    args = cpu_config(output_dir, **{**settings, **overrides})
     trainer = tiny_trainer(model_dir, args, cls=trainer_cls or BAPOTrainer, reward=reward or reverse_reward,
                            prompts=64, prompt_seed=0, callbacks=callbacks)
     trainer.train()

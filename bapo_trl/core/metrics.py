@@ -45,6 +45,8 @@ SEARCH = (
     "bapo/staleness_max",
     "bapo/positive_contribution_target",
 )
+#: Logged at every update: the search's and the Entropy-Clip Rule's (0.1's ``bapo_trl.trainer.BAPO_METRICS``).
+UPDATE = SEARCH + ENTROPY_CLIP
 #: Logged when the replay queue is on (the first seven once per generation batch, the rest per update).
 REPLAY = (
     "replay/size",

@@ -40,12 +40,6 @@ from .vllm_backend import CPUServerSyncMixin  # vLLM server mode on CPU (disk we
 
 check_trl_seams()  # a TRL that moved a private method we override fails here, loudly, not mid-training
 
-#: Names of the per-step metrics (registered in :mod:`bapo_trl.core.metrics`), stable for dashboards
-#: and the plot command.
-BAPO_METRICS = metrics.SEARCH + metrics.ENTROPY_CLIP
-#: Logged when the replay queue is on.
-REPLAY_METRICS = metrics.REPLAY
-
 
 def check_prompt_column(dataset, name: str = "train_dataset", column: str = "prompt",
                         why: str = ", where TRL's GRPOTrainer reads the prompts",
@@ -140,11 +134,6 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
         if self.target_controller is None:
             return self._base_settings
         return dataclasses.replace(self._base_settings, positive_contribution_target=self.target_controller.value)
-
-    @property
-    def replay_queue(self):
-        """The replay source's queue (None without replay)."""
-        return next((p.queue for p in parts(self.rollout_source) if p.state_name == "replay_queue"), None)
 
     def evaluate(self, *args, **kwargs):
         """TRL's evaluation, with training's random state put back afterwards: evaluating (its dataloader, TRL's own
