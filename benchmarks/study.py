@@ -463,6 +463,12 @@ def evidence_methods() -> dict[str, dict]:
             GSPO_SCALE_X10, off_policy_correction="decoupled")),
         "M2PO then balance": dict(trainer="m2po-bapo", settings=dict(loss_type="dapo", delta=3.0),
                                   trainer_kwargs=dict(m2po_tau=m2po.TAU)),
+        # not a candidate (added after the development runs showed the decoupled default collapsing under replay and
+        # partial rollout at lr 2e-3): tokens whose weight left [1/3, 3] are dropped (AReaL masks above its cap),
+        # which gives back the protection the clip around the behaviour policy gave against very old tokens
+        "BAPO paper + dual clip + decoupled mask": dict(trainer="bapo", settings=dict(
+            delta=3.0, off_policy_correction="decoupled", off_policy_weight_mode="token_mask",
+            off_policy_weight_floor=1 / 3, off_policy_weight_cap=3.0)),
     }
 
 
