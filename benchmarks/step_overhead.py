@@ -17,8 +17,13 @@ in one process:
   step's end (setup excluded). Overheads are medians over rounds of the paired ratios ``bapo / grpo - 1`` and
   ``replay / bapo - 1`` and ``decoupled / bapo - 1``.
 
-Usage: ``python benchmarks/step_overhead.py [--quick] [--rounds N] [--steps N]``. The last line is
+Usage: ``python benchmarks/step_overhead.py [--quick] [--rounds N] [--steps N] [--variant NAME]``. The last line is
 ``bapo_overhead=<ratio-1> replay_overhead=<ratio-1> decoupled_overhead=<ratio-1>``.
+
+``--variant gspo-scale-x10`` adds a fifth trainer, BAPOTrainer with issue 53's candidate settings (``study.py``'s
+``GSPO_SCALE_X10``: BAPO's balance of the sequence-level ratio on a path around TRL's documented GSPO window), and
+appends ``variant_over_bapo=<ratio-1> variant_own_ms=<ms> bapo_own_ms=<ms>`` to the last line: its search and
+metrics per step (timed inside BAPO's own code) against the default's, the issue's "costs no more than today's".
 
 ``--model smollm2-135m-instruct`` (a registry name of :mod:`bapo_trl.recipes.models`, or a model directory) measures
 GRPO against BAPO on that model instead, on the shipped chat arithmetic task with its math-verify reward (replay is
@@ -51,6 +56,16 @@ from bapo_trl.recipes.toy import build_tiny_model, make_reverse_dataset, reverse
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 0
+
+
+def _gspo_scale_x10() -> dict:
+    from study import GSPO_SCALE_X10  # the studies' shared library, imported only when asked
+
+    return dict(GSPO_SCALE_X10)
+
+
+#: ``--variant``: BAPO settings timed beside the default.
+VARIANTS = {"gspo-scale-x10": _gspo_scale_x10}
 #: BAPOTrainer methods timed from inside (what BAPO adds to a GRPO step, free of background noise).
 LABELS = {"_adapt_clip_window": "search + metrics", "mix": "replay mixing"}
 
@@ -100,7 +115,7 @@ def build(kind: str, model_dir: str, output_dir: str, steps: int, device: str = 
     else:
         extra = {"replay": dict(replay_buffer_size=16, replay_ratio=0.25),
                  "decoupled": dict(off_policy_correction="decoupled")}.get(kind, {})
-        config = BAPOConfig(**args, **extra, **(bapo_extra or {}))
+        config = BAPOConfig(**(args | extra | (bapo_extra or {})))  # a variant's settings win (its loss type)
         cls = BAPOTrainer
     timer = BlockTimer(torch.cuda.synchronize if device != "cpu" else None)
     reward, dataset = task or (reverse_reward, make_reverse_dataset(64, seed=SEED))
@@ -182,7 +197,7 @@ def _reset_rss_high_water() -> None:
 
 
 def measure(model_dir: str, kinds=("grpo", "bapo", "replay"), rounds: int = 12, steps: int = 8, device: str = "cpu",
-            overrides=None, task=None) -> dict:
+            overrides=None, task=None, settings=None) -> dict:
     """Build one trainer per kind on ``device``, run a warm-up block each, then ``rounds`` interleaved blocks of
     ``steps`` steps (order rotating). Returns seconds per block (``times``), the completion tokens per logged step
     of the last block (``tokens``), seconds inside BAPO's own methods (``inside``) and, on CUDA, each trainer's
@@ -193,7 +208,8 @@ def measure(model_dir: str, kinds=("grpo", "bapo", "replay"), rounds: int = 12, 
     peak = dict.fromkeys(kinds, 0)
     rss_peak = dict.fromkeys(kinds, 0)
     with tempfile.TemporaryDirectory() as tmp:
-        trainers = {kind: build(kind, model_dir, os.path.join(tmp, kind), steps, device, overrides, task=task)
+        trainers = {kind: build(kind, model_dir, os.path.join(tmp, kind), steps, device, overrides,
+                                bapo_extra=(settings or {}).get(kind), task=task)
                     for kind in kinds}
 
         def block(kind, round_index):
@@ -247,6 +263,8 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default=None,
                         help="a real model (bapo_trl.recipes.models registry name or directory): "
                              "GRPO vs BAPO on the chat arithmetic task, with peak memory")
+    parser.add_argument("--variant", default=None, choices=sorted(VARIANTS),
+                        help="also time BAPOTrainer with these settings (issue 53's candidate) against the default")
     args = parser.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -260,8 +278,9 @@ def main(argv=None) -> None:
 
     torch.set_num_threads(1)  # measured several times faster than 2 threads for a model this small
     model_dir = build_tiny_model()
-    kinds = ("grpo", "bapo", "replay", "decoupled")
-    result = measure(model_dir, kinds, rounds, steps)
+    kinds = ("grpo", "bapo", "replay", "decoupled") + (("variant",) if args.variant else ())
+    result = measure(model_dir, kinds, rounds, steps, settings={"variant": VARIANTS[args.variant]()} if args.variant
+                     else None)
     times, tokens, inside = result["times"], result["tokens"], result["inside"]
 
     bapo_ratios = [b / g for b, g in zip(times["bapo"], times["grpo"])]
@@ -278,6 +297,8 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|")
     paired = {"bapo": ("bapo / grpo", bapo_ratios), "replay": ("replay / bapo", replay_ratios),
               "decoupled": ("decoupled / bapo", decoupled_ratios)}
+    if args.variant:
+        paired["variant"] = (f"{args.variant} / bapo", [v / b for v, b in zip(times["variant"], times["bapo"])])
     total_steps = rounds * steps
     for kind in kinds:
         per_step = [1e3 * t / steps for t in times[kind]]
@@ -296,9 +317,15 @@ def main(argv=None) -> None:
     print(f"# BAPO's own code: {own['bapo']:.2f} ms per step = {100 * own['bapo'] / median_ms['grpo']:.1f}% of a "
           f"median GRPO step; replay adds {own['replay'] - own['bapo']:.2f} ms = "
           f"{100 * (own['replay'] - own['bapo']) / median_ms['bapo']:.1f}% of a median BAPO step")
-    print(f"bapo_overhead={statistics.median(bapo_ratios) - 1:.4f} "
-          f"replay_overhead={statistics.median(replay_ratios) - 1:.4f} "
-          f"decoupled_overhead={statistics.median(decoupled_ratios) - 1:.4f}")
+    last = (f"bapo_overhead={statistics.median(bapo_ratios) - 1:.4f} "
+            f"replay_overhead={statistics.median(replay_ratios) - 1:.4f} "
+            f"decoupled_overhead={statistics.median(decoupled_ratios) - 1:.4f}")
+    if args.variant:
+        own_ms = {kind: 1e3 * sum(inside[kind].values()) / total_steps for kind in ("bapo", "variant")}
+        print(f"# per-round ratios {args.variant}/bapo: {' '.join(f'{x:.3f}' for x in paired['variant'][1])}")
+        last += (f" variant_over_bapo={statistics.median(paired['variant'][1]) - 1:.4f} "
+                 f"variant_own_ms={own_ms['variant']:.2f} bapo_own_ms={own_ms['bapo']:.2f}")
+    print(last)
 
 
 def main_model(args) -> None:

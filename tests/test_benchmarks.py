@@ -82,9 +82,12 @@ def test_bound_search_quick_prints_its_summary():
 
 @pytest.mark.slow
 def test_step_overhead_quick_prints_its_summary():
-    last = run_quick("step_overhead.py")
-    assert re.fullmatch(rf"bapo_overhead=({NUMBER}) replay_overhead=({NUMBER}) decoupled_overhead=({NUMBER})",
-                        last), last
+    """With issue 53's candidate as the variant: a fifth trainer, its own code's time per step beside the default's."""
+    last = run_quick("step_overhead.py", "--variant", "gspo-scale-x10")
+    match = re.fullmatch(rf"bapo_overhead=({NUMBER}) replay_overhead=({NUMBER}) decoupled_overhead=({NUMBER}) "
+                         rf"variant_over_bapo=({NUMBER}) variant_own_ms=({NUMBER}) bapo_own_ms=({NUMBER})", last)
+    assert match, last
+    assert float(match[5]) > 0 and float(match[6]) > 0  # both searches ran inside BAPO's own code
 
 
 @pytest.mark.slow
