@@ -3,7 +3,8 @@
 The public API is what this module exports (``__all__``):
 
 * the method: ``BAPOConfig`` / ``BAPOTrainer`` subclass TRL's ``GRPOConfig`` / ``GRPOTrainer``; ``search_clip_bounds``
-  is the bound search as a pure function (``BAPOSettings``, ``SearchResult``);
+  is the bound search as a pure function (``BAPOSettings``, ``SearchResult``); ``gspo_balanced`` is a named setting
+  (BAPO's balance of GSPO's sequence-level ratio around TRL's documented window: ``BAPOConfig(..., **gspo_balanced())``);
 * a run's results: ``PlotDynamicsCallback`` (the dynamics PNG at the end of training), ``plot_dynamics`` (the same
   figure from log histories or run directories, several overlaid), ``format_summary`` (the text summary ``bapo train``
   prints) and ``generation_rows`` (its rows: one per generation batch);
@@ -28,6 +29,7 @@ _EXPORTS = {
     "search_clip_bounds": "bapo_trl.core.clipping",
     "BAPOConfig": "bapo_trl.trainer.bapo_config",
     "BAPOTrainer": "bapo_trl.trainer.bapo_trainer",
+    "gspo_balanced": "bapo_trl.trainer.presets",
     "PlotDynamicsCallback": "bapo_trl.trainer.callbacks",
     "plot_dynamics": "bapo_trl.trainer.dynamics",
     "format_summary": "bapo_trl.trainer.summary",

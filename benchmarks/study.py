@@ -473,14 +473,11 @@ def evidence_methods() -> dict[str, dict]:
 
 
 def gspo_scale(k: float) -> dict:
-    """BAPO's balance of GSPO on a path around TRL's documented GSPO window, ``k`` times as wide: ``c_high`` from
-    ``1 + epsilon_high`` to ``1 + 10 k epsilon_high`` (37 points), ``c_low`` from ``1 - 3 k epsilon`` to
-    ``1 - epsilon`` (16 points); the dual clip on (docs/data/candidate_protocol.md)."""
-    low, high = GSPO_DOCUMENTED["epsilon"], GSPO_DOCUMENTED["epsilon_high"]
-    upper, lower = 10 * k, 3 * k
-    return dict(GSPO, beta=0.0, ratio_upper_start=1 + high, ratio_upper_max=1 + high * upper,
-                ratio_upper_step=high * (upper - 1) / 36, ratio_lower_start=1 - low * lower, ratio_lower_max=1 - low,
-                ratio_lower_step=low * (lower - 1) / 15)
+    """BAPO's balance of GSPO on a path around TRL's documented GSPO window, ``k`` times as wide: the library's named
+    setting (``bapo_trl.trainer.presets.gspo_balanced``), so a user runs exactly what the study ran."""
+    from bapo_trl.trainer.presets import gspo_balanced
+
+    return gspo_balanced(k)
 
 
 #: The candidate issue 53's development chose (x10 of the scales 1, 2, 4, 10, 25; seeds 100-104, staleness 32).

@@ -104,3 +104,23 @@ def test_pinned_lower_bound_warns_that_upper_cannot_move():
         # a fully pinned window is a legitimate fixed-clipping baseline (on stale data): no warning
         BAPOConfig(output_dir="unused", use_cpu=True, ratio_lower_start=0.8, ratio_lower_max=0.8,
                    ratio_upper_start=1.2, ratio_upper_max=1.2, steps_per_generation=2)
+
+
+def test_gspo_balanced_is_the_studied_path_around_trls_documented_gspo_window():
+    """The named setting issue 53's study chose: c_high from 1 + 4e-4 to 1 + 4e-2 (37 points), c_low from 1 - 9e-3 to
+    1 - 3e-4 (16 points), the sequence-level ratio and loss grpo, no KL term, the dual clip on; a bad scale is
+    refused naming the argument."""
+    from bapo_trl import gspo_balanced
+    from bapo_trl.core.clipping import search_path
+
+    settings = gspo_balanced()
+    config = BAPOConfig(output_dir="unused", use_cpu=True, **settings)
+    assert (config.loss_type, config.importance_sampling_level, config.beta) == ("grpo", "sequence", 0.0)
+    assert config.dual_clip and config.delta == 3.0
+    path = search_path(config.bapo_settings)
+    assert len(path.high_grid) == 37 and len(path.low_grid) == 16
+    assert path.high_grid[0] == pytest.approx(1.0004) and path.high_grid[-1] == pytest.approx(1.04)
+    assert path.low_grid[0] == pytest.approx(0.991) and path.low_grid[-1] == pytest.approx(0.9997)
+    assert gspo_balanced(1)["ratio_upper_max"] == pytest.approx(1.004)  # scale 1: 10 x GSPO's epsilon_high
+    with pytest.raises(ValueError, match="gspo_balanced: `scale` must be a number >= 1, got 0.5"):
+        gspo_balanced(0.5)
