@@ -124,3 +124,20 @@ def test_gspo_balanced_is_the_studied_path_around_trls_documented_gspo_window():
     assert gspo_balanced(1)["ratio_upper_max"] == pytest.approx(1.004)  # scale 1: 10 x GSPO's epsilon_high
     with pytest.raises(ValueError, match="gspo_balanced: `scale` must be a number >= 1, got 0.5"):
         gspo_balanced(0.5)
+
+
+def test_the_documented_flags_of_gspo_balanced_give_its_fields():
+    """docs/configuration.md prints gspo_balanced() as `bapo train` flags: parsed by the command's parser they give
+    the same fields (a change to the setting that the page misses fails here)."""
+    import re
+    from pathlib import Path
+
+    from bapo_trl import gspo_balanced
+    from bapo_trl.cli.train import parse_args
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    block = re.search(r"```bash\nbapo train \.\.\. (.*?)\n```", page, re.S)[1]
+    flags = block.replace("\\\n", " ").split()
+    _, args, _ = parse_args(["--model_name_or_path", "unused", "--output_dir", "unused", *flags],
+                            cuda_available=False)
+    assert {name: getattr(args, name) for name in gspo_balanced()} == pytest.approx(gspo_balanced())
