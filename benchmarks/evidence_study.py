@@ -423,7 +423,8 @@ def report(runs: list[dict], results: str, resamples: int = 10000, figures: tupl
     flag += f" --with-runs{also}" if also else ""
     lines = [
         "# Evidence study: BAPO against its rivals, paired by seed (tiny scale)\n",
-        f"From `{os.path.relpath(results, REPO)}`{f' and{also}' if also else ''} ({len(runs)} runs, {hours:.1f} hours of run time; code "
+        f"From `{os.path.relpath(results, REPO)}`{f' and{also}' if also else ''} ({len(runs)} runs, "
+        f"{hours:.1f} hours of run time; code "
         f"{', '.join(c[:12] for c in commits)}; {platform.machine()}, {os.cpu_count()} cores, one torch thread, one "
         f"run at a time), written by `python benchmarks/evidence_study.py --report{flag} --results "
         f"{os.path.relpath(results, REPO)}` on {time.strftime('%Y-%m-%d')}. How the runs were made, the methods' "
@@ -672,7 +673,8 @@ def main(argv=None) -> int:
                         f"{os.path.relpath(default_paths('reverse2-8')[1], REPO)} and so on)")
     parser.add_argument("--with-runs", nargs="+", default=[], metavar="RUNS_FILE", help="more runs files read for "
                         "the report only (e.g. the published study's docs/data/evidence_runs.jsonl.gz beside the "
-                        "candidates' runs: the rivals on the same seeds); a run in --results wins over the same run here")
+                        "candidates' runs: the rivals on the same seeds); a run in --results wins over the same run "
+                        "here")
     parser.add_argument("--resamples", type=int, default=10000, help="bootstrap resamples (>= 10000 for the study)")
     parser.add_argument("--agreement", default=None, metavar="OTHER_RESULTS", help="print the headline cell of "
                         "--results and of this runs file (another seed range) side by side, verdict by verdict")
