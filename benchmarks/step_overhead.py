@@ -20,10 +20,11 @@ in one process:
 Usage: ``python benchmarks/step_overhead.py [--quick] [--rounds N] [--steps N] [--variant NAME]``. The last line is
 ``bapo_overhead=<ratio-1> replay_overhead=<ratio-1> decoupled_overhead=<ratio-1>``.
 
-``--variant gspo-scale-x10`` adds a fifth trainer, BAPOTrainer with issue 53's candidate settings (``study.py``'s
-``GSPO_SCALE_X10``: BAPO's balance of the sequence-level ratio on a path around TRL's documented GSPO window), and
-appends ``variant_over_bapo=<ratio-1> variant_own_ms=<ms> bapo_own_ms=<ms>`` to the last line: its search and
-metrics per step (timed inside BAPO's own code) against the default's, the issue's "costs no more than today's".
+``--variant gspo-scale-x10`` adds a fifth trainer, BAPOTrainer with issue 53's chosen settings (``gspo_balanced()``,
+the studies' "BAPO GSPO-scale x10": BAPO's balance of the sequence-level ratio on a path around TRL's documented GSPO
+window), and appends ``variant_over_bapo=<ratio-1> variant_own_ms=<ms> bapo_own_ms=<ms>`` to the last line: its
+search and metrics per step (timed inside BAPO's own code) against the default's, the issue's "costs no more than
+today's".
 
 ``--model smollm2-135m-instruct`` (a registry name of :mod:`bapo_trl.recipes.models`, or a model directory) measures
 GRPO against BAPO on that model instead, on the shipped chat arithmetic task with its math-verify reward (replay is
@@ -51,21 +52,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, s
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from bapo_trl import BAPOConfig, BAPOTrainer  # noqa: E402
+from bapo_trl import BAPOConfig, BAPOTrainer, gspo_balanced  # noqa: E402
 from bapo_trl.recipes.toy import build_tiny_model, make_reverse_dataset, reverse_reward  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 0
-
-
-def _gspo_scale_x10() -> dict:
-    from study import GSPO_SCALE_X10  # the studies' shared library, imported only when asked
-
-    return dict(GSPO_SCALE_X10)
-
-
-#: ``--variant``: BAPO settings timed beside the default.
-VARIANTS = {"gspo-scale-x10": _gspo_scale_x10}
+#: ``--variant``: BAPO settings timed beside the default (the named setting the studies run as "BAPO GSPO-scale x10").
+VARIANTS = {"gspo-scale-x10": gspo_balanced}
 #: BAPOTrainer methods timed from inside (what BAPO adds to a GRPO step, free of background noise).
 LABELS = {"_adapt_clip_window": "search + metrics", "mix": "replay mixing"}
 
@@ -313,7 +306,7 @@ def main(argv=None) -> None:
     print(f"# completion tokens per generation in the last block: {tokens}")
     # lower-noise estimates: time measured inside BAPO's own code, against the median step
     median_ms = {kind: statistics.median(1e3 * t / steps for t in times[kind]) for kind in kinds}
-    own = {kind: 1e3 * sum(inside[kind].values()) / total_steps for kind in ("bapo", "replay")}
+    own = {kind: 1e3 * sum(inside[kind].values()) / total_steps for kind in kinds if kind != "grpo"}
     print(f"# BAPO's own code: {own['bapo']:.2f} ms per step = {100 * own['bapo'] / median_ms['grpo']:.1f}% of a "
           f"median GRPO step; replay adds {own['replay'] - own['bapo']:.2f} ms = "
           f"{100 * (own['replay'] - own['bapo']) / median_ms['bapo']:.1f}% of a median BAPO step")
@@ -321,10 +314,9 @@ def main(argv=None) -> None:
             f"replay_overhead={statistics.median(replay_ratios) - 1:.4f} "
             f"decoupled_overhead={statistics.median(decoupled_ratios) - 1:.4f}")
     if args.variant:
-        own_ms = {kind: 1e3 * sum(inside[kind].values()) / total_steps for kind in ("bapo", "variant")}
         print(f"# per-round ratios {args.variant}/bapo: {' '.join(f'{x:.3f}' for x in paired['variant'][1])}")
         last += (f" variant_over_bapo={statistics.median(paired['variant'][1]) - 1:.4f} "
-                 f"variant_own_ms={own_ms['variant']:.2f} bapo_own_ms={own_ms['bapo']:.2f}")
+                 f"variant_own_ms={own['variant']:.2f} bapo_own_ms={own['bapo']:.2f}")
     print(last)
 
 

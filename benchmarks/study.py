@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 import time
 
+from bapo_trl.trainer.presets import GSPO_DOCUMENTED, gspo_balanced  # plain numbers: no torch, no TRL
 from bapo_trl.trainer.summary import moved  # one definition of "the bounds moved"
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -423,10 +424,9 @@ def loss_methods() -> dict[str, dict]:
     return out
 
 
-#: GSPO's settings in the evidence study (TRL's loss grpo with the sequence-level ratio).
+#: GSPO's settings in the evidence study (TRL's loss grpo with the sequence-level ratio); GSPO as TRL's
+#: documentation gives it for the GSPO paper's setting is the library's (a named setting's path starts from it).
 GSPO = dict(loss_type="grpo", importance_sampling_level="sequence")
-#: GSPO as TRL's documentation gives it for the GSPO paper's setting (the sequence-level ratio's window is narrow).
-GSPO_DOCUMENTED = dict(GSPO, epsilon=3e-4, epsilon_high=4e-4, beta=0.0)
 
 
 def evidence_methods() -> dict[str, dict]:
@@ -472,16 +472,9 @@ def evidence_methods() -> dict[str, dict]:
     }
 
 
-def gspo_scale(k: float) -> dict:
-    """BAPO's balance of GSPO on a path around TRL's documented GSPO window, ``k`` times as wide: the library's named
-    setting (``bapo_trl.trainer.presets.gspo_balanced``), so a user runs exactly what the study ran."""
-    from bapo_trl.trainer.presets import gspo_balanced
-
-    return gspo_balanced(k)
-
-
-#: The candidate issue 53's development chose (x10 of the scales 1, 2, 4, 10, 25; seeds 100-104, staleness 32).
-GSPO_SCALE_X10 = gspo_scale(10)
+#: The candidate issue 53's development chose (x10 of the scales 1, 2, 4, 10, 25; seeds 100-104, staleness 32): the
+#: library's named setting, so a user runs exactly what the study ran.
+GSPO_SCALE_X10 = gspo_balanced(10)
 #: The candidates of issue 53, in the protocol's order.
 CANDIDATES = ("BAPO GSPO-scale x10", "BAPO paper + dual clip + decoupled", "BAPO GSPO-scale x10 + decoupled",
               "M2PO then balance")

@@ -27,6 +27,7 @@ def gspo_balanced(scale: float = 10.0) -> dict:
         raise ValueError(f"gspo_balanced: `scale` must be a number >= 1, got {scale!r}")
     low, high = GSPO_DOCUMENTED["epsilon"], GSPO_DOCUMENTED["epsilon_high"]
     upper, lower = 10 * scale, 3 * scale
-    return dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.0,
-                ratio_upper_start=1 + high, ratio_upper_max=1 + high * upper, ratio_upper_step=high * (upper - 1) / 36,
+    gspo = {name: GSPO_DOCUMENTED[name] for name in ("loss_type", "importance_sampling_level", "beta")}
+    return dict(gspo, ratio_upper_start=1 + high, ratio_upper_max=1 + high * upper,
+                ratio_upper_step=high * (upper - 1) / 36,
                 ratio_lower_start=1 - low * lower, ratio_lower_max=1 - low, ratio_lower_step=low * (lower - 1) / 15)
