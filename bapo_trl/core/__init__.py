@@ -7,6 +7,7 @@
 * ``metrics.py``: every logged metric as a pure function, and the registry of their names; ``entropy_clip.py``: the
   Entropy-Clip Rule diagnostics;
 * ``numerics.py``: finite inputs for the loss; ``target_controller.py``: the closed-loop target (experimental);
-  ``off_policy.py``: the decoupled correction's weights and their metrics;
+  ``off_policy.py``: the decoupled correction's weights and their metrics; ``length_fair.py``: the length-fair
+  sequence-level balance (a candidate of issue 53, not yet in the trainer);
 * ``lazy.py``: how the package's ``__init__`` modules load a name on first use.
 """

@@ -11,6 +11,8 @@ user checking the fast path on their own batches can import it (``from bapo_trl.
   two loops above with a soft gate's share (:func:`sapo_contributions`, :func:`vespo_contributions`), and the ratios
   and token weights TRL's loss uses, token by token (:func:`sequence_ratios`, :func:`vespo_sequence_weights`,
   :func:`sequence_mean_weights`).
+* The length-fair sequence-level balance (:func:`length_fair_loop_search`, against
+  :mod:`bapo_trl.core.length_fair`).
 * The decoupled correction's truncated importance weights and their effective sample size
   (:func:`decoupled_weights_reference`, :func:`effective_sample_size_reference`).
 
@@ -28,6 +30,7 @@ from typing import Callable
 import torch
 
 from .clipping import GRID_TOLERANCE, TARGET_TOLERANCE, VERL_EPS, BAPOSettings
+from .length_fair import LengthFairSettings
 
 
 def _flat_valid(ratio, advantages, mask):
@@ -329,3 +332,58 @@ def effective_sample_size_reference(weights: list[float]) -> float:
     """``(sum w)^2 / (n sum w^2)`` of a list of weights, in float64 (NaN: empty or all 0)."""
     n, total, squares = len(weights), math.fsum(weights), math.fsum(w * w for w in weights)
     return total * total / (n * squares) if n and squares > 0 else float("nan")
+
+
+def length_fair_loop_search(log_ratio, advantages, mask, reduce_fn=None, **settings) -> dict:
+    """The length-fair balance as a plain loop (float64, token by token, from the definitions): Algorithm 1's
+    ``while`` loop on ``(k_low, k_high)``, re-scoring the batch for every candidate."""
+    s = LengthFairSettings(**settings)
+    rows = []
+    for i in range(log_ratio.shape[0]):
+        tokens = [t for t in range(log_ratio.shape[1]) if mask[i, t] != 0]
+        xs = [float(log_ratio[i, t]) for t in tokens]
+        if not tokens or not all(math.isfinite(v) for v in xs):
+            continue
+        mean = sum(xs) / len(xs)
+        sd = math.sqrt(sum((v - mean) ** 2 for v in xs) / len(xs))
+        b = max(sd / math.sqrt(len(xs)), s.scale_floor)
+        row = advantages[i]
+        weights = [float(row) if row.dim() == 0 else float(row[0] if row.numel() == 1 else row[t]) for t in tokens]
+        rows.append((math.exp(mean), b, [w for w in weights if math.isfinite(w)]))
+
+    def score(k_low, k_high):
+        pos = neg = 0.0
+        for ratio, b, weights in rows:
+            c_low, c_high = math.exp(-k_low * b), math.exp(k_high * b)
+            for w in weights:
+                if w > 0 and s.positive_contribution_mode == "value":
+                    pos += min(ratio, c_high) * w
+                elif w > 0 and ratio < c_high:
+                    pos += ratio * w
+                elif w < 0 and s.positive_contribution_mode == "value":
+                    neg += max(ratio, c_low) * -w
+                elif w < 0 and ratio > c_low and (s.delta is None or ratio <= s.delta):
+                    neg += ratio * -w
+        if reduce_fn is not None:
+            pos, neg = reduce_fn(torch.tensor([pos, neg], dtype=torch.float64)).tolist()
+        return pos, neg
+
+    def meets(pos, neg):
+        return pos + neg <= 0 or pos / (pos + neg) >= s.positive_contribution_target - TARGET_TOLERANCE
+
+    k_hi = k_lo = steps = 0
+    n_hi = math.floor((s.k_high_max - s.k_high_start) / s.k_high_step + GRID_TOLERANCE)
+    n_lo = math.floor((s.k_low_start - s.k_low_min) / s.k_low_step + GRID_TOLERANCE)
+    k_high = lambda: min(s.k_high_start + k_hi * s.k_high_step, s.k_high_max)  # noqa: E731
+    k_low = lambda: s.k_low_start - min(k_lo * s.k_low_step, s.k_low_start - s.k_low_min)  # noqa: E731
+    pos, neg = score(k_low(), k_high())
+    before = _share(pos, neg)
+    while not meets(pos, neg) and (k_hi < n_hi or k_lo < n_lo):
+        if k_hi < n_hi:
+            k_hi += 1
+        else:
+            k_lo += 1
+        steps += 1
+        pos, neg = score(k_low(), k_high())
+    return {"clip_low": k_low(), "clip_high": k_high(), "positive_contribution": _share(pos, neg),
+            "positive_contribution_before": before, "steps": steps, "target_met": meets(pos, neg)}

@@ -1,0 +1,151 @@
+"""The length-fair sequence-level balance (bapo_trl.core.length_fair, issue 53's candidate): its one-pass search
+against the plain float64 loop, on random batches of varied lengths, masks, signs, modes, delta and process splits;
+and the window's length fairness itself."""
+
+import math
+
+import pytest
+import torch
+
+from bapo_trl.core.clipping_reference import length_fair_loop_search
+from bapo_trl.core.length_fair import (
+    LengthFairSettings,
+    length_fair_path,
+    length_fair_search,
+    length_fair_sums,
+    sequence_bounds,
+    sequence_statistics,
+)
+
+
+def batch(seed, rows=12, width=9, spread=0.3, drift=0.0, token_advantages=False):
+    """Log-ratios with a per-sequence drift, masks of lengths 1..width (some empty), advantages of both signs."""
+    g = torch.Generator().manual_seed(seed)
+    log_ratio = torch.randn(rows, width, generator=g, dtype=torch.float64) * spread
+    log_ratio += torch.randn(rows, 1, generator=g, dtype=torch.float64) * drift
+    lengths = torch.randint(0, width + 1, (rows,), generator=g)
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).to(torch.float32)
+    shape = (rows, width) if token_advantages else (rows,)
+    advantages = torch.randn(*shape, generator=g, dtype=torch.float64)
+    return log_ratio, advantages, mask
+
+
+def assert_same(fast, loop):
+    got = fast.as_floats()
+    for name in ("clip_low", "clip_high", "steps"):
+        assert got[name] == pytest.approx(loop[name], abs=1e-12), (name, got, loop)
+    assert bool(got["target_met"]) == loop["target_met"]
+    for name in ("positive_contribution", "positive_contribution_before"):
+        if math.isnan(loop[name]):
+            assert math.isnan(got[name])
+        else:
+            assert got[name] == pytest.approx(loop[name], rel=1e-9, abs=1e-12), (name, got, loop)
+
+
+SETTINGS = [
+    dict(),
+    dict(positive_contribution_mode="gradient"),
+    dict(positive_contribution_mode="gradient", delta=1.3),
+    dict(positive_contribution_target=0.7, k_high_start=0.5, k_high_max=3.0, k_high_step=0.5, k_low_start=3.0,
+         k_low_min=0.5, k_low_step=0.5),
+    dict(scale_floor=0.05),
+]
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=["value", "gradient", "gradient_delta", "custom_path", "floor"])
+@pytest.mark.parametrize("token_advantages", [False, True], ids=["row_adv", "token_adv"])
+def test_one_pass_matches_the_loop_on_random_batches(settings, token_advantages):
+    moved = 0
+    for seed in range(30):
+        spread, drift = [(0.05, 0.0), (0.3, 0.2), (1.0, 0.8)][seed % 3]
+        log_ratio, advantages, mask = batch(seed, spread=spread, drift=drift, token_advantages=token_advantages)
+        loop = length_fair_loop_search(log_ratio, advantages, mask, **settings)
+        assert_same(length_fair_search(log_ratio, advantages, mask, **settings), loop)
+        moved += loop["steps"] > 0
+    assert moved >= 3  # the batches do make the search move
+
+
+def test_two_processes_choose_what_one_process_chooses_from_the_whole_batch():
+    """Each rank sums its own sequences; the one collective (here: adding the other half's vector, as an all-reduce
+    sum would) gives every rank the whole batch's choice."""
+    settings = LengthFairSettings()
+    path = length_fair_path(settings)
+    for seed in range(20):
+        log_ratio, advantages, mask = batch(seed, rows=16, spread=0.6, drift=0.5)
+        whole = length_fair_search(log_ratio, advantages, mask).as_floats()
+        halves = [(log_ratio[:8], advantages[:8], mask[:8]), (log_ratio[8:], advantages[8:], mask[8:])]
+        for rank in (0, 1):
+            calls = []
+            other = length_fair_sums(*halves[1 - rank], path, settings.scale_floor)
+            result = length_fair_search(*halves[rank], reduce_fn=lambda p: calls.append(1) or p + other).as_floats()
+            assert calls == [1]  # exactly one collective
+            for name in ("clip_low", "clip_high", "steps", "positive_contribution", "num_tokens"):
+                assert result[name] == pytest.approx(whole[name], rel=1e-12, nan_ok=True), (seed, rank, name)
+
+
+def test_masked_tokens_and_nonfinite_sequences_never_reach_a_sum():
+    log_ratio, advantages, mask = batch(3, spread=0.5, drift=0.4)
+    before = length_fair_search(log_ratio, advantages, mask).as_floats()
+    garbage = log_ratio.clone()
+    garbage[mask == 0] = float("nan")
+    assert length_fair_search(garbage, advantages, mask).as_floats() == pytest.approx(before, nan_ok=True)
+    row = int(mask.sum(-1).argmax())
+    broken = log_ratio.clone()
+    broken[row, 0] = float("inf")
+    got = length_fair_search(broken, advantages, mask).as_floats()
+    assert got["num_nonfinite"] == mask[row].sum()  # the sequence's mean is undefined: all its tokens are out
+    kept = torch.ones(mask.shape[0], dtype=torch.bool)
+    kept[row] = False
+    assert got["clip_high"] == length_fair_search(log_ratio[kept], advantages[kept], mask[kept]).as_floats()[
+        "clip_high"]
+
+
+def test_the_band_is_as_wide_as_the_noise_of_the_sequences_mean():
+    """Same token spread, lengths 2 and 32: the short sequence's band (in log R) is 4x the long one's; a one-token
+    sequence and an on-policy one (no spread) get the floor."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randn(2, 32, generator=g, dtype=torch.float64)
+    tokens[0, :2] = torch.tensor([0.5, -0.5], dtype=torch.float64)
+    tokens[1] = tokens[1] - tokens[1].mean()
+    tokens[1] = tokens[1] / tokens[1].std(unbiased=False) * 0.5
+    mask = torch.zeros(2, 32)
+    mask[0, :2], mask[1] = 1, 1
+    _, b = sequence_statistics(tokens, mask, scale_floor=1e-6)
+    assert b.tolist() == pytest.approx([0.5 / math.sqrt(2), 0.5 / math.sqrt(32)])
+    one = torch.zeros(2, 4, dtype=torch.float64)
+    _, floor = sequence_statistics(one, torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 1]]), scale_floor=3e-4)
+    assert floor.tolist() == [3e-4, 3e-4]
+    c_low, c_high = sequence_bounds(b, torch.tensor(2.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
+    assert c_high[:, 0].log().tolist() == pytest.approx(b.tolist())
+    assert c_low[:, 0].log().tolist() == pytest.approx((-2 * b).tolist())
+
+
+def test_the_path_widens_the_positives_first_then_narrows_the_negatives():
+    path = length_fair_path(LengthFairSettings())
+    assert path.clip_high[:13] == [1.0 + 0.25 * k for k in range(13)] and path.clip_low[:13] == [4.0] * 13
+    assert path.clip_low[13:] == [4.0 - 0.25 * k for k in range(1, 13)] and set(path.clip_high[13:]) == {4.0}
+    assert len(path) == 25
+
+
+def test_a_batch_of_only_negatives_runs_to_the_end_and_an_empty_one_meets_the_target():
+    log_ratio, _, mask = batch(5, spread=0.5, drift=0.5)
+    mask[:] = 1
+    got = length_fair_search(log_ratio, -torch.ones(12, dtype=torch.float64), mask).as_floats()
+    assert got["steps"] == 24 and not got["target_met"] and (got["clip_low"], got["clip_high"]) == (1.0, 4.0)
+    empty = length_fair_search(log_ratio, torch.ones(12, dtype=torch.float64), torch.zeros_like(mask)).as_floats()
+    assert empty["steps"] == 0 and empty["target_met"] and math.isnan(empty["positive_contribution"])
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("positive_contribution_target", 1.0, "`positive_contribution_target` must be in the open interval (0, 1)"),
+    ("k_high_step", 0.0, "`k_high_step` must be > 0"),
+    ("k_low_min", 5.0, "`k_low_min` (5.0) must be <= `k_low_start` (4.0)"),
+    ("k_high_start", 9.0, "`k_high_start` (9.0) must be <= `k_high_max` (4.0)"),
+    ("scale_floor", float("nan"), "`scale_floor` must be a finite number"),
+    ("positive_contribution_mode", "share", "`positive_contribution_mode` must be one of"),
+    ("delta", 0.5, "`delta` must be None or a finite number >= 1"),
+])
+def test_a_bad_setting_is_refused_by_name(field, value, says):
+    with pytest.raises(ValueError) as error:
+        LengthFairSettings(**{field: value})
+    assert says in str(error.value)
