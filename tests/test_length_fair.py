@@ -46,9 +46,9 @@ SETTINGS = [
     dict(),
     dict(positive_contribution_mode="gradient"),
     dict(positive_contribution_mode="gradient", delta=1.3),
-    dict(positive_contribution_target=0.7, k_high_start=0.5, k_high_max=3.0, k_high_step=0.5, k_low_start=3.0,
-         k_low_min=0.5, k_low_step=0.5),
-    dict(scale_floor=0.05),
+    dict(positive_contribution_target=0.7, band_upper_start=0.5, band_upper_max=3.0, band_upper_step=0.5,
+         band_lower_start=3.0, band_lower_min=0.5, band_lower_step=0.5),
+    dict(band_floor=0.05),
 ]
 
 
@@ -76,7 +76,7 @@ def test_two_processes_choose_what_one_process_chooses_from_the_whole_batch():
         halves = [(log_ratio[:8], advantages[:8], mask[:8]), (log_ratio[8:], advantages[8:], mask[8:])]
         for rank in (0, 1):
             calls = []
-            other = length_fair_sums(*halves[1 - rank], path, settings.scale_floor)
+            other = length_fair_sums(*halves[1 - rank], path, settings.band_floor)
             result = length_fair_search(*halves[rank], reduce_fn=lambda p: calls.append(1) or p + other).as_floats()
             assert calls == [1]  # exactly one collective
             for name in ("clip_low", "clip_high", "steps", "positive_contribution", "num_tokens"):
@@ -110,10 +110,10 @@ def test_the_band_is_as_wide_as_the_noise_of_the_sequences_mean():
     tokens[1] = tokens[1] / tokens[1].std(unbiased=False) * 0.5
     mask = torch.zeros(2, 32)
     mask[0, :2], mask[1] = 1, 1
-    _, b = sequence_statistics(tokens, mask, scale_floor=1e-6)
+    _, b = sequence_statistics(tokens, mask, band_floor=1e-6)
     assert b.tolist() == pytest.approx([0.5 / math.sqrt(2), 0.5 / math.sqrt(32)])
     one = torch.zeros(2, 4, dtype=torch.float64)
-    _, floor = sequence_statistics(one, torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 1]]), scale_floor=3e-4)
+    _, floor = sequence_statistics(one, torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 1]]), band_floor=3e-4)
     assert floor.tolist() == [3e-4, 3e-4]
     c_low, c_high = sequence_bounds(b, torch.tensor(2.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
     assert c_high[:, 0].log().tolist() == pytest.approx(b.tolist())
@@ -138,10 +138,11 @@ def test_a_batch_of_only_negatives_runs_to_the_end_and_an_empty_one_meets_the_ta
 
 @pytest.mark.parametrize("field, value, says", [
     ("positive_contribution_target", 1.0, "`positive_contribution_target` must be in the open interval (0, 1)"),
-    ("k_high_step", 0.0, "`k_high_step` must be > 0"),
-    ("k_low_min", 5.0, "`k_low_min` (5.0) must be <= `k_low_start` (4.0)"),
-    ("k_high_start", 9.0, "`k_high_start` (9.0) must be <= `k_high_max` (4.0)"),
-    ("scale_floor", float("nan"), "`scale_floor` must be a finite number"),
+    ("band_upper_step", 0.0, "`band_upper_step` must be > 0"),
+    ("band_lower_step", 1e-5, "`band_lower_step` (1e-05) is too small"),
+    ("band_lower_min", 5.0, "`band_lower_min` (5.0) must be <= `band_lower_start` (4.0)"),
+    ("band_upper_start", 9.0, "`band_upper_start` (9.0) must be <= `band_upper_max` (4.0)"),
+    ("band_floor", float("nan"), "`band_floor` must be a finite number"),
     ("positive_contribution_mode", "share", "`positive_contribution_mode` must be one of"),
     ("delta", 0.5, "`delta` must be None or a finite number >= 1"),
 ])

@@ -346,7 +346,7 @@ def length_fair_loop_search(log_ratio, advantages, mask, reduce_fn=None, **setti
             continue
         mean = sum(xs) / len(xs)
         sd = math.sqrt(sum((v - mean) ** 2 for v in xs) / len(xs))
-        b = max(sd / math.sqrt(len(xs)), s.scale_floor)
+        b = max(sd / math.sqrt(len(xs)), s.band_floor)
         row = advantages[i]
         weights = [float(row) if row.dim() == 0 else float(row[0] if row.numel() == 1 else row[t]) for t in tokens]
         rows.append((math.exp(mean), b, [w for w in weights if math.isfinite(w)]))
@@ -372,10 +372,10 @@ def length_fair_loop_search(log_ratio, advantages, mask, reduce_fn=None, **setti
         return pos + neg <= 0 or pos / (pos + neg) >= s.positive_contribution_target - TARGET_TOLERANCE
 
     k_hi = k_lo = steps = 0
-    n_hi = math.floor((s.k_high_max - s.k_high_start) / s.k_high_step + GRID_TOLERANCE)
-    n_lo = math.floor((s.k_low_start - s.k_low_min) / s.k_low_step + GRID_TOLERANCE)
-    k_high = lambda: min(s.k_high_start + k_hi * s.k_high_step, s.k_high_max)  # noqa: E731
-    k_low = lambda: s.k_low_start - min(k_lo * s.k_low_step, s.k_low_start - s.k_low_min)  # noqa: E731
+    n_hi = math.floor((s.band_upper_max - s.band_upper_start) / s.band_upper_step + GRID_TOLERANCE)
+    n_lo = math.floor((s.band_lower_start - s.band_lower_min) / s.band_lower_step + GRID_TOLERANCE)
+    k_high = lambda: min(s.band_upper_start + k_hi * s.band_upper_step, s.band_upper_max)  # noqa: E731
+    k_low = lambda: s.band_lower_start - min(k_lo * s.band_lower_step, s.band_lower_start - s.band_lower_min)  # noqa: E731
     pos, neg = score(k_low(), k_high())
     before = _share(pos, neg)
     while not meets(pos, neg) and (k_hi < n_hi or k_lo < n_lo):

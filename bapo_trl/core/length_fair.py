@@ -4,19 +4,19 @@ clipped in a band as wide as the noise of the sequence's own mean, BAPO's search
 GSPO clips ``R_i = exp(s_i)``, ``s_i`` the mean token log-ratio of sequence ``i`` over its ``L_i`` tokens, in one fixed
 window. The mean of ``L_i`` noisy token log-ratios has a standard error ``sd_i / sqrt(L_i)``, so a fixed window
 clips a short answer (a noisy mean) far more often than a long one whose policy moved as much. Here the window is
-``log R_i in [-k_low b_i, k_high b_i]`` with ``b_i = max(sd_i / sqrt(L_i), scale_floor)`` (``sd_i`` the population
+``log R_i in [-k_low b_i, k_high b_i]`` with ``b_i = max(sd_i / sqrt(L_i), band_floor)`` (``sd_i`` the population
 standard deviation of the sequence's token log-ratios; the floor keeps one-token sequences and on-policy data, where
 ``sd_i = 0``, from being clipped at ``R = 1``): per sequence ``c_low_i = exp(-k_low b_i)``, ``c_high_i = exp(k_high
 b_i)``.
 
 The search follows Algorithm 1's path on ``(k_low, k_high)`` instead of ``(c_low, c_high)``: first widen the
-positives' side (``k_high`` from ``k_high_start`` up to ``k_high_max``), then narrow the negatives' side (``k_low``
-from ``k_low_start`` down to ``k_low_min``, i.e. ``c_low`` up, as the paper raises ``c_low``), stopping at the first
-candidate where the positive share reaches ``rho0``. The shares are those of GSPO's clipped surrogate (the value
-share ``min(R, c_high) A`` / ``max(R, c_low) |A|``; the gradient share with TRL's ``delta``), per token weighted as
-TRL's loss weighs it, exactly as :func:`bapo_trl.core.clipping.grid_sums` defines them; the candidates are scored in
-one ``(sequences x grid)`` pass (the bounds differ per sequence, so the lattice binning of the token search does not
-apply; there are few sequences), reduced over processes in one collective, and chosen on device by
+positives' side (``k_high`` from ``band_upper_start`` up to ``band_upper_max``), then narrow the negatives' side
+(``k_low`` from ``band_lower_start`` down to ``band_lower_min``, i.e. ``c_low`` up, as the paper raises ``c_low``),
+stopping at the first candidate where the positive share reaches ``rho0``. The shares are those of GSPO's clipped
+surrogate (the value share ``min(R, c_high) A`` / ``max(R, c_low) |A|``; the gradient share with TRL's ``delta``), per
+token weighted as TRL's loss weighs it, exactly as :func:`bapo_trl.core.clipping.grid_sums` defines them; the
+candidates are scored in one ``(sequences x grid)`` pass (the bounds differ per sequence, so the lattice binning of the
+token search does not apply; there are few sequences), reduced over processes in one collective, chosen on device by
 :func:`bapo_trl.core.clipping.choose_bounds` (whose ``clip_low``/``clip_high`` are then ``k_low``/``k_high``).
 """
 
@@ -35,13 +35,13 @@ class LengthFairSettings:
     """The search settings of the length-fair balance; every bad value raises ``ValueError`` naming the field."""
 
     positive_contribution_target: float = 0.5
-    k_high_start: float = 1.0
-    k_high_max: float = 4.0
-    k_high_step: float = 0.25
-    k_low_start: float = 4.0
-    k_low_min: float = 1.0
-    k_low_step: float = 0.25
-    scale_floor: float = 3e-4
+    band_upper_start: float = 1.0
+    band_upper_max: float = 4.0
+    band_upper_step: float = 0.25
+    band_lower_start: float = 4.0
+    band_lower_min: float = 1.0
+    band_lower_step: float = 0.25
+    band_floor: float = 3e-4
     positive_contribution_mode: str = "value"
     delta: float | None = None
 
@@ -53,12 +53,14 @@ class LengthFairSettings:
             raise ValueError(error)
 
 
-def length_fair_errors(positive_contribution_target, k_high_start, k_high_max, k_high_step, k_low_start, k_low_min,
-                       k_low_step, scale_floor, positive_contribution_mode, delta=None) -> list[str]:
+def length_fair_errors(positive_contribution_target, band_upper_start, band_upper_max, band_upper_step,
+                       band_lower_start, band_lower_min, band_lower_step, band_floor, positive_contribution_mode,
+                       delta=None) -> list[str]:
     """Every problem with a set of settings, as messages naming the field, the value and what is allowed."""
-    numbers = dict(positive_contribution_target=positive_contribution_target, k_high_start=k_high_start,
-                   k_high_max=k_high_max, k_high_step=k_high_step, k_low_start=k_low_start, k_low_min=k_low_min,
-                   k_low_step=k_low_step, scale_floor=scale_floor)
+    numbers = dict(positive_contribution_target=positive_contribution_target, band_upper_start=band_upper_start,
+                   band_upper_max=band_upper_max, band_upper_step=band_upper_step,
+                   band_lower_start=band_lower_start, band_lower_min=band_lower_min,
+                   band_lower_step=band_lower_step, band_floor=band_floor)
     errors = [f"`{name}` must be a finite number, got {value!r}." for name, value in numbers.items()
               if not is_real(value)]
     if errors:
@@ -66,20 +68,20 @@ def length_fair_errors(positive_contribution_target, k_high_start, k_high_max, k
     if not 0.0 < positive_contribution_target < 1.0:
         errors.append(f"`positive_contribution_target` must be in the open interval (0, 1), got "
                       f"{positive_contribution_target}.")
-    for name in ("k_high_start", "k_high_max", "k_high_step", "k_low_start", "k_low_min", "k_low_step",
-                 "scale_floor"):
+    for name in ("band_upper_start", "band_upper_max", "band_upper_step", "band_lower_start", "band_lower_min",
+                 "band_lower_step", "band_floor"):
         if not numbers[name] > 0.0:
             errors.append(f"`{name}` must be > 0 (a band half-width in standard errors, or a step), "
                           f"got {numbers[name]}.")
-    if k_high_start > k_high_max:
-        errors.append(f"`k_high_start` ({k_high_start}) must be <= `k_high_max` ({k_high_max}).")
-    if k_low_min > k_low_start:
-        errors.append(f"`k_low_min` ({k_low_min}) must be <= `k_low_start` ({k_low_start}): the search narrows the "
-                      f"negatives' side from its start.")
-    for side, span, step in (("high", k_high_max - k_high_start, k_high_step), ("low", k_low_start - k_low_min,
-                                                                                   k_low_step)):
+    if band_upper_start > band_upper_max:
+        errors.append(f"`band_upper_start` ({band_upper_start}) must be <= `band_upper_max` ({band_upper_max}).")
+    if band_lower_min > band_lower_start:
+        errors.append(f"`band_lower_min` ({band_lower_min}) must be <= `band_lower_start` ({band_lower_start}): "
+                      f"the search narrows the negatives' side from its start.")
+    for side, span, step in (("upper", band_upper_max - band_upper_start, band_upper_step),
+                             ("lower", band_lower_start - band_lower_min, band_lower_step)):
         if step > 0 and span / step > 10_000:
-            errors.append(f"`k_{side}_step` ({step}) is too small: the search path would have more than 10000 "
+            errors.append(f"`band_{side}_step` ({step}) is too small: the search path would have more than 10000 "
                           f"points.")
     if positive_contribution_mode not in MODES:
         errors.append(f"`positive_contribution_mode` must be one of {MODES}, got {positive_contribution_mode!r}.")
@@ -89,28 +91,29 @@ def length_fair_errors(positive_contribution_target, k_high_start, k_high_max, k
 
 
 def length_fair_path(settings: LengthFairSettings) -> SearchPath:
-    """Algorithm 1's order on the band widths: the start ``(k_low_start, k_high_start)``, every ``k_high`` step up to
-    ``k_high_max``, then every ``k_low`` step down to ``k_low_min``. ``low_grid`` holds ``k_low`` (descending) and
-    ``high_grid`` ``k_high`` (ascending), so the path's ``clip_low``/``clip_high`` are the ``k`` values."""
+    """Algorithm 1's order on the band widths: the start ``(band_lower_start, band_upper_start)``, every ``k_high``
+    step up to ``band_upper_max``, then every ``k_low`` step down to ``band_lower_min``. ``low_grid`` holds ``k_low``
+    (descending) and ``high_grid`` ``k_high`` (ascending), so the path's ``clip_low``/``clip_high`` are the ``k``
+    values."""
     s = settings
-    high = _grid(s.k_high_start, s.k_high_max, s.k_high_step)
-    low = [s.k_low_start - k for k in _grid(0.0, s.k_low_start - s.k_low_min, s.k_low_step)]
+    high = _grid(s.band_upper_start, s.band_upper_max, s.band_upper_step)
+    low = [s.band_lower_start - k for k in _grid(0.0, s.band_lower_start - s.band_lower_min, s.band_lower_step)]
     low_index = [0] * len(high) + list(range(1, len(low)))
     high_index = list(range(len(high))) + [len(high) - 1] * (len(low) - 1)
-    return SearchPath(tuple(low), tuple(high), tuple(low_index), tuple(high_index), s.k_low_step, s.k_high_step,
-                      delta=s.delta)
+    return SearchPath(tuple(low), tuple(high), tuple(low_index), tuple(high_index), s.band_lower_step,
+                      s.band_upper_step, delta=s.delta)
 
 
-def sequence_statistics(log_ratio: torch.Tensor, mask: torch.Tensor, scale_floor: float):
+def sequence_statistics(log_ratio: torch.Tensor, mask: torch.Tensor, band_floor: float):
     """``(s, b)``, each ``(B,)`` float64: the mean token log-ratio of each sequence over its loss mask (GSPO's
-    ``log R``) and its band unit ``max(sd / sqrt(L), scale_floor)``; a sequence with no token gets ``s = 0``."""
+    ``log R``) and its band unit ``max(sd / sqrt(L), band_floor)``; a sequence with no token gets ``s = 0``."""
     x = log_ratio.detach().to(torch.float64)
     m = (mask.detach() != 0).to(torch.float64)
     length = m.sum(-1).clamp(min=1.0)
     x = torch.where(m > 0, x, 0.0)
     s = x.sum(-1) / length
     variance = ((x - s[:, None]) ** 2 * m).sum(-1) / length
-    return s, (variance.sqrt() / length.sqrt()).clamp(min=scale_floor)
+    return s, (variance.sqrt() / length.sqrt()).clamp(min=band_floor)
 
 
 def sequence_bounds(b: torch.Tensor, k_low: torch.Tensor, k_high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +123,7 @@ def sequence_bounds(b: torch.Tensor, k_low: torch.Tensor, k_high: torch.Tensor) 
 
 
 def length_fair_sums(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, path: SearchPath,
-                     scale_floor: float) -> torch.Tensor:
+                     band_floor: float) -> torch.Tensor:
     """The local sums of the shares for every grid value, in :func:`bapo_trl.core.clipping.grid_sums`'s layout
     ``[pos_value(H), pos_gradient(H), neg_value(L), neg_gradient(L), num_tokens, num_nonfinite]``.
 
@@ -134,7 +137,7 @@ def length_fair_sums(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: to
     real = mask.detach() != 0
     finite_row = (torch.isfinite(x) | ~real).all(-1)
     valid = real & finite_row[:, None] & torch.isfinite(a)
-    s, b = sequence_statistics(torch.where(real & finite_row[:, None], x, 0.0), real, scale_floor)
+    s, b = sequence_statistics(torch.where(real & finite_row[:, None], x, 0.0), real, band_floor)
     ratio = torch.exp(s)
     w = torch.where(valid, a, 0.0)
     w_pos, w_neg = w.clamp(min=0.0).sum(-1), (-w).clamp(min=0.0).sum(-1)  # (B,): each sign's weight per sequence
@@ -166,7 +169,7 @@ def length_fair_search(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: 
         raise ValueError(f"`log_ratio` must be (B, T) and `mask` of its shape, got {tuple(log_ratio.shape)} and "
                          f"{tuple(mask.shape)}.")
     path = length_fair_path(config)
-    packed = length_fair_sums(log_ratio, advantages, mask, path, config.scale_floor)
+    packed = length_fair_sums(log_ratio, advantages, mask, path, config.band_floor)
     if reduce_fn is not None:
         packed = reduce_fn(packed)
     return choose_bounds(packed, path, config)
