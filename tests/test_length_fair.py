@@ -46,13 +46,15 @@ SETTINGS = [
     dict(),
     dict(positive_contribution_mode="gradient"),
     dict(positive_contribution_mode="gradient", delta=1.3),
+    dict(delta=1.1),
     dict(positive_contribution_target=0.7, band_upper_start=0.5, band_upper_max=3.0, band_upper_step=0.5,
          band_lower_start=3.0, band_lower_min=0.5, band_lower_step=0.5),
     dict(band_floor=0.05),
 ]
 
 
-@pytest.mark.parametrize("settings", SETTINGS, ids=["value", "gradient", "gradient_delta", "custom_path", "floor"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=["value", "gradient", "gradient_delta", "value_delta",
+                                                   "custom_path", "floor"])
 @pytest.mark.parametrize("token_advantages", [False, True], ids=["row_adv", "token_adv"])
 def test_one_pass_matches_the_loop_on_random_batches(settings, token_advantages):
     moved = 0
@@ -63,6 +65,17 @@ def test_one_pass_matches_the_loop_on_random_batches(settings, token_advantages)
         assert_same(length_fair_search(log_ratio, advantages, mask, **settings), loop)
         moved += loop["steps"] > 0
     assert moved >= 3  # the batches do make the search move
+
+
+def test_a_sequences_statistics_come_from_its_whole_loss_mask_when_the_loss_drops_tokens():
+    """TRL takes GSPO's sequence mean over its loss mask, then drops tokens (top-entropy, off-policy masks): the band
+    is the whole sequence's, the shares count the kept tokens only."""
+    for seed in range(10):
+        log_ratio, advantages, mask = batch(seed, spread=0.5, drift=0.4, token_advantages=True)
+        g = torch.Generator().manual_seed(100 + seed)
+        kept = mask * (torch.rand(mask.shape, generator=g) < 0.6)
+        loop = length_fair_loop_search(log_ratio, advantages, kept, statistics_mask=mask)
+        assert_same(length_fair_search(log_ratio, advantages, kept, statistics_mask=mask), loop)
 
 
 def test_two_processes_choose_what_one_process_chooses_from_the_whole_batch():

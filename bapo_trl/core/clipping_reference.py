@@ -334,15 +334,17 @@ def effective_sample_size_reference(weights: list[float]) -> float:
     return total * total / (n * squares) if n and squares > 0 else float("nan")
 
 
-def length_fair_loop_search(log_ratio, advantages, mask, reduce_fn=None, **settings) -> dict:
+def length_fair_loop_search(log_ratio, advantages, mask, reduce_fn=None, statistics_mask=None, **settings) -> dict:
     """The length-fair balance as a plain loop (float64, token by token, from the definitions): Algorithm 1's
-    ``while`` loop on ``(k_low, k_high)``, re-scoring the batch for every candidate."""
+    ``while`` loop on ``(k_low, k_high)``, re-scoring the batch for every candidate. ``statistics_mask``: the tokens
+    of each sequence's mean and spread (default ``mask``)."""
     s = LengthFairSettings(**settings)
+    over = mask if statistics_mask is None else statistics_mask
     rows = []
     for i in range(log_ratio.shape[0]):
+        xs = [float(log_ratio[i, t]) for t in range(log_ratio.shape[1]) if over[i, t] != 0]
         tokens = [t for t in range(log_ratio.shape[1]) if mask[i, t] != 0]
-        xs = [float(log_ratio[i, t]) for t in tokens]
-        if not tokens or not all(math.isfinite(v) for v in xs):
+        if not xs or not tokens or not all(math.isfinite(v) for v in xs):
             continue
         mean = sum(xs) / len(xs)
         sd = math.sqrt(sum((v - mean) ** 2 for v in xs) / len(xs))
@@ -355,6 +357,7 @@ def length_fair_loop_search(log_ratio, advantages, mask, reduce_fn=None, **setti
         pos = neg = 0.0
         for ratio, b, weights in rows:
             c_low, c_high = math.exp(-k_low * b), math.exp(k_high * b)
+            c_high = c_high if s.delta is None else min(c_high, s.delta)
             for w in weights:
                 if w > 0 and s.positive_contribution_mode == "value":
                     pos += min(ratio, c_high) * w

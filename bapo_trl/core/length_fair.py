@@ -116,34 +116,43 @@ def sequence_statistics(log_ratio: torch.Tensor, mask: torch.Tensor, band_floor:
     return s, (variance.sqrt() / length.sqrt()).clamp(min=band_floor)
 
 
-def sequence_bounds(b: torch.Tensor, k_low: torch.Tensor, k_high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_bounds(b: torch.Tensor, k_low, k_high, delta: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(c_low, c_high)``, each ``(B, 1)``: the window of every sequence for the chosen widths (for TRL's clamp,
-    which broadcasts them over the sequence's ratio)."""
-    return torch.exp(-k_low * b)[:, None], torch.exp(k_high * b)[:, None]
+    which broadcasts them over the sequence's ratio); ``c_high`` never above ``delta`` (TRL's two-sided clip caps
+    every ratio there, as the token search's upper path ends there)."""
+    c_high = torch.exp(k_high * b)
+    if delta is not None:
+        c_high = c_high.clamp(max=delta)
+    return torch.exp(-k_low * b)[:, None], c_high[:, None]
 
 
 def length_fair_sums(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, path: SearchPath,
-                     band_floor: float) -> torch.Tensor:
+                     band_floor: float, statistics_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The local sums of the shares for every grid value, in :func:`bapo_trl.core.clipping.grid_sums`'s layout
     ``[pos_value(H), pos_gradient(H), neg_value(L), neg_gradient(L), num_tokens, num_nonfinite]``.
 
     ``advantages``: ``(B,)``, ``(B, 1)`` or ``(B, T)``, already times each token's weight in TRL's loss (grpo's
-    ``1 / L``, vLLM importance-sampling weights), as the trainer's search sees them. A sequence with a non-finite
-    log-ratio on a real token is left out whole (its mean is undefined) and its tokens are counted as non-finite.
+    ``1 / L``, vLLM importance-sampling weights), as the trainer's search sees them. ``statistics_mask``: the tokens
+    a sequence's mean and spread are taken over (TRL's loss mask, before the tokens its loss then drops; default
+    ``mask``). A sequence with a non-finite log-ratio on a real token is left out whole (its mean is undefined) and
+    its tokens are counted as non-finite.
     """
     x = log_ratio.detach().to(torch.float64)
     a = advantages.detach().to(torch.float64)
     a = (a[:, None] if a.dim() == 1 else a).expand_as(x)
     real = mask.detach() != 0
-    finite_row = (torch.isfinite(x) | ~real).all(-1)
+    over = real if statistics_mask is None else statistics_mask.detach() != 0
+    finite_row = (torch.isfinite(x) | ~over).all(-1)
     valid = real & finite_row[:, None] & torch.isfinite(a)
-    s, b = sequence_statistics(torch.where(real & finite_row[:, None], x, 0.0), real, band_floor)
+    s, b = sequence_statistics(torch.where(over & finite_row[:, None], x, 0.0), over, band_floor)
     ratio = torch.exp(s)
     w = torch.where(valid, a, 0.0)
     w_pos, w_neg = w.clamp(min=0.0).sum(-1), (-w).clamp(min=0.0).sum(-1)  # (B,): each sign's weight per sequence
     k_high = torch.tensor(path.high_grid, dtype=torch.float64, device=x.device)
     k_low = torch.tensor(path.low_grid, dtype=torch.float64, device=x.device)
     c_high, c_low = torch.exp(b[:, None] * k_high), torch.exp(-b[:, None] * k_low)  # (B, H), (B, L)
+    if path.delta is not None:
+        c_high = c_high.clamp(max=path.delta)  # as sequence_bounds
     r = ratio[:, None]
     pos_value = (torch.minimum(r, c_high) * w_pos[:, None]).sum(0)
     pos_gradient = torch.where(r < c_high, r * w_pos[:, None], 0.0).sum(0)  # (where: an inf ratio times 0 is NaN)
@@ -159,7 +168,8 @@ def length_fair_sums(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: to
 
 def length_fair_search(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                        reduce_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                       config: LengthFairSettings | None = None, **settings) -> SearchResult:
+                       config: LengthFairSettings | None = None, statistics_mask: torch.Tensor | None = None,
+                       **settings) -> SearchResult:
     """Choose ``(k_low, k_high)`` for one update (returned as the result's ``clip_low``/``clip_high``; the
     per-sequence windows are :func:`sequence_bounds`). ``reduce_fn`` sums a float64 vector over processes and is
     called exactly once, by every rank, so every rank chooses the same widths."""
@@ -169,7 +179,7 @@ def length_fair_search(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: 
         raise ValueError(f"`log_ratio` must be (B, T) and `mask` of its shape, got {tuple(log_ratio.shape)} and "
                          f"{tuple(mask.shape)}.")
     path = length_fair_path(config)
-    packed = length_fair_sums(log_ratio, advantages, mask, path, config.band_floor)
+    packed = length_fair_sums(log_ratio, advantages, mask, path, config.band_floor, statistics_mask)
     if reduce_fn is not None:
         packed = reduce_fn(packed)
     return choose_bounds(packed, path, config)
