@@ -163,3 +163,104 @@ def test_a_bad_setting_is_refused_by_name(field, value, says):
     with pytest.raises(ValueError) as error:
         LengthFairSettings(**{field: value})
     assert says in str(error.value)
+
+
+# -- in the trainer ---------------------------------------------------------------------------------------------------
+
+
+def expected_windows(log_ratio, mask, k_low, k_high, floor=3e-4, delta=3.0):
+    """Every sequence's window from the definitions, row by row."""
+    rows = []
+    for i in range(log_ratio.shape[0]):
+        xs = [float(x) for x, m in zip(log_ratio[i], mask[i]) if m != 0]
+        mean = sum(xs) / max(len(xs), 1)
+        sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / max(len(xs), 1))
+        b = max(sd / math.sqrt(max(len(xs), 1)), floor)
+        rows.append((math.exp(-k_low * b), min(math.exp(k_high * b), delta)))
+    return rows
+
+
+@pytest.mark.parametrize("mode", ["value", "gradient"])
+def test_trls_loss_clips_each_sequence_in_the_window_the_plain_loop_chooses(tiny_model_dir, tmp_path, mode):
+    """Stale data (4 updates per generation batch), GSPO's ratio, loss grpo: at every update the widths the trainer
+    chose are the plain loop's on that micro-batch (advantages weighted 1/L, as grpo's loss weighs tokens), and the
+    window installed where TRL's clamp reads it (epsilon_low/high, one per sequence) is each sequence's own, from
+    the definitions; the run logs the widths and the mean window."""
+    from harness import Probe, cpu_config, tiny_trainer
+
+    from bapo_trl.core.numerics import loss_mask
+
+    calls = []
+
+    def adapt(trainer, real, logps, inputs, *rest):
+        real(logps, inputs, *rest)
+        calls.append((logps.detach().double(), inputs["old_per_token_logps"].double(), loss_mask(inputs),
+                      inputs["advantages"].double(), trainer.epsilon_low.detach().double().clone(),
+                      trainer.epsilon_high.detach().double().clone(), trainer.last_search.as_floats()))
+
+    args = cpu_config(tmp_path, loss_type="grpo", importance_sampling_level="sequence", sequence_window="length_fair",
+                      positive_contribution_mode=mode, per_device_train_batch_size=8, num_generations=4,
+                      steps_per_generation=4, max_steps=4, max_completion_length=8, learning_rate=5e-2,
+                      logging_steps=1, save_strategy="no", seed=3)
+    trainer = tiny_trainer(tiny_model_dir, args, cls=Probe, around={"_adapt_clip_window": adapt})
+    trainer.train()
+    assert len(calls) == 4
+    distinct = moved = 0
+    for logps, old, mask, advantages, eps_low, eps_high, chosen in calls:
+        log_ratio = logps - old
+        weighted = advantages[:, None] / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        loop = length_fair_loop_search(log_ratio, weighted, mask, positive_contribution_mode=mode, delta=3.0)
+        assert (chosen["clip_low"], chosen["clip_high"], chosen["steps"]) == pytest.approx(
+            (loop["clip_low"], loop["clip_high"], loop["steps"]))
+        assert eps_low.shape == eps_high.shape == (8, 1)
+        windows = expected_windows(log_ratio, mask, loop["clip_low"], loop["clip_high"])
+        assert (1 - eps_low[:, 0]).tolist() == pytest.approx([w[0] for w in windows], rel=1e-5, abs=1e-6)
+        assert (1 + eps_high[:, 0]).tolist() == pytest.approx([w[1] for w in windows], rel=1e-5, abs=1e-6)
+        distinct += len({(round(w[0], 9), round(w[1], 9)) for w in windows}) > 1
+        moved += loop["steps"] > 0
+    assert distinct >= 3 and moved >= 1  # stale updates: the sequences' windows differ, the search moves
+    logged = [e for e in trainer.state.log_history if "bapo/band_upper" in e]
+    assert len(logged) == 4 and all(1.0 <= e["bapo/band_upper"] <= 4.0 and 1.0 <= e["bapo/band_lower"] <= 4.0
+                                    and e["bapo/clip_low"] < 1.0 < e["bapo/clip_high"] for e in logged)
+
+
+@pytest.mark.parametrize("settings, says", [
+    (dict(sequence_window="lengthfair"),
+     "`sequence_window` must be one of ('fixed', 'length_fair'), got 'lengthfair'"),
+    (dict(sequence_window="length_fair"),
+     "it needs `importance_sampling_level='sequence'` (GSPO's ratio), got 'token'"),
+    (dict(sequence_window="length_fair", importance_sampling_level="sequence", loss_type="cispo"),
+     "needs a clipped loss (grpo, bnpo, dr_grpo, dapo, luspo), got loss_type='cispo'"),
+    (dict(sequence_window="length_fair", importance_sampling_level="sequence", band_upper_step=-1.0),
+     "`band_upper_step` must be > 0"),
+])
+def test_a_bad_length_fair_setting_is_refused_by_name_through_the_api_and_the_command(settings, says, tmp_path,
+                                                                                      capsys):
+    from harness import cpu_config
+
+    from bapo_trl.cli.train import make_parser, run
+
+    with pytest.raises(ValueError) as error:
+        cpu_config(tmp_path, **settings)
+    assert says in str(error.value)
+    flags = [part for name, value in settings.items() for part in (f"--{name}", str(value))]
+    with pytest.raises(SystemExit):
+        run(flags + ["--output_dir", str(tmp_path), "--use_cpu", "--bf16", "False"], parser=make_parser())
+    err = capsys.readouterr().err
+    assert says in err or ("--sequence_window" in err and "invalid choice: 'lengthfair'" in err), err  # argparse's
+
+
+def test_settings_the_chosen_window_never_reads_warn():
+    import warnings
+
+    from harness import cpu_config
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cpu_config("unused", band_floor=0.1, band_upper_max=5.0)
+        cpu_config("unused", sequence_window="length_fair", importance_sampling_level="sequence", ratio_upper_max=2.0)
+    said = [str(w.message) for w in caught if "no effect" in str(w.message)]
+    assert any("`band_upper_max`, `band_floor` have no effect" in s and "sequence_window is 'fixed'" in s
+               for s in said), said
+    assert any("`ratio_upper_max` has no effect: the length-fair window's path is band_upper_*" in s
+               for s in said), said

@@ -115,6 +115,11 @@ BAPO_OPTION_GROUPS = (
      ("positive_contribution_target", "ratio_lower_start", "ratio_lower_max", "ratio_lower_step", "ratio_upper_start",
       "ratio_upper_max", "ratio_upper_step", "bapo_variant", "dual_clip", "positive_contribution_mode",
       "positive_contribution_is_weighted")),
+    ("BAPO: the length-fair sequence window",
+     "sequence_window=length_fair (GSPO's sequence ratio, clipped losses): each sequence's window is k_low/k_high "
+     "standard errors of its mean token log-ratio; the search chooses k_high, then k_low.",
+     ("sequence_window", "band_upper_start", "band_upper_max", "band_upper_step", "band_lower_start",
+      "band_lower_min", "band_lower_step", "band_floor")),
     ("BAPO: stale data (replay, partial rollout) and where batches come from",
      "Off-policy data beyond TRL's batch reuse (steps_per_generation, num_iterations): replayed groups keep the "
      "log-probs of the policy that sampled them; partial rollout grows long completions over several rounds.",

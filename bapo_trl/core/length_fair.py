@@ -29,6 +29,9 @@ import torch
 
 from .clipping import MODES, SearchPath, SearchResult, _grid, choose_bounds, is_real
 
+#: ``BAPOConfig.sequence_window``: one window for every ratio, or this module's.
+SEQUENCE_WINDOWS = ("fixed", "length_fair")
+
 
 @dataclass(frozen=True)
 class LengthFairSettings:
@@ -124,6 +127,36 @@ def sequence_bounds(b: torch.Tensor, k_low, k_high, delta: float | None = None) 
     if delta is not None:
         c_high = c_high.clamp(max=delta)
     return torch.exp(-k_low * b)[:, None], c_high[:, None]
+
+
+@dataclass(frozen=True)
+class SequenceWindow:
+    """Every sequence's window of one update: its band unit ``b`` (``(B,)``) and the chosen widths; what TRL's clamp
+    and the metrics read of it."""
+
+    b: torch.Tensor
+    k_low: torch.Tensor
+    k_high: torch.Tensor
+    delta: float | None = None
+
+    def bounds(self, k_low=None, k_high=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(c_low, c_high)``, ``(B, 1)`` each, at the chosen widths (or at ``k_low``/``k_high``)."""
+        return sequence_bounds(self.b, self.k_low if k_low is None else k_low,
+                               self.k_high if k_high is None else k_high, self.delta)
+
+    def sensitive(self, ratio: torch.Tensor, positive: torch.Tensor, negative: torch.Tensor,
+                  path: SearchPath) -> torch.Tensor:
+        """Tokens some window of the path treats differently (the loss type row's ``sensitive``): a positive above
+        its sequence's narrowest ``c_high``, a negative below its sequence's highest ``c_low``."""
+        c_low, c_high = self.bounds(min(path.clip_low), path.clip_high[0])
+        return (positive & (ratio > c_high.to(ratio.dtype))) | (negative & (ratio < c_low.to(ratio.dtype)))
+
+    def mean_sums(self, rows: torch.Tensor, k_low: float, k_high: float) -> torch.Tensor:
+        """Local ``[sum c_low, sum c_high, sequences]`` over the sequences ``rows`` (``(B,)`` bool), at the given
+        widths, for the logged mean window (reduced over processes by the caller)."""
+        c_low, c_high = self.bounds(torch.tensor(k_low, dtype=self.b.dtype), torch.tensor(k_high, dtype=self.b.dtype))
+        rows = rows.to(self.b.dtype)
+        return torch.stack([(c_low[:, 0] * rows).sum(), (c_high[:, 0] * rows).sum(), rows.sum()]).double()
 
 
 def length_fair_sums(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, path: SearchPath,

@@ -17,6 +17,7 @@ from .clipping import SearchPath
 from .entropy_clip import METRICS as ENTROPY_CLIP
 from .entropy_clip import NUM_SUMS as ENTROPY_CLIP_SUMS
 from .entropy_clip import entropy_clip_metrics, entropy_clip_sums, without_gradient
+from .length_fair import SequenceWindow
 from .loss_types import CLIPPED_SURROGATE, LossType
 from .off_policy import METRICS as DECOUPLED
 
@@ -85,6 +86,11 @@ ASYNC = (
     *(f"bapo/{what}/age_{age}" for age in AGE_BUCKETS
       for what in ("positive_loss_share", "clip_fraction", "token_fraction")),
 )
+#: Logged per update with ``sequence_window="length_fair"``: the chosen band widths (standard errors).
+LENGTH_FAIR = (
+    "bapo/band_lower",
+    "bapo/band_upper",
+)
 #: Logged per update with a soft-gate loss (sapo, vespo): the gate parameters installed in TRL's loss.
 GATES = (
     "bapo/sapo_temperature_pos",
@@ -102,7 +108,7 @@ REWARDS = (
 )
 #: Every metric name bapo_trl logs, by group.
 REGISTRY = {"search": SEARCH, "entropy_clip": ENTROPY_CLIP, "replay": REPLAY, "partial": PARTIAL, "async": ASYNC,
-            "gates": GATES, "rewards": REWARDS, "decoupled": DECOUPLED}
+            "gates": GATES, "rewards": REWARDS, "decoupled": DECOUPLED, "length_fair": LENGTH_FAIR}
 
 #: valid, positive, negative, low-clipped, high-clipped (by the window), window-sensitive, positive and negative tokens
 #: without gradient, staleness sum, non-finite
@@ -342,17 +348,34 @@ def gate_values(loss: LossType, clip_low: float, clip_high: float) -> dict[str, 
 def update_values(result, path: SearchPath, loss: LossType, ratio: torch.Tensor, advantages: torch.Tensor,
                   mask: torch.Tensor, inputs: dict, logps: torch.Tensor, entropies: torch.Tensor | None, step: int,
                   nonfinite_inputs: torch.Tensor, target: float, sum_over_processes: Reduce,
-                  max_over_processes: Reduce, by_age: bool) -> tuple[dict[str, float], tuple[float, float]]:
+                  max_over_processes: Reduce, by_age: bool,
+                  window: SequenceWindow | None = None) -> tuple[dict[str, float], tuple[float, float]]:
     """Every value a micro-batch logs (search, Entropy-Clip; fresh vs replayed tokens when the batch holds replayed
     rows; the share by token age when ``by_age``), with the fewest collectives: one sum and one max per group.
     Returns the values and ``(entropy sum, tokens)`` over all processes (0, 0 when the entropy is unknown). Clipped
     tokens are those TRL's loss gives no gradient, the dual clip's negatives above ``delta`` included (except in
-    ``bapo/clip_fraction_low/high``, the window's, as TRL's ``clip_ratio/*``)."""
+    ``bapo/clip_fraction_low/high``, the window's, as TRL's ``clip_ratio/*``).
+
+    ``window``: the length-fair search's (``result`` then holds the widths ``k_low``/``k_high`` and ``path`` is
+    theirs): clip flags and shares use every sequence's own window; the widths are logged as ``bapo/band_lower`` /
+    ``bapo/band_upper`` and ``bapo/clip_low``/``bapo/clip_high`` are the sequences' mean window (one more sum)."""
+    if window is not None:
+        lower, upper = window.bounds()
+        result = dataclasses.replace(result, clip_low=lower, clip_high=upper)  # the flags' window, per sequence
+        loss = dataclasses.replace(loss, sensitive=window.sensitive)
+        widths = {"clip_low": window.k_low, "clip_high": window.k_high}
     staleness = token_staleness(inputs, step, ratio)
     sums, stale_max = search_sums(result, path, ratio, advantages, mask, logps, entropies, staleness,
                                   nonfinite_inputs, loss)
     sums, stale_max = sum_over_processes(sums), max_over_processes(stale_max)
-    values, entropy = search_values(sums.tolist(), result.as_floats(), path, float(stale_max), target)
+    floats = result.as_floats() if window is None else dataclasses.replace(result, **widths).as_floats()
+    values, entropy = search_values(sums.tolist(), floats, path, float(stale_max), target)
+    if window is not None:
+        values["bapo/band_lower"], values["bapo/band_upper"] = values["bapo/clip_low"], values["bapo/clip_high"]
+        rows = ((mask != 0) & torch.isfinite(ratio)).any(-1)
+        low, high, count = sum_over_processes(window.mean_sums(rows, values["bapo/band_lower"],
+                                                               values["bapo/band_upper"])).tolist()
+        values["bapo/clip_low"], values["bapo/clip_high"] = low / max(count, 1.0), high / max(count, 1.0)
     values.update(gate_values(loss, values["bapo/clip_low"], values["bapo/clip_high"]))
     if "replayed" in inputs:  # fresh vs replayed tokens
         replay_staleness = (step - inputs["policy_version"]).double()[:, None].expand_as(ratio)

@@ -22,6 +22,7 @@ from trl import GRPOTrainer
 
 from ..core import metrics
 from ..core.clipping import SearchResult, search_clip_bounds
+from ..core.length_fair import length_fair_path
 from ..core.loss_types import LOSS_TYPES
 from ..core.numerics import loss_mask, mask_nonfinite_inputs, sanitize_after_forward
 from ..core.target_controller import TargetController
@@ -31,7 +32,7 @@ from .bapo_config import BAPOConfig, trainer_config
 from .checkpoints import CheckpointMixin
 from .decoupled import decouple
 from .loop_hooks import AtEachUpdate, training_random_state_kept
-from .loss_hook import install, optimised_tokens, restore, search_inputs
+from .loss_hook import install, length_fair_window, optimised_tokens, restore, search_inputs
 from .model_card import PAPER_CITATION, ModelCardMixin
 from .reward_errors import RewardTally, name_errors
 from .trl_port import TRLPort
@@ -200,23 +201,28 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
         mask = optimised_tokens(self, loss_mask(inputs), per_token_logps, entropies, inputs)
         ratio, advantages = search_inputs(self.loss, per_token_logps, inputs, self.args.importance_sampling_level,
                                           self.args.positive_contribution_is_weighted)
-        settings = self._bapo_settings
-        result = search_clip_bounds(ratio, advantages, mask, config=settings, path=self.loss.path(settings),
-                                    reduce_fn=self.port.sum_over_processes, sums_fn=self.loss.grid_sums)
-        install(self, self.loss.to_trl(result.clip_low, result.clip_high), per_token_logps.dtype,
-                saved=self._bapo_installed)
+        settings, window = self._bapo_settings, None
+        if self.args.sequence_window == "length_fair":
+            result, window = length_fair_window(self, per_token_logps, inputs, mask, advantages)
+        else:
+            result = search_clip_bounds(ratio, advantages, mask, config=settings, path=self.loss.path(settings),
+                                        reduce_fn=self.port.sum_over_processes, sums_fn=self.loss.grid_sums)
+        bounds = (result.clip_low, result.clip_high) if window is None else window.bounds()
+        install(self, self.loss.to_trl(*bounds), per_token_logps.dtype, saved=self._bapo_installed)
         self.last_search = result
-        self._log_search(result, ratio, advantages, mask, inputs, per_token_logps, entropies)
+        self._log_search(result, ratio, advantages, mask, inputs, per_token_logps, entropies, window)
 
-    def _log_search(self, result: SearchResult, ratio, advantages, mask, inputs, logps, entropies=None) -> None:
-        """The micro-batch's metrics (:func:`bapo_trl.core.metrics.update_values`); its entropy joins the closed-loop
-        target's update, if on."""
+    def _log_search(self, result: SearchResult, ratio, advantages, mask, inputs, logps, entropies=None,
+                    window=None) -> None:
+        """The micro-batch's metrics (:func:`bapo_trl.core.metrics.update_values`; ``window``: the length-fair
+        search's per-sequence window); its entropy joins the closed-loop target's update, if on."""
         mode, settings = "train" if self.model.training else "eval", self._bapo_settings
+        path = self.loss.path(settings) if window is None else length_fair_path(self.args.length_fair_settings)
         values, entropy = metrics.update_values(
-            result, self.loss.path(settings), self.loss, ratio, advantages, mask, inputs, logps, entropies,
+            result, path, self.loss, ratio, advantages, mask, inputs, logps, entropies,
             self.state.global_step, self._nonfinite_inputs, settings.positive_contribution_target,
             self.port.sum_over_processes, self.port.max_over_processes,
-            by_age=self.rollout_source.metrics_by_age and mode == "train")
+            by_age=self.rollout_source.metrics_by_age and mode == "train", window=window)
         self.port.log_metrics(values, mode)
         if self.target_controller is not None and mode == "train":
             if entropies is None:

@@ -6,8 +6,11 @@ loss call when it is a config field).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from ..core.length_fair import SequenceWindow, length_fair_search, sequence_statistics
 from ..core.loss_types import LossType
 from ..core.numerics import loss_mask
 
@@ -27,15 +30,34 @@ def optimised_tokens(trainer, mask: torch.Tensor, logps: torch.Tensor, entropies
     return mask
 
 
+def token_log_ratio(logps: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """``(B, T)`` detached ``log pi_theta - log pi_old`` per token; zeros when TRL skipped the old log-probs (the data
+    is on-policy, every ratio exactly 1)."""
+    old = inputs.get("old_per_token_logps")
+    return logps.detach() - old if old is not None else torch.zeros_like(logps)
+
+
+def length_fair_window(trainer, logps: torch.Tensor, inputs: dict, mask: torch.Tensor, advantages: torch.Tensor):
+    """``(result, window)`` of the length-fair search on one micro-batch (sums reduced over all processes): the
+    chosen widths (``result.clip_low``/``clip_high`` are ``k_low``/``k_high``) and every sequence's window
+    (:class:`~bapo_trl.core.length_fair.SequenceWindow`). The band's statistics are taken over TRL's loss mask (its
+    sequence mean's)."""
+    settings = trainer.args.length_fair_settings
+    log_ratio, over = token_log_ratio(logps, inputs), loss_mask(inputs)
+    result = length_fair_search(log_ratio, advantages, mask, config=dataclasses.replace(
+        settings, positive_contribution_target=trainer._bapo_settings.positive_contribution_target),
+        reduce_fn=trainer.port.sum_over_processes, statistics_mask=over)
+    _, b = sequence_statistics(torch.where(torch.isfinite(log_ratio), log_ratio, 0.0), over, settings.band_floor)
+    return result, SequenceWindow(b, result.clip_low, result.clip_high, settings.delta)
+
+
 def search_inputs(loss: LossType, logps: torch.Tensor, inputs: dict, level: str,
                   is_weighted: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ratio, advantages)`` the search balances for one micro-batch: the ratios TRL's loss clips (``(B, T)``) and
     the advantages times each token's weight in TRL's loss (aggregation, and TRL's vLLM importance-sampling weights
     when ``is_weighted`` and the loss multiplies by them)."""
     mask = loss_mask(inputs)
-    old = inputs.get("old_per_token_logps")
-    # TRL skips old log-probs when the data is on-policy: the ratio is then exactly 1.
-    log_ratio = logps.detach() - old if old is not None else torch.zeros_like(logps)
+    log_ratio = token_log_ratio(logps, inputs)
     ratio, advantages = loss.ratios(log_ratio, mask, level, inputs), inputs["advantages"]
     weights = inputs.get("importance_sampling_ratio")  # TRL's vLLM IS correction multiplies each token's loss
     if is_weighted and weights is not None and not loss.is_weight_in_ratio:
