@@ -463,6 +463,9 @@ def evidence_methods() -> dict[str, dict]:
             GSPO_SCALE_X10, off_policy_correction="decoupled")),
         "M2PO then balance": dict(trainer="m2po-bapo", settings=dict(loss_type="dapo", delta=3.0),
                                   trainer_kwargs=dict(m2po_tau=m2po.TAU)),
+        # a candidate after the first round's choice (issue 53's length-fair sequence balance; its own development
+        # runs, docs/results.md): GSPO's ratio, each sequence's window k standard errors of its mean log-ratio
+        "BAPO length-fair": dict(trainer="bapo", settings=dict(GSPO, beta=0.0, sequence_window="length_fair")),
         # not a candidate (added after the development runs showed the decoupled default collapsing under replay and
         # partial rollout at lr 2e-3): tokens whose weight left [1/3, 3] are dropped (AReaL masks above its cap),
         # which gives back the protection the clip around the behaviour policy gave against very old tokens
