@@ -24,7 +24,8 @@ Usage: ``python benchmarks/step_overhead.py [--quick] [--rounds N] [--steps N] [
 the studies' "BAPO GSPO-scale x10": BAPO's balance of the sequence-level ratio on a path around TRL's documented GSPO
 window), and appends ``variant_over_bapo=<ratio-1> variant_own_ms=<ms> bapo_own_ms=<ms>`` to the last line: its
 search and metrics per step (timed inside BAPO's own code) against the default's, the issue's "costs no more than
-today's".
+today's". ``--variant length-fair``: the same for the length-fair window (``gspo_length_fair()``, the studies' "BAPO
+length-fair").
 
 ``--model smollm2-135m-instruct`` (a registry name of :mod:`bapo_trl.recipes.models`, or a model directory) measures
 GRPO against BAPO on that model instead, on the shipped chat arithmetic task with its math-verify reward (replay is
@@ -54,11 +55,13 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from bapo_trl import BAPOConfig, BAPOTrainer, gspo_balanced  # noqa: E402
 from bapo_trl.recipes.toy import build_tiny_model, make_reverse_dataset, reverse_reward  # noqa: E402
+from bapo_trl.trainer.presets import gspo_length_fair  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 0
 #: ``--variant``: BAPO settings timed beside the default (the named setting the studies run as "BAPO GSPO-scale x10").
-VARIANTS = {"gspo-scale-x10": gspo_balanced}
+VARIANTS = {"gspo-scale-x10": gspo_balanced,
+            "length-fair": gspo_length_fair}  # issue 53's second-round candidate: a window per sequence
 #: BAPOTrainer methods timed from inside (what BAPO adds to a GRPO step, free of background noise).
 LABELS = {"_adapt_clip_window": "search + metrics", "mix": "replay mixing"}
 

@@ -21,7 +21,8 @@ import subprocess
 import tempfile
 import time
 
-from bapo_trl.trainer.presets import GSPO_DOCUMENTED, gspo_balanced  # plain numbers: no torch, no TRL
+# plain numbers: no torch, no TRL
+from bapo_trl.trainer.presets import GSPO_DOCUMENTED, gspo_balanced, gspo_length_fair
 from bapo_trl.trainer.summary import moved  # one definition of "the bounds moved"
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -465,7 +466,7 @@ def evidence_methods() -> dict[str, dict]:
                                   trainer_kwargs=dict(m2po_tau=m2po.TAU)),
         # a candidate after the first round's choice (issue 53's length-fair sequence balance; its own development
         # runs, docs/results.md): GSPO's ratio, each sequence's window k standard errors of its mean log-ratio
-        "BAPO length-fair": dict(trainer="bapo", settings=dict(GSPO, beta=0.0, sequence_window="length_fair")),
+        "BAPO length-fair": dict(trainer="bapo", settings=gspo_length_fair()),
         # not a candidate (added after the development runs showed the decoupled default collapsing under replay and
         # partial rollout at lr 2e-3): tokens whose weight left [1/3, 3] are dropped (AReaL masks above its cap),
         # which gives back the protection the clip around the behaviour policy gave against very old tokens

@@ -264,3 +264,19 @@ def test_settings_the_chosen_window_never_reads_warn():
                for s in said), said
     assert any("`ratio_upper_max` has no effect: the length-fair window's path is band_upper_*" in s
                for s in said), said
+
+
+def test_the_studied_setting_is_one_definition_and_a_valid_config(tmp_path):
+    """The studies' "BAPO length-fair" and step_overhead's --variant length-fair are gspo_length_fair()."""
+    import sys
+
+    from harness import cpu_config
+
+    from bapo_trl.trainer.presets import gspo_length_fair
+
+    config = cpu_config(tmp_path, **gspo_length_fair())
+    assert config.length_fair_settings is not None and config.importance_sampling_level == "sequence"
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks"))
+    import study
+
+    assert study.evidence_methods()["BAPO length-fair"]["settings"] == gspo_length_fair()

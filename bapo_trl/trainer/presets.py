@@ -31,3 +31,11 @@ def gspo_balanced(scale: float = 10.0) -> dict:
     return dict(gspo, ratio_upper_start=1 + high, ratio_upper_max=1 + high * upper,
                 ratio_upper_step=high * (upper - 1) / 36,
                 ratio_lower_start=1 - low * lower, ratio_lower_max=1 - low, ratio_lower_step=low * (lower - 1) / 15)
+
+
+def gspo_length_fair() -> dict:
+    """GSPO's sequence-level ratio (loss ``grpo``, ``beta=0``) with the length-fair window
+    (``sequence_window="length_fair"``, its default band path): issue 53's second-round candidate, "BAPO length-fair"
+    in the studies. Not a recommendation: it has no study results yet (docs/results.md)."""
+    gspo = {name: GSPO_DOCUMENTED[name] for name in ("loss_type", "importance_sampling_level", "beta")}
+    return dict(gspo, sequence_window="length_fair")
