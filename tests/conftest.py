@@ -83,6 +83,35 @@ def tiny_model_dir(test_cache):
         return build_tiny_model()
 
 
+def _machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (``/proc/stat``): every process a test starts, servers
+    and launched ranks included, which a test's own ``getrusage`` would not see."""
+    fields = [float(x) for x in open("/proc/stat").readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ``$BAPO_TEST_CPU_LOG`` set (a file path), append one JSON line per test: its wall seconds and the
+    machine's busy CPU seconds meanwhile (setup, call and teardown), so ``cores = cpu / wall`` says how much of the
+    machine a test of the one-at-a-time tier keeps busy, which is what tells whether it could run beside another
+    (CONTRIBUTING.md). Meaningful in a one-at-a-time run only: beside another test the machine's time is shared."""
+    path = os.environ.get("BAPO_TEST_CPU_LOG")
+    if not path:
+        yield
+        return
+    import json
+    import time
+
+    busy, start = _machine_busy_seconds(), time.monotonic()
+    yield
+    wall, cpu = time.monotonic() - start, _machine_busy_seconds() - busy
+    with open(path, "a") as log:
+        log.write(json.dumps({"test": item.nodeid, "wall": round(wall, 2), "cpu": round(cpu, 2),
+                              "cores": round(cpu / wall, 2) if wall > 0 else None}) + "\n")
+
+
 def pytest_collection_modifyitems(config, items):
     """SmolLM2's tests run last: they need the large model's vLLM server, and only one server lives at a time
     (tests/vllm_servers.OneLiveServer); every earlier module then shares the tiny model's server."""
