@@ -23,6 +23,7 @@ token search does not apply; there are few sequences), reduced over processes in
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -93,6 +94,7 @@ def length_fair_errors(positive_contribution_target, band_upper_start, band_uppe
     return errors
 
 
+@lru_cache(maxsize=64)
 def length_fair_path(settings: LengthFairSettings) -> SearchPath:
     """Algorithm 1's order on the band widths: the start ``(band_lower_start, band_upper_start)``, every ``k_high``
     step up to ``band_upper_max``, then every ``k_low`` step down to ``band_lower_min``. ``low_grid`` holds ``k_low``
@@ -170,6 +172,11 @@ def length_fair_sums(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: to
     ``mask``). A sequence with a non-finite log-ratio on a real token is left out whole (its mean is undefined) and
     its tokens are counted as non-finite.
     """
+    return _sums_and_scale(log_ratio, advantages, mask, path, band_floor, statistics_mask)[0]
+
+
+def _sums_and_scale(log_ratio, advantages, mask, path: SearchPath, band_floor: float, statistics_mask=None):
+    """:func:`length_fair_sums` and each sequence's band unit ``b`` (``(B,)``), computed once for both."""
     x = log_ratio.detach().to(torch.float64)
     a = advantages.detach().to(torch.float64)
     a = (a[:, None] if a.dim() == 1 else a).expand_as(x)
@@ -196,7 +203,7 @@ def length_fair_sums(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: to
     neg_gradient = torch.where(keeps, r * w_neg[:, None], 0.0).sum(0)
     num_tokens = valid.sum().to(torch.float64)
     counts = torch.stack([num_tokens, real.sum().to(torch.float64) - num_tokens])
-    return torch.cat([pos_value, pos_gradient, neg_value, neg_gradient, counts])
+    return torch.cat([pos_value, pos_gradient, neg_value, neg_gradient, counts]), b
 
 
 def length_fair_search(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
@@ -211,8 +218,17 @@ def length_fair_search(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: 
     if log_ratio.dim() != 2 or mask.shape != log_ratio.shape:
         raise ValueError(f"`log_ratio` must be (B, T) and `mask` of its shape, got {tuple(log_ratio.shape)} and "
                          f"{tuple(mask.shape)}.")
+    return length_fair_choice(log_ratio, advantages, mask, config, reduce_fn, statistics_mask)[0]
+
+
+def length_fair_choice(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                       config: LengthFairSettings, reduce_fn: Callable | None = None,
+                       statistics_mask: torch.Tensor | None = None) -> tuple[SearchResult, SequenceWindow]:
+    """:func:`length_fair_search`'s result and every sequence's window at the chosen widths (what the trainer
+    installs), the sequences' statistics computed once for both."""
     path = length_fair_path(config)
-    packed = length_fair_sums(log_ratio, advantages, mask, path, config.band_floor, statistics_mask)
+    packed, b = _sums_and_scale(log_ratio, advantages, mask, path, config.band_floor, statistics_mask)
     if reduce_fn is not None:
         packed = reduce_fn(packed)
-    return choose_bounds(packed, path, config)
+    result = choose_bounds(packed, path, config)
+    return result, SequenceWindow(b, result.clip_low, result.clip_high, config.delta)

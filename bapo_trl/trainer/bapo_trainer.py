@@ -94,7 +94,7 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
             name_errors(f, n) if callable(f) and not isinstance(f, torch.nn.Module) else f
             for f, n in zip(self.reward_funcs, self.reward_func_names)
         ]
-        self._base_settings = args.bapo_settings
+        self._base_settings, self._length_fair_base = args.bapo_settings, args.length_fair_settings
         self._runs = 0
         self._new_run_state()
         self.add_callback(AtEachUpdate(self._end_of_update))
@@ -135,6 +135,14 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
         if self.target_controller is None:
             return self._base_settings
         return dataclasses.replace(self._base_settings, positive_contribution_target=self.target_controller.value)
+
+    @property
+    def _length_fair_settings(self):
+        """The length-fair search's settings (None with the fixed window), with the closed-loop target's rho0."""
+        if self.target_controller is None or self._length_fair_base is None:
+            return self._length_fair_base
+        return dataclasses.replace(self._length_fair_base,
+                                   positive_contribution_target=self.target_controller.value)
 
     def evaluate(self, *args, **kwargs):
         """TRL's evaluation, with training's random state put back afterwards: evaluating (its dataloader, TRL's own
@@ -217,7 +225,7 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
         """The micro-batch's metrics (:func:`bapo_trl.core.metrics.update_values`; ``window``: the length-fair
         search's per-sequence window); its entropy joins the closed-loop target's update, if on."""
         mode, settings = "train" if self.model.training else "eval", self._bapo_settings
-        path = self.loss.path(settings) if window is None else length_fair_path(self.args.length_fair_settings)
+        path = self.loss.path(settings) if window is None else length_fair_path(self._length_fair_settings)
         values, entropy = metrics.update_values(
             result, path, self.loss, ratio, advantages, mask, inputs, logps, entropies,
             self.state.global_step, self._nonfinite_inputs, settings.positive_contribution_target,

@@ -6,11 +6,9 @@ loss call when it is a config field).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from ..core.length_fair import SequenceWindow, length_fair_search, sequence_statistics
+from ..core.length_fair import length_fair_choice
 from ..core.loss_types import LossType
 from ..core.numerics import loss_mask
 
@@ -42,13 +40,8 @@ def length_fair_window(trainer, logps: torch.Tensor, inputs: dict, mask: torch.T
     chosen widths (``result.clip_low``/``clip_high`` are ``k_low``/``k_high``) and every sequence's window
     (:class:`~bapo_trl.core.length_fair.SequenceWindow`). The band's statistics are taken over TRL's loss mask (its
     sequence mean's)."""
-    settings = trainer.args.length_fair_settings
-    log_ratio, over = token_log_ratio(logps, inputs), loss_mask(inputs)
-    result = length_fair_search(log_ratio, advantages, mask, config=dataclasses.replace(
-        settings, positive_contribution_target=trainer._bapo_settings.positive_contribution_target),
-        reduce_fn=trainer.port.sum_over_processes, statistics_mask=over)
-    _, b = sequence_statistics(torch.where(torch.isfinite(log_ratio), log_ratio, 0.0), over, settings.band_floor)
-    return result, SequenceWindow(b, result.clip_low, result.clip_high, settings.delta)
+    return length_fair_choice(token_log_ratio(logps, inputs), advantages, mask, trainer._length_fair_settings,
+                              trainer.port.sum_over_processes, statistics_mask=loss_mask(inputs))
 
 
 def search_inputs(loss: LossType, logps: torch.Tensor, inputs: dict, level: str,
