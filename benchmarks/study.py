@@ -468,7 +468,7 @@ def evidence_methods() -> dict[str, dict]:
         # runs, docs/results.md): GSPO's ratio, each sequence's window k standard errors of its mean log-ratio
         "BAPO length-fair": dict(trainer="bapo", settings=gspo_length_fair()),
         # its band scaled to the documented GSPO's width (added on the development seeds after the default band,
-        # 1-4 standard errors, gave windows ~100x wider than GSPO's and lost to gspo_balanced at staleness 32):
+        # 1-4 standard errors, gave half-widths ~1000x GSPO's and lost to gspo_balanced at staleness 32):
         # k_high 0.002-0.2, k_low 0.03 down to 0.001 standard errors (gspo_balanced's ranges over a typical b ~ 0.3)
         "BAPO length-fair narrow": dict(trainer="bapo", settings=dict(
             gspo_length_fair(), band_upper_start=0.002, band_upper_max=0.2, band_upper_step=0.0055,
