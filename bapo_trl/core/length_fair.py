@@ -1,5 +1,6 @@
-"""Length-fair sequence-level balance (issue 53's candidate; not yet wired into the trainer): GSPO's sequence ratio
-clipped in a band as wide as the noise of the sequence's own mean, BAPO's search choosing the band's width per sign.
+"""Length-fair sequence-level balance (issue 53's candidate, ``BAPOConfig(sequence_window="length_fair")``): GSPO's
+sequence ratio clipped in a band as wide as the noise of the sequence's own mean, BAPO's search choosing the band's
+width per sign.
 
 GSPO clips ``R_i = exp(s_i)``, ``s_i`` the mean token log-ratio of sequence ``i`` over its ``L_i`` tokens, in one fixed
 window. The mean of ``L_i`` noisy token log-ratios has a standard error ``sd_i / sqrt(L_i)``, so a fixed window
@@ -61,17 +62,29 @@ def length_fair_errors(positive_contribution_target, band_upper_start, band_uppe
                        band_lower_start, band_lower_min, band_lower_step, band_floor, positive_contribution_mode,
                        delta=None) -> list[str]:
     """Every problem with a set of settings, as messages naming the field, the value and what is allowed."""
-    numbers = dict(positive_contribution_target=positive_contribution_target, band_upper_start=band_upper_start,
-                   band_upper_max=band_upper_max, band_upper_step=band_upper_step,
+    errors = band_errors(band_upper_start, band_upper_max, band_upper_step, band_lower_start, band_lower_min,
+                         band_lower_step, band_floor)
+    if not (is_real(positive_contribution_target) and 0.0 < positive_contribution_target < 1.0):
+        errors.append(f"`positive_contribution_target` must be in the open interval (0, 1), got "
+                      f"{positive_contribution_target!r}.")
+    if positive_contribution_mode not in MODES:
+        errors.append(f"`positive_contribution_mode` must be one of {MODES}, got {positive_contribution_mode!r}.")
+    if delta is not None and not (is_real(delta) and delta >= 1.0):
+        errors.append(f"`delta` must be None or a finite number >= 1 (TRL's two-sided clip), got {delta!r}.")
+    return errors
+
+
+def band_errors(band_upper_start, band_upper_max, band_upper_step, band_lower_start, band_lower_min, band_lower_step,
+                band_floor) -> list[str]:
+    """The problems of the band fields alone (``BAPOConfig`` checks the target and the share's mode once, for both
+    windows)."""
+    numbers = dict(band_upper_start=band_upper_start, band_upper_max=band_upper_max, band_upper_step=band_upper_step,
                    band_lower_start=band_lower_start, band_lower_min=band_lower_min,
                    band_lower_step=band_lower_step, band_floor=band_floor)
     errors = [f"`{name}` must be a finite number, got {value!r}." for name, value in numbers.items()
               if not is_real(value)]
     if errors:
         return errors
-    if not 0.0 < positive_contribution_target < 1.0:
-        errors.append(f"`positive_contribution_target` must be in the open interval (0, 1), got "
-                      f"{positive_contribution_target}.")
     for name in ("band_upper_start", "band_upper_max", "band_upper_step", "band_lower_start", "band_lower_min",
                  "band_lower_step", "band_floor"):
         if not numbers[name] > 0.0:
@@ -87,10 +100,6 @@ def length_fair_errors(positive_contribution_target, band_upper_start, band_uppe
         if step > 0 and span / step > 10_000:
             errors.append(f"`band_{side}_step` ({step}) is too small: the search path would have more than 10000 "
                           f"points.")
-    if positive_contribution_mode not in MODES:
-        errors.append(f"`positive_contribution_mode` must be one of {MODES}, got {positive_contribution_mode!r}.")
-    if delta is not None and not (is_real(delta) and delta >= 1.0):
-        errors.append(f"`delta` must be None or a finite number >= 1 (TRL's two-sided clip), got {delta!r}.")
     return errors
 
 
@@ -122,13 +131,14 @@ def sequence_statistics(log_ratio: torch.Tensor, mask: torch.Tensor, band_floor:
 
 
 def sequence_bounds(b: torch.Tensor, k_low, k_high, delta: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(c_low, c_high)``, each ``(B, 1)``: the window of every sequence for the chosen widths (for TRL's clamp,
-    which broadcasts them over the sequence's ratio); ``c_high`` never above ``delta`` (TRL's two-sided clip caps
-    every ratio there, as the token search's upper path ends there)."""
-    c_high = torch.exp(k_high * b)
+    """``(c_low, c_high)`` of every sequence: ``(B, 1)`` each for one pair of widths (for TRL's clamp, which
+    broadcasts them over the sequence's ratio), ``(B, L)`` and ``(B, H)`` for vectors of widths (the search's grid);
+    ``c_high`` never above ``delta`` (TRL's two-sided clip caps every ratio there, as the token search's upper path
+    ends there)."""
+    c_high = torch.exp(b[:, None] * k_high)
     if delta is not None:
         c_high = c_high.clamp(max=delta)
-    return torch.exp(-k_low * b)[:, None], c_high[:, None]
+    return torch.exp(-b[:, None] * k_low), c_high
 
 
 @dataclass(frozen=True)
@@ -190,9 +200,7 @@ def _sums_and_scale(log_ratio, advantages, mask, path: SearchPath, band_floor: f
     w_pos, w_neg = w.clamp(min=0.0).sum(-1), (-w).clamp(min=0.0).sum(-1)  # (B,): each sign's weight per sequence
     k_high = torch.tensor(path.high_grid, dtype=torch.float64, device=x.device)
     k_low = torch.tensor(path.low_grid, dtype=torch.float64, device=x.device)
-    c_high, c_low = torch.exp(b[:, None] * k_high), torch.exp(-b[:, None] * k_low)  # (B, H), (B, L)
-    if path.delta is not None:
-        c_high = c_high.clamp(max=path.delta)  # as sequence_bounds
+    c_low, c_high = sequence_bounds(b, k_low, k_high, path.delta)  # (B, L), (B, H)
     r = ratio[:, None]
     pos_value = (torch.minimum(r, c_high) * w_pos[:, None]).sum(0)
     pos_gradient = torch.where(r < c_high, r * w_pos[:, None], 0.0).sum(0)  # (where: an inf ratio times 0 is NaN)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from ..core.clipping import MODES, VARIANTS, BAPOSettings, is_real, settings_errors
-from ..core.length_fair import SEQUENCE_WINDOWS, LengthFairSettings, length_fair_errors
+from ..core.length_fair import SEQUENCE_WINDOWS, LengthFairSettings, band_errors
 from ..core.loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SUPPORTED_LOSS_TYPES
 from ..core.off_policy import CORRECTIONS, WEIGHT_MODES
 from ..generation.adapter_sync import LORA_SYNC_MODES
@@ -450,7 +450,7 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
             return [f"`sequence_window` must be one of {SEQUENCE_WINDOWS}, got {self.sequence_window!r}."]
         if self.sequence_window == "fixed":
             return []
-        errors = length_fair_errors(**{**self._length_fair_dict(), "delta": None})
+        errors = band_errors(**{n: v for n, v in self._length_fair_dict().items() if n.startswith("band_")})
         if self.importance_sampling_level != "sequence":
             errors.append(f"`sequence_window='length_fair'` clips each sequence's ratio: it needs "
                           f"`importance_sampling_level='sequence'` (GSPO's ratio), got "
