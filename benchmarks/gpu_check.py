@@ -6,7 +6,8 @@ deepspeed), this script checks, on ``--device cuda``:
 
 1. **bound search** at 256k, 1M and 4M tokens: ours vs the plain loops (official-code port and paper Algorithm 1)
    vs the one-candidate floor, same choice as the loops (``benchmarks/bound_search.py``'s ``bench_shape``);
-2. **no host sync**: the search (both variants x both modes) runs under ``torch.cuda.set_sync_debug_mode("error")``
+2. **no host sync**: the search (both variants x both modes, and the length-fair window's search in both modes) runs
+   under ``torch.cuda.set_sync_debug_mode("error")``
    and under :class:`HostSyncGuard`, which fails on any op that reads device values on the host (``.item()``,
    ``.tolist()``, ``bool(tensor)``, ``nonzero``, boolean-mask indexing, host data copied to the device, ...);
 3. **BAPO vs TRL GRPO steps** in bf16 on a randomly initialised model of Qwen2.5-0.5B's shape (Llama
@@ -16,6 +17,8 @@ deepspeed), this script checks, on ``--device cuda``:
    (``benchmarks/step_overhead.py``'s ``measure``; target: BAPO within 1% of GRPO); then, per batch size, one block
    of BAPO steps under ``torch.profiler``: the search's and BAPO's whole adaptation's (search + metrics) share of
    the block's device time and host time, and the host syncs the search makes inside those real training steps;
+   **sequence-level settings**: ``gspo_balanced()`` (one window) and ``gspo_length_fair()`` (a window per
+   sequence) against the default, interleaved at the largest batch: whole steps and each one's own code per step;
 4. **replay queue** and **partial rollout**, a few BAPO steps each, on the device;
    **LoRA adapter push**: a LoRA run in server mode pushing its adapter from the device (gather, peft's files, the
    bytes and seconds of each push) to the stand-in server of ``tests/policy_server.py`` (no vLLM GPU wheel travels);
@@ -38,15 +41,18 @@ then send the working tree with ``.gpu_wheels`` (ignored by git, under 64 MiB) a
 
 (``$PWD`` first: the checkout's ``bapo_trl`` is what gets checked; the wheel of it is there for installing without
 the checkout.) About 6.5 minutes on an H200 (2026-11-26: 342 s with the op build failing at once; the step timing
-293 s, a passing DeepSpeed section 57-80 s with the op's build 32-39 s). ``--skip``
-leaves sections out (``search,steps,replay,lora,deepspeed``); ``--batches`` and ``--rounds`` set the step comparison's
-micro-batch sizes and rounds (a repeat of it alone: ``--skip search,replay,deepspeed``).
+293 s, a passing DeepSpeed section 57-80 s with the op's build 32-39 s; 2026-11-27: the sequence-level settings 95
+s). ``--skip`` leaves sections out (``search,steps,variants,replay,lora,deepspeed``); ``--batches`` and ``--rounds``
+set the step comparison's micro-batch sizes and rounds (a repeat of it alone: ``--skip
+search,variants,replay,lora,deepspeed``).
 
 Output: one table row per check, then one machine-readable line::
 
     device=<cpu|cuda> checks=<n> failed=<n> search_tokens=<n> speedup_vs_loop=<x> floor_ratio=<x> host_syncs=<n>
     step_time_ratio=<bapo/grpo> peak_memory_ratio=<bapo/grpo or nan> search_device_share=<x or nan>
-    adapt_host_share=<x> step_syncs=<n> decoupled_step_ratio=<decoupled/bapo> zero3=<pass|fail|skip>
+    adapt_host_share=<x> step_syncs=<n> decoupled_step_ratio=<decoupled/bapo>
+    length_fair_step_ratio=<length-fair/gspo-scale-x10> length_fair_own_ms=<ms> balanced_own_ms=<ms>
+    zero3=<pass|fail|skip>
     replay=<...> partial_rollout=<...> lora_push=<...>
 
 (all on one line; over the batch sizes of the step comparison, the ratios and shares are the largest and
@@ -85,6 +91,7 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from bapo_trl import search_clip_bounds  # noqa: E402
+from bapo_trl.core.length_fair import length_fair_search  # noqa: E402
 from bapo_trl.recipes.toy import build_tiny_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -105,7 +112,7 @@ GPU_STEP_ARGS = dict(per_device_train_batch_size=16, num_generations=8, steps_pe
 #: The micro-batch sizes the step comparison runs at on CUDA (8 completions per group): 2 and 8 groups.
 GPU_STEP_BATCHES = (16, 64)
 #: The sections, in the order they run (``--skip`` names some of them).
-SECTIONS = ("search", "steps", "replay", "lora", "deepspeed")
+SECTIONS = ("search", "steps", "variants", "replay", "lora", "deepspeed")
 #: The LoRA push's adapter: rank 16 on q_proj and v_proj, as benchmarks/lora_push.py measures it on SmolLM2.
 LORA = dict(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"])
 
@@ -180,21 +187,29 @@ def guarded(device: str, call):
 
 
 def check_no_host_sync(device: str, shape=(64, 256)) -> dict:
-    """Run the search for both variants and both modes under :func:`host_sync_guard`, after one unguarded call each
-    (the first call for a path on a device uploads the path's constants once; they are cached)."""
+    """Run the search for both variants and both modes, and the length-fair window's search for both modes, under
+    :func:`host_sync_guard`, after one unguarded call each (the first call for a path on a device uploads the
+    path's constants once; they are cached)."""
     ratio, advantages, mask = bound_search.make_batch(*shape, seed=1, device=device)
     combos = [(v, m) for v in ("paper", "verl") for m in ("value", "gradient")]
     results, errors = {}, []
     for variant, mode in combos:
         search_clip_bounds(ratio, advantages, mask, bapo_variant=variant, positive_contribution_mode=mode)
-    for variant, mode in combos:
-        result, err = guarded(device, lambda: search_clip_bounds(ratio, advantages, mask, bapo_variant=variant,
-                                                                 positive_contribution_mode=mode))
+    log_ratio = torch.where(mask != 0, ratio.log(), 0.0)
+    for mode in ("value", "gradient"):  # the length-fair window's search (sequence_window="length_fair")
+        length_fair_search(log_ratio, advantages, mask, positive_contribution_mode=mode)
+    calls = [(f"{variant}/{mode}", lambda v=variant, m=mode: search_clip_bounds(
+        ratio, advantages, mask, bapo_variant=v, positive_contribution_mode=m)) for variant, mode in combos]
+    calls += [(f"length-fair/{mode}", lambda m=mode: length_fair_search(log_ratio, advantages, mask,
+                                                                        positive_contribution_mode=m))
+              for mode in ("value", "gradient")]
+    for name, call in calls:
+        result, err = guarded(device, call)
         if err is None:
-            results[f"{variant}/{mode}"] = result.as_floats()  # read after the guard: ONE transfer
+            results[name] = result.as_floats()  # read after the guard: ONE transfer
         else:
-            errors.append(f"{variant}/{mode}: {err}")
-    return {"searches": len(combos), "host_syncs": len(errors), "errors": errors, "results": results,
+            errors.append(f"{name}: {err}")
+    return {"searches": len(calls), "host_syncs": len(errors), "errors": errors, "results": results,
             "guard": "dispatch/function hooks" + (" + torch.cuda.set_sync_debug_mode('error')"
                                                   if torch.device(device).type == "cuda" else "")}
 
@@ -247,7 +262,8 @@ def section_search(device: str, quick: bool) -> list[dict]:
     rows.append({
         "check": "bound search: no host sync",
         "ok": sync["host_syncs"] == 0,
-        "detail": (f"{sync['searches']} searches (paper/verl x value/gradient), {sync['host_syncs']} with a host "
+        "detail": (f"{sync['searches']} searches (paper/verl x value/gradient, length-fair x value/gradient), "
+                   f"{sync['host_syncs']} with a host "
                    f"sync; guard: {sync['guard']}" + ("; " + "; ".join(sync["errors"]) if sync["errors"] else "")),
         "host_syncs": sync["host_syncs"],
     })
@@ -272,6 +288,40 @@ def section_steps(device: str, quick: bool, tmp: str, batches=GPU_STEP_BATCHES, 
         rows.append(step_row(model_dir, device, overrides, rounds, steps, params, build_s))
         rows.append(profile_row(model_dir, device, overrides, steps, tmp))
     return rows
+
+
+def section_variants(device: str, quick: bool, tmp: str, rounds: int | None = None) -> list[dict]:
+    """Issue 53's two sequence-level settings timed against each other and the default, interleaved on one model:
+    ``gspo_balanced()`` (the studies' "BAPO GSPO-scale x10": one window for every sequence) and
+    ``gspo_length_fair()`` (a window per sequence); on CUDA at the largest batch of the step comparison."""
+    cuda = device == "cuda"
+    model_dir = os.path.join(tmp, "random-model")
+    if not os.path.isdir(model_dir):  # built by the steps section unless it was skipped
+        build_random_model(model_dir, device=device, dtype=torch.bfloat16 if cuda else torch.float32,
+                           **(GPU_MODEL if cuda else CPU_MODEL))
+    rounds = rounds or (((2, 4) if quick else (5, 4)) if cuda else ((2, 4) if quick else (4, 4)))[0]
+    steps = 4
+    overrides = (GPU_STEP_ARGS | {"per_device_train_batch_size": max(GPU_STEP_BATCHES)}) if cuda else {}
+    kinds = ("bapo",) + tuple(step_overhead.VARIANTS)
+    result = step_overhead.measure(model_dir, kinds, rounds=rounds, steps=steps, device=device,
+                                   overrides=overrides or None,
+                                   settings={name: make() for name, make in step_overhead.VARIANTS.items()})
+    times, tokens = result["times"], result["tokens"]
+    ms = {k: 1e3 * statistics.median(t) / steps for k, t in times.items()}
+    own = {k: 1e3 * sum(result["inside"][k].values()) / (rounds * steps) for k in kinds}
+    paired = [f / x for f, x in zip(times["length-fair"], times["gspo-scale-x10"])]
+    same_work = all(tokens[k] == tokens["bapo"] for k in kinds)
+    batch = step_overhead.common_args("", steps, device, **overrides)["per_device_train_batch_size"]
+    return [{
+        "check": f"sequence-level settings' steps, batch {batch}",
+        "ok": same_work,
+        "detail": (f"{rounds} interleaved rounds of {steps} steps, lr 0: "
+                   + ", ".join(f"{k} {ms[k]:.1f} ms/step (own code {own[k]:.2f} ms)" for k in kinds)
+                   + f"; paired length-fair/gspo-scale-x10 {statistics.median(paired):.4f} (per round "
+                   f"{' '.join(f'{r:.3f}' for r in paired)}); same completion tokens: {same_work}"),
+        "length_fair_ratio": statistics.median(paired), "length_fair_own_ms": own["length-fair"],
+        "balanced_own_ms": own["gspo-scale-x10"],
+    }]
 
 
 def step_row(model_dir: str, device: str, overrides: dict, rounds: int, steps: int, params: int,
@@ -654,6 +704,7 @@ def main(argv=None) -> int:
 
     sections = {"search": lambda tmp: section_search(args.device, args.quick),
                 "steps": lambda tmp: section_steps(args.device, args.quick, tmp, batches, args.rounds),
+                "variants": lambda tmp: section_variants(args.device, args.quick, tmp, args.rounds),
                 "replay": lambda tmp: section_replay(args.device, tmp),
                 "lora": lambda tmp: section_lora(args.device, args.quick, tmp),
                 "deepspeed": lambda tmp: section_deepspeed(args.device, tmp)}
@@ -701,6 +752,9 @@ def main(argv=None) -> int:
           f"adapt_host_share={pick('adapt_host_share', combine=max):.4f} "
           f"step_syncs={pick('step_syncs', -1, combine=sum)} "
           f"decoupled_step_ratio={pick('decoupled_ratio', combine=max):.4f} "
+          f"length_fair_step_ratio={pick('length_fair_ratio'):.4f} "
+          f"length_fair_own_ms={pick('length_fair_own_ms'):.2f} "
+          f"balanced_own_ms={pick('balanced_own_ms'):.2f} "
           f"zero3={status('DeepSpeed ZeRO-3 launch of train_bapo.py')} "
           f"replay={status('replay queue')} partial_rollout={status('partial rollout')} "
           f"lora_push={status('LoRA adapter push (server mode, stand-in server)')}")

@@ -99,7 +99,7 @@ def test_staleness_study_quick_prints_its_summary():
 
 @pytest.mark.slow
 def test_gpu_check_cpu_quick_passes_every_check():
-    """The GPU check's CPU mode: 16k-token search (same choice as the loops, no host sync in 4 searches), BAPO vs
+    """The GPU check's CPU mode: 16k-token search (same choice as the loops, no host sync in 6 searches), BAPO vs
     GRPO steps on the random model, BAPO's share of a profiled block (host time only on CPU; no host sync in the
     searches of real training steps), a 1-process ZeRO-3 launch of train_bapo.py, replay and partial rollout, a LoRA
     adapter push through the stand-in server."""
@@ -107,11 +107,13 @@ def test_gpu_check_cpu_quick_passes_every_check():
     match = re.fullmatch(
         rf"device=cpu checks=(\d+) failed=0 search_tokens=16384 speedup_vs_loop=({NUMBER}) floor_ratio=({NUMBER}) "
         rf"host_syncs=0 step_time_ratio=({NUMBER}) peak_memory_ratio=nan search_device_share=nan "
-        rf"adapt_host_share=({NUMBER}) step_syncs=0 decoupled_step_ratio=({NUMBER}) zero3=pass replay=pass "
-        rf"partial_rollout=pass lora_push=pass",
+        rf"adapt_host_share=({NUMBER}) step_syncs=0 decoupled_step_ratio=({NUMBER}) "
+        rf"length_fair_step_ratio=({NUMBER}) length_fair_own_ms=({NUMBER}) balanced_own_ms=({NUMBER}) zero3=pass "
+        rf"replay=pass partial_rollout=pass lora_push=pass",
         last)
     assert match, last
-    assert int(match[1]) == 8 and float(match[2]) > 0 and float(match[4]) > 0 and 0 < float(match[5]) < 1
+    assert int(match[1]) == 9 and float(match[2]) > 0 and float(match[4]) > 0 and 0 < float(match[5]) < 1
+    assert all(float(match[i]) > 0 for i in (7, 8, 9))  # the sequence-level settings ran, inside BAPO's code too
 
 
 @pytest.mark.slow

@@ -23,7 +23,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_check  # noqa: E402
 
 from bapo_trl import search_clip_bounds  # noqa: E402
-from bapo_trl.core import clipping  # noqa: E402  # noqa: E402
+from bapo_trl.core import clipping, length_fair  # noqa: E402
+from bapo_trl.core.length_fair import length_fair_search  # noqa: E402
 
 x = torch.arange(1.0, 4.0)
 
@@ -63,13 +64,18 @@ def test_guard_lets_device_only_work_through():
 
 def test_bound_search_makes_no_host_sync_in_any_variant_or_mode():
     report = gpu_check.check_no_host_sync("cpu")
-    assert report["searches"] == 4 and report["host_syncs"] == 0, report["errors"]
+    assert report["searches"] == 6 and report["host_syncs"] == 0, report["errors"]
     ratio, advantages, mask = gpu_check.bound_search.make_batch(64, 256, seed=1)
     for key, guarded in report["results"].items():  # the guard changes nothing in what the search chooses
         variant, mode = key.split("/")
-        plain = search_clip_bounds(ratio, advantages, mask, bapo_variant=variant,
-                                   positive_contribution_mode=mode).as_floats()
+        if variant == "length-fair":
+            plain = length_fair_search(torch.where(mask != 0, ratio.log(), 0.0), advantages, mask,
+                                       positive_contribution_mode=mode).as_floats()
+        else:
+            plain = search_clip_bounds(ratio, advantages, mask, bapo_variant=variant,
+                                       positive_contribution_mode=mode).as_floats()
         assert guarded == plain
+    assert {key.split("/")[0] for key in report["results"]} == {"paper", "verl", "length-fair"}
 
 
 def test_no_host_sync_check_fails_when_the_search_reads_a_value(monkeypatch):
@@ -81,9 +87,23 @@ def test_no_host_sync_check_fails_when_the_search_reads_a_value(monkeypatch):
         return original(packed, *args, **kwargs)
 
     monkeypatch.setattr(clipping, "choose_bounds", reads_a_value)
+    monkeypatch.setattr(length_fair, "choose_bounds", reads_a_value)
     report = gpu_check.check_no_host_sync("cpu")
-    assert report["host_syncs"] == 4
+    assert report["host_syncs"] == 6
     assert all("Tensor.item()" in error for error in report["errors"])
+
+
+def test_no_host_sync_check_fails_when_the_length_fair_search_uploads_its_grid_every_call(monkeypatch):
+    """The band widths' grids are made on the device once per path; a fresh ``torch.tensor`` per call copies host
+    data to the device in every update (what the first version did)."""
+    def fresh_grids(path, device):
+        return (torch.tensor(path.high_grid, dtype=torch.float64, device=device),
+                torch.tensor(path.low_grid, dtype=torch.float64, device=device))
+
+    monkeypatch.setattr(length_fair, "_device_grids", fresh_grids)
+    report = gpu_check.check_no_host_sync("cpu")
+    assert report["host_syncs"] == 2
+    assert all(error.startswith("length-fair/") and "lift_fresh" in error for error in report["errors"])
 
 
 # -- wheels for the GPU machine -------------------------------------------------------------------------------------

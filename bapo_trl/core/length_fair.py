@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from .clipping import MODES, SearchPath, SearchResult, _grid, choose_bounds, is_real
+from .clipping import MODES, SearchPath, SearchResult, _device_grids, _grid, choose_bounds, is_real
 
 #: ``BAPOConfig.sequence_window``: one window for every ratio, or this module's.
 SEQUENCE_WINDOWS = ("fixed", "length_fair")
@@ -163,12 +163,12 @@ class SequenceWindow:
         c_low, c_high = self.bounds(min(path.clip_low), path.clip_high[0])
         return (positive & (ratio > c_high.to(ratio.dtype))) | (negative & (ratio < c_low.to(ratio.dtype)))
 
-    def mean_sums(self, rows: torch.Tensor, k_low: float, k_high: float) -> torch.Tensor:
-        """Local ``[sum c_low, sum c_high, sequences]`` over the sequences ``rows`` (``(B,)`` bool), at the given
-        widths, for the logged mean window (reduced over processes by the caller)."""
-        c_low, c_high = self.bounds(torch.tensor(k_low, dtype=self.b.dtype), torch.tensor(k_high, dtype=self.b.dtype))
-        rows = rows.to(self.b.dtype)
-        return torch.stack([(c_low[:, 0] * rows).sum(), (c_high[:, 0] * rows).sum(), rows.sum()]).double()
+    def mean_sums(self, rows: torch.Tensor) -> torch.Tensor:
+        """Local ``[sum c_low, sum c_high, sequences]`` over the sequences ``rows`` (``(B,)`` bool) at the chosen
+        widths, float64, for the logged mean window (the caller reduces it with the metrics' other sums)."""
+        c_low, c_high = self.bounds()
+        rows = rows.to(torch.float64)
+        return torch.stack([(c_low[:, 0].double() * rows).sum(), (c_high[:, 0].double() * rows).sum(), rows.sum()])
 
 
 def length_fair_sums(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, path: SearchPath,
@@ -198,8 +198,7 @@ def _sums_and_scale(log_ratio, advantages, mask, path: SearchPath, band_floor: f
     ratio = torch.exp(s)
     w = torch.where(valid, a, 0.0)
     w_pos, w_neg = w.clamp(min=0.0).sum(-1), (-w).clamp(min=0.0).sum(-1)  # (B,): each sign's weight per sequence
-    k_high = torch.tensor(path.high_grid, dtype=torch.float64, device=x.device)
-    k_low = torch.tensor(path.low_grid, dtype=torch.float64, device=x.device)
+    k_high, k_low = _device_grids(path, x.device)  # made once per path and device: no host copy per call
     c_low, c_high = sequence_bounds(b, k_low, k_high, path.delta)  # (B, L), (B, H)
     r = ratio[:, None]
     pos_value = (torch.minimum(r, c_high) * w_pos[:, None]).sum(0)
