@@ -25,7 +25,7 @@ the studies' "BAPO GSPO-scale x10": BAPO's balance of the sequence-level ratio o
 window), and appends ``variant_over_bapo=<ratio-1> variant_own_ms=<ms> bapo_own_ms=<ms>`` to the last line: its
 search and metrics per step (timed inside BAPO's own code) against the default's, the issue's "costs no more than
 today's". ``--variant length-fair``: the same for the length-fair window (``gspo_length_fair()``, the studies' "BAPO
-length-fair").
+length-fair narrow").
 
 ``--model smollm2-135m-instruct`` (a registry name of :mod:`bapo_trl.recipes.models`, or a model directory) measures
 GRPO against BAPO on that model instead, on the shipped chat arithmetic task with its math-verify reward (replay is

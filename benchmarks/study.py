@@ -466,13 +466,11 @@ def evidence_methods() -> dict[str, dict]:
                                   trainer_kwargs=dict(m2po_tau=m2po.TAU)),
         # a candidate after the first round's choice (issue 53's length-fair sequence balance; its own development
         # runs, docs/results.md): GSPO's ratio, each sequence's window k standard errors of its mean log-ratio
-        "BAPO length-fair": dict(trainer="bapo", settings=gspo_length_fair()),
+        "BAPO length-fair": dict(trainer="bapo", settings=gspo_length_fair("wide")),
         # its band scaled to the documented GSPO's width (added on the development seeds after the default band,
         # 1-4 standard errors, gave half-widths ~1000x GSPO's and lost to gspo_balanced at staleness 32):
         # k_high 0.002-0.2, k_low 0.03 down to 0.001 standard errors (gspo_balanced's ranges over a typical b ~ 0.3)
-        "BAPO length-fair narrow": dict(trainer="bapo", settings=dict(
-            gspo_length_fair(), band_upper_start=0.002, band_upper_max=0.2, band_upper_step=0.0055,
-            band_lower_start=0.03, band_lower_min=0.001, band_lower_step=0.0019)),
+        "BAPO length-fair narrow": dict(trainer="bapo", settings=gspo_length_fair("gspo")),
         # not a candidate (added after the development runs showed the decoupled default collapsing under replay and
         # partial rollout at lr 2e-3): tokens whose weight left [1/3, 3] are dropped (AReaL masks above its cap),
         # which gives back the protection the clip around the behaviour policy gave against very old tokens

@@ -16,6 +16,7 @@ from bapo_trl.core.length_fair import (
     sequence_bounds,
     sequence_statistics,
 )
+from bapo_trl.trainer.presets import LENGTH_FAIR_BANDS
 
 
 def batch(seed, rows=12, width=9, spread=0.3, drift=0.0, token_advantages=False):
@@ -266,17 +267,33 @@ def test_settings_the_chosen_window_never_reads_warn():
                for s in said), said
 
 
-def test_the_studied_setting_is_one_definition_and_a_valid_config(tmp_path):
-    """The studies' "BAPO length-fair" and step_overhead's --variant length-fair are gspo_length_fair()."""
+def test_the_studied_settings_are_one_definition_and_valid_configs(tmp_path):
+    """The studies' "BAPO length-fair narrow" and "BAPO length-fair" are gspo_length_fair("gspo") and ("wide"); the
+    wide band is BAPOConfig's field defaults; step_overhead's --variant length-fair is gspo_length_fair()."""
     import sys
 
     from harness import cpu_config
 
     from bapo_trl.trainer.presets import gspo_length_fair
 
-    config = cpu_config(tmp_path, **gspo_length_fair())
-    assert config.length_fair_settings is not None and config.importance_sampling_level == "sequence"
+    for band, widths in (("gspo", (0.002, 0.2, 0.03, 0.001)), ("wide", (1.0, 4.0, 4.0, 1.0))):
+        config = cpu_config(tmp_path, **gspo_length_fair(band))
+        settings = config.length_fair_settings
+        assert config.importance_sampling_level == "sequence" and config.loss_type == "grpo" and config.beta == 0
+        assert (settings.band_upper_start, settings.band_upper_max, settings.band_lower_start,
+                settings.band_lower_min) == widths
+    path = length_fair_path(cpu_config(tmp_path, **gspo_length_fair()).length_fair_settings)
+    assert len(path.high_grid) == 37 and len(path.low_grid) == 16  # gspo_balanced's 37 and 16 points
+    assert {f: getattr(cpu_config(tmp_path, sequence_window="length_fair", importance_sampling_level="sequence",
+                                  loss_type="grpo"), f)
+            for f in LENGTH_FAIR_BANDS["wide"]} == LENGTH_FAIR_BANDS["wide"]
+    with pytest.raises(ValueError, match="gspo_length_fair: `band` must be one of \\['gspo', 'wide'\\], got 'x'"):
+        gspo_length_fair("x")
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks"))
+    import step_overhead
     import study
 
-    assert study.evidence_methods()["BAPO length-fair"]["settings"] == gspo_length_fair()
+    methods = study.evidence_methods()
+    assert methods["BAPO length-fair narrow"]["settings"] == gspo_length_fair() == gspo_length_fair("gspo")
+    assert methods["BAPO length-fair"]["settings"] == gspo_length_fair("wide")
+    assert step_overhead.VARIANTS["length-fair"]() == gspo_length_fair()

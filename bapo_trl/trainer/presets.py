@@ -33,9 +33,25 @@ def gspo_balanced(scale: float = 10.0) -> dict:
                 ratio_lower_start=1 - low * lower, ratio_lower_max=1 - low, ratio_lower_step=low * (lower - 1) / 15)
 
 
-def gspo_length_fair() -> dict:
+#: The length-fair window's band paths (``BAPOConfig``'s ``band_*`` fields), in standard errors of a sequence's mean
+#: log-ratio. ``"gspo"``: scaled to the documented GSPO's width (``k_high`` 0.002 to 0.2, ``k_low`` 0.03 down to
+#: 0.001: gspo_balanced's ranges over a typical band unit near 0.3), the studies' "BAPO length-fair narrow".
+#: ``"wide"``: 1 to 4 standard errors on both sides (BAPOConfig's field defaults), the studies' "BAPO length-fair".
+LENGTH_FAIR_BANDS = {
+    "gspo": dict(band_upper_start=0.002, band_upper_max=0.2, band_upper_step=0.0055,
+                 band_lower_start=0.03, band_lower_min=0.001, band_lower_step=0.0019),
+    "wide": dict(band_upper_start=1.0, band_upper_max=4.0, band_upper_step=0.25,
+                 band_lower_start=4.0, band_lower_min=1.0, band_lower_step=0.25),
+}
+
+
+def gspo_length_fair(band: str = "gspo") -> dict:
     """GSPO's sequence-level ratio (loss ``grpo``, ``beta=0``) with the length-fair window
-    (``sequence_window="length_fair"``, its default band path): issue 53's second-round candidate, "BAPO length-fair"
-    in the studies. Not a recommendation: it has no study results yet (docs/results.md)."""
+    (``sequence_window="length_fair"``: each sequence clipped in ``log R in [-k_low b, k_high b]``, ``b`` the standard
+    error of its mean token log-ratio), on one of :data:`LENGTH_FAIR_BANDS`: issue 53's second-round candidate.
+    ``band="gspo"`` is the studies' "BAPO length-fair narrow"; ``band="wide"`` their "BAPO length-fair", which lost
+    on the development seeds and was dropped (docs/results.md)."""
+    if band not in LENGTH_FAIR_BANDS:
+        raise ValueError(f"gspo_length_fair: `band` must be one of {sorted(LENGTH_FAIR_BANDS)}, got {band!r}")
     gspo = {name: GSPO_DOCUMENTED[name] for name in ("loss_type", "importance_sampling_level", "beta")}
-    return dict(gspo, sequence_window="length_fair")
+    return dict(gspo, sequence_window="length_fair", **LENGTH_FAIR_BANDS[band])
