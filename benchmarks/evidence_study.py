@@ -78,6 +78,7 @@ from study import (
     COLLAPSE,
     DEFAULT_TASK,
     REPO,
+    SECOND_ROUND,
     TASKS,
     commit,
     evidence_methods,
@@ -142,6 +143,8 @@ FIGURES = (("final reward", "reward_final", ("beats", "loses", "ties")),
 RESULTS = os.path.join(REPO, "benchmarks", "results", "evidence_runs.jsonl")
 REPORT = os.path.join(REPO, "docs", "data", "evidence_study.md")
 #: What the report says of each task (``study.TASKS``).
+#: A task's short name in a cell's label (the choice rule over both tasks).
+TASK_NAMES = {"reverse3": "3 digits", "reverse2-8": "2-8 digits"}
 TASK_TEXT = {"reverse3": "reverse a 3-digit string (the published task)",
              "reverse2-8": "reverse a string of 2-8 digits (the variable-length variant, its own warm-started model, "
                            "16 completion tokens, partial rollout 6 tokens per step)"}
@@ -313,7 +316,8 @@ SUMMARY_PAIRS = (("BAPO paper + dual clip", "TRL dapo clip-higher"), ("BAPO pape
                  ("BAPO paper + dual clip", "TRL GSPO (documented)"),
                  ("BAPO GSPO + dual clip", "TRL GSPO (documented)"))
 #: ... and rows shown only where their runs exist: issue 53's candidates against the strongest rival.
-CANDIDATE_PAIRS = tuple((candidate, "TRL GSPO (documented)") for candidate in CANDIDATES)
+CANDIDATE_PAIRS = (*((candidate, "TRL GSPO (documented)") for candidate in dict.fromkeys(CANDIDATES + SECOND_ROUND)),
+                   ("BAPO length-fair narrow", "BAPO GSPO-scale x10"))
 
 
 def summary(runs: list[dict], resamples: int = 10000, key: str = "reward_final", digits: int = 3) -> str:
@@ -358,12 +362,21 @@ def choose(runs: list[dict], candidates=CANDIDATES, rival: str = RIVAL, resample
     """The protocol's choice rule: per cell, each candidate's paired final-reward difference against ``rival``; the
     chosen one has the largest mean of those differences over the cells, among the candidates whose interval lies
     below zero in no cell (if every candidate loses a cell: the fewest losses, then the largest mean). Only cells with
-    at least MIN_PAIRS paired seeds count. Returns (the chosen name or None without candidate runs, markdown lines)."""
+    at least MIN_PAIRS paired seeds count; runs of several tasks give each task its own cells (the second round's
+    14). Returns (the chosen name or None without candidate runs, markdown lines)."""
     present = [c for c in candidates if any(r["method"] == c for r in runs)]
-    figures = {cell: by_seed(runs, cell, "reward_final") for cell in cells(runs)}
+    tasks = sorted({task_of(r) for r in runs})
+    figures = {}  # (task, cell) -> method -> seed -> final reward: runs of several tasks make cells of each
+    for task in tasks:
+        mine = [r for r in runs if task_of(r) == task]
+        figures.update({(task, cell): by_seed(mine, cell, "reward_final") for cell in cells(mine)})
+
+    def name(key):
+        return (f"{TASK_NAMES.get(key[0], key[0])} " if len(tasks) > 1 else "") + cell_name(key[1])
+
     scored, rows = [], []
     for candidate in present:
-        comparisons = {cell: paired(values, candidate, rival, resamples) for cell, values in figures.items()}
+        comparisons = {key: paired(values, candidate, rival, resamples) for key, values in figures.items()}
         counted = {cell: c for cell, c in comparisons.items() if c["n"] >= MIN_PAIRS}
         if not counted:
             continue
@@ -372,7 +385,7 @@ def choose(runs: list[dict], candidates=CANDIDATES, rival: str = RIVAL, resample
         average = mean([c["diff"] for c in counted.values()])
         scored.append((losses, -average, candidate))
         rows.append(f"| {candidate} | {len(counted)} | {wins} | {losses} | {average:+.3f} | "
-                    + "; ".join(f"{cell_name(cell)} {interval(c)}" for cell, c in counted.items()) + " |")
+                    + "; ".join(f"{name(key)} {interval(c)}" for key, c in counted.items()) + " |")
     if not scored:
         return None, []
     chosen = min(scored)[2]
@@ -675,6 +688,10 @@ def main(argv=None) -> int:
                         "the report only (e.g. the published study's docs/data/evidence_runs.jsonl.gz beside the "
                         "candidates' runs: the rivals on the same seeds); a run in --results wins over the same run "
                         "here")
+    parser.add_argument("--choose", action="store_true", help="only print issue 53's choice rule over the runs "
+                        "files (--results and --with-runs, every task in them, each task its own cells), with "
+                        "--methods as the candidates (default: the first round's; the second round: "
+                        f"{' and '.join(repr(m) for m in SECOND_ROUND)})")
     parser.add_argument("--resamples", type=int, default=10000, help="bootstrap resamples (>= 10000 for the study)")
     parser.add_argument("--agreement", default=None, metavar="OTHER_RESULTS", help="print the headline cell of "
                         "--results and of this runs file (another seed range) side by side, verdict by verdict")
@@ -693,6 +710,15 @@ def main(argv=None) -> int:
         parser.error(f"--scenarios: unknown {unknown}; choose from {list(SCENARIOS)}")
     if args.methods and set(args.methods) - set(METHODS):
         parser.error(f"--methods: unknown {sorted(set(args.methods) - set(METHODS))}; choose from {list(METHODS)}")
+    if args.choose:
+        files = [args.results or default_results, *args.with_runs]
+        missing = [path for path in files if not os.path.exists(path)]
+        if missing:
+            parser.error(f"--choose: no runs file {', '.join(missing)}")
+        runs = list({run_key(r): r for path in files for r in read_jsonl(path)}.values())
+        chosen, lines = choose(runs, tuple(args.methods or CANDIDATES), resamples=args.resamples)
+        print("\n".join(lines) if chosen else f"--choose: no run of {list(args.methods or CANDIDATES)} in these files")
+        return 0
     try:
         seeds = parse_seeds(args.seeds, count=False) if args.seeds else None
     except ValueError as error:

@@ -486,6 +486,9 @@ GSPO_SCALE_X10 = gspo_balanced(10)
 #: The candidates of issue 53, in the protocol's order.
 CANDIDATES = ("BAPO GSPO-scale x10", "BAPO paper + dual clip + decoupled", "BAPO GSPO-scale x10 + decoupled",
               "M2PO then balance")
+#: The second round's (the length-fair window, built after the first round chose GSPO-scale x10): the same rule over
+#: both tasks' cells (docs/data/candidate_protocol.md, "Second round").
+SECOND_ROUND = ("BAPO GSPO-scale x10", "BAPO length-fair narrow")
 
 
 #: The SmolLM2 studies' training (loss_study_smollm2, evidence_smollm2): the shipped chat arithmetic training split.

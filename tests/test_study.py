@@ -185,6 +185,34 @@ def test_report_writes_the_forest_plot_and_the_reward_curves(tmp_path):
     assert (tmp_path / "g.png").stat().st_size > 0
 
 
+def test_the_second_round_rule_gives_each_task_its_own_cells_and_the_command_prints_it(tmp_path, capsys):
+    """Runs of two tasks share (scenario, lr) and seeds: each task is its own cell (merged, one task's runs would
+    overwrite the other's and hide a loss). The length-fair band ties on 3 digits and loses on 2-8 digits, so the
+    rule keeps GSPO-scale x10; `--choose` prints the same over the runs files."""
+    rival, narrow, balanced = evidence_study.RIVAL, "BAPO length-fair narrow", "BAPO GSPO-scale x10"
+    three, varied = [], []
+    for seed in range(100, 110):
+        wobble = 0.01 * (seed % 3)
+        three += [record(m, "spg 32", 1e-3, seed, value + wobble)
+                  for m, value in ((rival, 0.5), (balanced, 0.52), (narrow, 0.6))]
+        varied += [dict(record(m, "spg 32", 1e-3, seed, value + wobble), task="reverse2-8")
+                   for m, value in ((rival, 0.5), (balanced, 0.5), (narrow, 0.3))]
+    chosen, lines = evidence_study.choose(three + varied, evidence_study.SECOND_ROUND, resamples=2000)
+    assert chosen == balanced and "(loses no cell)" in lines[-1]
+    assert any(line.startswith(f"| {narrow} | 2 | 1 | 1 |") and "2-8 digits spg 32, lr 0.001 -0.200" in line
+               for line in lines), lines
+    assert evidence_study.choose(three, evidence_study.SECOND_ROUND, resamples=2000)[0] == narrow  # one task alone
+    first, second = tmp_path / "three.jsonl", tmp_path / "varied.jsonl"
+    first.write_text("".join(json.dumps(r) + "\n" for r in three))
+    second.write_text("".join(json.dumps(r) + "\n" for r in varied))
+    assert evidence_study.main(["--choose", "--results", str(first), "--with-runs", str(second), "--methods",
+                                *evidence_study.SECOND_ROUND, "--resamples", "2000"]) == 0
+    assert f"Chosen by the rule: **{balanced}** (loses no cell)." in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        evidence_study.main(["--choose", "--results", str(tmp_path / "none.jsonl")])
+    assert "--choose: no runs file" in capsys.readouterr().err
+
+
 def test_the_choice_rule_skips_a_candidate_that_loses_a_cell_and_the_default_rule_names_each_loss():
     """Issue 53's protocol on made-up runs: "M2PO then balance" has the largest mean difference against the documented
     GSPO but loses one cell, so "BAPO GSPO-scale x10" (smaller mean, no loss) is chosen; the default rule then holds
