@@ -131,7 +131,10 @@ PAIRS = (("BAPO paper", "TRL dapo clip-higher"), ("BAPO paper + dual clip", "TRL
          ("BAPO GSPO + dual clip", "TRL GSPO (documented)"), ("TRL GSPO", "TRL GSPO (documented)"),
          # issue 53's candidates (docs/data/candidate_protocol.md) against the strongest rival and the default
          *((candidate, reference) for candidate in CANDIDATES
-           for reference in ("TRL GSPO (documented)", "BAPO paper + dual clip", "TRL dapo clip-higher")))
+           for reference in ("TRL GSPO (documented)", "BAPO paper + dual clip", "TRL dapo clip-higher")),
+         # the second round's (the length-fair window): the same, and against the first round's choice
+         *(("BAPO length-fair narrow", reference) for reference in (
+             "TRL GSPO (documented)", "BAPO GSPO-scale x10", "BAPO paper + dual clip", "TRL dapo clip-higher")))
 #: How the report names a method where its runs-file name would mislead (the runs keep their names): the study's
 #: first "TRL GSPO" ran epsilon 0.2, not TRL's documented setting for GSPO ("TRL GSPO (documented)").
 DISPLAY = {"TRL GSPO": "TRL GSPO eps 0.2 (variant)"}
@@ -415,6 +418,12 @@ def default_rule(runs: list[dict], chosen: str, default: str = DEFAULT_METHOD, r
             counted += 1
             beats_default += c["low"] > 0
     holds = not losses and counted > 0 and 3 * beats_default >= counted
+    if counted == 0:  # the default did not run beside it: the rule cannot be judged, whatever the rivals show
+        lines = [f"{chosen} against the rivals ({', '.join(shown(r) for r in rivals)}) and the default ({default}), "
+                 f"final reward: the default has no runs paired with it here, so the default rule cannot be judged "
+                 f"on these runs; it loses to a rival in {len(losses)} cell-rival pairs{':' if losses else '.'}",
+                 *losses]
+        return False, lines
     lines = [f"{chosen} against the rivals ({', '.join(shown(r) for r in rivals)}) and the default ({default}), "
              f"final reward: it beats the default in {beats_default} of {counted} cells (the rule needs a third) and "
              f"loses to a rival in {len(losses)} cell-rival pairs{':' if losses else '.'}", *losses,
@@ -458,10 +467,12 @@ def report(runs: list[dict], results: str, resamples: int = 10000, figures: tupl
     lines += ["## At a glance: final reward, paired difference [95% CI] (paired seeds)\n", summary(runs, resamples),
               "## At a glance: largest gradient norm, paired difference [95% CI] (paired seeds)\n",
               summary(runs, resamples, "grad_norm_max", 1)]
-    chosen, choice_lines = choose(runs, resamples=resamples)
+    second = any(r["method"] in set(SECOND_ROUND) - set(CANDIDATES) for r in runs)  # runs of the second round's
+    chosen, choice_lines = choose(runs, SECOND_ROUND if second else CANDIDATES, resamples=resamples)
     if chosen is not None:
         holds, rule_lines = default_rule(runs, chosen, resamples=resamples)
-        lines += ["## Issue 53's choice rule on these runs ([the protocol](candidate_protocol.md))\n", *choice_lines,
+        title = "Issue 53's second round" if second else "Issue 53's choice rule"
+        lines += [f"## {title} on these runs ([the protocol](candidate_protocol.md))\n", *choice_lines,
                   "\n" + rule_lines[0], *rule_lines[1:], ""]
     if figures:
         lines += ["## Figures\n", *(f"![{text}]({name})\n\n{text}\n" for name, text in figures)]
@@ -715,7 +726,7 @@ def main(argv=None) -> int:
         missing = [path for path in files if not os.path.exists(path)]
         if missing:
             parser.error(f"--choose: no runs file {', '.join(missing)}")
-        runs = list({run_key(r): r for path in files for r in read_jsonl(path)}.values())
+        runs = list({run_key(r): r for path in reversed(files) for r in read_jsonl(path)}.values())  # --results wins
         chosen, lines = choose(runs, tuple(args.methods or CANDIDATES), resamples=args.resamples)
         print("\n".join(lines) if chosen else f"--choose: no run of {list(args.methods or CANDIDATES)} in these files")
         return 0

@@ -299,7 +299,7 @@ def section_variants(device: str, quick: bool, tmp: str, rounds: int | None = No
     if not os.path.isdir(model_dir):  # built by the steps section unless it was skipped
         build_random_model(model_dir, device=device, dtype=torch.bfloat16 if cuda else torch.float32,
                            **(GPU_MODEL if cuda else CPU_MODEL))
-    rounds = rounds or (((2, 4) if quick else (5, 4)) if cuda else ((2, 4) if quick else (4, 4)))[0]
+    rounds = rounds or (2 if quick else 5 if cuda else 4)
     steps = 4
     overrides = (GPU_STEP_ARGS | {"per_device_train_batch_size": max(GPU_STEP_BATCHES)}) if cuda else {}
     kinds = ("bapo",) + tuple(step_overhead.VARIANTS)

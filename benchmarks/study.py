@@ -469,7 +469,7 @@ def evidence_methods() -> dict[str, dict]:
         "BAPO length-fair": dict(trainer="bapo", settings=gspo_length_fair("wide")),
         # its band scaled to the documented GSPO's width (added on the development seeds after the default band,
         # 1-4 standard errors, gave half-widths ~1000x GSPO's and lost to gspo_balanced at staleness 32):
-        # k_high 0.002-0.2, k_low 0.03 down to 0.001 standard errors (gspo_balanced's ranges over a typical b ~ 0.3)
+        # k_high 0.002-0.2, k_low 0.03 down to 0.0015 standard errors (gspo_balanced's ranges over a typical b ~ 0.3)
         "BAPO length-fair narrow": dict(trainer="bapo", settings=gspo_length_fair("gspo")),
         # not a candidate (added after the development runs showed the decoupled default collapsing under replay and
         # partial rollout at lr 2e-3): tokens whose weight left [1/3, 3] are dropped (AReaL masks above its cap),

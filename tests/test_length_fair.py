@@ -191,10 +191,17 @@ def test_trls_loss_clips_each_sequence_in_the_window_the_plain_loop_chooses(tiny
 
     from bapo_trl.core.numerics import loss_mask
 
-    calls = []
+    calls, reductions = [], []
 
     def adapt(trainer, real, logps, inputs, *rest):
-        real(logps, inputs, *rest)
+        port, counted = trainer.port, []
+        reduce = port.sum_over_processes
+        port.sum_over_processes = lambda tensor: counted.append(tensor.numel()) or reduce(tensor)
+        try:
+            real(logps, inputs, *rest)
+        finally:
+            port.sum_over_processes = reduce
+        reductions.append(counted)
         calls.append((logps.detach().double(), inputs["old_per_token_logps"].double(), loss_mask(inputs),
                       inputs["advantages"].double(), trainer.epsilon_low.detach().double().clone(),
                       trainer.epsilon_high.detach().double().clone(), trainer.last_search.as_floats()))
@@ -223,6 +230,22 @@ def test_trls_loss_clips_each_sequence_in_the_window_the_plain_loop_chooses(tiny
     logged = [e for e in trainer.state.log_history if "bapo/band_upper" in e]
     assert len(logged) == 4 and all(1.0 <= e["bapo/band_upper"] <= 4.0 and 1.0 <= e["bapo/band_lower"] <= 4.0
                                     and e["bapo/clip_low"] < 1.0 < e["bapo/clip_high"] for e in logged)
+    active = 0
+    for entry, (logps, old, mask, _, eps_low, eps_high, chosen) in zip(logged, calls):
+        rows = mask.sum(-1) > 0  # the logged mean window: over the sequences with a token in the loss
+        if entry["bapo/search_active"]:  # the installed window and the chosen widths
+            active += 1
+            low, high = (1 - eps_low[rows, 0]).mean().item(), (1 + eps_high[rows, 0]).mean().item()
+            widths = chosen["clip_low"], chosen["clip_high"]
+        else:  # no window of the path changes this update: reported at the path's start, as the fixed search is
+            widths = (4.0, 1.0)
+            windows = expected_windows(logps - old, mask, *widths)
+            low, high = (sum(w[i] for w, keep in zip(windows, rows) if keep) / int(rows.sum()) for i in (0, 1))
+        assert (entry["bapo/clip_low"], entry["bapo/clip_high"]) == pytest.approx((low, high), rel=1e-4)
+        assert (entry["bapo/band_lower"], entry["bapo/band_upper"]) == pytest.approx(widths, rel=1e-4)
+    assert active >= 1
+    # one sum for the search, one for every metric (the mean window's three sums ride in it): 2 per update
+    assert [len(counted) for counted in reductions] == [2] * 4, reductions
 
 
 @pytest.mark.parametrize("settings, says", [

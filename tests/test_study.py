@@ -202,6 +202,11 @@ def test_the_second_round_rule_gives_each_task_its_own_cells_and_the_command_pri
     assert any(line.startswith(f"| {narrow} | 2 | 1 | 1 |") and "2-8 digits spg 32, lr 0.001 -0.200" in line
                for line in lines), lines
     assert evidence_study.choose(three, evidence_study.SECOND_ROUND, resamples=2000)[0] == narrow  # one task alone
+    text, claims = evidence_study.report(three, "three.jsonl", resamples=2000)
+    assert "## Issue 53's second round on these runs" in text and f"Chosen by the rule: **{narrow}**" in text
+    assert "the default has no runs paired with it here, so the default rule cannot be judged" in text
+    assert f"| {narrow} | BAPO GSPO-scale x10 | 10 |" in text  # the pair in the cell's table, and its claim
+    assert any(f"**{narrow}** against BAPO GSPO-scale x10" in line for line in text.splitlines())
     first, second = tmp_path / "three.jsonl", tmp_path / "varied.jsonl"
     first.write_text("".join(json.dumps(r) + "\n" for r in three))
     second.write_text("".join(json.dumps(r) + "\n" for r in varied))

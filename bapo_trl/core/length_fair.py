@@ -163,10 +163,11 @@ class SequenceWindow:
         c_low, c_high = self.bounds(min(path.clip_low), path.clip_high[0])
         return (positive & (ratio > c_high.to(ratio.dtype))) | (negative & (ratio < c_low.to(ratio.dtype)))
 
-    def mean_sums(self, rows: torch.Tensor) -> torch.Tensor:
+    def mean_sums(self, rows: torch.Tensor, k_low=None, k_high=None) -> torch.Tensor:
         """Local ``[sum c_low, sum c_high, sequences]`` over the sequences ``rows`` (``(B,)`` bool) at the chosen
-        widths, float64, for the logged mean window (the caller reduces it with the metrics' other sums)."""
-        c_low, c_high = self.bounds()
+        widths (or at ``k_low``/``k_high``), float64, for the logged mean window (the caller reduces it with the
+        metrics' other sums)."""
+        c_low, c_high = self.bounds(k_low, k_high)
         rows = rows.to(torch.float64)
         return torch.stack([(c_low[:, 0].double() * rows).sum(), (c_high[:, 0].double() * rows).sum(), rows.sum()])
 

@@ -367,15 +367,17 @@ def update_values(result, path: SearchPath, loss: LossType, ratio: torch.Tensor,
     staleness = token_staleness(inputs, step, ratio)
     sums, stale_max = search_sums(result, path, ratio, advantages, mask, logps, entropies, staleness,
                                   nonfinite_inputs, loss)
-    if window is not None:  # the mean window's three sums ride in the same collective
-        sums = torch.cat([sums, window.mean_sums(((mask != 0) & torch.isfinite(ratio)).any(-1))])
+    if window is not None:  # the mean window, at the chosen widths and at the start's, rides in the same collective
+        rows = ((mask != 0) & torch.isfinite(ratio)).any(-1)
+        sums = torch.cat([sums, window.mean_sums(rows), window.mean_sums(rows, path.clip_low[0], path.clip_high[0])])
     sums, stale_max = sum_over_processes(sums).tolist(), max_over_processes(stale_max)
     floats = result.as_floats() if window is None else dataclasses.replace(result, **widths).as_floats()
     if window is not None:
-        sums, (low, high, count) = sums[:-3], sums[-3:]
+        sums, chosen, start = sums[:-6], sums[-6:-3], sums[-3:]
     values, entropy = search_values(sums, floats, path, float(stale_max), target)
-    if window is not None:
+    if window is not None:  # an update no window changes is reported at the start (search_values), its mean too
         values["bapo/band_lower"], values["bapo/band_upper"] = values["bapo/clip_low"], values["bapo/clip_high"]
+        low, high, count = chosen if values["bapo/search_active"] else start
         values["bapo/clip_low"], values["bapo/clip_high"] = low / max(count, 1.0), high / max(count, 1.0)
     values.update(gate_values(loss, values["bapo/clip_low"], values["bapo/clip_high"]))
     if "replayed" in inputs:  # fresh vs replayed tokens

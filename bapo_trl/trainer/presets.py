@@ -34,8 +34,9 @@ def gspo_balanced(scale: float = 10.0) -> dict:
 
 
 #: The length-fair window's band paths (``BAPOConfig``'s ``band_*`` fields), in standard errors of a sequence's mean
-#: log-ratio. ``"gspo"``: scaled to the documented GSPO's width (``k_high`` 0.002 to 0.2, ``k_low`` 0.03 down to
-#: 0.001: gspo_balanced's ranges over a typical band unit near 0.3), the studies' "BAPO length-fair narrow".
+#: log-ratio. ``"gspo"``: scaled to the documented GSPO's width (``k_high`` 0.002 to 0.2 in 37 points, ``k_low`` 0.03
+#: down to 0.0015 in 16, its step 0.0019 stopping short of ``band_lower_min`` 0.001: gspo_balanced's ranges over a
+#: typical band unit near 0.3), the studies' "BAPO length-fair narrow".
 #: ``"wide"``: 1 to 4 standard errors on both sides (BAPOConfig's field defaults), the studies' "BAPO length-fair".
 LENGTH_FAIR_BANDS = {
     "gspo": dict(band_upper_start=0.002, band_upper_max=0.2, band_upper_step=0.0055,
