@@ -145,9 +145,9 @@ FIGURES = (("final reward", "reward_final", ("beats", "loses", "ties")),
            ("final entropy", "entropy_final", ("higher", "lower", "no difference")))
 RESULTS = os.path.join(REPO, "benchmarks", "results", "evidence_runs.jsonl")
 REPORT = os.path.join(REPO, "docs", "data", "evidence_study.md")
-#: What the report says of each task (``study.TASKS``).
 #: A task's short name in a cell's label (the choice rule over both tasks).
 TASK_NAMES = {"reverse3": "3 digits", "reverse2-8": "2-8 digits"}
+#: What the report says of each task (``study.TASKS``).
 TASK_TEXT = {"reverse3": "reverse a 3-digit string (the published task)",
              "reverse2-8": "reverse a string of 2-8 digits (the variable-length variant, its own warm-started model, "
                            "16 completion tokens, partial rollout 6 tokens per step)"}
@@ -401,6 +401,18 @@ def choose(runs: list[dict], candidates=CANDIDATES, rival: str = RIVAL, resample
     return chosen, lines
 
 
+def merged_runs(results: str, others, keep=lambda run: True) -> list[dict]:
+    """The runs of ``results`` that ``keep`` accepts, then those of each of ``others`` not already read (``run_key``):
+    a run in ``results`` wins over the same run in another file, an earlier file over a later one."""
+    runs = [r for r in read_jsonl(results) if keep(r)]
+    seen = {run_key(r) for r in runs}
+    for path in others:
+        extra = [r for r in read_jsonl(path) if keep(r) and run_key(r) not in seen]
+        seen |= {run_key(r) for r in extra}
+        runs += extra
+    return runs
+
+
 def default_rule(runs: list[dict], chosen: str, default: str = DEFAULT_METHOD, rivals=RIVALS,
                  resamples: int = 10000) -> tuple[bool, list[str]]:
     """The issue's default rule on one seed set: ``chosen`` beats or ties every rival present in every cell (at least
@@ -417,18 +429,15 @@ def default_rule(runs: list[dict], chosen: str, default: str = DEFAULT_METHOD, r
         if c["n"] >= MIN_PAIRS:
             counted += 1
             beats_default += c["low"] > 0
-    holds = not losses and counted > 0 and 3 * beats_default >= counted
+    head = (f"{chosen} against the rivals ({', '.join(shown(r) for r in rivals)}) and the default ({default}), "
+            "final reward: ")
+    lost = f"loses to a rival in {len(losses)} cell-rival pairs{':' if losses else '.'}"
     if counted == 0:  # the default did not run beside it: the rule cannot be judged, whatever the rivals show
-        lines = [f"{chosen} against the rivals ({', '.join(shown(r) for r in rivals)}) and the default ({default}), "
-                 f"final reward: the default has no runs paired with it here, so the default rule cannot be judged "
-                 f"on these runs; it loses to a rival in {len(losses)} cell-rival pairs{':' if losses else '.'}",
-                 *losses]
-        return False, lines
-    lines = [f"{chosen} against the rivals ({', '.join(shown(r) for r in rivals)}) and the default ({default}), "
-             f"final reward: it beats the default in {beats_default} of {counted} cells (the rule needs a third) and "
-             f"loses to a rival in {len(losses)} cell-rival pairs{':' if losses else '.'}", *losses,
-             f"\nThe default rule {'holds' if holds else 'does not hold'} on these runs."]
-    return holds, lines
+        return False, [head + "the default has no runs paired with it here, so the default rule cannot be judged on "
+                       "these runs; it " + lost, *losses]
+    holds = not losses and 3 * beats_default >= counted
+    return holds, [head + f"it beats the default in {beats_default} of {counted} cells (the rule needs a third) and "
+                   + lost, *losses, f"\nThe default rule {'holds' if holds else 'does not hold'} on these runs."]
 
 
 def report(runs: list[dict], results: str, resamples: int = 10000, figures: tuple = (), with_runs: tuple = ()
@@ -726,7 +735,7 @@ def main(argv=None) -> int:
         missing = [path for path in files if not os.path.exists(path)]
         if missing:
             parser.error(f"--choose: no runs file {', '.join(missing)}")
-        runs = list({run_key(r): r for path in reversed(files) for r in read_jsonl(path)}.values())  # --results wins
+        runs = merged_runs(files[0], files[1:])  # every task
         chosen, lines = choose(runs, tuple(args.methods or CANDIDATES), resamples=args.resamples)
         print("\n".join(lines) if chosen else f"--choose: no run of {list(args.methods or CANDIDATES)} in these files")
         return 0
@@ -754,14 +763,10 @@ def main(argv=None) -> int:
                         methods=args.methods, task=args.task)
         task_model(args.task)  # built once here, not by each run
         run_study(todo, results, args.server_url)
-    runs = task_runs(results)
-    seen = {run_key(r) for r in runs}
     for path in args.with_runs:
         if not os.path.exists(path):
             parser.error(f"--with-runs: no file {path}")
-        extra = [r for r in task_runs(path) if run_key(r) not in seen]
-        seen |= {run_key(r) for r in extra}
-        runs += extra
+    runs = merged_runs(results, args.with_runs, keep=lambda run: task_of(run) == args.task)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     figures = draw_figures(runs, out, args.resamples)
     text, claims = report(runs, results, args.resamples, figures, tuple(args.with_runs))

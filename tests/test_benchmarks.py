@@ -135,7 +135,7 @@ def test_core_contention_quick_prints_its_summary():
     ("async_overlap", ["--quick", "--warmup", "1"], "--warmup must be >= 2 (the replay rows generate whole batches"),
     ("async_overlap", ["--steps", "x"], "argument --steps: must be a positive integer, got 'x'"),
     ("gpu_check", ["--device", "cpu", "--skip", "serach"], "--skip: unknown section(s) serach; the sections are "
-                                                          "search,steps,replay,lora,deepspeed"),
+                                                          "search,steps,variants,replay,lora,deepspeed"),
     ("gpu_check", ["--device", "cpu", "--batches", "16,12"], "--batches must be positive multiples of 8"),
     ("gpu_check", ["--device", "cpu", "--batches", "x"], "--batches must be positive multiples of 8"),
     ("gpu_check", ["--device", "cpu", "--rounds", "0"], "--rounds must be >= 1, got 0"),
