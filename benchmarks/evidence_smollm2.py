@@ -60,7 +60,10 @@ gradient norm per step). The report (``--report-out``, default ``docs/data/evide
 over seeds with a 95% percentile bootstrap interval, then every method's paired difference (same seed) from each
 reference, its interval and ``study.verdict``. With 4 seeds that interval is too narrow to carry a claim: a true
 tie reads as beats or loses about 1 time in 5 (simulated: 4 normal differences, 1000 trials), so a verdict here is a
-lead for more seeds. The last line is ``runs=.. base_avg8=.. claims=.. minutes=..``.
+lead for more seeds. Training stability is paired the same way (the largest gradient norm, the entropy of the last 8
+steps; read higher / lower, never counted as claims), with the share of updates BAPO's search moved the window, and
+a figure beside the report (``<report>_curves.png``: reward, gradient norm and entropy per step, mean over seeds).
+The last line is ``runs=.. base_avg8=.. claims=.. minutes=..``.
 """
 
 from __future__ import annotations
@@ -86,7 +89,9 @@ from study import (
     mean,
     paired,
     parse_seeds,
+    pyplot,
     read_jsonl,
+    save_png,
     verdict,
 )
 from study import SMOLLM2_QUICK as QUICK_TRAINING
@@ -115,6 +120,11 @@ RESULTS = os.path.join(REPO, "benchmarks", "results", "evidence_smollm2_runs.jso
 REPORT = os.path.join(REPO, "docs", "data", "evidence_smollm2.md")
 #: Paired figures: (title, record key).
 FIGURES = (("avg@8", "avg8"), ("pass@8", "pass8"))
+#: Training-stability figures, paired by seed as FIGURES are but read as higher / lower, not as a win: the largest
+#: gradient norm of a run, and the policy's entropy over its last LATE_STEPS steps (near 0: the samples collapsed
+#: onto one answer; rising: the model drifted towards noise).
+STABILITY = (("max grad norm", "grad_norm_max"), ("entropy, last 8 steps", "entropy_late"))
+LATE_STEPS = 8
 #: No verdict from fewer paired seeds than the study runs (a method cut short after one seed has a zero-width
 #: interval, which would read as a difference).
 MIN_PAIRS = 4
@@ -309,6 +319,18 @@ def run_study(todo: list[dict], results: str, workers: int) -> int:
 
 # -- the report -------------------------------------------------------------------------------------------------------
 
+def plain(values: list, digits: int = 2) -> str:
+    """The mean of the values that exist, ``-`` where none does (a TRL run has no BAPO window)."""
+    values = [v for v in values if v is not None]
+    return f"{mean(values):.{digits}f}" if values else "-"
+
+
+def percent(values: list) -> str:
+    """The mean of shares as a percentage, ``-`` where none applies (a TRL method has no search)."""
+    values = [v for v in values if v is not None]
+    return f"{100 * mean(values):.0f}%" if values else "-"
+
+
 def with_interval(values: list[float], resamples: int, digits: int = 1) -> str:
     """``mean [low, high]``: the mean over seeds and its 95% percentile bootstrap interval."""
     values = [v for v in values if v is not None and not math.isnan(v)]
@@ -320,9 +342,58 @@ def with_interval(values: list[float], resamples: int, digits: int = 1) -> str:
     return f"{mean(values):.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
 
-def report(runs: list[dict], results: str, resamples: int = 10000, references=REFERENCES) -> tuple[str, int]:
-    """The markdown report of a results file and the number of intervals that exclude zero."""
+def logged(run: dict, key: str) -> list[float]:
+    """The finite values of one logged metric over a run's steps (its ``history``), in step order."""
+    return [h[key] for h in run.get("history") or []
+            if isinstance(h.get(key), (int, float)) and math.isfinite(h[key])]
+
+
+def late_entropy(run: dict) -> float | None:
+    """The mean entropy of the run's last LATE_STEPS logged steps (None for the base model: it did not train)."""
+    values = logged(run, "entropy")[-LATE_STEPS:]
+    return mean(values) if values else None
+
+
+def search_moved(run: dict) -> float | None:
+    """The share of a BAPO run's updates whose search moved the window (``bapo/search_active``); None for TRL."""
+    values = logged(run, "bapo/search_active")
+    return mean(values) if values else None
+
+
+def curves_figure(runs: list[dict], path: str, order: list[str]) -> None:
+    """Sampled reward (logged once per generation batch), gradient norm and entropy per step, one line per method
+    (mean over its seeds at each step every seed logged)."""
+    plt = pyplot()
+    panels = (("reward", "sampled reward (per generation batch)"), ("grad_norm", "gradient norm"),
+              ("entropy", "entropy"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(11, 3.4))
+    for ax, (key, title) in zip(axes, panels):
+        for i, method in enumerate(order):
+            by_step = [{step: h[key] for step, h in enumerate(r.get("history") or [], 1)
+                        if isinstance(h.get(key), (int, float)) and math.isfinite(h[key])}
+                       for r in runs if r["method"] == method]
+            steps = sorted(set.intersection(*(set(s) for s in by_step))) if by_step else []
+            if steps:
+                ax.plot(steps, [mean([s[t] for s in by_step]) for t in steps], marker="o" if key == "reward" else None,
+                        color=plt.get_cmap("tab10")(i % 10), label=method)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("optimizer step", fontsize=9)
+    labelled = {}  # one legend entry per method, from whichever panel drew it
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            labelled.setdefault(label, handle)
+    fig.legend(list(labelled.values()), list(labelled), loc="upper center", ncol=len(labelled), fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    save_png(fig, path)
+
+
+def report(runs: list[dict], results: str, resamples: int = 10000, references=REFERENCES,
+           figure: str | None = None) -> tuple[str, int]:
+    """The markdown report of a results file and the number of avg@8 / pass@8 intervals that exclude zero;
+    ``figure``: also draw the per-step curves there (a PNG the report links)."""
     METHODS = evidence_methods()
+    runs = [dict(r, entropy_late=late_entropy(r)) for r in runs]
     base = [r for r in runs if r["method"] == "base"]
     trained = [r for r in runs if r["method"] != "base"]
     order = [m for m in dict.fromkeys((*references, *METHODS)) if any(r["method"] == m for r in trained)]
@@ -345,8 +416,10 @@ def report(runs: list[dict], results: str, resamples: int = 10000, references=RE
         f"Each cell: the mean over seeds and its 95% percentile bootstrap interval ({resamples} resamples, seed 0). "
         "Paired: the mean over seeds of (method - reference) on the same seed, its interval, and `study.verdict` "
         "(beats / loses where the interval excludes zero, else ties). With 4 seeds the interval is too narrow to "
-        "carry a claim (a true tie reads as beats or loses about 1 time in 5): read a verdict as a lead for more "
-        "seeds. Many intervals are read at once, with no correction for multiple comparisons.\n",
+        "carry a claim (a true tie reads as beats or loses about 1 time in 5), and a percentile interval over a "
+        "few seeds stays too narrow: read a verdict as a lead for more seeds. Many intervals are read at once, "
+        "with no correction for multiple comparisons. The stability figures (largest gradient norm, entropy of the "
+        f"last {LATE_STEPS} steps) are paired the same way and read higher / lower: neither is a win by itself.\n",
     ]
     if any(len(r["correct"]) < HELDOUT_SIZE for r in runs):
         lines.append("**Fewer held-out problems than the study's (a quick run): the numbers mean nothing.**\n")
@@ -356,15 +429,17 @@ def report(runs: list[dict], results: str, resamples: int = 10000, references=RE
                      f"{part(f'avg@{K}_in_range')}, operands 13-14 {part(f'avg@{K}_beyond')}).\n")
     lines += [f"## Per method (seeds {fmt_seeds(seeds)})\n",
               f"| method | trainer | seeds | avg@{K} (%) | pass@{K} (%) | avg@{K} in range | avg@{K} operands 13-14 | "
-              "train reward, first batch -> last | max grad norm | c_high (active updates) | minutes per run |",
-              "|" + "---|" * 11]
+              f"train reward, first batch -> last | max grad norm | entropy, last {LATE_STEPS} steps | "
+              "c_high (active updates) | updates the search moved | minutes per run |",
+              "|" + "---|" * 13]
     for method in order:
         rs = [r for r in trained if r["method"] == method]
         col = lambda key, digits=1: with_interval([r.get(key) for r in rs], resamples, digits)  # noqa: E731
         lines.append(f"| {method} | {rs[0]['trainer']} | {len(rs)} | {col('avg8')} | {col('pass8')} | "
                      f"{col(f'avg@{K}_in_range')} | {col(f'avg@{K}_beyond')} | "
                      f"{mean([r['reward_first'] for r in rs]):.2f} -> {mean([r['reward_last'] for r in rs]):.2f} | "
-                     f"{mean([r['grad_norm_max'] for r in rs]):.1f} | {mean([r['clip_high'] for r in rs]):.2f} | "
+                     f"{col('grad_norm_max')} | {col('entropy_late', 3)} | "
+                     f"{plain([r['clip_high'] for r in rs])} | {percent([search_moved(r) for r in rs])} | "
                      f"{mean([r['seconds'] / 60 for r in rs]):.1f} |")
     claims = []
     for reference in references:
@@ -373,21 +448,30 @@ def report(runs: list[dict], results: str, resamples: int = 10000, references=RE
             if method == reference or reference not in order:
                 continue
             cells, n = [], 0
-            for title, key in FIGURES:
-                values = {m: {r["seed"]: r[key] for r in trained if r["method"] == m} for m in (method, reference)}
+            for title, key in FIGURES + STABILITY:
+                values = {m: {r["seed"]: r[key] for r in trained if r["method"] == m and r.get(key) is not None}
+                          for m in (method, reference)}
                 c = paired(values, method, reference, resamples)
                 n = max(n, c["n"])
-                word = verdict(c["low"], c["high"]) if c["n"] >= MIN_PAIRS else f"(< {MIN_PAIRS} pairs)"
-                cells.append(f"{c['diff']:+.1f} [{c['low']:+.1f}, {c['high']:+.1f}] {word}")
+                words = ("beats", "loses", "ties") if (title, key) in FIGURES else ("higher", "lower", "ties")
+                word = verdict(c["low"], c["high"], words) if c["n"] >= MIN_PAIRS else f"(< {MIN_PAIRS} pairs)"
+                digits = 3 if key == "entropy_late" else 1
+                cells.append(f"{c['diff']:+.{digits}f} [{c['low']:+.{digits}f}, {c['high']:+.{digits}f}] {word}")
                 if word in ("beats", "loses"):
                     claims.append(f"- **{method}** {word} {reference} on {title}: {cells[-1].rsplit(' ', 1)[0]} "
                                   f"({c['n']} paired seeds)")
             rows.append(f"| {method} | {n} | " + " | ".join(cells) + " |")
         if rows:
             lines += [f"\n## Against {reference} (paired by seed)\n",
-                      "| method | n | " + " | ".join(f"Δ {t} [95% CI] verdict" for t, _ in FIGURES) + " |",
-                      "|" + "---|" * (2 + len(FIGURES)), *rows]
+                      "| method | n | " + " | ".join(f"Δ {t} [95% CI] verdict" for t, _ in FIGURES + STABILITY)
+                      + " |", "|" + "---|" * (2 + len(FIGURES) + len(STABILITY)), *rows]
     lines += ["\n## Intervals that exclude zero (leads, at this number of seeds)\n", *(claims or ["None."])]
+    if figure:
+        curves_figure(trained, figure, order)
+        lines += [f"\n## Per step\n\n![Sampled reward, gradient norm and entropy per step, mean over seeds]"
+                  f"({os.path.basename(figure)})\n\nSampled reward, gradient norm and entropy per step: each "
+                  "method's mean over its seeds (a collapse on one seed moves a mean line; the tables hold the "
+                  "intervals).\n"]
     return "\n".join(lines) + "\n", len(claims)
 
 
@@ -453,7 +537,8 @@ def main(argv=None) -> int:
     runs = read_jsonl(results)
     if not runs:
         parser.error(f"no runs in {results}")
-    text, claims = report(runs, results, args.resamples, args.references)
+    text, claims = report(runs, results, args.resamples, args.references,
+                          figure=os.path.splitext(out)[0] + "_curves.png")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         f.write(text)

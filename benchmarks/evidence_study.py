@@ -87,9 +87,11 @@ from study import (
     mean,
     paired,
     parse_seeds,
+    pyplot,
     read_jsonl,
     run_key,
     run_one,
+    save_png,
     summarize,
     task_model,
     task_of,
@@ -513,39 +515,12 @@ def report(runs: list[dict], results: str, resamples: int = 10000, figures: tupl
 
 # -- figures ---------------------------------------------------------------------------------------------------------
 
-#: Figures' resolution: a 11-inch-wide figure is 1100 pixels, saved as a palette PNG (well under 150 KB).
-FIGURE_DPI = 100
-
-
-def _save_png(fig, path: str) -> None:
-    """``fig`` as a 256-colour palette PNG (a fraction of matplotlib's RGBA file, the same picture to the eye)."""
-    import io
-
-    import matplotlib.pyplot as plt
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=FIGURE_DPI)
-    plt.close(fig)
-    buffer.seek(0)
-    Image.open(buffer).convert("RGB").quantize(colors=256).save(path, optimize=True)
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def forest_plot(runs: list[dict], path: str, resamples: int = 10000, pairs=SUMMARY_PAIRS + CANDIDATE_PAIRS,
                 key: str = "reward_final") -> int:
     """The paired differences of the at-a-glance pairs as a forest plot: one panel per learning rate, one row per
     pair and scenario (mean difference, 95% bootstrap interval; filled where it excludes zero), a line at 0. Pairs
     with fewer than MIN_PAIRS paired seeds in a cell are left out, as in the tables. Returns the rows drawn."""
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.lines import Line2D
 
     lrs = sorted({lr for _, lr in cells(runs)})
@@ -590,7 +565,7 @@ def forest_plot(runs: list[dict], path: str, resamples: int = 10000, pairs=SUMMA
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 7), fontsize=8, frameon=False)
     fig.suptitle("Paired differences by cell: mean over seeds and 95% bootstrap interval", fontsize=10)
     fig.tight_layout(rect=(0, 0.35 / fig.get_size_inches()[1] + 0.03, 1, 0.97))
-    _save_png(fig, path)
+    save_png(fig, path)
     return len(comparisons)
 
 
@@ -601,7 +576,7 @@ def reward_curves(runs: list[dict], path: str, scenario: str = HEADLINE) -> tupl
     drawn and the scenario."""
     import numpy as np
 
-    plt = _pyplot()
+    plt = pyplot()
     present = [s for s, _ in cells(runs)]
     if scenario not in present and present:
         scenario = present[0]
@@ -643,7 +618,7 @@ def reward_curves(runs: list[dict], path: str, scenario: str = HEADLINE) -> tupl
                 labels.append(label)
     fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 0.79, 0.95))
-    _save_png(fig, path)
+    save_png(fig, path)
     return drawn, scenario
 
 

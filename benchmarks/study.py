@@ -399,6 +399,36 @@ def fmt_seeds(seeds: list[int]) -> str:
     return ",".join(map(str, seeds))
 
 
+# -- figures ---------------------------------------------------------------------------------------------------------
+
+#: Figures' resolution: a 11-inch-wide figure is 1100 pixels, saved as a palette PNG (well under 150 KB).
+FIGURE_DPI = 100
+
+
+def save_png(fig, path: str) -> None:
+    """``fig`` as a 256-colour palette PNG (a fraction of matplotlib's RGBA file, the same picture to the eye)."""
+    import io
+
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=FIGURE_DPI)
+    plt.close(fig)
+    buffer.seek(0)
+    Image.open(buffer).convert("RGB").quantize(colors=256).save(path, optimize=True)
+
+
+def pyplot():
+    """matplotlib's pyplot drawing to files only (the Agg backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 #: The loss study's losses: TRL loss -> its settings (GRPOConfig fields), shared by the TRL run and the BAPO-balanced
 #: run.
 LOSSES = {

@@ -210,28 +210,43 @@ def test_the_96_problem_heldout_set_is_the_generators_output_and_never_trained_o
         assert row["answer"] == str(a + b if op == "+" else a - b) and int(row["answer"]) >= 0
 
 
-def test_the_smollm2_evidence_report_pairs_every_method_with_both_references_by_seed(capsys):
+def test_the_smollm2_evidence_report_pairs_every_method_with_both_references_by_seed(capsys, tmp_path):
     """benchmarks/evidence_smollm2.py's report on made-up runs: per-method means with intervals, and each method's
-    paired difference from TRL's dapo clip-higher and GSPO with study.verdict; its options are checked first."""
+    paired difference from TRL's dapo clip-higher and GSPO with study.verdict; the stability figures (largest
+    gradient norm, entropy of the last 8 steps) paired too but read higher / lower, never counted as claims; the
+    share of updates BAPO's search moved; the per-step figure; its options are checked first."""
     bench = benchmark("evidence_smollm2")
 
-    def run(method, seed, avg8, pass8):
+    def run(method, seed, avg8, pass8, grad_norm_max=3.0, entropy=None):
+        history = [] if method == "base" else [
+            {"entropy": 9.0 if step < 4 else entropy, "grad_norm": 1.0, "bapo/search_active": float(step % 2)}
+            if method.startswith("BAPO") else {"entropy": 9.0 if step < 4 else entropy, "grad_norm": 1.0}
+            for step in range(12)]  # the first 4 of 12 steps are outside the last 8: their 9.0 must not count
         return dict(method=method, seed=seed, trainer="trl" if method.startswith("TRL") else "bapo",
                     training={"max_steps": 16}, heldout="tests/data/chat_arithmetic_heldout96.jsonl", commit="abc",
                     seconds=360.0, correct=[4] * 96, avg8=avg8, pass8=pass8, reward_first=0.5, reward_last=0.6,
-                    grad_norm_max=3.0, clip_high=None, **{"avg@8_in_range": avg8 + 10, "avg@8_beyond": avg8 - 10})
+                    grad_norm_max=grad_norm_max, clip_high=None, history=history,
+                    **{"avg@8_in_range": avg8 + 10, "avg@8_beyond": avg8 - 10})
 
     runs = [run("base", 0, 40.0, 70.0)]
     for i, seed in enumerate(range(100, 104)):
-        runs += [run("TRL dapo clip-higher", seed, 50.0 + i, 75.0),
-                 run("TRL GSPO", seed, 50.0 + i + (-1) ** i * 3, 75.0),
-                 run("BAPO paper + dual clip", seed, 60.0 + i, 75.0 + (-1) ** i)]
+        runs += [run("TRL dapo clip-higher", seed, 50.0 + i, 75.0, grad_norm_max=30.0 + i, entropy=0.2),
+                 run("TRL GSPO", seed, 50.0 + i + (-1) ** i * 3, 75.0, entropy=0.2 + (-1) ** i * 0.1),
+                 run("BAPO paper + dual clip", seed, 60.0 + i, 75.0 + (-1) ** i, entropy=0.1)]
     runs.append(run("BAPO GSPO", 100, 90.0, 99.0))  # a method cut short after one seed: far ahead, no verdict
-    text, claims = bench.report(runs, bench.RESULTS, resamples=2000)
+    figure = tmp_path / "curves.png"
+    text, claims = bench.report(runs, bench.RESULTS, resamples=2000, figure=str(figure))
+    assert figure.stat().st_size > 0 and "(curves.png)" in text
+    # entropy of the last 8 steps 0.100; the search moved on every other update (50%); TRL has no search ("-")
+    assert "| 3.0 [3.0, 3.0] | 0.100 [0.100, 0.100] | - | 50% | 6.0 |" in text
+    assert "| TRL dapo clip-higher | trl | 4 | 51.5 [" in text and "| 31.5 [" in text and "| - | - | 6.0 |" in text
     assert "Base model: avg@8 40.0%, pass@8 70.0% (avg@8 in range 50.0%, operands 13-14 30.0%)" in text
     assert "| BAPO paper + dual clip | bapo | 4 | 61.5 [" in text and "## Per method (seeds 100-103)" in text
     against_dapo, against_gspo = text.split("## Against TRL dapo clip-higher")[1].split("## Against TRL GSPO")
     assert "| BAPO paper + dual clip | 4 | +10.0 [+10.0, +10.0] beats | +0.0 [" in against_dapo
+    # stability: 27-28.5 lower gradient norm, 0.1 lower entropy, read as lower (not loses) and not counted as claims
+    assert "| -28.5 [-29.5, -27.5] lower | -0.100 [-0.100, -0.100] lower |" in against_dapo
+    assert "| +0.0 [+0.0, +0.0] ties | -0.100 [-0.200, +0.000] ties |" in against_gspo
     assert "| TRL GSPO | 4 | +0.0 [" in against_dapo and "ties |" in against_dapo
     assert "| BAPO paper + dual clip | 4 | +10.0 [+7.0, +13.0] beats |" in against_gspo
     assert claims == 2 and "- **BAPO paper + dual clip** beats TRL GSPO on avg@8" in text
