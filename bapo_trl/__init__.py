@@ -6,6 +6,7 @@ The public API is what this module exports (``__all__``):
   is the bound search as a pure function (``BAPOSettings``, ``SearchResult``); ``gspo_balanced`` is a named setting
   (BAPO's balance of GSPO's sequence-level ratio around TRL's documented window; ``BAPOConfig(**gspo_balanced())``),
   ``gspo_length_fair`` another (a window per sequence, scaled to the noise of its mean log-ratio);
+  ``BAPOGMPOTrainer`` puts the search in front of TRL's experimental GMPO loss (``gmpo_balanced`` its setting);
 * a run's results: ``PlotDynamicsCallback`` (the dynamics PNG at the end of training), ``plot_dynamics`` (the same
   figure from log histories or run directories, several overlaid), ``format_summary`` (the text summary ``bapo train``
   prints) and ``generation_rows`` (its rows: one per generation batch);
@@ -32,6 +33,8 @@ _EXPORTS = {
     "BAPOTrainer": "bapo_trl.trainer.bapo_trainer",
     "gspo_balanced": "bapo_trl.trainer.presets",
     "gspo_length_fair": "bapo_trl.trainer.presets",
+    "gmpo_balanced": "bapo_trl.trainer.presets",
+    "BAPOGMPOTrainer": "bapo_trl.trainer.gmpo",
     "PlotDynamicsCallback": "bapo_trl.trainer.callbacks",
     "plot_dynamics": "bapo_trl.trainer.dynamics",
     "format_summary": "bapo_trl.trainer.summary",

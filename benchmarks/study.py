@@ -22,7 +22,7 @@ import tempfile
 import time
 
 # plain numbers: no torch, no TRL
-from bapo_trl.trainer.presets import GSPO_DOCUMENTED, gspo_balanced, gspo_length_fair
+from bapo_trl.trainer.presets import GMPO_DOCUMENTED, GSPO_DOCUMENTED, gmpo_balanced, gspo_balanced, gspo_length_fair
 from bapo_trl.trainer.summary import moved  # one definition of "the bounds moved"
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,7 +136,8 @@ def seed_tag(seeds: str | None) -> str:
 
 def trainer_classes(kind: str):
     """``(config class, trainer class)`` of a run's ``trainer`` field: ``"bapo"`` (default), ``"trl"`` (TRL's own
-    GRPOConfig / GRPOTrainer), ``"m2po"`` (M2PO on TRL's trainer), ``"m2po-bapo"`` (M2PO on BAPOTrainer)."""
+    GRPOConfig / GRPOTrainer), ``"m2po"`` (M2PO on TRL's trainer), ``"m2po-bapo"`` (M2PO on BAPOTrainer), ``"gmpo"``
+    (TRL's experimental GMPOConfig / GMPOTrainer), ``"bapo-gmpo"`` (BAPOGMPOTrainer)."""
     from trl import GRPOConfig
 
     from bapo_trl import BAPOConfig, BAPOTrainer
@@ -153,6 +154,15 @@ def trainer_classes(kind: str):
         from m2po import bapo_trainer_class
 
         return BAPOConfig, bapo_trainer_class()
+    if kind == "gmpo":
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
+
+        return GMPOConfig, GMPOTrainer
+    if kind == "bapo-gmpo":
+        from bapo_trl import BAPOGMPOTrainer
+
+        return BAPOConfig, BAPOGMPOTrainer
     if kind in (None, "bapo"):
         return BAPOConfig, BAPOTrainer
     raise ValueError(f"unknown trainer {kind!r}")
@@ -174,7 +184,7 @@ def run_one(spec: dict) -> dict:
 
     task = TASKS[task_of(spec)]
     kind = spec.get("trainer", "bapo")
-    if kind in ("trl", "m2po") and spec["staleness"] in BAPO_ONLY:
+    if kind in ("trl", "m2po", "gmpo") and spec["staleness"] in BAPO_ONLY:
         raise ValueError(f"{spec['staleness']} needs BAPOTrainer's rollouts; {spec['method']} runs on TRL's trainer")
     config_cls, trainer_cls = trainer_classes(kind)
     kept = KEPT + tuple(spec.get("extra_metrics", ()))
@@ -501,6 +511,14 @@ def evidence_methods() -> dict[str, dict]:
         # 1-4 standard errors, gave half-widths ~1000x GSPO's and lost to gspo_balanced at staleness 32):
         # k_high 0.002-0.2, k_low 0.03 down to 0.0015 standard errors (gspo_balanced's ranges over a typical b ~ 0.3)
         "BAPO length-fair narrow": dict(trainer="bapo", settings=gspo_length_fair("gspo")),
+        # a third round's candidate (issue 53's GMPO window; its protocol: docs/data/candidate_protocol.md): TRL's
+        # experimental GMPO as TRL documents it (GMPOConfig's defaults: log-ratios clipped to [-0.4, 0.4] inside the
+        # geometric mean), and BAPO's window on it from that start (gmpo_balanced)
+        "TRL GMPO (documented)": dict(trainer="gmpo", settings=dict(GMPO_DOCUMENTED),
+                                      bapo=dict(trainer="bapo-gmpo", settings=dict(gmpo_balanced(), **window(
+                                          math.exp(-GMPO_DOCUMENTED["epsilon"]),
+                                          math.exp(GMPO_DOCUMENTED["epsilon_high"]))))),
+        "BAPO GMPO balanced": dict(trainer="bapo-gmpo", settings=gmpo_balanced()),
         # not a candidate (added after the development runs showed the decoupled default collapsing under replay and
         # partial rollout at lr 2e-3): tokens whose weight left [1/3, 3] are dropped (AReaL masks above its cap),
         # which gives back the protection the clip around the behaviour policy gave against very old tokens

@@ -13,6 +13,8 @@ user checking the fast path on their own batches can import it (``from bapo_trl.
   :func:`sequence_mean_weights`).
 * The length-fair sequence-level balance (:func:`length_fair_loop_search`, against
   :mod:`bapo_trl.core.length_fair`).
+* GMPO's share (:func:`gmpo_contributions_reference`, for the two loops above, against
+  :mod:`bapo_trl.core.geometric_mean`).
 * The decoupled correction's truncated importance weights and their effective sample size
   (:func:`decoupled_weights_reference`, :func:`effective_sample_size_reference`).
 
@@ -390,3 +392,36 @@ def length_fair_loop_search(log_ratio, advantages, mask, reduce_fn=None, statist
         pos, neg = score(k_low(), k_high())
     return {"clip_low": k_low(), "clip_high": k_high(), "positive_contribution": _share(pos, neg),
             "positive_contribution_before": before, "steps": steps, "target_met": meets(pos, neg)}
+
+
+def gmpo_contributions_reference(ratio, advantages, mask) -> Callable:
+    """GMPO's ``(pos, neg)`` at one window, sequence by sequence from the definition (float64, plain loops): each
+    sequence weighs ``w = exp(mean_t clip(log r_t))`` over its valid tokens, ``min(log r, log c_high)`` for ``A > 0``,
+    ``max(log r, log c_low)`` for ``A < 0``; value share ``w |A|``, gradient share ``w |A|`` times the fraction of its
+    tokens strictly inside the bound (``r < c_high``, ``r > c_low``). For :func:`paper_loop_search` /
+    :func:`verl_loop_search` as ``contributions_fn`` (they pass the flattened tokens, which this ignores: the
+    sequences are bound here)."""
+    rows = []
+    for i in range(ratio.shape[0]):
+        rs = [float(ratio[i, t]) for t in range(ratio.shape[1])
+              if mask[i, t] != 0 and math.isfinite(float(ratio[i, t]))]
+        a = float(advantages[i])
+        if rs and math.isfinite(a) and a != 0:
+            rows.append((rs, a))
+
+    def fn(r, a, c_low, c_high, mode):
+        pos = neg = 0.0
+        for rs, adv in rows:
+            c = c_high if adv > 0 else c_low
+            clipped = [math.log(max(min(x, c) if adv > 0 else max(x, c), 1e-300)) for x in rs]
+            inside = sum(x < c if adv > 0 else x > c for x in rs)
+            term = math.exp(sum(clipped) / len(rs)) * abs(adv)
+            if mode != "value":
+                term *= inside / len(rs)
+            if adv > 0:
+                pos += term
+            else:
+                neg += term
+        return torch.tensor(pos, dtype=torch.float64), torch.tensor(neg, dtype=torch.float64)
+
+    return fn

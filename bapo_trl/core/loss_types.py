@@ -16,8 +16,9 @@ from typing import Callable
 
 import torch
 
-from .clipping import cap_path, cap_sums, grid_sums, search_path
+from .clipping import BAPOSettings, cap_path, cap_sums, grid_sums, search_path
 from .gates import negative_scale, positive_scale, sapo_sums, sapo_weight, vespo_log_weights, vespo_sums, vespo_weight
+from .geometric_mean import gmpo_contributions, gmpo_sums, gmpo_window
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
@@ -94,13 +95,13 @@ def gate_sensitive(ratio, positive, negative, path):
 
 # -- per-token contributions at the chosen window (the share's terms, for the fresh/replayed/age metrics) -------------
 
-def surrogate_contributions(r, a, c_low, c_high):
+def surrogate_contributions(r, a, c_low, c_high, valid=None):
     """Value share terms: ``min(r, c_high) A`` for ``A > 0``, ``max(r, c_low) |A|`` for ``A < 0``."""
     return (torch.where(a > 0, torch.minimum(r, c_high) * a, 0.0),
             torch.where(a < 0, torch.maximum(r, c_low) * -a, 0.0))
 
 
-def cap_contributions(r, a, c_low, c_high):
+def cap_contributions(r, a, c_low, c_high, valid=None):
     """``min(r, c) |A|`` by sign."""
     capped = torch.minimum(r, c_high) * a.abs()
     return torch.where(a > 0, capped, 0.0), torch.where(a < 0, capped, 0.0)
@@ -171,11 +172,14 @@ class LossType:
         aggregation: the loss mask -> each token's weight in TRL's loss (``(B, 1)``), or None when every token counts
             once; it multiplies the advantages the search sees, so the share counts tokens as the loss does.
         sensitive: ``(ratio, positive, negative, path)`` -> tokens some candidate of the path treats differently.
-        contributions: ``(r, a, c_low, c_high)`` -> per-token ``(pos, neg)`` terms of the share at one window.
+        contributions: ``(r, a, c_low, c_high, valid=)`` -> per-token ``(pos, neg)`` terms of the share at one window
+            (``valid``: the ``(B, T)`` tokens in the loss, for a row whose terms are per sequence).
         reads: the config fields the row's functions take as keywords (a gate's starting shape; with them the
             path's starts ``ratio_upper_start``, ``ratio_lower_start``): :meth:`bind` gives them the run's values.
         is_weight_in_ratio: TRL already folds its vLLM importance-sampling weights into the ratio (VESPO), so the
             search must not multiply the advantages by them again.
+        uses_is_weights: the loss multiplies by TRL's vLLM importance-sampling weights at all (GMPO's does not, so
+            its share does not either).
     """
 
     objective: str
@@ -190,6 +194,7 @@ class LossType:
     contributions: Callable = surrogate_contributions
     reads: tuple[str, ...] = ()
     is_weight_in_ratio: bool = False
+    uses_is_weights: bool = True
 
     def bind(self, args) -> LossType:
         """This row with the run's values of :attr:`reads` given to its functions (a row without any: itself)."""
@@ -240,6 +245,27 @@ VESPO_GATE = LossType(
     contributions=vespo_contributions,
     reads=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
     is_weight_in_ratio=True,
+)
+
+
+
+def window_path_without_delta(settings: BAPOSettings):
+    """The window's path (:func:`search_path`) with no two-sided clip: GMPO's loss has none, whatever ``delta`` the
+    config holds (the dual clip, on by default, is for TRL's clipped losses)."""
+    return search_path(dataclasses.replace(settings, delta=None))
+
+
+#: TRL's experimental GMPO (``trl.experimental.gmpo.GMPOTrainer``): not a ``loss_type`` but a trainer of its own, so
+#: this row is chosen by ``BAPOGMPOTrainer`` (bapo_trl/trainer/gmpo.py), not by the config's ``loss_type``.
+GEOMETRIC_MEAN = LossType(
+    objective="exp(mean_t clip(log r_t, log c_low, log c_high)) A (GMPO, sign-aware clip in log space)",
+    kind="clip",
+    to_trl=gmpo_window,
+    grid_sums=gmpo_sums,
+    clipped=surrogate_clipped,
+    path=window_path_without_delta,
+    contributions=gmpo_contributions,
+    uses_is_weights=False,
 )
 
 #: TRL ``loss_type`` -> how BAPO balances it. dapo, bnpo, dr_grpo and luspo differ only in TRL's normaliser (one

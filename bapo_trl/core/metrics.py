@@ -218,7 +218,7 @@ def _share_sums(result, ratio: torch.Tensor, advantages: torch.Tensor, mask: tor
     c_low, c_high = result.clip_low.to(ratio.dtype).double(), result.clip_high.to(ratio.dtype).double()
     r = torch.where(valid, ratio, 1.0).double()
     a = torch.where(valid, advantages, 0.0).double()
-    pos, neg = loss.contributions(r, a, c_low, c_high)  # the loss type's share terms at the chosen window
+    pos, neg = loss.contributions(r, a, c_low, c_high, valid=valid)  # the loss type's share terms at the window
     low, high = loss.clipped(r, a, c_low, c_high)
     clipped = low | high
     sums = []

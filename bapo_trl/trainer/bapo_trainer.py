@@ -23,7 +23,7 @@ from trl import GRPOTrainer
 from ..core import metrics
 from ..core.clipping import SearchResult, search_clip_bounds
 from ..core.length_fair import length_fair_path
-from ..core.loss_types import LOSS_TYPES
+from ..core.loss_types import LOSS_TYPES, LossType
 from ..core.numerics import loss_mask, mask_nonfinite_inputs, sanitize_after_forward
 from ..core.target_controller import TargetController
 from ..rollout.contract import parts, stamp_policy_version
@@ -76,6 +76,9 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
 
     _tag_names = ["trl", "grpo", "bapo"]
     _name = "BAPO"
+    #: The loss row a subclass balances whatever the config's ``loss_type`` (BAPOGMPOTrainer: GMPO's); None: the
+    #: ``loss_type``'s row.
+    loss_row: LossType | None = None
     _paper = {"title": "BAPO: Stabilizing Off-Policy Reinforcement Learning for LLMs via Balanced Policy "
               "Optimization with Adaptive Clipping", "id": "2510.18927", "citation": PAPER_CITATION}
 
@@ -86,7 +89,8 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
             check_prompt_column(kwargs.get(name), f"`{name}`")
         self._bapo_pending: dict[str, Any] | None = None
         self.port = TRLPort(self)  # the rollout sources' only way into TRL (its log-prob answers are needed below)
-        self.loss = LOSS_TYPES[args.loss_type].bind(args)  # the row of this loss type, with the run's gate shapes
+        row = self.loss_row or LOSS_TYPES[args.loss_type]  # the row of this loss (type), with the run's gate shapes
+        self.loss = row.bind(args)
         self.last_search: SearchResult | None = None
         super().__init__(model, reward_funcs, args=args, **kwargs)
         # A reward function that raises is named in the error (TRL keeps the callables in this list).

@@ -53,7 +53,7 @@ def search_inputs(loss: LossType, logps: torch.Tensor, inputs: dict, level: str,
     log_ratio = token_log_ratio(logps, inputs)
     ratio, advantages = loss.ratios(log_ratio, mask, level, inputs), inputs["advantages"]
     weights = inputs.get("importance_sampling_ratio")  # TRL's vLLM IS correction multiplies each token's loss
-    if is_weighted and weights is not None and not loss.is_weight_in_ratio:
+    if is_weighted and weights is not None and loss.uses_is_weights and not loss.is_weight_in_ratio:
         advantages = (advantages[:, None] if advantages.dim() == 1 else advantages) * weights
     token_weight = loss.aggregation(mask)
     if token_weight is not None:

@@ -7,6 +7,8 @@ the published results and a user's run cannot drift apart; nothing here imports 
 
 from __future__ import annotations
 
+import math
+
 #: GSPO as TRL documents it for the GSPO paper's setting (TRL's paper index): the sequence-level ratio, loss ``grpo``,
 #: a narrow window (the mean log-ratio of a sequence moves far less than a token's), no KL term.
 GSPO_DOCUMENTED = dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4,
@@ -56,3 +58,19 @@ def gspo_length_fair(band: str = "gspo") -> dict:
         raise ValueError(f"gspo_length_fair: `band` must be one of {sorted(LENGTH_FAIR_BANDS)}, got {band!r}")
     gspo = {name: GSPO_DOCUMENTED[name] for name in ("loss_type", "importance_sampling_level", "beta")}
     return dict(gspo, sequence_window="length_fair", **LENGTH_FAIR_BANDS[band])
+
+
+#: GMPO as TRL documents it (``trl.experimental.gmpo.GMPOConfig``'s defaults, the GMPO paper's recommendation): the
+#: token log-ratios clipped to ``[-0.4, 0.4]`` inside the geometric mean, i.e. ratios in ``[exp(-0.4), exp(0.4)]``.
+GMPO_DOCUMENTED = dict(epsilon=0.4, epsilon_high=0.4)
+
+
+def gmpo_balanced() -> dict:
+    """BAPO's window on GMPO's geometric mean (for ``BAPOGMPOTrainer``): the search starts at TRL's documented GMPO
+    window and widens it as BAPO's default path does, ``c_high`` from ``exp(0.4)`` (1.49) to 3.0 in 37 points and
+    ``c_low`` from ``exp(-0.4)`` (0.67) up to 0.9 in 16; token-level ratios (GMPO's own), no dual clip (GMPO's loss
+    has no two-sided clip). Issue 53's GMPO candidate (docs/results.md)."""
+    high, low = math.exp(GMPO_DOCUMENTED["epsilon_high"]), math.exp(-GMPO_DOCUMENTED["epsilon"])
+    return dict(importance_sampling_level="token", dual_clip=False,
+                ratio_upper_start=high, ratio_upper_max=3.0, ratio_upper_step=(3.0 - high) / 36,
+                ratio_lower_start=low, ratio_lower_max=0.9, ratio_lower_step=(0.9 - low) / 15)

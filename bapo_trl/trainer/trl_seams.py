@@ -156,6 +156,22 @@ SEAMS: tuple[Seam, ...] = (
     Seam("trl.models.utils:disable_gradient_checkpointing", "no-grad policy forwards outside the loss"),
 )
 
+#: TRL's experimental GMPO, which ``BAPOGMPOTrainer`` (bapo_trl/trainer/gmpo.py) puts BAPO in front of: checked when
+#: that module is imported (experimental in TRL, so a user of BAPOTrainer alone never depends on it).
+GMPO = "trl.experimental.gmpo.gmpo_trainer:GMPOTrainer"
+GMPO_SEAMS: tuple[Seam, ...] = (
+    Seam(f"{GMPO}._compute_loss", "GMPO's loss reads the window BAPO installs in epsilon_low/high as log-space "
+         "bounds, runs the policy forward BAPO's search hooks, and weights a sequence by the geometric mean of its "
+         "sign-clipped token ratios over the loss mask (mirrored by bapo_trl.core.geometric_mean)",
+         params=("model", "inputs"),
+         mentions=("self._get_per_token_logps_and_entropies", "self.get_high_entropy_mask(entropies, mask",
+                   'completion_mask * inputs["tool_mask"]',
+                   "torch.clamp(log_ratio, min=-self.epsilon_low, max=self.epsilon_high)",
+                   "torch.minimum(log_ratio, clamped_log_ratio)", "torch.maximum(log_ratio, clamped_log_ratio)",
+                   "(clipped_log_ratio * seq_mask).sum(-1) / seq_mask.sum(-1).clamp(min=1.0)",
+                   "per_sequence_loss = -coef * advantages", "loss = per_sequence_loss.mean()")),
+)
+
 
 def _resolve(target: str):
     module_name, _, qualname = target.partition(":")

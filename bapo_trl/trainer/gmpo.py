@@ -1,0 +1,57 @@
+"""``BAPOGMPOTrainer``: BAPO's window search on TRL's experimental GMPO loss (geometric-mean policy optimisation).
+
+Why a class and not a ``loss_type``: TRL ships GMPO as a trainer of its own (``trl.experimental.gmpo.GMPOTrainer``,
+a ``GRPOTrainer`` subclass whose ``_compute_loss`` reads ``epsilon_low`` / ``epsilon_high`` as log-space bounds).
+This class puts ``BAPOTrainer`` in front of it: TRL's GMPO loss runs as TRL wrote it, BAPO's loss hook installs the
+window it chose (as ``epsilon_low = -log c_low``, ``epsilon_high = log c_high``) before that loss reads it, and the
+search balances GMPO's own share (:mod:`bapo_trl.core.geometric_mean`). Everything else is ``BAPOTrainer``'s.
+
+What GMPO's loss never reads is refused here, by name, before TRL loads anything: sequence-level ratios (GMPO's
+ratio is already its geometric mean), the length-fair window, TRL's off-policy mask (GMPO's loss does not apply it,
+so the search would balance tokens the loss keeps). The dual clip's ``delta`` is left out of the path (GMPO has no
+two-sided clip); TRL's vLLM importance-sampling weights are not in GMPO's loss, nor in its share.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..core.loss_types import GEOMETRIC_MEAN
+from .bapo_config import BAPOConfig
+from .bapo_trainer import BAPOTrainer
+from .trl_seams import GMPO_SEAMS, check_trl_seams
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # chosen by name: TRL's notice would only repeat it
+from trl.experimental.gmpo import GMPOTrainer  # noqa: E402
+
+check_trl_seams(GMPO_SEAMS)  # GMPO is experimental in TRL: a release that moves it fails here, by name
+
+
+def gmpo_errors(args: BAPOConfig) -> list[str]:
+    """The config fields GMPO's loss never reads, set to something that would need it."""
+    errors = []
+    if args.importance_sampling_level != "token":
+        errors.append(f"`importance_sampling_level` must be 'token' with BAPOGMPOTrainer, got "
+                      f"{args.importance_sampling_level!r}: GMPO's ratio is the geometric mean of the token ratios.")
+    if args.sequence_window != "fixed":
+        errors.append(f"`sequence_window` must be 'fixed' with BAPOGMPOTrainer, got {args.sequence_window!r}: the "
+                      "length-fair window is for TRL's sequence-level ratio.")
+    if args.off_policy_mask_threshold is not None:
+        errors.append(f"`off_policy_mask_threshold` ({args.off_policy_mask_threshold}) has no effect in GMPO's loss "
+                      "(TRL's GMPOTrainer does not apply it): drop it.")
+    return errors
+
+
+class BAPOGMPOTrainer(BAPOTrainer, GMPOTrainer):
+    """TRL's GMPO with BAPO's adaptive window on the log-ratio clip. Takes ``BAPOTrainer``'s arguments (``args`` a
+    :class:`BAPOConfig`); ``BAPOConfig(**gmpo_balanced())`` starts the window at GMPO's documented one."""
+
+    _tag_names = ["trl", "gmpo", "bapo"]
+    _name = "BAPO-GMPO"
+    loss_row = GEOMETRIC_MEAN
+
+    def __init__(self, model, reward_funcs=None, args: BAPOConfig | None = None, **kwargs):
+        errors = [] if args is None else gmpo_errors(args)
+        if errors:
+            raise ValueError("BAPOGMPOTrainer:\n  - " + "\n  - ".join(errors))
+        super().__init__(model, reward_funcs, args=args, **kwargs)

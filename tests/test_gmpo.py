@@ -1,0 +1,234 @@
+"""BAPO's window on GMPO's geometric mean (bapo_trl.core.geometric_mean, BAPOGMPOTrainer; issue 53's GMPO
+candidate): the one-pass sums against the plain float64 loop on random batches (both search orders, both shares,
+masks, empty and non-finite sequences, a two-process split), the per-token terms the metrics read, and TRL's GMPO
+loss clipping with the window the plain loop chooses, update by update."""
+
+import math
+
+import pytest
+import torch
+
+from bapo_trl.core.clipping import BAPOSettings, search_clip_bounds
+from bapo_trl.core.clipping_reference import gmpo_contributions_reference, loop_search
+from bapo_trl.core.geometric_mean import gmpo_contributions, gmpo_sums, gmpo_window
+from bapo_trl.core.loss_types import GEOMETRIC_MEAN
+from bapo_trl.trainer.presets import gmpo_balanced
+
+PRESET = {k: v for k, v in gmpo_balanced().items() if k.startswith("ratio_")}
+
+
+def batch(seed, rows=10, width=8, spread=0.5, drift=0.0, garbage=True):
+    """Ratios with a per-sequence drift, masks of lengths 0..width with holes, advantages of both signs (some 0,
+    one NaN); NaN / inf on masked-out tokens and one real token of one row non-finite."""
+    g = torch.Generator().manual_seed(seed)
+    log_ratio = torch.randn(rows, width, generator=g, dtype=torch.float64) * spread
+    log_ratio += torch.randn(rows, 1, generator=g, dtype=torch.float64) * drift
+    ratio = log_ratio.exp()
+    lengths = torch.randint(0, width + 1, (rows,), generator=g)
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
+    mask = mask * (torch.rand(rows, width, generator=g) < 0.9).float()
+    advantages = torch.randn(rows, generator=g, dtype=torch.float64)
+    advantages[0] = 0.0
+    if garbage:
+        ratio = torch.where(mask == 0, torch.tensor(math.nan, dtype=torch.float64), ratio)
+        ratio[1, 0] = math.inf  # a real token with a non-finite ratio: left out of its sequence's mean
+        advantages[2] = math.nan  # a non-finite advantage: its sequence reaches no sum
+    return ratio, advantages, mask
+
+
+def assert_same(fast, loop):
+    got = fast.as_floats()
+    assert (got["clip_low"], got["clip_high"]) == pytest.approx((loop["clip_low"], loop["clip_high"]), abs=1e-12)
+    assert int(got["steps"]) == loop["steps"] and bool(got["target_met"]) == loop["target_met"]
+    for name in ("positive_contribution", "positive_contribution_before"):
+        if math.isnan(loop[name]):
+            assert math.isnan(got[name])
+        else:
+            assert got[name] == pytest.approx(loop[name], rel=1e-9, abs=1e-12), (name, got, loop)
+
+
+def fast_search(ratio, advantages, mask, **settings):
+    config = BAPOSettings(**settings)
+    return search_clip_bounds(ratio, advantages, mask, config=config, path=GEOMETRIC_MEAN.path(config),
+                              sums_fn=GEOMETRIC_MEAN.grid_sums)
+
+
+@pytest.mark.parametrize("variant", ["paper", "verl"])
+@pytest.mark.parametrize("mode", ["value", "gradient"])
+@pytest.mark.parametrize("path", ["default", "gmpo_balanced"])
+def test_one_pass_matches_the_loop_on_random_batches(variant, mode, path):
+    moved = stops = 0
+    for seed in range(40):
+        spread, drift = [(0.05, 0.0), (0.4, 0.3), (1.2, 0.8), (0.3, -0.6)][seed % 4]
+        ratio, advantages, mask = batch(seed, spread=spread, drift=drift)
+        settings = dict(bapo_variant=variant, positive_contribution_mode=mode,
+                        positive_contribution_target=[0.3, 0.5, 0.7, 0.9][seed % 4],
+                        **(PRESET if path == "gmpo_balanced" else {}))
+        loop = loop_search(ratio, advantages, mask, contributions_fn=gmpo_contributions_reference(
+            ratio, advantages, mask), **settings)
+        assert_same(fast_search(ratio, advantages, mask, **settings), loop)
+        moved += loop["steps"] > 0
+        stops += 0 < loop["steps"] and loop["target_met"]
+    # the batches make the search move, and (gradient share: raising c_low takes negatives' gradient away) stop
+    # short of the path's end; the value share can only grow through c_high here, so it runs to the end
+    assert moved >= 10 and (stops >= 2 or mode == "value")
+
+
+@pytest.mark.parametrize("variant", ["paper", "verl"])
+def test_ratios_on_the_grid_points_follow_the_loops_strict_bounds(variant):
+    """A ratio exactly at ``c`` is clipped (no gradient) on either side, as the loop's ``r < c_high`` / ``r > c_low``
+    say: the gradient share counts it outside."""
+    config = BAPOSettings(bapo_variant=variant, positive_contribution_mode="gradient", **PRESET)
+    path = GEOMETRIC_MEAN.path(config)
+    points = torch.tensor(sorted(set(path.high_grid) | set(path.low_grid)), dtype=torch.float64)
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        ratio = points[torch.randint(0, len(points), (6, 5), generator=g)]
+        mask = (torch.rand(6, 5, generator=g) < 0.8).float()
+        advantages = torch.randn(6, generator=g, dtype=torch.float64)
+        settings = dict(bapo_variant=variant, positive_contribution_mode="gradient",
+                        positive_contribution_target=0.3 + 0.03 * seed, **PRESET)
+        loop = loop_search(ratio, advantages, mask, contributions_fn=gmpo_contributions_reference(
+            ratio, advantages, mask), **settings)
+        assert_same(fast_search(ratio, advantages, mask, **settings), loop)
+
+
+def test_the_sums_are_the_definitions_at_every_grid_value():
+    """Each grid value's four sums, against the per-sequence definition (value: w |A|; gradient: w |A| times the
+    share of tokens inside), and the token counts."""
+    ratio, advantages, mask = batch(7, spread=0.8)
+    path = GEOMETRIC_MEAN.path(BAPOSettings(**PRESET))
+    packed = gmpo_sums(ratio, advantages, mask, path)
+    H, L = len(path.high_grid), len(path.low_grid)
+    reference = gmpo_contributions_reference(ratio, advantages, mask)
+    for j, c in enumerate(path.high_grid):
+        for mode, at in (("value", j), ("gradient", H + j)):
+            assert packed[at].item() == pytest.approx(reference(None, None, 1.0, c, mode)[0].item(), rel=1e-12)
+    for j, c in enumerate(path.low_grid):
+        for mode, at in (("value", 2 * H + j), ("gradient", 2 * H + L + j)):
+            assert packed[at].item() == pytest.approx(reference(None, None, c, 1.0, mode)[1].item(), rel=1e-12)
+    valid = (mask != 0) & torch.isfinite(ratio)
+    reaching = valid & (advantages.nan_to_num(0.0) != 0)[:, None]
+    assert packed[-2].item() == reaching.sum().item()
+    assert packed[-1].item() == (mask != 0).sum().item() - valid.sum().item()
+
+
+def test_two_processes_choose_what_one_process_chooses_from_the_whole_batch():
+    ratio, advantages, mask = batch(11, rows=12, spread=0.7)
+    whole = fast_search(ratio, advantages, mask, **PRESET)
+    halves = [(ratio[:5], advantages[:5], mask[:5]), (ratio[5:], advantages[5:], mask[5:])]
+    config = BAPOSettings(**PRESET)
+    path = GEOMETRIC_MEAN.path(config)
+    total = sum(gmpo_sums(*part, path) for part in halves)
+    for part in halves:  # each rank's search with the other's sums added by the "collective"
+        mine = gmpo_sums(*part, path)
+        split = search_clip_bounds(*part, config=config, path=path, sums_fn=GEOMETRIC_MEAN.grid_sums,
+                                   reduce_fn=lambda local, mine=mine: local - mine + total)
+        assert split.as_floats() == pytest.approx(whole.as_floats())
+
+
+def test_masked_and_nonfinite_tokens_never_reach_a_sum():
+    """Changing what sits under the mask, or a real token whose ratio is not finite, changes nothing; a row of
+    only masked tokens has no weight (GMPO: a constant loss, no gradient)."""
+    ratio, advantages, mask = batch(3, garbage=False)
+    path = GEOMETRIC_MEAN.path(BAPOSettings())
+    clean = gmpo_sums(ratio, advantages, mask, path)
+    dirty = torch.where(mask == 0, torch.tensor(math.inf, dtype=torch.float64), ratio)
+    assert torch.equal(gmpo_sums(dirty, advantages, mask, path), clean)
+    empty = mask.clone()
+    empty[4] = 0
+    without = gmpo_sums(ratio, advantages, empty, path)
+    kept = torch.ones(len(ratio), dtype=torch.bool)
+    kept[4] = False
+    assert torch.allclose(without[:-2], gmpo_sums(ratio[kept], advantages[kept], mask[kept], path)[:-2],
+                          rtol=1e-14, atol=0)
+
+
+def test_per_sequence_advantages_only_and_no_two_sided_clip():
+    ratio, advantages, mask = batch(5)
+    path = GEOMETRIC_MEAN.path(BAPOSettings())
+    with pytest.raises(ValueError, match="one advantage per sequence"):
+        gmpo_sums(ratio, advantages[:, None].expand_as(ratio), mask, path)
+    assert torch.equal(gmpo_sums(ratio, advantages[:, None], mask, path), gmpo_sums(ratio, advantages, mask, path))
+    assert GEOMETRIC_MEAN.path(BAPOSettings(delta=3.0)).delta is None  # the dual clip's delta is not GMPO's
+    from bapo_trl.core.clipping import search_path
+
+    with pytest.raises(ValueError, match="without delta"):
+        gmpo_sums(ratio, advantages, mask, search_path(BAPOSettings(delta=3.0)))
+
+
+def test_the_metrics_terms_add_up_to_each_sequences_share():
+    """The per-token terms the metrics sum (fresh / replayed / by age: whole sequences) give the value sums."""
+    ratio, advantages, mask = batch(9, garbage=False)
+    path = GEOMETRIC_MEAN.path(BAPOSettings(**PRESET))
+    packed = gmpo_sums(ratio, advantages, mask, path)
+    H = len(path.high_grid)
+    c_low, c_high = torch.tensor(path.low_grid[3], dtype=torch.float64), torch.tensor(path.high_grid[5],
+                                                                                       dtype=torch.float64)
+    valid = mask != 0
+    r = torch.where(valid, ratio, 1.0)
+    a = torch.where(valid, advantages[:, None].expand_as(ratio), 0.0)
+    pos, neg = gmpo_contributions(r, a, c_low, c_high, valid=valid)
+    assert pos.sum().item() == pytest.approx(packed[5].item(), rel=1e-12)
+    assert neg.sum().item() == pytest.approx(packed[2 * H + 3].item(), rel=1e-12)
+
+
+def test_the_window_reaches_gmpo_as_log_space_bounds():
+    assert gmpo_window(0.5, 2.0) == pytest.approx({"epsilon_low": math.log(2.0), "epsilon_high": math.log(2.0)})
+    got = gmpo_window(torch.tensor(0.8, dtype=torch.float64), torch.tensor(1.5, dtype=torch.float64))
+    assert got["epsilon_low"].item() == pytest.approx(-math.log(0.8))
+    assert got["epsilon_high"].item() == pytest.approx(math.log(1.5))
+    assert gmpo_balanced()["ratio_upper_start"] == pytest.approx(math.exp(0.4))  # TRL's documented GMPO window
+    assert gmpo_balanced()["ratio_lower_start"] == pytest.approx(math.exp(-0.4))
+
+
+@pytest.mark.parametrize("mode", ["value", "gradient"])
+def test_trls_gmpo_loss_clips_with_the_window_the_plain_loop_chooses(tiny_model_dir, tmp_path, mode):
+    """Stale data (4 updates per generation batch) on BAPOGMPOTrainer: TRL's GMPO loss runs (its clip metrics are
+    logged), and at every update the window installed where it reads it (``epsilon_low = -log c_low``,
+    ``epsilon_high = log c_high``) is the plain loop's choice on that micro-batch."""
+    from harness import Probe, cpu_config, tiny_trainer
+
+    from bapo_trl.core.numerics import loss_mask
+    from bapo_trl.trainer.gmpo import BAPOGMPOTrainer
+
+    class GMPOProbe(Probe, BAPOGMPOTrainer):
+        pass
+
+    calls = []
+
+    def adapt(trainer, real, logps, inputs, *rest):
+        real(logps, inputs, *rest)
+        calls.append(((logps.detach().double() - inputs["old_per_token_logps"].double()).exp(), loss_mask(inputs),
+                      inputs["advantages"].double(), float(trainer.epsilon_low), float(trainer.epsilon_high)))
+
+    args = cpu_config(tmp_path, **gmpo_balanced(), positive_contribution_mode=mode, per_device_train_batch_size=8,
+                      num_generations=4, steps_per_generation=4, max_steps=4, max_completion_length=8,
+                      learning_rate=5e-2, logging_steps=1, save_strategy="no", seed=3)
+    trainer = tiny_trainer(tiny_model_dir, args, cls=GMPOProbe, around={"_adapt_clip_window": adapt})
+    trainer.train()
+    assert len(calls) == 4
+    moved = 0
+    for ratio, mask, advantages, eps_low, eps_high in calls:
+        loop = loop_search(ratio, advantages, mask, contributions_fn=gmpo_contributions_reference(
+            ratio, advantages, mask), positive_contribution_mode=mode, **PRESET)
+        assert (eps_low, eps_high) == pytest.approx((-math.log(loop["clip_low"]), math.log(loop["clip_high"])),
+                                                   rel=1e-5)
+        moved += loop["steps"] > 0
+    assert moved >= 1
+    logged = [e for e in trainer.state.log_history if "bapo/clip_high" in e]
+    assert len(logged) == 4 and all("clip_ratio/region_mean" in e for e in logged)  # TRL's GMPO loss ran
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("importance_sampling_level", "sequence", "`importance_sampling_level` must be 'token'"),
+    ("off_policy_mask_threshold", 0.5, "`off_policy_mask_threshold` (0.5) has no effect in GMPO's loss"),
+])
+def test_what_gmpo_never_reads_is_refused_by_name(tiny_model_dir, tmp_path, field, value, says):
+    from harness import cpu_config, tiny_trainer
+
+    from bapo_trl.trainer.gmpo import BAPOGMPOTrainer
+
+    with pytest.raises(ValueError, match="BAPOGMPOTrainer") as error:
+        tiny_trainer(tiny_model_dir, cpu_config(tmp_path, **{**gmpo_balanced(), field: value}), cls=BAPOGMPOTrainer)
+    assert says in str(error.value)
