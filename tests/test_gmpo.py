@@ -232,3 +232,24 @@ def test_what_gmpo_never_reads_is_refused_by_name(tiny_model_dir, tmp_path, fiel
     with pytest.raises(ValueError, match="BAPOGMPOTrainer") as error:
         tiny_trainer(tiny_model_dir, cpu_config(tmp_path, **{**gmpo_balanced(), field: value}), cls=BAPOGMPOTrainer)
     assert says in str(error.value)
+
+
+def test_what_gmpo_never_reads_warns_when_left_at_another_losss_value(tiny_model_dir, tmp_path):
+    """BAPOConfig's dual clip (on by default) and the weighted share act in TRL's clipped losses, not in GMPO's: each
+    warns, by name; gmpo_balanced() warns of neither."""
+    from harness import cpu_config, tiny_trainer
+
+    from bapo_trl.trainer.gmpo import BAPOGMPOTrainer
+
+    with pytest.warns(UserWarning) as caught:
+        tiny_trainer(tiny_model_dir, cpu_config(tmp_path, positive_contribution_is_weighted=True), cls=BAPOGMPOTrainer)
+    said = " ".join(str(w.message) for w in caught)
+    assert "`delta` (3.0, the dual clip's) has no effect" in said
+    assert "`positive_contribution_is_weighted` has no effect" in said
+    import warnings
+
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        tiny_trainer(tiny_model_dir, cpu_config(tmp_path, **gmpo_balanced()), cls=BAPOGMPOTrainer)
+    assert not [w for w in quiet if "BAPOGMPOTrainer" in str(w.message)]
+

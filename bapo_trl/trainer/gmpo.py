@@ -15,6 +15,7 @@ two-sided clip); TRL's vLLM importance-sampling weights are not in GMPO's loss, 
 from __future__ import annotations
 
 import os
+import warnings
 
 from ..core.loss_types import GEOMETRIC_MEAN
 from .bapo_config import BAPOConfig
@@ -42,6 +43,18 @@ def gmpo_errors(args: BAPOConfig) -> list[str]:
     return errors
 
 
+def gmpo_warnings(args: BAPOConfig) -> list[str]:
+    """Fields GMPO's loss never reads, left at a value that would act in another loss (they change nothing here)."""
+    rows = []
+    if args.delta is not None:
+        rows.append(f"`delta` ({args.delta}, the dual clip's) has no effect with BAPOGMPOTrainer: GMPO's loss has no "
+                    "two-sided clip. Pass dual_clip=False (gmpo_balanced() does).")
+    if args.positive_contribution_is_weighted:
+        rows.append("`positive_contribution_is_weighted` has no effect with BAPOGMPOTrainer: GMPO's loss does not "
+                    "apply TRL's vLLM importance-sampling weights, so neither does its share.")
+    return rows
+
+
 class BAPOGMPOTrainer(BAPOTrainer, GMPOTrainer):
     """TRL's GMPO with BAPO's adaptive window on the log-ratio clip. Takes ``BAPOTrainer``'s arguments (``args`` a
     :class:`BAPOConfig`); ``BAPOConfig(**gmpo_balanced())`` starts the window at GMPO's documented one."""
@@ -54,4 +67,6 @@ class BAPOGMPOTrainer(BAPOTrainer, GMPOTrainer):
         errors = [] if args is None else gmpo_errors(args)
         if errors:
             raise ValueError("BAPOGMPOTrainer:\n  - " + "\n  - ".join(errors))
+        for row in [] if args is None else gmpo_warnings(args):
+            warnings.warn(row, UserWarning, stacklevel=2)
         super().__init__(model, reward_funcs, args=args, **kwargs)
