@@ -76,8 +76,8 @@ def test_one_pass_matches_the_loop_on_random_batches(variant, mode, path):
 
 @pytest.mark.parametrize("variant", ["paper", "verl"])
 def test_ratios_on_the_grid_points_follow_the_loops_strict_bounds(variant):
-    """A ratio exactly at ``c`` is clipped (no gradient) on either side, as the loop's ``r < c_high`` / ``r > c_low``
-    say: the gradient share counts it outside."""
+    """A ratio exactly at ``c`` counts as clipped on either side, as the loop's ``r < c_high`` / ``r > c_low`` say
+    (the convention, stated in geometric_mean.py; TRL's float32 log-ratios do not land on it in practice)."""
     config = BAPOSettings(bapo_variant=variant, positive_contribution_mode="gradient", **PRESET)
     path = GEOMETRIC_MEAN.path(config)
     points = torch.tensor(sorted(set(path.high_grid) | set(path.low_grid)), dtype=torch.float64)
@@ -91,6 +91,55 @@ def test_ratios_on_the_grid_points_follow_the_loops_strict_bounds(variant):
         loop = loop_search(ratio, advantages, mask, contributions_fn=gmpo_contributions_reference(
             ratio, advantages, mask), **settings)
         assert_same(fast_search(ratio, advantages, mask, **settings), loop)
+
+
+def trl_gmpo_loss_terms(log_ratio, advantages, mask, c_low, c_high):
+    """GMPO's loss written as TRL's GMPOTrainer forms it (clamp in log space, the sign-aware minimum / maximum, the
+    mean over the loss mask, exp, ``-coef * A``), differentiated by autograd: per sign, the sum of ``|coef A|`` and
+    of the gradient's magnitude over the tokens (what the value and the gradient share measure)."""
+    log_ratio = log_ratio.clone().requires_grad_(True)
+    clamped = torch.clamp(log_ratio, min=math.log(c_low), max=math.log(c_high))
+    column = advantages[:, None]
+    clipped = torch.where(column > 0, torch.minimum(log_ratio, clamped), torch.maximum(log_ratio, clamped))
+    coef = torch.exp((clipped * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))
+    (-coef * advantages).sum().backward()
+    grad = log_ratio.grad.abs().sum(-1)
+    value = (coef * advantages.abs()).detach()
+    keep = mask.sum(-1) > 0
+    pos, neg = keep & (advantages > 0), keep & (advantages < 0)
+    return value[pos].sum(), grad[pos].sum(), value[neg].sum(), grad[neg].sum()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_sums_are_trls_gmpo_loss_and_its_gradient(seed):
+    """Against GMPO's loss itself (not the plain loop, which reads it the same way this module does): at windows
+    along the path, the value sums are ``sum |coef A|`` and the gradient sums the gradient's magnitude w.r.t. each
+    token's log-probability, by sign."""
+    g = torch.Generator().manual_seed(seed)
+    log_ratio = torch.randn(12, 9, generator=g, dtype=torch.float64) * [0.2, 0.6, 1.0][seed % 3]
+    mask = (torch.rand(12, 9, generator=g) < 0.8).to(torch.float64)
+    mask[3] = 0.0  # a sequence with no loss token: a constant loss, no gradient, left out
+    advantages = torch.randn(12, generator=g, dtype=torch.float64)
+    advantages[5] = 0.0
+    path = GEOMETRIC_MEAN.path(BAPOSettings(**PRESET))
+    packed = gmpo_sums(log_ratio.exp(), advantages, mask, path)
+    H, L = len(path.high_grid), len(path.low_grid)
+    for j, k in ((0, 0), (7, 3), (H - 1, L - 1)):
+        c_low, c_high = path.low_grid[k], path.high_grid[j]
+        pos_value, pos_grad, neg_value, neg_grad = trl_gmpo_loss_terms(log_ratio, advantages, mask, c_low, c_high)
+        assert packed[j].item() == pytest.approx(pos_value.item(), rel=1e-12)
+        assert packed[H + j].item() == pytest.approx(pos_grad.item(), rel=1e-12)
+        assert packed[2 * H + k].item() == pytest.approx(neg_value.item(), rel=1e-12)
+        assert packed[2 * H + L + k].item() == pytest.approx(neg_grad.item(), rel=1e-12)
+
+
+def test_an_empty_micro_batch_reaches_no_sum():
+    path = GEOMETRIC_MEAN.path(BAPOSettings())
+    empty = torch.zeros(0, 4, dtype=torch.float64)
+    packed = gmpo_sums(empty, torch.zeros(0, dtype=torch.float64), empty, path)
+    assert not packed.any()
+    result = fast_search(empty, torch.zeros(0), empty)
+    assert result.as_floats()["steps"] == 0
 
 
 def test_the_sums_are_the_definitions_at_every_grid_value():
@@ -173,6 +222,25 @@ def test_the_metrics_terms_add_up_to_each_sequences_share():
     assert neg.sum().item() == pytest.approx(packed[2 * H + 3].item(), rel=1e-12)
 
 
+def test_the_metrics_shares_count_each_sequence_over_its_own_tokens():
+    """The metrics' share sums (fresh / replayed, by age) take the loss type's terms with the valid tokens: a
+    sequence's mean is over its own tokens, whatever sits under the mask."""
+    from bapo_trl.core.clipping import SearchResult
+    from bapo_trl.core.metrics import _share_sums
+
+    ratio, advantages, mask = batch(13)
+    path = GEOMETRIC_MEAN.path(BAPOSettings(**PRESET))
+    packed = gmpo_sums(ratio, advantages, mask, path)
+    H = len(path.high_grid)
+    chosen = fast_search(ratio, advantages, mask, **PRESET)
+    j, k = path.high_grid.index(chosen.as_floats()["clip_high"]), path.low_grid.index(chosen.as_floats()["clip_low"])
+    sums, valid = _share_sums(chosen, ratio, advantages, mask, [torch.ones_like(mask, dtype=torch.bool)],
+                              GEOMETRIC_MEAN)
+    assert isinstance(chosen, SearchResult)
+    assert sums[0].item() == pytest.approx(packed[j].item(), rel=1e-12)
+    assert sums[1].item() == pytest.approx(packed[2 * H + k].item(), rel=1e-12)
+
+
 def test_the_window_reaches_gmpo_as_log_space_bounds():
     assert gmpo_window(0.5, 2.0) == pytest.approx({"epsilon_low": math.log(2.0), "epsilon_high": math.log(2.0)})
     got = gmpo_window(torch.tensor(0.8, dtype=torch.float64), torch.tensor(1.5, dtype=torch.float64))
@@ -217,12 +285,17 @@ def test_trls_gmpo_loss_clips_with_the_window_the_plain_loop_chooses(tiny_model_
         moved += loop["steps"] > 0
     assert moved >= 1
     logged = [e for e in trainer.state.log_history if "bapo/clip_high" in e]
-    assert len(logged) == 4 and all("clip_ratio/region_mean" in e for e in logged)  # TRL's GMPO loss ran
+    assert len(logged) == 4
+    for entry in logged:  # TRL's GMPO loss ran, and clipped the tokens BAPO's metrics say the window clips
+        assert entry["clip_ratio/low_mean"] == pytest.approx(entry["bapo/clip_fraction_low"], abs=1e-6)
+        assert entry["clip_ratio/high_mean"] == pytest.approx(entry["bapo/clip_fraction_high"], abs=1e-6)
 
 
 @pytest.mark.parametrize("field, value, says", [
     ("importance_sampling_level", "sequence", "`importance_sampling_level` must be 'token'"),
     ("off_policy_mask_threshold", 0.5, "`off_policy_mask_threshold` (0.5) has no effect in GMPO's loss"),
+    ("off_policy_correction", "decoupled", "`off_policy_correction` must be 'none' with BAPOGMPOTrainer"),
+    ("loss_type", "cispo", "`loss_type` ('cispo') has no effect with BAPOGMPOTrainer"),
 ])
 def test_what_gmpo_never_reads_is_refused_by_name(tiny_model_dir, tmp_path, field, value, says):
     from harness import cpu_config, tiny_trainer
@@ -232,6 +305,16 @@ def test_what_gmpo_never_reads_is_refused_by_name(tiny_model_dir, tmp_path, fiel
     with pytest.raises(ValueError, match="BAPOGMPOTrainer") as error:
         tiny_trainer(tiny_model_dir, cpu_config(tmp_path, **{**gmpo_balanced(), field: value}), cls=BAPOGMPOTrainer)
     assert says in str(error.value)
+
+
+def test_trls_gmpo_config_is_refused_with_the_setting_to_use(tiny_model_dir, tmp_path):
+    from harness import CPU, tiny_trainer
+    from trl.experimental.gmpo import GMPOConfig
+
+    from bapo_trl.trainer.gmpo import BAPOGMPOTrainer  # (imports trl.experimental, quietly)
+
+    with pytest.raises(TypeError, match=r"needs `args` to be a BAPOConfig, got GMPOConfig.*gmpo_balanced\(\)"):
+        tiny_trainer(tiny_model_dir, GMPOConfig(output_dir=str(tmp_path), **CPU), cls=BAPOGMPOTrainer)
 
 
 def test_what_gmpo_never_reads_warns_when_left_at_another_losss_value(tiny_model_dir, tmp_path):
@@ -246,6 +329,9 @@ def test_what_gmpo_never_reads_warns_when_left_at_another_losss_value(tiny_model
     said = " ".join(str(w.message) for w in caught)
     assert "`delta` (3.0, the dual clip's) has no effect" in said
     assert "`positive_contribution_is_weighted` has no effect" in said
+    with pytest.warns(UserWarning, match=r"`delta` \(2.0"):  # an explicit delta does not end GMPO's path either
+        trainer = tiny_trainer(tiny_model_dir, cpu_config(tmp_path, delta=2.0), cls=BAPOGMPOTrainer)
+    assert trainer._bapo_settings.ratio_upper_max == 3.0 and trainer._bapo_settings.delta is None
     import warnings
 
     with warnings.catch_warnings(record=True) as quiet:

@@ -11,7 +11,9 @@ surrogate, and BAPO's search applies unchanged to the share of GMPO's own loss:
 
 * value share: ``sum_{A>0} w_i A_i / sum_i w_i |A_i|``;
 * gradient share: a token keeps a gradient while its log-ratio is inside its bound (``d w_i / d log pi_t = w_i / L_i``,
-  0 once clipped), so a sequence carries ``w_i |A_i|`` times the fraction of its tokens that keep one.
+  0 once clipped), so a sequence carries ``w_i |A_i|`` times the fraction of its tokens that keep one. A ratio exactly
+  at its bound counts as clipped, as the plain loop's strict ``r < c_high`` / ``r > c_low`` say (autograd through
+  TRL's clamp splits such a tie; TRL compares float32 log-ratios, so it does not arise in practice).
 
 Unlike the token-level rows, a term is not a sum over tokens (the mean sits inside ``exp``), so the sums bin each
 sequence's log-ratios on the grid (one ``bucketize`` and two ``(B, G)`` scatters per side) instead of the batch's.
@@ -34,7 +36,8 @@ def _per_sequence(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Ten
     """``(r, log_r, valid, length, a)``: float64 ratios (1 off the valid tokens) and their logs (0 there), the valid
     tokens (in the mask, finite), each sequence's count of them, and one finite advantage per sequence (0 for a
     non-finite one or a sequence without valid tokens, which so reaches no sum)."""
-    a = advantages.detach().to(torch.float64).reshape(ratio.shape[0], -1)
+    a = advantages.detach().to(torch.float64)
+    a = a.reshape(ratio.shape[0], -1) if a.numel() else a.reshape(0, 1)  # an empty micro-batch: no sequence
     if a.shape[1] != 1:
         raise ValueError(f"GMPO's loss takes one advantage per sequence; got advantages of shape "
                          f"{tuple(advantages.shape)} for ratios of shape {tuple(ratio.shape)}.")

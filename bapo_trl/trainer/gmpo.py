@@ -14,16 +14,18 @@ two-sided clip); TRL's vLLM importance-sampling weights are not in GMPO's loss, 
 
 from __future__ import annotations
 
-import os
 import warnings
 
+from ..core.clipping import BAPOSettings
 from ..core.loss_types import GEOMETRIC_MEAN
 from .bapo_config import BAPOConfig
 from .bapo_trainer import BAPOTrainer
+from .presets import gmpo_balanced
 from .trl_seams import GMPO_SEAMS, check_trl_seams
 
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # chosen by name: TRL's notice would only repeat it
-from trl.experimental.gmpo import GMPOTrainer  # noqa: E402
+with warnings.catch_warnings():  # TRL's notice that trl.experimental is experimental: this class is named for it
+    warnings.simplefilter("ignore")
+    from trl.experimental.gmpo import GMPOTrainer
 
 check_trl_seams(GMPO_SEAMS)  # GMPO is experimental in TRL: a release that moves it fails here, by name
 
@@ -31,6 +33,9 @@ check_trl_seams(GMPO_SEAMS)  # GMPO is experimental in TRL: a release that moves
 def gmpo_errors(args: BAPOConfig) -> list[str]:
     """The config fields GMPO's loss never reads, set to something that would need it."""
     errors = []
+    if args.loss_type != BAPOConfig.__dataclass_fields__["loss_type"].default:
+        errors.append(f"`loss_type` ({args.loss_type!r}) has no effect with BAPOGMPOTrainer: GMPO's loss replaces "
+                      "TRL's loss types. Drop it.")
     if args.importance_sampling_level != "token":
         errors.append(f"`importance_sampling_level` must be 'token' with BAPOGMPOTrainer, got "
                       f"{args.importance_sampling_level!r}: GMPO's ratio is the geometric mean of the token ratios.")
@@ -40,6 +45,10 @@ def gmpo_errors(args: BAPOConfig) -> list[str]:
     if args.off_policy_mask_threshold is not None:
         errors.append(f"`off_policy_mask_threshold` ({args.off_policy_mask_threshold}) has no effect in GMPO's loss "
                       "(TRL's GMPOTrainer does not apply it): drop it.")
+    if args.off_policy_correction != "none":
+        errors.append(f"`off_policy_correction` must be 'none' with BAPOGMPOTrainer, got "
+                      f"{args.off_policy_correction!r}: the decoupled correction weighs each token, and GMPO's loss "
+                      "takes one weight per sequence (its geometric mean).")
     return errors
 
 
@@ -48,7 +57,7 @@ def gmpo_warnings(args: BAPOConfig) -> list[str]:
     rows = []
     if args.delta is not None:
         rows.append(f"`delta` ({args.delta}, the dual clip's) has no effect with BAPOGMPOTrainer: GMPO's loss has no "
-                    "two-sided clip. Pass dual_clip=False (gmpo_balanced() does).")
+                    "two-sided clip, and its search path ignores it. Pass dual_clip=False (gmpo_balanced() does).")
     if args.positive_contribution_is_weighted:
         rows.append("`positive_contribution_is_weighted` has no effect with BAPOGMPOTrainer: GMPO's loss does not "
                     "apply TRL's vLLM importance-sampling weights, so neither does its share.")
@@ -57,16 +66,25 @@ def gmpo_warnings(args: BAPOConfig) -> list[str]:
 
 class BAPOGMPOTrainer(BAPOTrainer, GMPOTrainer):
     """TRL's GMPO with BAPO's adaptive window on the log-ratio clip. Takes ``BAPOTrainer``'s arguments (``args`` a
-    :class:`BAPOConfig`); ``BAPOConfig(**gmpo_balanced())`` starts the window at GMPO's documented one."""
+    :class:`BAPOConfig`; None: ``BAPOConfig(**gmpo_balanced())``, which starts the window at GMPO's documented one)."""
 
     _tag_names = ["trl", "gmpo", "bapo"]
     _name = "BAPO-GMPO"
     loss_row = GEOMETRIC_MEAN
 
     def __init__(self, model, reward_funcs=None, args: BAPOConfig | None = None, **kwargs):
-        errors = [] if args is None else gmpo_errors(args)
+        if args is None:
+            name = model if isinstance(model, str) else model.config.name_or_path
+            args = BAPOConfig(f"{name.split('/')[-1]}-BAPO-GMPO", **gmpo_balanced())
+        if not isinstance(args, BAPOConfig):
+            raise TypeError(f"BAPOGMPOTrainer needs `args` to be a BAPOConfig, got {type(args).__name__}. For TRL's "
+                            "GMPO window as the search's start: BAPOConfig(..., **gmpo_balanced()) (from bapo_trl "
+                            "import gmpo_balanced); BAPO chooses epsilon/epsilon_high itself.")
+        errors = gmpo_errors(args)
         if errors:
             raise ValueError("BAPOGMPOTrainer:\n  - " + "\n  - ".join(errors))
-        for row in [] if args is None else gmpo_warnings(args):
+        for row in gmpo_warnings(args):
             warnings.warn(row, UserWarning, stacklevel=2)
         super().__init__(model, reward_funcs, args=args, **kwargs)
+        # the path GMPO's loss can use: without the dual clip's delta, which would otherwise end c_high's path there
+        self._base_settings = BAPOSettings(**args._settings_dict())
