@@ -80,6 +80,7 @@ from study import (
     REPO,
     SECOND_ROUND,
     TASKS,
+    THIRD_ROUND,
     commit,
     evidence_methods,
     fmt,
@@ -136,7 +137,13 @@ PAIRS = (("BAPO paper", "TRL dapo clip-higher"), ("BAPO paper + dual clip", "TRL
            for reference in ("TRL GSPO (documented)", "BAPO paper + dual clip", "TRL dapo clip-higher")),
          # the second round's (the length-fair window): the same, and against the first round's choice
          *(("BAPO length-fair narrow", reference) for reference in (
-             "TRL GSPO (documented)", "BAPO GSPO-scale x10", "BAPO paper + dual clip", "TRL dapo clip-higher")))
+             "TRL GSPO (documented)", "BAPO GSPO-scale x10", "BAPO paper + dual clip", "TRL dapo clip-higher")),
+         # the third round's (BAPO on GMPO): the same, against both earlier picks, and against GMPO as TRL documents
+         # it (does the balance help GMPO?), which is set beside the documented GSPO too
+         *(("BAPO GMPO balanced", reference) for reference in (
+             "TRL GSPO (documented)", "TRL GMPO (documented)", "BAPO GSPO-scale x10", "BAPO length-fair narrow",
+             "BAPO paper + dual clip", "TRL dapo clip-higher")),
+         ("TRL GMPO (documented)", "TRL GSPO (documented)"))
 #: How the report names a method where its runs-file name would mislead (the runs keep their names): the study's
 #: first "TRL GSPO" ran epsilon 0.2, not TRL's documented setting for GSPO ("TRL GSPO (documented)").
 DISPLAY = {"TRL GSPO": "TRL GSPO eps 0.2 (variant)"}
@@ -321,8 +328,9 @@ SUMMARY_PAIRS = (("BAPO paper + dual clip", "TRL dapo clip-higher"), ("BAPO pape
                  ("BAPO paper + dual clip", "TRL GSPO (documented)"),
                  ("BAPO GSPO + dual clip", "TRL GSPO (documented)"))
 #: ... and rows shown only where their runs exist: issue 53's candidates against the strongest rival.
-CANDIDATE_PAIRS = (*((candidate, "TRL GSPO (documented)") for candidate in dict.fromkeys(CANDIDATES + SECOND_ROUND)),
-                   ("BAPO length-fair narrow", "BAPO GSPO-scale x10"))
+CANDIDATE_PAIRS = (*((candidate, "TRL GSPO (documented)")
+                     for candidate in dict.fromkeys(CANDIDATES + SECOND_ROUND + THIRD_ROUND)),
+                   ("BAPO length-fair narrow", "BAPO GSPO-scale x10"), ("BAPO GMPO balanced", "TRL GMPO (documented)"))
 
 
 def summary(runs: list[dict], resamples: int = 10000, key: str = "reward_final", digits: int = 3) -> str:
@@ -478,11 +486,15 @@ def report(runs: list[dict], results: str, resamples: int = 10000, figures: tupl
     lines += ["## At a glance: final reward, paired difference [95% CI] (paired seeds)\n", summary(runs, resamples),
               "## At a glance: largest gradient norm, paired difference [95% CI] (paired seeds)\n",
               summary(runs, resamples, "grad_norm_max", 1)]
-    second = any(r["method"] in set(SECOND_ROUND) - set(CANDIDATES) for r in runs)  # runs of the second round's
-    chosen, choice_lines = choose(runs, SECOND_ROUND if second else CANDIDATES, resamples=resamples)
+    # the latest round with runs of its own candidate here
+    rounds = (("Issue 53's third round", THIRD_ROUND, set(THIRD_ROUND) - set(SECOND_ROUND)),
+              ("Issue 53's second round", SECOND_ROUND, set(SECOND_ROUND) - set(CANDIDATES)),
+              ("Issue 53's choice rule", CANDIDATES, set(CANDIDATES)))
+    title, candidates = next(((t, c) for t, c, new in rounds if any(r["method"] in new for r in runs)),
+                             rounds[-1][:2])
+    chosen, choice_lines = choose(runs, candidates, resamples=resamples)
     if chosen is not None:
         holds, rule_lines = default_rule(runs, chosen, resamples=resamples)
-        title = "Issue 53's second round" if second else "Issue 53's choice rule"
         lines += [f"## {title} on these runs ([the protocol](candidate_protocol.md))\n", *choice_lines,
                   "\n" + rule_lines[0], *rule_lines[1:], ""]
     if figures:
@@ -686,7 +698,8 @@ def main(argv=None) -> int:
     parser.add_argument("--choose", action="store_true", help="only print issue 53's choice rule over the runs "
                         "files (--results and --with-runs, every task in them, each task its own cells), with "
                         "--methods as the candidates (default: the first round's; the second round: "
-                        f"{' and '.join(repr(m) for m in SECOND_ROUND)})")
+                        f"{' and '.join(repr(m) for m in SECOND_ROUND)}; the third: "
+                        f"{', '.join(repr(m) for m in THIRD_ROUND)})")
     parser.add_argument("--resamples", type=int, default=10000, help="bootstrap resamples (>= 10000 for the study)")
     parser.add_argument("--agreement", default=None, metavar="OTHER_RESULTS", help="print the headline cell of "
                         "--results and of this runs file (another seed range) side by side, verdict by verdict")

@@ -537,6 +537,9 @@ CANDIDATES = ("BAPO GSPO-scale x10", "BAPO paper + dual clip + decoupled", "BAPO
 #: The second round's (the length-fair window, built after the first round chose GSPO-scale x10): the same rule over
 #: both tasks' cells (docs/data/candidate_protocol.md, "Second round").
 SECOND_ROUND = ("BAPO GSPO-scale x10", "BAPO length-fair narrow")
+#: The third round's (BAPO on GMPO, built after the second): the same rule over the same 14 cells, its candidate beside
+#: both earlier picks (docs/data/candidate_protocol.md, "Third round").
+THIRD_ROUND = ("BAPO GSPO-scale x10", "BAPO length-fair narrow", "BAPO GMPO balanced")
 
 
 #: The SmolLM2 studies' training (loss_study_smollm2, evidence_smollm2): the shipped chat arithmetic training split.

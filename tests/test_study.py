@@ -216,6 +216,12 @@ def test_the_second_round_rule_gives_each_task_its_own_cells_and_the_command_pri
     with pytest.raises(SystemExit):
         evidence_study.main(["--choose", "--results", str(tmp_path / "none.jsonl")])
     assert "--choose: no runs file" in capsys.readouterr().err
+    # runs of the third round's candidate (BAPO on GMPO): its rule over all three picks, and its pair with TRL's GMPO
+    gmpo = [record(m, "spg 32", 1e-3, seed, value + 0.01 * (seed % 3)) for seed in range(100, 110)
+            for m, value in (("BAPO GMPO balanced", 0.7), ("TRL GMPO (documented)", 0.55))]
+    text, _ = evidence_study.report(three + gmpo, "three.jsonl", resamples=2000)
+    assert "## Issue 53's third round on these runs" in text and "Chosen by the rule: **BAPO GMPO balanced**" in text
+    assert "| BAPO GMPO balanced | TRL GMPO (documented) | 10 |" in text
 
 
 def test_the_choice_rule_skips_a_candidate_that_loses_a_cell_and_the_default_rule_names_each_loss():
