@@ -25,7 +25,8 @@ the studies' "BAPO GSPO-scale x10": BAPO's balance of the sequence-level ratio o
 window), and appends ``variant_over_bapo=<ratio-1> variant_own_ms=<ms> bapo_own_ms=<ms>`` to the last line: its
 search and metrics per step (timed inside BAPO's own code) against the default's, the issue's "costs no more than
 today's". ``--variant length-fair``: the same for the length-fair window (``gspo_length_fair()``, the studies' "BAPO
-length-fair narrow").
+length-fair narrow"); ``--variant gmpo``: BAPO on TRL's GMPO loss (``BAPOGMPOTrainer`` with ``gmpo_balanced()``;
+its loss is GMPO's, so compare its own-code time, not its step).
 
 ``--model smollm2-135m-instruct`` (a registry name of :mod:`bapo_trl.recipes.models`, or a model directory) measures
 GRPO against BAPO on that model instead, on the shipped chat arithmetic task with its math-verify reward (replay is
@@ -53,15 +54,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, s
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+import bapo_trl  # noqa: E402
 from bapo_trl import BAPOConfig, BAPOTrainer, gspo_balanced  # noqa: E402
 from bapo_trl.recipes.toy import build_tiny_model, make_reverse_dataset, reverse_reward  # noqa: E402
-from bapo_trl.trainer.presets import gspo_length_fair  # noqa: E402
+from bapo_trl.trainer.presets import gmpo_balanced, gspo_length_fair  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 0
 #: ``--variant``: BAPO settings timed beside the default (the named setting the studies run as "BAPO GSPO-scale x10").
 VARIANTS = {"gspo-scale-x10": gspo_balanced,
-            "length-fair": gspo_length_fair}  # issue 53's second-round candidate: a window per sequence
+            "length-fair": gspo_length_fair,  # issue 53's second-round candidate: a window per sequence
+            "gmpo": gmpo_balanced}  # its third: BAPO on TRL's GMPO loss
+#: Variants that run on a trainer of their own (the rest on BAPOTrainer): the name in bapo_trl.
+VARIANT_TRAINERS = {"gmpo": "BAPOGMPOTrainer"}
 #: BAPOTrainer methods timed from inside (what BAPO adds to a GRPO step, free of background noise).
 LABELS = {"_adapt_clip_window": "search + metrics", "mix": "replay mixing"}
 
@@ -101,9 +106,10 @@ def common_args(output_dir: str, steps: int, device: str = "cpu", **overrides) -
 
 
 def build(kind: str, model_dir: str, output_dir: str, steps: int, device: str = "cpu", overrides=None,
-          bapo_extra=None, task=None):
+          bapo_extra=None, task=None, trainer_cls=None):
     """One trainer: ``grpo``, ``bapo`` or ``replay``; each has its own copy of the same model. ``overrides``
-    change the shared training arguments, ``bapo_extra`` adds BAPO settings (replay, partial rollout, ...)."""
+    change the shared training arguments, ``bapo_extra`` adds BAPO settings (replay, partial rollout, ...),
+    ``trainer_cls`` replaces BAPOTrainer (a variant on a trainer of its own)."""
     args = common_args(output_dir, steps, device, **(overrides or {}))
     if kind == "grpo":
         config = GRPOConfig(**args)
@@ -112,7 +118,7 @@ def build(kind: str, model_dir: str, output_dir: str, steps: int, device: str = 
         extra = {"replay": dict(replay_buffer_size=16, replay_ratio=0.25),
                  "decoupled": dict(off_policy_correction="decoupled")}.get(kind, {})
         config = BAPOConfig(**(args | extra | (bapo_extra or {})))  # a variant's settings win (its loss type)
-        cls = BAPOTrainer
+        cls = trainer_cls or BAPOTrainer
     timer = BlockTimer(torch.cuda.synchronize if device != "cpu" else None)
     reward, dataset = task or (reverse_reward, make_reverse_dataset(64, seed=SEED))
     trainer = cls(
@@ -193,7 +199,7 @@ def _reset_rss_high_water() -> None:
 
 
 def measure(model_dir: str, kinds=("grpo", "bapo", "replay"), rounds: int = 12, steps: int = 8, device: str = "cpu",
-            overrides=None, task=None, settings=None) -> dict:
+            overrides=None, task=None, settings=None, classes=None) -> dict:
     """Build one trainer per kind on ``device``, run a warm-up block each, then ``rounds`` interleaved blocks of
     ``steps`` steps (order rotating). Returns seconds per block (``times``), the completion tokens per logged step
     of the last block (``tokens``), seconds inside BAPO's own methods (``inside``) and, on CUDA, each trainer's
@@ -205,7 +211,8 @@ def measure(model_dir: str, kinds=("grpo", "bapo", "replay"), rounds: int = 12, 
     rss_peak = dict.fromkeys(kinds, 0)
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {kind: build(kind, model_dir, os.path.join(tmp, kind), steps, device, overrides,
-                                bapo_extra=(settings or {}).get(kind), task=task)
+                                bapo_extra=(settings or {}).get(kind), task=task,
+                                trainer_cls=(classes or {}).get(kind))
                     for kind in kinds}
 
         def block(kind, round_index):
@@ -275,8 +282,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)  # measured several times faster than 2 threads for a model this small
     model_dir = build_tiny_model()
     kinds = ("grpo", "bapo", "replay", "decoupled") + (("variant",) if args.variant else ())
+    variant_cls = getattr(bapo_trl, VARIANT_TRAINERS[args.variant]) if args.variant in VARIANT_TRAINERS else None
     result = measure(model_dir, kinds, rounds, steps, settings={"variant": VARIANTS[args.variant]()} if args.variant
-                     else None)
+                     else None, classes={"variant": variant_cls})
     times, tokens, inside = result["times"], result["tokens"], result["inside"]
 
     bapo_ratios = [b / g for b, g in zip(times["bapo"], times["grpo"])]

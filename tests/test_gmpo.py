@@ -339,3 +339,33 @@ def test_what_gmpo_never_reads_warns_when_left_at_another_losss_value(tiny_model
         tiny_trainer(tiny_model_dir, cpu_config(tmp_path, **gmpo_balanced()), cls=BAPOGMPOTrainer)
     assert not [w for w in quiet if "BAPOGMPOTrainer" in str(w.message)]
 
+
+
+def test_the_studied_gmpo_settings_are_one_definition(tmp_path):
+    """The studies' "BAPO GMPO balanced" and step_overhead's --variant gmpo are gmpo_balanced() on BAPOGMPOTrainer;
+    the documented GMPO rival is TRL's GMPOTrainer with GMPOConfig's defaults, its BAPO-side twin that fixed window;
+    the path has 37 upper and 16 lower points, as gspo_balanced()'s."""
+    import sys
+
+    from harness import cpu_config
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks"))
+    import step_overhead
+    import study
+
+    from bapo_trl.trainer.presets import GMPO_DOCUMENTED
+
+    methods = study.evidence_methods()
+    assert methods["BAPO GMPO balanced"] == dict(trainer="bapo-gmpo", settings=gmpo_balanced())
+    rival = methods["TRL GMPO (documented)"]
+    assert rival["trainer"] == "gmpo" and rival["settings"] == GMPO_DOCUMENTED
+    twin = cpu_config(tmp_path, **rival["bapo"]["settings"]).bapo_settings
+    assert (twin.ratio_lower_start, twin.ratio_upper_start) == pytest.approx((math.exp(-0.4), math.exp(0.4)))
+    assert (twin.ratio_lower_max, twin.ratio_upper_max) == (twin.ratio_lower_start, twin.ratio_upper_start)
+    from trl.experimental.gmpo import GMPOConfig
+
+    documented = GMPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    assert (documented.epsilon, documented.epsilon_high or documented.epsilon) == (0.4, 0.4)  # TRL's defaults
+    assert step_overhead.VARIANTS["gmpo"]() == gmpo_balanced() and step_overhead.VARIANT_TRAINERS["gmpo"]
+    path = GEOMETRIC_MEAN.path(cpu_config(tmp_path, **gmpo_balanced()).bapo_settings)
+    assert len(path.high_grid) == 37 and len(path.low_grid) == 16 and path.high_grid[-1] == pytest.approx(3.0)
