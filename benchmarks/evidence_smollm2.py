@@ -7,6 +7,12 @@ held-out set of 96 problems (avg@8 and pass@8) with 95% bootstrap intervals.
     python benchmarks/evidence_smollm2.py --quick           # base + one method, 1 step, 2 problems, temp dir (CI)
     python benchmarks/evidence_smollm2.py --write-heldout   # rewrite tests/data/chat_arithmetic_heldout96.jsonl
 
+Issue 53's stress study (docs/results.md, "The stress scenario"): very stale data at a high rate, 6 seeds:
+
+    python benchmarks/evidence_smollm2.py --methods "BAPO paper + dual clip" "BAPO GSPO-scale x10" \
+        --references "TRL dapo clip-higher" "TRL GSPO (documented)" --seeds 910-915 --staleness 16 --steps 32 \
+        --lr 1e-4 --results docs/data/stress_smollm2_runs.jsonl --report-out docs/data/stress_smollm2.md
+
 Methods: by name from the evidence study's methods (``study.evidence_methods``: the same trainer and settings as
 the tiny study); TRL's dapo clip-higher and GSPO (``REFERENCES``, on TRL's own GRPOTrainer) always run, as the
 references of the paired comparisons. ``--methods`` names the others; its default (``DEFAULT_METHODS``) is the three
