@@ -289,3 +289,20 @@ def test_a_checkpoint_of_another_number_of_processes_is_refused(tiny_model_dir, 
     older = {k: v for k, v in marker.items() if k != "world_size"}
     (checkpoint / MARKER).write_text(json.dumps(older))  # a marker written before the count was: the files tell
     assert saved_world_size(str(checkpoint)) == 2
+
+
+@pytest.mark.parametrize("how", ["latest", "path"])
+def test_resuming_a_finished_run_is_refused_instead_of_training_past_max_steps(tiny_model_dir, tmp_path, how):
+    """A run that reached max_steps, resumed (``True`` or its final checkpoint's path): transformers' loop would
+    train one more step (TRL's own GRPOTrainer does: 2 steps, then step 3 on resume), changing the finished model.
+    Refused by name, before anything is loaded or written; a higher max_steps resumes and trains on."""
+    trainer = build(tiny_model_dir, tmp_path, max_steps=2)
+    trainer.train()
+    again = build(tiny_model_dir, tmp_path, max_steps=2)
+    with pytest.raises(ValueError, match=r"checkpoint-2 was written at step 2 and `max_steps` is 2: its run is fin"):
+        again.train(resume_from_checkpoint=True if how == "latest" else str(tmp_path / "checkpoint-2"))
+    assert is_complete(str(tmp_path / "checkpoint-2"))  # nothing superseded or rewritten
+    further = build(tiny_model_dir, tmp_path, max_steps=3)
+    further.train(resume_from_checkpoint=True)
+    assert further.state.global_step == 3
+

@@ -336,7 +336,8 @@ def test_the_saved_listing_names_each_entry_and_says_what_it_is(tmp_path):
     assert lines[1].split(None, 1)[1] == "2.0 KB  the trained weights"
     assert lines[2].split() == ["notes.txt", "4", "B"]  # not a file bapo train writes: its size only
     checkpoint = tmp_path / "checkpoint-8"
-    assert lines[3].endswith(f"the checkpoint of step 8 (resume: --resume_from_checkpoint {checkpoint})")
+    assert lines[3].endswith(f"the checkpoint of step 8 (to train on from it: --resume_from_checkpoint {checkpoint} "
+                             "with a higher --max_steps)")
 
 
 def test_the_plan_names_the_data_format_the_checkpoints_and_the_stale_sources(tmp_path):

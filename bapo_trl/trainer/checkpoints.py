@@ -293,8 +293,16 @@ class CheckpointMixin:
     def _checkpoint_to_resume(self, resume_from_checkpoint):
         """What ``train(resume_from_checkpoint=...)`` resumes from, once per run before it writes anything:
         ``True``/``"latest"`` is the newest COMPLETE checkpoint; the checkpoints of ``output_dir`` past the run's start
-        step belong to a branch it abandons (:func:`supersede_later`); TRL's generation batch starts empty."""
+        step belong to a branch it abandons (:func:`supersede_later`); TRL's generation batch starts empty. A
+        checkpoint at or past ``max_steps`` is refused (a finished run: there is nothing left to train)."""
         resume = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        step = None if resume is None else checkpoint_step(resume)
+        if step is not None and 0 < self.args.max_steps <= step:
+            # transformers' loop would train one step past max_steps from there (TRL's GRPOTrainer does, 5.24)
+            raise ValueError(
+                f"{resume} was written at step {step} and `max_steps` is {self.args.max_steps}: its run is finished, "
+                "and resuming would train a step past max_steps. Raise `max_steps` to train on, or load the trained "
+                f"model from {resume}.")
         if self.args.should_save:  # checkpoints past this run's start belong to an abandoned branch
             start = 0 if resume is None else checkpoint_step(resume)
             abandoned = supersede_later(self.args.output_dir, start)

@@ -190,7 +190,8 @@ def format_saved(output_dir: str) -> str:
         label = name + ("/" if os.path.isdir(path) else "")
         what = SAVED_FILES.get(name, "").format(folder=folder)
         if not what and name.startswith("checkpoint-") and os.path.isdir(path):
-            what = f"the checkpoint of step {name.split('-', 1)[1]} (resume: --resume_from_checkpoint {path})"
+            what = (f"the checkpoint of step {name.split('-', 1)[1]} (to train on from it: --resume_from_checkpoint "
+                    f"{path} with a higher --max_steps)")
         entries.append((label, _human(_size(path)), what))
     width = max(len(label) for label, _, _ in entries)
     lines = [f"[bapo_trl] saved in {folder}:"]
