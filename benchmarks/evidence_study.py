@@ -77,6 +77,7 @@ from study import (
     CANDIDATES,
     COLLAPSE,
     DEFAULT_TASK,
+    NOT_BAPO,
     REPO,
     SECOND_ROUND,
     TASKS,
@@ -179,7 +180,7 @@ def spec_for(method: str, staleness: str, lr: float, seed: int, steps: int, task
     """A run of ``method`` in a scenario: its trainer and settings (BAPOTrainer's twin where only it runs it); a run
     of another task than the published one says which (``task``)."""
     fields = METHODS[method]
-    if staleness in BAPO_ONLY and fields["trainer"] in ("trl", "m2po"):
+    if staleness in BAPO_ONLY and fields["trainer"] in NOT_BAPO:
         if "bapo" not in fields:
             raise ValueError(f"{method} has no BAPOTrainer twin for {staleness}")
         fields = fields["bapo"]

@@ -66,6 +66,9 @@ STALENESS = {
     "async K=2": dict(steps_per_generation=4, server=True, async_generation=True, max_staleness=2),
 }
 BAPO_ONLY = ("replay 0.5", "partial rollout", "server sync", "async K=1", "async K=2")
+#: Trainers that cannot run the BAPO_ONLY scenarios (TRL's own, and M2PO on TRL's): a method on one of them runs
+#: there as its BAPOTrainer-side twin (its ``bapo`` fields).
+NOT_BAPO = ("trl", "m2po", "gmpo")
 #: Per-step metrics kept in the runs files (enough to redo every table and figure).
 KEPT = ("step", "loss", "grad_norm", "reward", "entropy", "bapo/clip_low", "bapo/clip_high",
         "bapo/positive_contribution", "bapo/positive_contribution_before", "bapo/clip_fraction_negative",
@@ -184,7 +187,7 @@ def run_one(spec: dict) -> dict:
 
     task = TASKS[task_of(spec)]
     kind = spec.get("trainer", "bapo")
-    if kind in ("trl", "m2po", "gmpo") and spec["staleness"] in BAPO_ONLY:
+    if kind in NOT_BAPO and spec["staleness"] in BAPO_ONLY:
         raise ValueError(f"{spec['staleness']} needs BAPOTrainer's rollouts; {spec['method']} runs on TRL's trainer")
     config_cls, trainer_cls = trainer_classes(kind)
     kept = KEPT + tuple(spec.get("extra_metrics", ()))

@@ -369,3 +369,18 @@ def test_the_studied_gmpo_settings_are_one_definition(tmp_path):
     assert step_overhead.VARIANTS["gmpo"]() == gmpo_balanced() and step_overhead.VARIANT_TRAINERS["gmpo"]
     path = GEOMETRIC_MEAN.path(cpu_config(tmp_path, **gmpo_balanced()).bapo_settings)
     assert len(path.high_grid) == 37 and len(path.low_grid) == 16 and path.high_grid[-1] == pytest.approx(3.0)
+
+
+def test_trls_gmpo_runs_as_its_bapo_twin_where_only_bapo_runs(tmp_path):
+    """Replay, partial rollout and async are BAPOTrainer's: the documented GMPO rival runs there as
+    BAPOGMPOTrainer with its fixed window, as every TRL rival of the study does (a study once stopped at replay)."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks"))
+    import evidence_study
+    import study
+
+    for scenario in study.BAPO_ONLY:
+        spec = evidence_study.spec_for("TRL GMPO (documented)", scenario, 1e-3, 100, 8)
+        assert spec["trainer"] == "bapo-gmpo" and spec["settings"]["ratio_upper_max"] == pytest.approx(math.exp(0.4))
+    assert evidence_study.spec_for("TRL GMPO (documented)", "spg 32", 1e-3, 100, 8)["trainer"] == "gmpo"
