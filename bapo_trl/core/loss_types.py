@@ -248,7 +248,6 @@ VESPO_GATE = LossType(
 )
 
 
-
 def window_path_without_delta(settings: BAPOSettings):
     """The window's path (:func:`search_path`) with no two-sided clip: GMPO's loss has none, whatever ``delta`` the
     config holds (the dual clip, on by default, is for TRL's clipped losses)."""
