@@ -158,10 +158,11 @@ def trainer_classes(kind: str):
 
         return BAPOConfig, bapo_trainer_class()
     if kind == "gmpo":
-        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-        from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
+        # first bapo_trl's module, which imports TRL's experimental GMPO with its notice silenced (once a process)
+        from bapo_trl.trainer import gmpo  # noqa: I001
+        from trl.experimental.gmpo import GMPOConfig
 
-        return GMPOConfig, GMPOTrainer
+        return GMPOConfig, gmpo.GMPOTrainer
     if kind == "bapo-gmpo":
         from bapo_trl import BAPOGMPOTrainer
 

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .clipping import BAPOSettings, cap_path, cap_sums, grid_sums, search_path
+from .clipping import cap_path, cap_sums, grid_sums, search_path
 from .gates import negative_scale, positive_scale, sapo_sums, sapo_weight, vespo_log_weights, vespo_sums, vespo_weight
 from .geometric_mean import gmpo_contributions, gmpo_sums, gmpo_window
 
@@ -248,12 +248,6 @@ VESPO_GATE = LossType(
 )
 
 
-def window_path_without_delta(settings: BAPOSettings):
-    """The window's path (:func:`search_path`) with no two-sided clip: GMPO's loss has none, whatever ``delta`` the
-    config holds (the dual clip, on by default, is for TRL's clipped losses)."""
-    return search_path(dataclasses.replace(settings, delta=None))
-
-
 #: TRL's experimental GMPO (``trl.experimental.gmpo.GMPOTrainer``): not a ``loss_type`` but a trainer of its own, so
 #: this row is chosen by ``BAPOGMPOTrainer`` (bapo_trl/trainer/gmpo.py), not by the config's ``loss_type``.
 GEOMETRIC_MEAN = LossType(
@@ -262,7 +256,6 @@ GEOMETRIC_MEAN = LossType(
     to_trl=gmpo_window,
     grid_sums=gmpo_sums,
     clipped=surrogate_clipped,
-    path=window_path_without_delta,
     contributions=gmpo_contributions,
     uses_is_weights=False,
 )
