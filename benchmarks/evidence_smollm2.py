@@ -64,11 +64,13 @@ Results: one JSON line per finished run (``--results``, default
 seconds, avg@8 / pass@j over all problems and per half, each problem's number of correct samples, reward and
 gradient norm per step). The report (``--report-out``, default ``docs/data/evidence_smollm2.md``): per method the mean
 over seeds with a 95% percentile bootstrap interval, then every method's paired difference (same seed) from each
-reference, its interval and ``study.verdict``. With 4 seeds that interval is too narrow to carry a claim: a true
-tie reads as beats or loses about 1 time in 5 (simulated: 4 normal differences, 1000 trials), so a verdict here is a
-lead for more seeds. Training stability is paired the same way (the largest gradient norm, the entropy of the last 8
-steps; read higher / lower, never counted as claims), with the share of updates BAPO's search moved the window, and
-a figure beside the report (``<report>_curves.png``: reward, gradient norm and entropy per step, mean over seeds).
+reference, its interval and ``study.verdict``. At a few seeds that interval is too narrow to carry a claim by
+itself: the report says how often a true tie reads as beats or loses at its number of seeds
+(``study.false_verdict_rate``: about 1 time in 5 at 4 seeds, 1 in 8 at 6), so a verdict here is a lead for more
+seeds, and a table gives every seed's avg@8 and largest gradient norm. Training stability is paired the same way
+(the largest gradient norm, the entropy of the last 8 steps; read higher / lower, never counted as claims), with the
+share of updates BAPO's search moved the window, and a figure beside the report (``<report>_curves.png``: reward,
+gradient norm and entropy per step, mean over seeds).
 The last line is ``runs=.. base_avg8=.. claims=.. minutes=..``.
 """
 
@@ -91,6 +93,7 @@ from study import (
     bootstrap_ci,
     commit,
     evidence_methods,
+    false_verdict_rate,
     fmt_seeds,
     mean,
     paired,
@@ -421,9 +424,10 @@ def report(runs: list[dict], results: str, resamples: int = 10000, references=RE
         f"13-14), {K} samples of {MAX_NEW_TOKENS} tokens at temperature {TEMPERATURE}, seed {EVAL_SEED}.\n",
         f"Each cell: the mean over seeds and its 95% percentile bootstrap interval ({resamples} resamples, seed 0). "
         "Paired: the mean over seeds of (method - reference) on the same seed, its interval, and `study.verdict` "
-        "(beats / loses where the interval excludes zero, else ties). With 4 seeds the interval is too narrow to "
-        "carry a claim (a true tie reads as beats or loses about 1 time in 5), and a percentile interval over a "
-        "few seeds stays too narrow: read a verdict as a lead for more seeds. Many intervals are read at once, "
+        f"(beats / loses where the interval excludes zero, else ties). With {len(seeds)} seeds the interval is too "
+        f"narrow to carry a claim by itself: a true tie reads as beats or loses {false_verdict_rate(len(seeds)):.0%} "
+        f"of the time (simulated: {len(seeds)} normal differences, 1000 trials, `study.false_verdict_rate`). Read a "
+        "verdict as a lead for more seeds, and look at the seeds one by one. Many intervals are read at once, "
         "with no correction for multiple comparisons. The stability figures (largest gradient norm, entropy of the "
         f"last {LATE_STEPS} steps) are paired the same way and read higher / lower: neither is a win by itself.\n",
     ]
@@ -447,6 +451,14 @@ def report(runs: list[dict], results: str, resamples: int = 10000, references=RE
                      f"{col('grad_norm_max')} | {col('entropy_late', 3)} | "
                      f"{plain([r['clip_high'] for r in rs])} | {percent([search_moved(r) for r in rs])} | "
                      f"{mean([r['seconds'] / 60 for r in rs]):.1f} |")
+    # the seeds one by one: a mean over few seeds can be one seed's collapse
+    by_seed = {(r["method"], r["seed"]): r for r in trained}
+    cell = lambda method, seed: (  # noqa: E731
+        f"{by_seed[method, seed]['avg8']:.1f} ({by_seed[method, seed]['grad_norm_max']:.1f})"
+        if (method, seed) in by_seed else "-")
+    lines += [f"\n## Per seed: avg@{K} (%) and, in brackets, the largest gradient norm\n",
+              "| method | " + " | ".join(str(seed) for seed in seeds) + " |", "|" + "---|" * (1 + len(seeds)),
+              *(f"| {method} | " + " | ".join(cell(method, seed) for seed in seeds) + " |" for method in order)]
     claims = []
     for reference in references:
         rows = []

@@ -374,6 +374,20 @@ def bootstrap_ci(diffs: list[float], resamples: int = 10000, seed: int = 0, leve
     return float(low), float(high)
 
 
+def false_verdict_rate(n: int, trials: int = 1000, resamples: int = 2000, seed: int = 1) -> float:
+    """How often :func:`bootstrap_ci` over ``n`` paired differences of a true tie (normal, mean 0) excludes zero:
+    the chance that a "beats" or "loses" at ``n`` seeds is a tie (simulated; a percentile interval over few seeds is
+    too narrow, so this is well above 5% at small ``n``)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    wrong = 0
+    for _ in range(trials):
+        low, high = bootstrap_ci(list(rng.normal(size=n)), resamples, seed=0)
+        wrong += low > 0 or high < 0
+    return wrong / trials
+
+
 def verdict(low: float, high: float, words=("beats", "loses", "ties")) -> str:
     """``words[0]`` when the interval lies above zero, ``words[1]`` below, ``words[2]`` when it holds zero."""
     if math.isnan(low) or math.isnan(high):

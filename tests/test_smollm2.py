@@ -252,6 +252,12 @@ def test_the_smollm2_evidence_report_pairs_every_method_with_both_references_by_
     assert claims == 2 and "- **BAPO paper + dual clip** beats TRL GSPO on avg@8" in text
     assert "| BAPO GSPO | 1 | +40.0 [+40.0, +40.0] (< 4 pairs) |" in against_dapo  # one seed: no verdict
     assert text.count("| TRL GSPO | trl | 4 |") == 1  # the references are listed once, not again as methods
+    # every seed one by one (avg@8 and the largest gradient norm), a method's missing seeds as "-"
+    assert "| method | 100 | 101 | 102 | 103 |" in text
+    assert "| TRL dapo clip-higher | 50.0 (30.0) | 51.0 (31.0) | 52.0 (32.0) | 53.0 (33.0) |" in text
+    assert "| BAPO GSPO | 90.0 (3.0) | - | - | - |" in text
+    # how often a tie reads as a verdict at this number of seeds, said with the number
+    assert "With 4 seeds the interval is too narrow" in text and "reads as beats or loses 20% of the time" in text
     for argv, says in ((["--methods", "BAPO nope"], "unknown ['BAPO nope']"), (["--seeds", "x"], "--seeds"),
                        (["--steps", "0"], "must be >= 1")):
         with pytest.raises(SystemExit):
