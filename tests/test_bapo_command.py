@@ -79,8 +79,10 @@ def test_setup_cfg_declares_the_console_script():
     assert set(bapo.SUBCOMMANDS) == set(OLD)
 
 
-#: ``train`` imports TRL, transformers and torch twice (13 s a test): slow tier; the others stay fast.
-ENTRY_POINTS = [pytest.param(sub, marks=pytest.mark.slow) if sub == "train" else sub for sub in OLD]
+#: ``train`` imports TRL, transformers and torch twice (13 s a test): slow tier, beside another test (one core); the
+#: others stay fast.
+ENTRY_POINTS = [pytest.param(sub, marks=[pytest.mark.slow, pytest.mark.side_by_side]) if sub == "train" else sub
+                for sub in OLD]
 
 
 @pytest.mark.parametrize("sub", ENTRY_POINTS)

@@ -50,6 +50,7 @@ def test_missing_prompt_column_lists_the_columns(tmp_path, capsys):
 
 
 @pytest.mark.slow  # a train_bapo.py process importing TRL and torch (10 s); the messages are checked in-process above
+@pytest.mark.side_by_side  # about one core (BAPO_TEST_CPU_LOG), no shared server, no timing bound
 def test_a_real_process_prints_no_traceback(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "train_bapo.py"), "--ratio_lower_step", "0"],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
@@ -258,6 +259,7 @@ def test_the_note_is_printed_by_rank_0_only(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow  # trains a model through train_bapo.py in a subprocess (10 s)
+@pytest.mark.side_by_side  # about one core (BAPO_TEST_CPU_LOG), no shared server, no timing bound
 def test_a_model_of_your_own_trains_without_cpu_flags_and_the_summary_says_search_never_active(tiny_model_dir,
                                                                                              tmp_path):
     """The command that used to end in "Your setup doesn't support bf16/gpu" without `--use_cpu true --bf16 false`;

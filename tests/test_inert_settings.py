@@ -88,6 +88,7 @@ def test_the_table_has_the_rows_the_readme_promises():
 
 
 @pytest.mark.slow
+@pytest.mark.side_by_side  # about one core (BAPO_TEST_CPU_LOG), no shared server, no timing bound
 def test_train_bapo_refuses_replay_that_would_evict_everything(tmp_path):
     """The measured case: with the default steps_per_generation=8 this replay setting used to log replay/* metrics
     while evicting every group before it could be replayed."""

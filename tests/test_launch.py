@@ -118,6 +118,7 @@ def test_two_machines_zero3(tmp_path):
     assert (out / "model.safetensors").exists()
 
 
+@pytest.mark.side_by_side  # about one core (BAPO_TEST_CPU_LOG), no shared server, no timing bound
 def test_single_process_config(tmp_path):
     """single_gpu.yaml on CPU: one process, no distribution (the laptop path)."""
     out = tmp_path / "run"
@@ -192,6 +193,7 @@ def test_two_processes_zero3_with_partial_rollout(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.side_by_side  # about one core (BAPO_TEST_CPU_LOG), no shared server, no timing bound
 def test_deepspeed_bf16_config_on_cpu_fails_with_one_actionable_line(tmp_path):
     """The DeepSpeed configs ask for bf16; on this CPU machine, launched without `--mixed_precision no`, the job
     used to end in DeepSpeed's "config values mismatch" on every rank. Now: one line saying what to pass."""

@@ -254,6 +254,7 @@ def test_the_cpu_recipe_prepares_offline(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.side_by_side  # about one core (BAPO_TEST_CPU_LOG), no shared server, no timing bound
 def test_cpu_recipe_trains_two_steps(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     out = tmp_path / "out"

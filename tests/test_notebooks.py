@@ -102,6 +102,7 @@ def test_notebook_is_stored_with_the_outputs_of_its_code(name):
 
 
 @pytest.mark.slow
+@pytest.mark.side_by_side  # about one core (BAPO_TEST_CPU_LOG), no shared server, no timing bound
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs_end_to_end(name, tmp_path, monkeypatch):
     """Run top to bottom in a scratch directory, a fresh model cache: every number it prints is the stored one within

@@ -309,6 +309,7 @@ def test_trl_style_docstrings_are_rewritten_for_the_google_parser():
 
 
 @pytest.mark.slow
+@pytest.mark.side_by_side  # about one core (BAPO_TEST_CPU_LOG), no shared server, no timing bound
 def test_the_documentation_site_builds_strictly(tmp_path):
     """`mkdocs build --strict`: a broken link or anchor, a page missing, a docstring mkdocstrings cannot read or the
     generated field reference failing fails it. No page holds raw docstring markup (TRL-style docstrings are rewritten

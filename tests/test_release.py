@@ -95,6 +95,7 @@ def _quick_start() -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.side_by_side  # about one core (BAPO_TEST_CPU_LOG), no shared server, no timing bound
 def test_the_wheel_installs_and_runs_in_a_fresh_virtualenv(tmp_path):
     """``python -m build --wheel`` from the tracked files; ``pip install --no-deps`` of that wheel into a new
     virtualenv; then, from a directory outside the repository, the README's quick start and every ``bapo``

@@ -100,7 +100,10 @@ def source_flags(request, tmp_path, monkeypatch):
     return request.param, flags
 
 
-@pytest.mark.parametrize("source_flags", list(SOURCES), indirect=True)
+# side_by_side: replay and partial train on their own cache with no server (about one core each); async shares the
+# session's server, so it runs one at a time
+@pytest.mark.parametrize("source_flags", [s if s == "async" else pytest.param(s, marks=pytest.mark.side_by_side)
+                                          for s in SOURCES], indirect=True)
 def test_kill_9_then_resume_continues_exactly(source_flags, tmp_path):
     name, flags = source_flags
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}

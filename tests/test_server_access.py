@@ -419,6 +419,7 @@ def _in_ci() -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.side_by_side  # about one core; its own server (not the session's), no timing bound
 def test_a_real_server_with_a_key_and_a_directory_it_does_not_see(vllm_cpu_venv, tiny_model_dir, tmp_path,
                                                                   monkeypatch):
     """One real server (``bapo serve`` with an API key), in a mount namespace where ``hidden/`` is another, empty

@@ -488,6 +488,7 @@ def test_quickstart_notebook_switched_to_smollm2(smollm2_dir, tmp_path, monkeypa
 
 
 @pytest.mark.slow
+@pytest.mark.side_by_side  # about one core (BAPO_TEST_CPU_LOG), no server, no timing bound; peak RSS under 5 GiB
 def test_loss_study_on_smollm2_quick_prints_its_summary(smollm2_dir):
     """benchmarks/loss_study_smollm2.py --quick, its default smoke invocation: the base model and one method (TRL's
     trainer), trained 1 step and evaluated on 2 held-out problems, one run at a time."""
@@ -499,6 +500,7 @@ def test_loss_study_on_smollm2_quick_prints_its_summary(smollm2_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.side_by_side  # about one core (BAPO_TEST_CPU_LOG), no server, no timing bound; peak RSS under 5 GiB
 def test_evidence_study_on_smollm2_quick_trains_evaluates_and_resumes(smollm2_dir, tmp_path):
     """benchmarks/evidence_smollm2.py --quick: the base model and one method (BAPOTrainer, through
     loss_study_smollm2's training), trained 1 step and evaluated on 2 held-out problems by the batched sampler, which
@@ -521,6 +523,7 @@ def test_evidence_study_on_smollm2_quick_trains_evaluates_and_resumes(smollm2_di
 
 
 @pytest.mark.slow
+@pytest.mark.side_by_side  # about one core (BAPO_TEST_CPU_LOG), no server, no timing bound; peak RSS under 5 GiB
 def test_the_readmes_real_model_example_runs_as_printed(smollm2_dir, tmp_path):
     """README's "A real model" example, as printed, in a scratch directory: it trains SmolLM2 offline (the converted
     model in the default cache) and prints one ``(c_low, c_high)`` pair per step, as many as the README shows, each
