@@ -429,6 +429,54 @@ def test_a_failed_request_is_raised_where_the_trainer_takes_the_batch():
     producer.close()
 
 
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_closed_producer_applies_no_push_and_starts_no_request_or_chunk(chunked):
+    """What ends a run (``close``) returns once the request in flight has ended, and from then on nothing of the run
+    reaches the server: a push handed over is not applied (a later run's push, or the adapter unload that follows, would
+    otherwise race it), no later chunk and no queued request starts (they would name an adapter unloaded next)."""
+    events, started, release = [], threading.Event(), threading.Event()
+
+    def generate(work):  # scripted generator (no server): records each request and chunk it sends
+        events.append(("request", work.index, producer.version))
+        started.set()
+        assert release.wait(30)
+        for _ in range(3 if chunked else 0):
+            events.append(("chunk", work.index, producer.between_chunks()))
+        return {"completion_ids": [[7]] * work.n, "logps": [[-0.5]] * work.n}
+
+    producer = Producer(generate, request_timeout=10)
+    for index in range(2):
+        producer.submit(Work(index, [[1]], n=2, max_tokens=4, min_version=0))
+    assert started.wait(10)
+    producer.push_later(lambda: events.append(("push", 1)), 1)
+    closer = threading.Thread(target=producer.close)
+    closer.start()
+    while not producer._closed:  # close has begun (it marks the producer before it waits)
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert closer.is_alive()  # it waits for the request in flight ...
+    release.set()
+    closer.join(10)
+    assert not closer.is_alive()  # ... which then ends
+    seen = list(events)
+    time.sleep(0.3)  # timing only gives a broken producer time to show itself; a correct one has stopped
+    assert events == seen == [("request", 0, 0)]
+    assert producer.error is None
+
+
+def test_closing_a_producer_whose_thread_failed_does_not_wait():
+    def broken(work):
+        raise ConnectionError("server went away")
+
+    producer = Producer(broken, request_timeout=30)
+    producer.submit(Work(0, [[1]], n=1, max_tokens=4))
+    with pytest.raises(ConnectionError):
+        producer.take(0)
+    start = time.perf_counter()
+    producer.close()
+    assert time.perf_counter() - start < 5  # not the 30-s request bound: nothing is in flight
+
+
 # -- configuration ------------------------------------------------------------------------------------------------
 
 BASE = dict(CPU, output_dir="unused", gradient_checkpointing=True,  # TRL's default, as these checks have always run

@@ -91,6 +91,10 @@ class ProducerStalled(TimeoutError):
     """The generation thread did not finish a request within its bound (the server stalled or died)."""
 
 
+class ProducerClosed(Exception):
+    """The run ended while this thread was inside a request made in chunks: it stops before the next chunk."""
+
+
 class Producer:
     """The generation thread of the main process: takes queued work in order, sends one request per piece of work,
     keeps the results until they are taken. A weight push runs between two requests (:meth:`between_requests`).
@@ -158,7 +162,7 @@ class Producer:
         :meth:`between_requests`). A failure is raised to the caller."""
         with self.condition:
             due = [i for i, (_, version) in enumerate(self._pending) if upto is None or version <= upto]
-            if not due:
+            if not due or self._closed:
                 return
             (push, version), self._pending = self._pending[due[-1]], self._pending[due[-1] + 1 :]
         start = time.perf_counter()
@@ -184,6 +188,8 @@ class Producer:
                     self.condition.wait(timeout=1.0)
         finally:
             self._request_lock.acquire()
+        if self._closed:  # the run ended meanwhile: no later chunk reaches the server
+            raise ProducerClosed("async generation was closed inside a request made in chunks")
         self.apply_pending()
         return self.version
 
@@ -278,9 +284,19 @@ class Producer:
             return len(self.ready)
 
     def close(self) -> None:
-        self._closed = True
+        """Stop this thread for good, so that nothing of this run reaches the server after the run has ended (its
+        adapter is unloaded next; a later ``train()`` pushes its own weights): no push handed over is applied from now
+        on, no request or chunk starts, and close returns once the request in flight has ended (with in-flight
+        updates: the chunk in flight), within ``request_timeout`` (past it the daemon thread is left to its request's
+        own timeout)."""
+        with self.condition:
+            self._closed = True
+            self._pending = []
+            self.condition.notify_all()
         self.work.put(None)
-        self._thread.join(timeout=1.0)  # a request in flight ends within its timeout; the thread is a daemon
+        if self._thread.is_alive() and self._request_lock.acquire(timeout=self.request_timeout):
+            self._request_lock.release()  # the request in flight has ended; the thread sees _closed next
+        self._thread.join(timeout=1.0)
 
     def _run(self) -> None:
         try:
@@ -292,6 +308,8 @@ class Producer:
                     while self._push_wanted.is_set():
                         self.condition.wait(timeout=1.0)
                 with self._request_lock:
+                    if self._closed:  # closed while this work waited for the lock
+                        return
                     if not (self.lazy and work.min_version is not None and self.version >= work.min_version):
                         # eager: exactly the push it was queued after; lazy (the server's weights too old): the newest
                         self.apply_pending(upto=None if self.lazy else work.min_version)
@@ -307,6 +325,8 @@ class Producer:
                 with self.condition:
                     self.ready[work.index] = batch
                     self.condition.notify_all()
+        except ProducerClosed:
+            return
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer, raised on every process
             with self.condition:
                 self.error = exc
