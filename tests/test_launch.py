@@ -33,10 +33,11 @@ SHORT_RUN = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--num_ge
 # yaml-configured precision is bf16 for GPUs; on CPU it is turned off at launch (JSON configs use "auto").
 NO_MIXED = ["--mixed_precision", "no"]
 
+# multi_gpu.yaml and deepspeed_zero3.yaml plain are launched (and their topology checked) by
+# test_two_processes_with_the_replay_queue and test_two_processes_zero3_with_partial_rollout below.
+LAUNCHED_ELSEWHERE = {"multi_gpu.yaml", "deepspeed_zero3.yaml"}
 CASES = {
-    "multi_gpu": dict(config="multi_gpu.yaml", launch=NO_MIXED, kind="MULTI_GPU", stage=None),
     "zero2": dict(config="deepspeed_zero2.yaml", launch=NO_MIXED, kind="DEEPSPEED", stage=2),
-    "zero3": dict(config="deepspeed_zero3.yaml", launch=NO_MIXED, kind="DEEPSPEED", stage=3),
     "zero3_lora_ref": dict(config="deepspeed_zero3.yaml", launch=NO_MIXED, kind="DEEPSPEED", stage=3,
                            args=["--use_peft", "--lora_r", "4", "--lora_alpha", "8",
                                  "--lora_target_modules", "q_proj", "v_proj", "--beta", "0.05"]),
@@ -64,10 +65,11 @@ def config_for(case, tmp_path):
 
 
 def test_every_config_file_has_a_launch_test():
-    assert {c["config"] for c in CASES.values()} | {"single_gpu.yaml"} == {p.name for p in CONFIGS.glob("*.yaml")}
+    assert ({c["config"] for c in CASES.values()} | {"single_gpu.yaml"} | LAUNCHED_ELSEWHERE
+            == {p.name for p in CONFIGS.glob("*.yaml")})
     used = {c["json"] for c in CASES.values() if "json" in c}
-    for case in CASES.values():
-        text = (CONFIGS / case["config"]).read_text()
+    for config in {c["config"] for c in CASES.values()} | LAUNCHED_ELSEWHERE:
+        text = (CONFIGS / config).read_text()
         used |= {f"deepspeed_configs/{p.name}" for p in DEEPSPEED_JSONS.glob("*.json") if p.name in text}
     assert used == {f"deepspeed_configs/{p.name}" for p in DEEPSPEED_JSONS.glob("*.json")}
 
@@ -84,16 +86,21 @@ def test_launch_is_really_distributed(name, tmp_path):
         infos = assert_zero3_partitioned(out)
     else:
         infos = [json.loads((out / "launch_info" / f"rank{r}.json").read_text()) for r in (0, 1)]
-    for rank, info in enumerate(infos):
-        assert info["rank"] == rank and info["world_size"] == 2
-        assert info["distributed_type"] == ("MULTI_CPU" if case["kind"] == "MULTI_GPU" else case["kind"])
-        assert info["zero_stage"] == case["stage"]
+    assert_two_ranks(infos, case["kind"], case["stage"])
     if "--use_peft" in case.get("args", []):
         assert infos[0]["trainable_parameters"] < infos[0]["num_parameters"] / 5
         assert (out / "adapter_model.safetensors").exists()
     else:
         assert (out / "model.safetensors").exists()
     assert "BAPO run summary" in proc.stdout
+
+
+def assert_two_ranks(infos: list[dict], kind: str, stage: int | None) -> None:
+    """Each launch_info record shows a world of 2 of the config's kind (DDP runs as MULTI_CPU here) and ZeRO stage."""
+    for rank, info in enumerate(infos):
+        assert info["rank"] == rank and info["world_size"] == 2
+        assert info["distributed_type"] == ("MULTI_CPU" if kind == "MULTI_GPU" else kind)
+        assert info["zero_stage"] == stage
 
 
 def assert_one_process_per_machine(infos: list[dict]) -> None:
@@ -139,9 +146,11 @@ def test_two_processes_with_the_replay_queue(tmp_path):
            "--replay_ratio", "0.5", "--replay_max_staleness", "8", "--partial_rollout_budget", "4",
            "--save_strategy", "steps", "--save_steps", "3", "--seed", "3"]
     out, resumed = tmp_path / "run", tmp_path / "resumed"
-    accelerate_launch(TRAIN, *run, "--output_dir", out, config_file=CONFIGS / "multi_gpu.yaml", extra_launch=NO_MIXED)
-    info = json.loads((out / "launch_info" / "rank1.json").read_text())
-    assert info["world_size"] == 2
+    proc = accelerate_launch(TRAIN, *run, "--output_dir", out, config_file=CONFIGS / "multi_gpu.yaml",
+                             extra_launch=NO_MIXED)
+    assert_two_ranks([json.loads((out / "launch_info" / f"rank{r}.json").read_text()) for r in (0, 1)],
+                     "MULTI_GPU", None)
+    assert "BAPO run summary" in proc.stdout and (out / "model.safetensors").exists()
     checkpoint = out / "checkpoint-6"
     for state in ("replay_queue", "partial_rollout"):
         assert (checkpoint / f"{state}_rank0.pt").exists() and (checkpoint / f"{state}_rank1.pt").exists()
@@ -177,14 +186,14 @@ def test_two_processes_zero3_with_partial_rollout(tmp_path):
     calls even when it has nothing to grow (the weights are gathered collectively), completions span steps, and each
     rank's pool is saved in the checkpoint."""
     out = tmp_path / "run"
-    accelerate_launch(
+    proc = accelerate_launch(
         TRAIN, "--max_steps", "4", "--per_device_train_batch_size", "8", "--num_generations", "4",
         "--steps_per_generation", "1", "--max_completion_length", "10", "--partial_rollout_budget", "3",
         "--partial_rollout_max_resumes", "2", "--save_strategy", "steps", "--save_steps", "4", "--output_dir", out,
         config_file=CONFIGS / "deepspeed_zero3.yaml", extra_launch=NO_MIXED, timeout=1200,
     )
-    info = json.loads((out / "launch_info" / "rank1.json").read_text())
-    assert info["world_size"] == 2 and info["zero_stage"] == 3
+    assert_two_ranks(assert_zero3_partitioned(out), "DEEPSPEED", 3)  # the weights really are split between ranks
+    assert "BAPO run summary" in proc.stdout and (out / "model.safetensors").exists()
     checkpoint = out / "checkpoint-4"
     assert (checkpoint / "partial_rollout_rank0.pt").exists() and (checkpoint / "partial_rollout_rank1.pt").exists()
     logs = [h for h in json.loads((checkpoint / "trainer_state.json").read_text())["log_history"] if "loss" in h]
