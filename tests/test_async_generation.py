@@ -433,7 +433,8 @@ def test_a_failed_request_is_raised_where_the_trainer_takes_the_batch():
 def test_a_closed_producer_applies_no_push_and_starts_no_request_or_chunk(chunked):
     """What ends a run (``close``) returns once the request in flight has ended, and from then on nothing of the run
     reaches the server: a push handed over is not applied (a later run's push, or the adapter unload that follows,
-    would otherwise race it), no later chunk and no queued request starts (they would name an adapter unloaded next)."""
+    would otherwise race it), no later chunk and no queued request starts (they would name an adapter unloaded
+    next)."""
     events, started, release = [], threading.Event(), threading.Event()
 
     def generate(work):  # scripted generator (no server): records each request and chunk it sends
