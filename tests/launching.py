@@ -99,12 +99,17 @@ def accelerate_launch(script, *args, num_processes=2, config_file=None, extra_la
     return proc
 
 
+def launch_infos(out, world_size: int = 2) -> list[dict]:
+    """Every rank's ``launch_info`` record (written by train_bapo.py), in rank order."""
+    import json
+
+    return [json.loads((Path(out) / "launch_info" / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
 def assert_zero3_partitioned(out, world_size: int = 2) -> list[dict]:
     """Every rank's ``launch_info`` record (written by train_bapo.py) shows a real ZeRO-3 run whose weights are split
     between the ranks; returns the records."""
-    import json
-
-    infos = [json.loads((Path(out) / "launch_info" / f"rank{r}.json").read_text()) for r in range(world_size)]
+    infos = launch_infos(out, world_size)
     for rank, info in enumerate(infos):
         assert info["rank"] == rank and info["world_size"] == world_size
         assert info["distributed_type"] == "DEEPSPEED" and info["zero_stage"] == 3

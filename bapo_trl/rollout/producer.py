@@ -289,10 +289,7 @@ class Producer:
         on, no request or chunk starts, and close returns once the request in flight has ended (with in-flight
         updates: the chunk in flight), within ``request_timeout`` (past it the daemon thread is left to its request's
         own timeout)."""
-        with self.condition:
-            self._closed = True
-            self._pending = []
-            self.condition.notify_all()
+        self._closed = True  # apply_pending applies nothing from now on; between_chunks and _run stop at it
         self.work.put(None)
         if self._thread.is_alive() and self._request_lock.acquire(timeout=self.request_timeout):
             self._request_lock.release()  # the request in flight has ended; the thread sees _closed next
