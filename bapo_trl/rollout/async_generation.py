@@ -26,7 +26,7 @@ from typing import Any, Callable
 from ..core.metrics import async_values
 from ..generation.processes import raise_everywhere
 from ..generation.seeding import mixed_seed
-from .contract import ReadyCompletions, ScoreFn, TrainerPort, is_iterable_dataset, stamp_token_versions
+from .contract import ReadyCompletions, ScoreFn, TrainerPort, image_column, is_iterable_dataset, stamp_token_versions
 from .producer import GeneratedBatch, Producer, PromptStream, Work
 
 
@@ -43,9 +43,11 @@ def source_argument_errors(args, kwargs: dict) -> list[str]:
     if is_iterable_dataset(dataset):
         problems.append("async generation (`async_generation`) draws its prompts ahead by random access to the "
                         f"train_dataset, which a {type(dataset).__name__} does not allow: use a map-style Dataset.")
-    if dataset is not None and "image" in (getattr(dataset, "column_names", None) or []):
-        problems.append("async generation (`async_generation`) sends token prompts only; the train_dataset has "
-                        "an `image` column.")
+    column = image_column(dataset)
+    if column is not None:
+        problems.append("async generation (`async_generation`) sends token prompts only, without images: it cannot "
+                        f"serve the train_dataset's `{column}` column. Switch async generation off for a "
+                        "vision-language dataset.")
     return problems
 
 

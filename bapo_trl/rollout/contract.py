@@ -146,7 +146,7 @@ class PortScoring(Protocol):
     """The policy's log-probs outside the loss, and TRL's scoring of completions generated elsewhere."""
 
     def policy_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                     batch_size: int | None = None) -> torch.Tensor: ...
+                     batch_size: int | None = None, inputs: dict[str, Any] | None = None) -> torch.Tensor: ...
 
     def score_completions(self, score: ScoreFn, rows: list[dict], ready: ReadyCompletions) -> dict[str, Any]: ...
 
@@ -223,3 +223,16 @@ def is_iterable_dataset(dataset) -> bool:
     import datasets
 
     return isinstance(dataset, (torch.utils.data.IterableDataset, datasets.IterableDataset))
+
+
+#: The dataset columns TRL reads images from (``GRPOTrainer._generate_and_score_completions``: ``images``, else
+#: ``image``).
+IMAGE_COLUMNS = ("image", "images")
+
+
+def image_column(dataset) -> str | None:
+    """The ``dataset``'s image column (None without one): a source that generates or stores token batches without
+    the images (replay, partial rollout, async generation) refuses such a dataset by name instead of training a
+    vision-language model on text-only log-probs."""
+    columns = getattr(dataset, "column_names", None) or []
+    return next((name for name in IMAGE_COLUMNS if name in columns), None)

@@ -20,6 +20,7 @@ from .contract import (
     ReadyCompletions,
     ScoreFn,
     TrainerPort,
+    image_column,
     is_iterable_dataset,
     stamp_token_versions,
 )
@@ -37,6 +38,11 @@ def source_argument_errors(args, kwargs: dict) -> list[str]:
         problems.append("partial rollout (`partial_rollout_budget`) grows single-turn completions and cannot continue "
                         "tool-calling or environment rollouts: switch one of them off.")
     dataset = kwargs.get("train_dataset")
+    column = image_column(dataset)
+    if column is not None:
+        problems.append("partial rollout (`partial_rollout_budget`) continues completions from their tokens, "
+                        f"without images: it cannot serve the train_dataset's `{column}` column. Switch partial "
+                        "rollout off for a vision-language dataset.")
     if is_iterable_dataset(dataset):
         problems.append("partial rollout (`partial_rollout_budget`) tops up its pool by random access to the "
                         f"train_dataset, which a {type(dataset).__name__} does not allow: use a map-style Dataset.")

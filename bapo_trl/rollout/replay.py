@@ -18,7 +18,7 @@ import torch
 
 from ..core.metrics import replay_sums, replay_values
 from ..core.numerics import loss_mask
-from .contract import RolloutSource, ScoreFn, TrainerPort
+from .contract import RolloutSource, ScoreFn, TrainerPort, image_column
 from .replay_queue import ReplayQueue, groups_to_replace, pad_and_stack, split_groups
 
 
@@ -28,10 +28,11 @@ def source_argument_errors(args, kwargs: dict) -> list[str]:
     if kwargs.get("tools") or kwargs.get("environment_factory"):
         problems.append("replay (`replay_buffer_size` > 0) stores token batches and cannot hold tool-calling or "
                         "environment rollouts (`tools` / `environment_factory`): switch one of them off.")
-    dataset = kwargs.get("train_dataset")
-    if dataset is not None and "image" in (getattr(dataset, "column_names", None) or []):
-        problems.append("replay (`replay_buffer_size` > 0) does not support multimodal batches (the train_dataset "
-                        "has an `image` column): switch replay off.")
+    column = image_column(kwargs.get("train_dataset"))
+    if column is not None:
+        problems.append("replay (`replay_buffer_size` > 0) stores token batches without their images: it cannot "
+                        f"replay the train_dataset's `{column}` column. Switch replay off for a vision-language "
+                        "dataset.")
     return problems
 
 
@@ -153,4 +154,4 @@ class ReplaySource:
     def _behaviour_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-        return self.port.policy_logps(input_ids, attention_mask, batch["completion_ids"].size(1))
+        return self.port.policy_logps(input_ids, attention_mask, batch["completion_ids"].size(1), inputs=batch)

@@ -37,7 +37,7 @@ def decouple(trainer, batch: dict[str, Any]) -> dict[str, Any]:
     args, port = trainer.args, trainer.port
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    proximal = port.policy_logps(ids, attention, batch["completion_ids"].size(1))
+    proximal = port.policy_logps(ids, attention, batch["completion_ids"].size(1), inputs=batch)  # images too
     mask = loss_mask(batch)
     weights, capped = behaviour_weights(proximal, behaviour, mask, args.off_policy_weight_mode,
                                         args.off_policy_weight_cap, args.off_policy_weight_floor)

@@ -12,6 +12,8 @@ log-prob hook first).
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -181,16 +183,18 @@ class TRLPort:
 
     @torch.no_grad()
     def policy_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                     batch_size: int | None = None) -> torch.Tensor:
+                     batch_size: int | None = None, inputs: dict[str, Any] | None = None) -> torch.Tensor:
         """Current-policy log-probs of the last ``logits_to_keep`` tokens, outside the loss (no gradient, no
-        checkpointing; the trainer's search is armed only inside its loss)."""
+        checkpointing; the trainer's search is armed only inside its loss). ``inputs``: the batch the tokens come
+        from; its image inputs (:func:`forward_inputs`) reach the forward as TRL's loss passes them, so a
+        vision-language model scores the tokens it generated from the image, not from the text alone."""
         from trl.models.utils import disable_gradient_checkpointing
 
         trainer = self._trainer
         with disable_gradient_checkpointing(trainer.model, self.args.gradient_checkpointing_kwargs):
             logps, _, _ = trainer._get_per_token_logps_and_entropies(
                 trainer.model, input_ids, attention_mask, logits_to_keep,
-                batch_size=batch_size or self.args.per_device_train_batch_size,
+                batch_size=batch_size or self.args.per_device_train_batch_size, **forward_inputs(inputs),
             )
         return logps
 
@@ -254,3 +258,27 @@ class TRLPort:
         metrics = self._trainer._metrics[mode]
         for name, value in values.items():
             metrics[name].append(value)
+
+
+#: The parameters of TRL's policy forward (``GRPOTrainer._get_per_token_logps_and_entropies``) that are not a batch's
+#: model inputs: every other one is (``pixel_values``, ``image_grid_thw``, ``num_images``, ...).
+_FORWARD_CONTROLS = frozenset({"self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
+                               "compute_entropy", "compute_aux_loss"})
+
+
+@functools.cache
+def multimodal_keys() -> tuple[str, ...]:
+    """The batch keys TRL's loss hands its policy forward besides the tokens, read from that forward's signature:
+    one list, TRL's own, so a key a TRL release adds reaches every recomputation here without a change
+    (``tests/test_images.py`` checks that TRL's loss passes exactly these)."""
+    from trl import GRPOTrainer
+
+    parameters = inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters
+    return tuple(name for name in parameters if name not in _FORWARD_CONTROLS)
+
+
+def forward_inputs(inputs: dict[str, Any] | None) -> dict[str, Any]:
+    """``inputs``' image inputs for TRL's policy forward (empty for a text batch or none)."""
+    if not inputs:
+        return {}
+    return {key: inputs[key] for key in multimodal_keys() if inputs.get(key) is not None}
