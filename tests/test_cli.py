@@ -361,6 +361,7 @@ def test_the_plan_names_the_data_format_the_checkpoints_and_the_stale_sources(tm
                  "CPU; a generation batch of 4 prompts x 8 completions of up to 512 tokens every 4 optimizer steps",
         "staleness": "stale data (4 optimizer steps per generation batch, replay): BAPO re-chooses the clipping "
                      "window at every update.",
+        "window": "the search path is the paper's path, BAPO around TRL's default window [0.8, 1.2]",
         "writes to": f"{tmp_path}: launch_info/ at the start, a checkpoint-N/ every 50 steps; at the end the model "
                      "with its card (README.md), dynamics.png and bapo_log_history.json; metrics every 5 steps to "
                      "the console",

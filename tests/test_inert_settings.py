@@ -44,7 +44,6 @@ WARNINGS = [
     ("--ratio_lower_start 0.8 --ratio_lower_max 0.8", "the paper's search loop never runs"),
     ("--ratio_lower_start 0.8 --ratio_lower_max 0.8 --ratio_upper_max 1.2 --positive_contribution_target 0.4",
      "single window [0.8, 1.2], so positive_contribution_target=0.4 only matter(s) for a moving search"),
-    ("--epsilon 0.3", "`epsilon` (0.3) / `epsilon_high` (None) are ignored"),
     ("--replay_buffer_size 2 --replay_ratio 0.5 --replay_max_staleness 64", "`replay_ratio` is never reached"),
     ("--positive_contribution_is_weighted", "only acts on TRL's vLLM importance-sampling weights"),
     ("--delta 2.0", "the upper search path ends at 2.0"),

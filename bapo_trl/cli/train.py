@@ -521,7 +521,8 @@ def run_plan(args: BAPOConfig, script_args: BAPOScriptArguments | None = None, m
     rows = [("model", model or "(not loaded yet)"), ("data", _data_plan(script_args, train_dataset))]
     if reward_funcs is not None:
         rows.append(("rewards", ", ".join(_name(f) for f in reward_funcs) or "none"))
-    rows += [("steps", steps), ("staleness", staleness_plan(args)), ("writes to", _output_plan(args, peft))]
+    rows += [("steps", steps), ("staleness", staleness_plan(args)),
+             ("window", f"the search path is {args.search_path_origin}"), ("writes to", _output_plan(args, peft))]
     width = max(len(label) for label, _ in rows) + 1
     return "\n".join(["[bapo_trl] this run:"] + [f"  {label + ':':<{width}} {text}" for label, text in rows])
 

@@ -12,6 +12,7 @@ from ..core.clipping import MODES, VARIANTS, BAPOSettings, is_real, settings_err
 from ..core.length_fair import SEQUENCE_WINDOWS, LengthFairSettings, band_errors
 from ..core.loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SUPPORTED_LOSS_TYPES
 from ..core.off_policy import CORRECTIONS, WEIGHT_MODES
+from ..core.window_rule import RATIO_FIELDS, WIDENING, derived_path
 from ..generation.adapter_sync import LORA_SYNC_MODES
 from ..generation.fleet import normalized_server_urls, server_urls
 from ..rollout.settings import RolloutSettings, field_default, rollout_errors
@@ -31,7 +32,12 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
 
     At every loss computation BAPO replaces the fixed PPO window ``[1 - epsilon, 1 + epsilon_high]`` by a window
     ``[c_low, c_high]`` chosen so that positive-advantage tokens hold at least ``positive_contribution_target`` of
-    the loss. ``epsilon`` and ``epsilon_high`` are therefore ignored.
+    the loss. The search starts at the window you set and widens it only as far as the balance needs
+    (:mod:`bapo_trl.core.window_rule`): the ``ratio_*`` fields you leave unset are derived from ``epsilon``,
+    ``epsilon_high`` and ``importance_sampling_level``. At TRL's defaults (``epsilon=0.2``, token ratios) that is
+    the paper's path, ``c_high`` 1.2..3.0 and ``c_low`` 0.6..0.9; around GSPO's documented window (``3e-4``/``4e-4``
+    on the sequence ratio) it is ``c_high`` 1.0004..1.04 and ``c_low`` 0.991..0.9997 (``gspo_balanced()``). A
+    ``ratio_*`` field you set overrides the rule for that field.
 
     Every TRL ``loss_type`` and both ``importance_sampling_level`` values are balanced (``docs/loss_types.md``): the
     clipped losses (dapo, bnpo, grpo, dr_grpo, luspo) through their window; ``cispo`` through its cap on the
@@ -49,18 +55,22 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         positive_contribution_target (`float`, *optional*, defaults to `0.5`):
             Target share rho0 of the loss held by positive-advantage tokens, in (0, 1). The paper's experiments use
             0.4 (0.45 for a Llama model).
-        ratio_lower_start (`float`, *optional*, defaults to `0.6`):
-            Start a- of the lower bound ``c_low``, in (0, 1]. Reset for every update.
-        ratio_lower_max (`float`, *optional*, defaults to `0.9`):
-            Largest value b- the lower bound may reach, in [ratio_lower_start, 1].
-        ratio_lower_step (`float`, *optional*, defaults to `0.02`):
-            Step d- of the lower bound, > 0.
-        ratio_upper_start (`float`, *optional*, defaults to `1.2`):
-            Start a+ of the upper bound ``c_high``, >= 1. Reset for every update.
-        ratio_upper_max (`float`, *optional*, defaults to `3.0`):
-            Largest value b+ the upper bound may reach, >= ratio_upper_start.
-        ratio_upper_step (`float`, *optional*, defaults to `0.05`):
-            Step d+ of the upper bound, > 0.
+        ratio_lower_start (`float`, *optional*):
+            Start a- (the widest value) of the lower bound ``c_low``, in (0, 1]. Reset for every update. Unset:
+            ``1 - W epsilon`` (``W`` = 2 for token ratios, 30 for sequence ratios): 0.6 at TRL's defaults.
+        ratio_lower_max (`float`, *optional*):
+            Largest value b- the lower bound may reach, in [ratio_lower_start, 1]. Unset: ``1 - N epsilon`` (``N`` =
+            0.5 for token ratios, 1 for sequence ratios): 0.9 at TRL's defaults.
+        ratio_lower_step (`float`, *optional*):
+            Step d- of the lower bound, > 0. Unset: the lower range in 16 points (0.02 at TRL's defaults).
+        ratio_upper_start (`float`, *optional*):
+            Start a+ of the upper bound ``c_high``, >= 1. Reset for every update. Unset: ``1 + epsilon_high`` (or
+            ``1 + epsilon``): 1.2 at TRL's defaults.
+        ratio_upper_max (`float`, *optional*):
+            Largest value b+ the upper bound may reach, >= ratio_upper_start. Unset: ``1 + U epsilon_high`` (``U`` =
+            10 for token ratios, 100 for sequence ratios): 3.0 at TRL's defaults.
+        ratio_upper_step (`float`, *optional*):
+            Step d+ of the upper bound, > 0. Unset: the upper range in 37 points (0.05 at TRL's defaults).
         bapo_variant (`str`, *optional*, defaults to `"paper"`):
             `"paper"`: Algorithm 1 (raise ``c_high`` first, then ``c_low``; compare the share with the target).
             `"verl"`: the official code (raise ``c_low`` first, then ``c_high``; compare ``pos / neg`` with
@@ -157,20 +167,29 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         default=0.5,
         metadata={"help": "BAPO target share rho0 of the loss held by positive-advantage tokens, in (0, 1)."},
     )
-    ratio_lower_start: float = field(
-        default=0.6, metadata={"help": "BAPO: start of the lower clipping bound c_low, in (0, 1]."}
+    ratio_lower_start: float | None = field(
+        default=None, metadata={"help": "BAPO: start (widest) of the lower clipping bound c_low, in (0, 1]. Unset: "
+                                "derived from your window (epsilon, epsilon_high, importance_sampling_level): "
+                                "0.6 at TRL's defaults."}
     )
-    ratio_lower_max: float = field(
-        default=0.9, metadata={"help": "BAPO: largest value of the lower clipping bound c_low, in (0, 1]."}
+    ratio_lower_max: float | None = field(
+        default=None, metadata={"help": "BAPO: largest value of the lower clipping bound c_low, in (0, 1]. Unset: "
+                                "derived from your window (0.9 at TRL's defaults)."}
     )
-    ratio_lower_step: float = field(default=0.02, metadata={"help": "BAPO: step of the lower bound, > 0."})
-    ratio_upper_start: float = field(
-        default=1.2, metadata={"help": "BAPO: start of the upper clipping bound c_high, >= 1."}
+    ratio_lower_step: float | None = field(
+        default=None, metadata={"help": "BAPO: step of the lower bound, > 0. Unset: derived (0.02 at TRL's defaults)."}
     )
-    ratio_upper_max: float = field(
-        default=3.0, metadata={"help": "BAPO: largest value of the upper clipping bound c_high, >= 1."}
+    ratio_upper_start: float | None = field(
+        default=None, metadata={"help": "BAPO: start of the upper clipping bound c_high, >= 1. Unset: 1 + your "
+                                "epsilon_high (or epsilon): 1.2 at TRL's defaults."}
     )
-    ratio_upper_step: float = field(default=0.05, metadata={"help": "BAPO: step of the upper bound, > 0."})
+    ratio_upper_max: float | None = field(
+        default=None, metadata={"help": "BAPO: largest value of the upper clipping bound c_high, >= 1. Unset: derived "
+                                "from your window (3.0 at TRL's defaults)."}
+    )
+    ratio_upper_step: float | None = field(
+        default=None, metadata={"help": "BAPO: step of the upper bound, > 0. Unset: derived (0.05 at TRL's defaults)."}
+    )
     bapo_variant: str = field(
         default="paper",
         metadata={
@@ -250,6 +269,7 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
     band_floor: float = field(default=3e-4, metadata={"help": "length_fair: smallest band unit b, > 0."})
 
     def __post_init__(self):
+        self._derive_search_path()
         # Validate BAPO's own fields first: a bad value must fail before TrainingArguments sets up devices.
         errors = self.bapo_errors()
         if errors:
@@ -269,6 +289,24 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         for kind, message in inert:
             if kind == "warning":
                 warnings.warn(f"BAPO: {message}", UserWarning, stacklevel=2)
+
+    def _derive_search_path(self) -> None:
+        """The ``ratio_*`` fields left unset come from the user's window (:mod:`bapo_trl.core.window_rule`): once, at
+        construction (no per-step cost). :attr:`ratio_fields_set` keeps the ones the user set (they override the
+        rule); :attr:`search_path_origin` says where the path comes from, for the run's plan."""
+        if getattr(self, "ratio_fields_set", None) is None:  # a config built again from its own values keeps them
+            self.ratio_fields_set = tuple(name for name in RATIO_FIELDS if getattr(self, name) is not None)
+        level = self.importance_sampling_level if self.importance_sampling_level in WIDENING else "token"
+        path, origin = derived_path(self._loss.kind, self.epsilon, self.epsilon_high, level)
+        for name in RATIO_FIELDS:
+            if getattr(self, name) is None:
+                setattr(self, name, path[name])
+        mine = [name for name in RATIO_FIELDS if name in self.ratio_fields_set]
+        if len(mine) == len(RATIO_FIELDS):
+            origin = "your ratio_* settings"
+        elif mine:
+            origin += f"; your {', '.join(mine)} override{'s' if len(mine) == 1 else ''} the rule"
+        self.search_path_origin = origin
 
     def inert_settings(self) -> list[tuple[str, str]]:
         """``("error" | "warning", message)`` for every setting that can never act in this combination (the table
@@ -301,11 +339,6 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
                 "`positive_contribution_is_weighted` only acts on TRL's vLLM importance-sampling weights, and this "
                 f"run has none (use_vllm={self.use_vllm}, vllm_importance_sampling_correction="
                 f"{self.vllm_importance_sampling_correction}): the share is measured unweighted.")))
-        if self.epsilon != field_default(self, "epsilon") or self.epsilon_high is not None:
-            rows.append(("warning", (
-                f"`epsilon` ({self.epsilon}) / `epsilon_high` ({self.epsilon_high}) are ignored: BAPO chooses the "
-                "window at every update; its range is `ratio_lower_start`..`ratio_lower_max` and "
-                "`ratio_upper_start`..`ratio_upper_max`.")))
         return rows
 
     @property
@@ -319,7 +352,8 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         fair = self.sequence_window == "length_fair"
         names = ([n for n in BAPOSettings.__dataclass_fields__ if n.startswith("ratio_") or n == "bapo_variant"]
                  if fair else [n for n in LengthFairSettings.__dataclass_fields__ if n.startswith("band_")])
-        moved = [f"`{n}`" for n in names if getattr(self, n) != field_default(self, n)]
+        moved = [f"`{n}`" for n in names
+                 if (n in self.ratio_fields_set if n in RATIO_FIELDS else getattr(self, n) != field_default(self, n))]
         if not moved:
             return []
         why = ("the length-fair window's path is band_upper_*/band_lower_*" if fair else
@@ -342,7 +376,7 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
             rows.append(("warning", f"`delta` ({self.delta}) has no effect with {name}: TRL applies it to the clipped "
                                     "losses only. Drop `delta`."))
         lower = ("ratio_lower_start", "ratio_lower_max", "ratio_lower_step")
-        lower_moved = any(getattr(self, name) != field_default(self, name) for name in lower)
+        lower_moved = any(name in self.ratio_fields_set for name in lower)
         if kind == "cap" and lower_moved:
             rows.append(("warning", (
                 f"`ratio_lower_start`/`ratio_lower_max`/`ratio_lower_step` have no effect with {name}: "
@@ -500,6 +534,6 @@ def trainer_config(args, model) -> BAPOConfig:
         raise TypeError(
             f"BAPOTrainer needs `args` to be a BAPOConfig, got {type(args).__name__}. BAPOConfig takes every "
             "GRPOConfig field unchanged: replace `GRPOConfig(...)` by `BAPOConfig(...)` (from bapo_trl import "
-            "BAPOConfig); BAPO then adds its search settings with the paper's defaults (positive_contribution_"
-            "target=0.5, c_low 0.6..0.9, c_high 1.2..3.0) and ignores `epsilon`/`epsilon_high`.")
+            "BAPOConfig); BAPO then searches the clipping window around yours (`epsilon`, `epsilon_high`, "
+            "`importance_sampling_level`; the paper's path c_low 0.6..0.9, c_high 1.2..3.0 at TRL's defaults).")
     return args

@@ -19,9 +19,10 @@ def gspo_balanced(scale: float = 10.0) -> dict:
     """BAPO's balance of GSPO's sequence-level ratio, on a search path around TRL's documented GSPO window:
     ``c_high`` from ``1 + epsilon_high`` to ``1 + 10 x scale x epsilon_high`` (37 points), ``c_low`` from
     ``1 - 3 x scale x epsilon`` to ``1 - epsilon`` (16 points), with GSPO's ``epsilon = 3e-4``, ``epsilon_high =
-    4e-4``; loss ``grpo``, sequence level, ``beta=0``, the dual clip on (``BAPOConfig``'s default). The search starts
-    at GSPO's own window and widens it only as far as the positive share needs. The default ``scale=10``: ``c_high``
-    in [1.0004, 1.04], ``c_low`` in [0.991, 0.9997].
+    4e-4``; loss ``grpo``, sequence level, ``beta=0``, the dual clip on (``BAPOConfig``'s default). ``c_high`` starts
+    at GSPO's own bound; ``c_low`` starts 3 x scale times wider than GSPO's and reaches GSPO's bound at the path's end.
+    The default ``scale=10``: ``c_high`` from 1.0004 up to 1.04, ``c_low`` from 0.991 up to 0.9997, which is the path
+    ``BAPOConfig`` derives from GSPO's documented window by itself (:mod:`bapo_trl.core.window_rule`).
 
     ``scale=10`` is the setting issue 53's study chose ("BAPO GSPO-scale x10" in docs/results.md: of the scales 1, 2,
     4, 10 and 25 it had the largest paired difference against the documented GSPO on the development seeds)."""

@@ -1,0 +1,106 @@
+"""The search path BAPO derives from the window the user set: start at it, and widen it only as far as the balance
+needs.
+
+Why a rule: a TRL user who swaps ``GRPOConfig`` for ``BAPOConfig`` keeps their ``epsilon``/``epsilon_high`` and
+``importance_sampling_level``. The paper's path is this rule at TRL's default window (``epsilon=0.2``, token ratios:
+``c_high`` 1.2..3.0, ``c_low`` 0.6..0.9); GSPO's documented window (``3e-4``/``4e-4`` on a sequence's mean
+log-ratio, which moves far less than a token's) gets the path issue 53's studies chose for it
+(``gspo_balanced()``), instead of the paper's, which is hundreds of times wider there and lost to GSPO itself on
+fresh seeds (docs/results.md).
+
+The path, bound by bound, for a window ``[1 - e, 1 + h]`` (``h``: ``epsilon_high``, or ``epsilon`` when unset, as
+TRL reads it) at a level with widening ``(U, W, N)`` (:data:`WIDENING`):
+
+- ``c_high`` from ``1 + h`` (the user's bound) up to ``1 + U h``, in :data:`UPPER_POINTS` points;
+- ``c_low`` from ``1 - W e`` (the widest) up to ``1 - N e``, in :data:`LOWER_POINTS` points (the paper's search
+  raises ``c_low`` from its widest value; its last point, ``1 - N e``, is the narrowest).
+
+Nothing here runs per step: ``BAPOConfig`` computes the path once, when it is built. Plain numbers, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Points on each bound's path: the paper's (c_high 1.2..3.0 by 0.05: 37; c_low 0.6..0.9 by 0.02: 16).
+UPPER_POINTS, LOWER_POINTS = 37, 16
+
+
+@dataclass(frozen=True)
+class Widening:
+    """How far the search widens a window, in multiples of its half-widths: ``c_high`` up to ``1 + upper h``,
+    ``c_low`` from ``1 - lower_widest e`` up to ``1 - lower_narrowest e``."""
+
+    upper: float
+    lower_widest: float
+    lower_narrowest: float
+
+
+#: Per ratio level. Token: the paper's path read at TRL's default ``epsilon = 0.2`` (3.0 = 1 + 10 x 0.2, 0.6 = 1 - 2
+#: x 0.2, 0.9 = 1 - 0.5 x 0.2; the paper's own runs). Sequence: ``gspo_balanced()``, the scale issue 53's development
+#: runs chose among 1, 2, 4, 10 and 25 ("BAPO GSPO-scale x10", seeds 100-109) and confirmed on seeds 300-319 and
+#: 400-419 (docs/results.md): c_high to 1 + 100 h, c_low from 1 - 30 e to 1 - e.
+WIDENING = {
+    "token": Widening(upper=10.0, lower_widest=2.0, lower_narrowest=0.5),
+    "sequence": Widening(upper=100.0, lower_widest=30.0, lower_narrowest=1.0),
+}
+
+#: The ratio fields the rule derives (``BAPOConfig`` fields; one the user sets overrides the rule for that field).
+RATIO_FIELDS = ("ratio_lower_start", "ratio_lower_max", "ratio_lower_step",
+                "ratio_upper_start", "ratio_upper_max", "ratio_upper_step")
+
+#: TRL's default ``epsilon``, at which the token rule is the paper's path.
+PAPER_EPSILON = 0.2
+#: The paper's path (the rule at TRL's default window, and the path of a loss without a user window).
+PAPER_PATH = dict(ratio_lower_start=0.6, ratio_lower_max=0.9, ratio_lower_step=0.02,
+                  ratio_upper_start=1.2, ratio_upper_max=3.0, ratio_upper_step=0.05)
+
+
+def _clean(value: float) -> float:
+    """Rounded to 12 significant digits, so ``1 + 10 x 0.2`` is the paper's 3.0, not 3.0000000000000004."""
+    return float(f"{value:.12g}")
+
+
+def window_path(epsilon: float, epsilon_high: float | None, level: str = "token") -> dict[str, float]:
+    """The ``ratio_*`` fields of the search path around the window ``[1 - epsilon, 1 + epsilon_high]`` at
+    ``level`` (``"token"`` or ``"sequence"``); see the module doc."""
+    high = epsilon if epsilon_high is None else epsilon_high
+    widen = WIDENING[level]
+    upper_max, lower_start = 1 + widen.upper * high, 1 - widen.lower_widest * epsilon
+    lower_max = 1 - widen.lower_narrowest * epsilon
+    return {name: _clean(value) for name, value in dict(
+        ratio_lower_start=lower_start, ratio_lower_max=lower_max,
+        ratio_lower_step=(lower_max - lower_start) / (LOWER_POINTS - 1),
+        ratio_upper_start=1 + high, ratio_upper_max=upper_max,
+        ratio_upper_step=(upper_max - 1 - high) / (UPPER_POINTS - 1)).items()}
+
+
+def derived_path(kind: str, epsilon, epsilon_high, level: str) -> tuple[dict[str, float], str]:
+    """The rule for one config: the ``ratio_*`` fields and a phrase that says where they come from (the run's plan
+    prints it). ``kind``: the loss type row's (``clip``, ``cap``, ``gate``); ``epsilon_high`` None is ``epsilon``,
+    as TRL reads it.
+
+    Around the user's window for the clipped losses; around CISPO's cap (``epsilon_high``, its excess over 1 widened
+    as a token-level ``c_high``; the ``c_low`` fields stay the paper's, unused by a cap); the paper's path for a gate
+    (sapo, vespo: their shapes are fields of their own), for a cap not above 1 (TRL's default ``epsilon`` 0.2 read
+    as a cap) and for a window whose widest ``c_low`` would not be above 0."""
+    high = epsilon if epsilon_high is None else epsilon_high
+    if kind == "cap" and _is_number(high) and high > 1:
+        path = window_path(PAPER_EPSILON, high - 1, "token")
+        return path, (f"around your CISPO cap {high}: c_high {path['ratio_upper_start']}.."
+                      f"{path['ratio_upper_max']}")
+    if kind != "clip":
+        return dict(PAPER_PATH), f"the paper's path ({kind} loss: no clipping window of yours to start from)"
+    if not (_is_number(epsilon) and _is_number(high) and 0 < high and 0 < WIDENING[level].lower_widest * epsilon < 1):
+        return dict(PAPER_PATH), (f"the paper's path (your window's epsilon={epsilon!r} leaves no room below it to "
+                                  "widen: set the ratio_* fields)")
+    path = window_path(epsilon, epsilon_high, level)
+    if path == PAPER_PATH:
+        return path, "the paper's path, BAPO around TRL's default window [0.8, 1.2]"
+    return path, (f"around your window [{_clean(1 - epsilon)}, {_clean(1 + high)}] ({level} ratios): c_high "
+                  f"{path['ratio_upper_start']}..{path['ratio_upper_max']}, c_low {path['ratio_lower_start']}.."
+                  f"{path['ratio_lower_max']}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,116 @@
+"""The rule that derives BAPO's search path from the window the user set (``bapo_trl.core.window_rule``): a TRL user
+who swaps ``GRPOConfig`` for ``BAPOConfig`` keeps their ``epsilon``/``epsilon_high``/``importance_sampling_level``
+and gets BAPO's balance around that window; the ``ratio_*`` fields they set override it."""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+
+import pytest
+
+from bapo_trl import BAPOConfig, gspo_balanced
+from bapo_trl.core.clipping import BAPOSettings, search_path
+from bapo_trl.core.loss_types import LOSS_TYPES
+from bapo_trl.core.window_rule import PAPER_PATH, RATIO_FIELDS, derived_path, window_path
+from bapo_trl.trainer.presets import GSPO_DOCUMENTED
+
+
+def config(**settings) -> BAPOConfig:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return BAPOConfig(output_dir="unused", use_cpu=True, **settings)
+
+
+def ratio_fields(source) -> dict:
+    return {name: (source[name] if isinstance(source, dict) else getattr(source, name)) for name in RATIO_FIELDS}
+
+
+def grids(settings: BAPOSettings, loss_type: str = "dapo"):
+    path = LOSS_TYPES[loss_type].path(settings)
+    return [float(x) for x in path.clip_low], [float(x) for x in path.clip_high]
+
+
+def test_trls_defaults_search_exactly_the_papers_path():
+    """TRL's defaults (dapo, epsilon 0.2, token ratios): the paper's six numbers, and the search's candidates are
+    those of the paper's settings (the core's defaults) point for point."""
+    c = config()
+    assert ratio_fields(c) == PAPER_PATH == ratio_fields(BAPOSettings().__dict__)
+    assert grids(c.bapo_settings) == grids(BAPOSettings(delta=3.0))
+    assert c.ratio_fields_set == () and c.search_path_origin.startswith("the paper's path")
+
+
+def test_gspo_as_trl_documents_it_searches_gspo_balanced():
+    """The documented GSPO config as it is (no named setting): gspo_balanced()'s path, issue 53's confirmed choice."""
+    documented, balanced = config(**GSPO_DOCUMENTED), config(**gspo_balanced())
+    assert ratio_fields(documented) == ratio_fields(gspo_balanced())
+    assert grids(documented.bapo_settings, "grpo") == grids(balanced.bapo_settings, "grpo")
+    assert documented.search_path_origin == ("around your window [0.9997, 1.0004] (sequence ratios): c_high "
+                                             "1.0004..1.04, c_low 0.991..0.9997")
+    assert balanced.search_path_origin == "your ratio_* settings"
+
+
+@pytest.mark.parametrize("settings,expected", [
+    (dict(epsilon=0.2, epsilon_high=0.28), dict(ratio_upper_start=1.28, ratio_upper_max=3.8, ratio_upper_step=0.07,
+                                                ratio_lower_start=0.6, ratio_lower_max=0.9)),
+    (dict(epsilon=0.1), dict(ratio_upper_start=1.1, ratio_upper_max=2.0, ratio_lower_start=0.8,
+                             ratio_lower_max=0.95)),
+    (dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=1e-3),
+     dict(ratio_upper_start=1.001, ratio_upper_max=1.1, ratio_lower_start=0.97, ratio_lower_max=0.999)),
+    (dict(loss_type="cispo", epsilon_high=5.0), dict(ratio_upper_start=5.0, ratio_upper_max=41.0)),
+], ids=["clip_higher", "epsilon_0.1", "sequence_1e-3", "cispo_documented"])
+def test_the_path_starts_at_the_users_window(settings, expected):
+    c = config(**settings)
+    for name, value in expected.items():
+        assert getattr(c, name) == pytest.approx(value, rel=1e-12), name
+    path = search_path(c.bapo_settings)
+    assert path.high_grid[0] == pytest.approx(expected["ratio_upper_start"])  # the first candidate: the user's bound
+    assert len(path.high_grid) == 37 and len(path.low_grid) == 16
+
+
+@pytest.mark.parametrize("settings,why", [
+    (dict(loss_type="sapo"), "gate loss"),
+    (dict(loss_type="vespo", epsilon=0.1), "gate loss"),
+    (dict(loss_type="cispo"), "cap loss"),  # TRL reads epsilon 0.2 as the cap: no window above 1 to start from
+    (dict(loss_type="grpo", importance_sampling_level="sequence"), "leaves no room"),  # 1 - 30 x 0.2 < 0
+], ids=["sapo", "vespo", "cispo_default", "sequence_epsilon_0.2"])
+def test_without_a_window_to_start_from_the_path_is_the_papers_and_says_why(settings, why):
+    c = config(**settings)
+    assert ratio_fields(c) == PAPER_PATH
+    assert c.search_path_origin.startswith("the paper's path") and why in c.search_path_origin
+
+
+def test_ratio_fields_the_user_sets_override_the_rule():
+    every = dict(ratio_lower_start=0.7, ratio_lower_max=0.85, ratio_lower_step=0.05, ratio_upper_start=1.3,
+                 ratio_upper_max=2.0, ratio_upper_step=0.1)
+    c = config(epsilon=0.1, **every)
+    assert ratio_fields(c) == every and c.search_path_origin == "your ratio_* settings"
+    one = config(**GSPO_DOCUMENTED, ratio_upper_max=1.1)
+    assert one.ratio_upper_max == 1.1 and one.ratio_upper_start == 1.0004 and one.ratio_lower_start == 0.991
+    assert one.ratio_fields_set == ("ratio_upper_max",)
+    assert one.search_path_origin.endswith("; your ratio_upper_max overrides the rule")
+    again = pickle.loads(pickle.dumps(one))  # as a checkpoint's training_args.bin keeps it
+    assert ratio_fields(again) == ratio_fields(one) and again.search_path_origin == one.search_path_origin
+
+
+def test_epsilon_is_no_longer_reported_ignored():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        BAPOConfig(output_dir="unused", use_cpu=True, epsilon=0.3, epsilon_high=0.4, steps_per_generation=2)
+    assert not [w for w in caught if "BAPO" in str(w.message) and "epsilon" in str(w.message)]
+
+
+def test_the_rule_is_the_formula_of_its_docstring():
+    """c_high from 1 + h to 1 + U h in 37 points, c_low from 1 - W e to 1 - N e in 16 (token U, W, N = 10, 2, 0.5;
+    sequence 100, 30, 1), checked against the formula on other windows than the ones pinned above."""
+    for level, (u, w, n) in {"token": (10, 2, 0.5), "sequence": (100, 30, 1)}.items():
+        for e, h in [(0.05, 0.07), (1e-3, 2e-3), (0.01, None)]:
+            high = e if h is None else h
+            path = window_path(e, h, level)
+            assert path["ratio_upper_start"] == pytest.approx(1 + high)
+            assert path["ratio_upper_max"] == pytest.approx(1 + u * high)
+            assert path["ratio_upper_step"] == pytest.approx((u - 1) * high / 36)
+            assert path["ratio_lower_start"] == pytest.approx(1 - w * e)
+            assert path["ratio_lower_max"] == pytest.approx(1 - n * e)
+            assert path["ratio_lower_step"] == pytest.approx((w - n) * e / 15)
+    assert derived_path("clip", 0.2, None, "token")[0] == PAPER_PATH
