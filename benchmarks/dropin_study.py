@@ -1,0 +1,182 @@
+"""Swap the class, keep your config (issue 64): for each config C as its users run it, ``BAPOConfig(**C)`` on
+``BAPOTrainer`` against ``GRPOConfig(**C)`` on TRL's ``GRPOTrainer``, paired by seed (the same prompts in the same
+order), final reward as the mean paired difference with a 95% bootstrap interval.
+
+The configs (:data:`CONFIGS`): TRL's ``GRPOConfig`` defaults; dapo clip-higher (epsilon 0.2 / 0.28); GSPO as TRL
+documents it; CISPO with TRL's documented cap (``epsilon_high=5.0``); SAPO and VESPO at TRL's defaults. BAPO(C) gets
+nothing but C: the search path is the rule's (``bapo_trl.core.window_rule``) and every other BAPO field its
+default (the dual clip included), as a user who swaps the two classes gets them.
+
+The cells: staleness 8 and 32 (``steps_per_generation``), lr 1e-3 and 2e-3, on the 3-digit task and the 2-8-digit
+task (``--task``), 160 steps, the study harness's run (``study.run_one``). The claim, written before the
+confirmation ran (docs/data/dropin_protocol.md): in no cell does BAPO(C) - TRL(C)'s interval lie below zero, and for
+each C BAPO(C) beats TRL(C) in at least one cell. Development seeds 100-109; confirmation seeds 700-719.
+
+    python benchmarks/dropin_study.py --seeds 100-109                       # development, 3 digits (resumable)
+    python benchmarks/dropin_study.py --seeds 100-109 --task reverse2-8     # development, 2-8 digits
+    python benchmarks/dropin_study.py --report                              # report of both tasks' runs files
+    python benchmarks/dropin_study.py --quick                               # two short runs and the report (CI)
+
+Runs files: ``docs/data/dropin_runs.jsonl`` and ``docs/data/dropin_runs_reverse2-8.jsonl`` (one line per run,
+resumable: a run already there is skipped); report ``docs/data/dropin_study.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+from evidence_study import TASK_NAMES, by_seed, interval, run_study
+from study import (
+    DEFAULT_TASK,
+    REPO,
+    TASKS,
+    fmt_seeds,
+    paired,
+    parse_seeds,
+    read_jsonl,
+    task_model,
+    task_of,
+    verdict,
+)
+
+from bapo_trl.trainer.presets import GSPO_DOCUMENTED
+
+#: Each config as its users run it (TRL's documented settings; "TRL defaults" is GRPOConfig's).
+CONFIGS = {
+    "TRL defaults": {},
+    "dapo clip-higher": dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28),
+    "GSPO (documented)": dict(GSPO_DOCUMENTED),
+    "CISPO (documented)": dict(loss_type="cispo", epsilon_high=5.0),
+    "SAPO": dict(loss_type="sapo"),
+    "VESPO": dict(loss_type="vespo"),
+}
+SCENARIOS = ("spg 8", "spg 32")
+LEARNING_RATES = (1e-3, 2e-3)
+STEPS = 160
+DEV_SEEDS, CONFIRM_SEEDS = "100-109", "700-719"
+
+
+def methods(config: str) -> tuple[str, str]:
+    """The pair's run names: BAPO(C) and TRL(C)."""
+    return f"BAPO({config})", f"TRL({config})"
+
+
+def specs(configs, scenarios, seeds, lrs=LEARNING_RATES, steps=STEPS, task=DEFAULT_TASK) -> list[dict]:
+    """Runs in order: scenario, seed, rate, config, then BAPO(C) before TRL(C) (a study cut short leaves pairs)."""
+    todo = []
+    for scenario in scenarios:
+        for seed in seeds:
+            for lr in lrs:
+                for config in configs:
+                    for name, trainer in zip(methods(config), ("bapo", "trl")):
+                        todo.append(dict(method=name, staleness=scenario, lr=lr, seed=seed, steps=steps,
+                                         trainer=trainer, settings=dict(CONFIGS[config]), trainer_kwargs={},
+                                         **({} if task == DEFAULT_TASK else {"task": task})))
+    return todo
+
+
+def default_results(task: str) -> str:
+    suffix = "" if task == DEFAULT_TASK else f"_{task}"
+    return os.path.join(REPO, "docs", "data", f"dropin_runs{suffix}.jsonl")
+
+
+def table(runs: list[dict], seeds: set[int] | None = None, resamples: int = 10000) -> tuple[list[str], dict]:
+    """The report's table for one task (a row per config, a column per cell: BAPO(C) - TRL(C) [interval] and the
+    verdict, over ``seeds`` or every seed), and per config the verdicts ``{cell: word}``."""
+    runs = [r for r in runs if seeds is None or r["seed"] in seeds]
+    cells = sorted({(r["staleness"], r["lr"]) for r in runs}, key=lambda c: (int(c[0].split()[-1]), c[1]))
+    head = "| config | " + " | ".join(f"{s.replace('spg', 'staleness')}, lr {lr:g}" for s, lr in cells) + " |"
+    lines, verdicts = [head, "|---" * (len(cells) + 1) + "|"], {}
+    for config in CONFIGS:
+        bapo, trl = methods(config)
+        row = []
+        for cell in cells:
+            values = by_seed(runs, cell, "reward_final")
+            c = paired(values, bapo, trl, resamples)
+            if c["n"] < 2:
+                row.append("-")
+                continue
+            word = verdict(c["low"], c["high"])
+            verdicts.setdefault(config, {})[cell] = word
+            row.append(f"{'**' if word != 'ties' else ''}{word} {interval(c)}{'**' if word != 'ties' else ''} "
+                       f"(n={c['n']})")
+        if any(x != "-" for x in row):
+            lines.append(f"| {config} | " + " | ".join(row) + " |")
+    return lines, verdicts
+
+
+def claim(verdicts: dict) -> list[str]:
+    """The pre-registered claim, config by config: no 'loses' in any cell, and at least one 'beats'."""
+    out = []
+    for config, words in verdicts.items():
+        losses = [c for c, w in words.items() if w == "loses"]
+        beats = [c for c, w in words.items() if w == "beats"]
+        held = not losses and bool(beats)
+        out.append(f"- {config}: {'holds' if held else 'FAILS'} ({len(beats)} beats, {len(losses)} loses, "
+                   f"{len(words) - len(beats) - len(losses)} ties of {len(words)} cells)")
+    return out
+
+
+def report(tasks: dict[str, list[dict]], resamples: int = 10000) -> str:
+    lines = ["# Swap the class, keep your config: BAPO(C) - TRL(C)", "",
+             "Final reward, mean paired difference over seeds with a 95% bootstrap interval; **beats**/**loses** "
+             "only where the interval excludes zero. Generated by `python benchmarks/dropin_study.py --report` "
+             "(issue 64; protocol: docs/data/dropin_protocol.md).", ""]
+    for task, runs in tasks.items():
+        if not runs:
+            continue
+        dev, confirm = set(parse_seeds(DEV_SEEDS)), set(parse_seeds(CONFIRM_SEEDS))
+        for label, keep in (("development", lambda seed: seed in dev), ("confirmation", lambda seed: seed in confirm),
+                            ("other", lambda seed: seed not in dev | confirm)):
+            chosen = [r for r in runs if keep(r["seed"])]
+            if not chosen:
+                continue
+            rows, verdicts = table(chosen, None, resamples)
+            seen = sorted({r["seed"] for r in chosen})
+            lines += [f"## {TASK_NAMES.get(task, task)}: {label} seeds ({fmt_seeds(seen)})", "", *rows, "",
+                      "The claim, config by config:", "", *claim(verdicts), ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", default=DEV_SEEDS, help=f"A-B (development {DEV_SEEDS}, confirmation "
+                        f"{CONFIRM_SEEDS})")
+    parser.add_argument("--task", default=DEFAULT_TASK, choices=list(TASKS))
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--results", default=None, help="runs file (default docs/data/dropin_runs[_TASK].jsonl)")
+    parser.add_argument("--report", action="store_true", help="only write the report from both tasks' runs files")
+    parser.add_argument("--report-out", default=os.path.join(REPO, "docs", "data", "dropin_study.md"))
+    parser.add_argument("--quick", action="store_true", help="two short runs and the report, in a temp dir (CI)")
+    parser.add_argument("--resamples", type=int, default=10000)
+    args = parser.parse_args(argv)
+    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    if set(scenarios) - set(SCENARIOS):
+        parser.error(f"--scenarios: choose from {list(SCENARIOS)}")
+    if args.quick:
+        tmp = tempfile.mkdtemp(prefix="dropin-")
+        results = os.path.join(tmp, "runs.jsonl")
+        task_model(args.task)
+        run_study(specs(["GSPO (documented)"], ["spg 8"], [0, 1], (1e-3,), 8, args.task), results)
+        text = report({args.task: read_jsonl(results)}, args.resamples)
+        print(text)
+        return 0
+    if not args.report:
+        task_model(args.task)  # built once here, not by each run
+        run_study(specs(args.configs, scenarios, parse_seeds(args.seeds, count=False), task=args.task),
+                  args.results or default_results(args.task))
+    tasks = {task: [r for r in read_jsonl(default_results(task)) if task_of(r) == task]
+             for task in TASKS if os.path.exists(default_results(task))}
+    text = report(tasks, args.resamples)
+    with open(args.report_out, "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
