@@ -7,7 +7,8 @@ async rows against it only in the slow tier. What this stand-in shares with the 
 check: each completion is sampled by the policy the server held when the request ran, and each token's log-prob is
 that policy's (temperature-scaled, as vLLM's ``processed_logprobs``), so "behaviour log-probs = a recomputation
 with the saved sampling policy" and "staleness <= K" are checked for real. What it does not share: vLLM's kernels,
-batching, prefix cache and sampling settings other than temperature (it refuses them).
+batching, prefix cache and sampling settings other than temperature (it refuses them). ``perturb`` > 0 makes its
+policy differ from the trainer's on purpose (as a real engine's kernels or quantisation make it differ).
 
 A request's ``seed`` is applied as vLLM applies it: every prompt of the request is sampled from a generator seeded
 ``seed`` (its child j: ``seed + j``), so identical prompts in one seeded request get identical completions, exactly
@@ -62,7 +63,8 @@ class PolicyServer:
 
     def __init__(self, model_dir: str, stall_on: tuple[int, ...] = (), seed: int = 0, seconds_per_token: float = 0.0,
                  busy_resets: int = 0, latency: float = 0.0, logprobs_mode: str | None = "processed_logprobs",
-                 nan_logprob_every: int = 0, lora: bool | None = True, data_parallel_size: int | None = None):
+                 nan_logprob_every: int = 0, lora: bool | None = True, data_parallel_size: int | None = None,
+                 perturb: float = 0.0):
         from transformers import AutoModelForCausalLM
 
         self.model_dir = model_dir
@@ -87,6 +89,10 @@ class PolicyServer:
         # what /server_info reports of its engines (--data-parallel-size; None: no such field)
         self.parallel_config = {} if data_parallel_size is None else {"data_parallel_size": data_parallel_size}
         self.nan_logprob_every = nan_logprob_every  # every k-th token sampled is answered with a NaN log-prob
+        # a sampler that is not the trainer's policy (vLLM's kernels, a quantised engine...): its logits shifted by
+        # ``perturb`` times a fixed random direction; it samples from, and reports the log-probs of, that policy
+        vocab = self.model.config.vocab_size
+        self.perturbation = perturb * torch.randn(vocab, generator=torch.Generator().manual_seed(1234))
         self.tokens_sampled = 0
         self.lora = lora
         self.adapters: dict[str, dict[str, torch.Tensor]] = {}  # name -> {base weight name: scale * B @ A}
@@ -273,7 +279,8 @@ class PolicyServer:
                     generator = self.generator if seed is None else torch.Generator().manual_seed(int(seed) + child)
                     ids, logps = list(prompt), []
                     for _ in range(int(body["max_tokens"])):
-                        logits = self.model(torch.tensor([ids])).logits[0, -1].float() / temperature
+                        logits = (self.model(torch.tensor([ids])).logits[0, -1].float() + self.perturbation
+                                  ) / temperature
                         log_probs = torch.log_softmax(logits, -1)
                         token = int(torch.multinomial(log_probs.exp(), 1, generator=generator))
                         ids.append(token)

@@ -320,3 +320,43 @@ def test_the_studied_settings_are_one_definition_and_valid_configs(tmp_path):
     assert methods["BAPO length-fair narrow"]["settings"] == gspo_length_fair() == gspo_length_fair("gspo")
     assert methods["BAPO length-fair"]["settings"] == gspo_length_fair("wide")
     assert step_overhead.VARIANTS["length-fair"]() == gspo_length_fair()
+
+
+NARROW = LENGTH_FAIR_BANDS["gspo"]  # the narrow band: its widths move with small changes of a sequence's band
+
+
+def test_with_tokens_the_loss_drops_the_band_still_comes_from_the_whole_loss_mask(tiny_model_dir, tmp_path):
+    """TRL's ``top_entropy_quantile`` < 1 drops tokens from the loss: the search balances the kept tokens, but each
+    sequence's band (its mean log-ratio's standard error) comes from its whole loss mask, as GSPO's sequence mean
+    does. At every update the trainer's widths and share are the plain loop's with exactly that split, and on this
+    run the split matters (with the band over the kept tokens only, the loop's choice or share differs somewhere)."""
+    from harness import Probe, cpu_config, tiny_trainer
+
+    from bapo_trl.core.numerics import loss_mask
+
+    calls = []
+
+    def adapt(trainer, real, logps, inputs, entropies, *rest):
+        real(logps, inputs, entropies, *rest)
+        mask = loss_mask(inputs)
+        kept = mask * trainer.get_high_entropy_mask(entropies, mask, 1 - trainer.top_entropy_quantile)
+        calls.append((logps.detach().double() - inputs["old_per_token_logps"].double(), mask, kept,
+                      inputs["advantages"].double(), trainer.last_search.as_floats()))
+
+    args = cpu_config(tmp_path, loss_type="grpo", importance_sampling_level="sequence", sequence_window="length_fair",
+                      top_entropy_quantile=0.5, per_device_train_batch_size=8, num_generations=4, **NARROW,
+                      steps_per_generation=4, max_steps=4, max_completion_length=8, learning_rate=5e-2,
+                      logging_steps=1, save_strategy="no", seed=3)
+    trainer = tiny_trainer(tiny_model_dir, args, cls=Probe, around={"_adapt_clip_window": adapt})
+    trainer.train()
+    assert len(calls) == 4
+    differs = 0
+    for log_ratio, mask, kept, advantages, chosen in calls:
+        weighted = advantages[:, None] / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        assert kept.sum() < mask.sum()  # the quantile dropped tokens
+        loop = length_fair_loop_search(log_ratio, weighted, kept, statistics_mask=mask, delta=3.0, **NARROW)
+        figures = ("clip_low", "clip_high", "steps", "positive_contribution")
+        assert [chosen[k] for k in figures] == pytest.approx([loop[k] for k in figures], rel=1e-6)
+        kept_only = length_fair_loop_search(log_ratio, weighted, kept, delta=3.0, **NARROW)
+        differs += [kept_only[k] for k in figures] != pytest.approx([loop[k] for k in figures], rel=1e-6)
+    assert differs >= 1

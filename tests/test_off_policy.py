@@ -173,3 +173,49 @@ def test_bad_settings_are_refused_naming_the_field():
         BAPOConfig(output_dir="unused", use_cpu=True, off_policy_weight_cap=0)
     with pytest.raises(ValueError, match="off_policy_weight_floor"):
         BAPOConfig(output_dir="unused", use_cpu=True, off_policy_weight_floor=5.0)
+
+
+def test_the_behaviour_policy_is_the_samplers_and_trls_weight_steps_aside(tiny_model_dir, tmp_path, monkeypatch):
+    """A sampler that is not the trainer's policy (the stand-in server sampling from perturbed logits, as a real
+    engine's kernels or quantisation differ): TRL's generation through the server, two steps per batch. The kept
+    behaviour log-probs are the SAMPLER's (not the trainer's old log-probs, which differ from them by far more than
+    noise), TRL's own vLLM importance weight is 1 on every trained token (the decoupled weight already carries the
+    mismatch it corrects), and each token's advantage carries the truncated pi_prox / pi_sampler weight."""
+    from policy_server import PolicyServer
+
+    monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
+    server = PolicyServer(tiny_model_dir, perturb=1.0)
+    try:
+        args = decoupled_config(tmp_path, replay_buffer_size=0, replay_ratio=0.0, max_steps=4, use_vllm=True,
+                                vllm_mode="server", vllm_server_base_url=server.url, vllm_server_timeout=30,
+                                off_policy_weight_cap=3.0)
+        trainer = tiny_trainer(tiny_model_dir, args, cls=Probe, around={"compute_loss": keep_inputs},
+                               record=("batches",))
+        scored = []
+        next_batch = trainer.rollout_source.next_batch
+
+        def keep_scored(*a, **kw):  # the batch as TRL scored it, before the correction
+            out = next_batch(*a, **kw)
+            scored.append({k: v.clone() if torch.is_tensor(v) else v for k, v in out.items()})
+            return out
+
+        trainer.rollout_source.next_batch = keep_scored
+        trainer.train()
+    finally:
+        server.close()
+    assert len(scored) == 2 and len(trainer.batches) == 4
+    for index, (step, inputs) in enumerate(trainer.batches):
+        batch = scored[index // 2]  # TRL shuffles a generation batch before it splits it: rows are found by tokens
+        where = {(tuple(p.tolist()), tuple(c.tolist())): i
+                 for i, (p, c) in enumerate(zip(batch["prompt_ids"], batch["completion_ids"]))}
+        rows = [where[(tuple(p.tolist()), tuple(c.tolist()))]
+                for p, c in zip(inputs["prompt_ids"], inputs["completion_ids"])]
+        mask = inputs["completion_mask"].bool()
+        sampler = batch["sampling_per_token_logps"][rows]
+        torch.testing.assert_close(inputs["behaviour_per_token_logps"][mask], sampler[mask])
+        assert (sampler - batch["old_per_token_logps"][rows])[mask].abs().mean() > 0.1  # the sampler differs
+        assert torch.equal(inputs["importance_sampling_ratio"], torch.ones_like(inputs["importance_sampling_ratio"]))
+        weights = torch.tensor(decoupled_weights_reference(inputs["old_per_token_logps"], sampler, mask.float(),
+                                                           "token_truncate", 3.0), dtype=torch.float32)
+        group = batch["advantages"][rows][:, None]
+        torch.testing.assert_close(inputs["advantages"] * mask, group * weights * mask, atol=1e-5, rtol=1e-5)
