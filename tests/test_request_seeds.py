@@ -254,3 +254,70 @@ def test_a_user_seed_samples_a_repeated_prompt_anew_at_every_step(tiny_model_dir
 def test_each_prompt_of_a_seeded_request_draws_its_own_numbers_on_a_real_vllm_server(tiny_server, tiny_model_dir):
     reset_server_weights(tiny_server.url, tiny_model_dir)
     check_seeded_requests(tiny_server.url)
+
+
+class StandInParams(SimpleNamespace):
+    """A STAND-IN for ``vllm.SamplingParams``: a seed, n and ``clone()``."""
+
+    def clone(self):
+        return StandInParams(**vars(self))
+
+
+def colocated_backend(monkeypatch, process_index: int, tensor_parallel_size: int, steps: list[int]):
+    """The trainer's vLLM backend in colocate mode at ``process_index``, its engine a RecordingEngine STAND-IN behind
+    the seeding wrapper; TRL's colocate generation is a STAND-IN sending every prompt row to the engine with the
+    user's seed (as TRL builds its SamplingParams; with tensor parallelism, the rows of the whole group, gathered)."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from bapo_trl.generation.vllm_generation import CPUServerVLLMGeneration
+
+    def trl_generate(self, prompts, images, num_generations, profiler=None):
+        params = StandInParams(n=1, **self.generation_kwargs)
+        return self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params)
+
+    monkeypatch.setattr(VLLMGeneration, "generate", trl_generate)
+    backend = CPUServerVLLMGeneration.__new__(CPUServerVLLMGeneration)
+    backend.mode, backend.generation_kwargs = "colocate", {"seed": 9}
+    backend.tensor_parallel_size = tensor_parallel_size
+    backend.accelerator = SimpleNamespace(process_index=process_index)
+    backend.seed_round, backend._round_calls = lambda: steps[-1], (None, 0)
+    backend.llm = SeededEngine(RecordingEngine())
+    return backend
+
+
+def generated_seeds(backend, prompts) -> list[int]:
+    backend.generate(prompts, None, 1)
+    return [p.seed for p in backend.llm._llm.calls[-1]]
+
+
+def salted_seeds(prompts, *salt) -> list[int]:
+    with seed_salt(*salt):
+        return per_prompt_seeds(9, prompts, 1)
+
+
+@pytest.mark.parametrize("tensor_parallel_size, groups", [(1, [0, 1]), (2, [0, 0, 1, 1])])
+def test_a_colocated_process_seeds_its_prompts_with_its_engine_group(tensor_parallel_size, groups, monkeypatch):
+    """Colocate mode with a user seed: process i salts its seeds with its engine group, i // tensor_parallel_size.
+    Separate engines holding the same prompts (TRL spreads a group's copies over processes) draw other seeds, else
+    they sample copies; the ranks of one tensor-parallel engine hold the same gathered prompts and must send the same
+    seeds, or their shared engine gets conflicting requests."""
+    prompts = [PROMPT] * 2
+    seeds = [generated_seeds(colocated_backend(monkeypatch, index, tensor_parallel_size, [0]), prompts)
+             for index in range(len(groups))]
+    by_group = {group: salted_seeds(prompts, 0, 0, group) for group in range(len(groups))}  # (step, call, group)
+    used = [next((group for group, drawn in by_group.items() if drawn == one), None) for one in seeds]
+    assert used == groups, f"engine groups of processes 0..{len(groups) - 1} (tensor parallel {tensor_parallel_size})"
+
+
+def test_two_seeded_calls_in_one_step_draw_other_seeds_and_the_count_restarts_each_step(monkeypatch):
+    """Two generate calls in one optimizer step (partial rollout's continuation, a second generation batch) with the
+    same prompts: the call's index in the step is in the salt, so the second call is not a replay of the first; the
+    next step counts from 0 again (its step differs)."""
+    steps = [3]
+    backend = colocated_backend(monkeypatch, 0, 1, steps)
+    prompts = [PROMPT] * 2
+    first, second = generated_seeds(backend, prompts), generated_seeds(backend, prompts)
+    assert first != second, "the second call of the step replayed the first call's seeds"
+    assert [first, second] == [salted_seeds(prompts, 3, 0, 0), salted_seeds(prompts, 3, 1, 0)]
+    steps.append(4)
+    assert generated_seeds(backend, prompts) == salted_seeds(prompts, 4, 0, 0)

@@ -161,3 +161,31 @@ def test_the_tally_goes_on_from_a_resumed_runs_log():
     tally.observe(0.5, state)
     tally.observe(math.nan, state)
     assert (tally.scored, tally.without_reward) == (5, 2)
+
+
+
+def scalar_reward(completions, **kwargs):
+    return 1.0  # one number for the batch, not one per completion
+
+
+async def async_scalar_reward(completions, **kwargs):
+    return 1
+
+
+def tensor_scalar_reward(completions, **kwargs):
+    import torch
+
+    return torch.tensor([float(len(c)) for c in completions]).mean()  # a 0-d tensor: iterable in name only
+
+
+@pytest.mark.parametrize("reward, shown", [(scalar_reward, "1.0 (float)"), (async_scalar_reward, "1 (int)"),
+                                           (tensor_scalar_reward, "tensor(")])
+def test_a_reward_that_returns_a_scalar_instead_of_a_list_is_named(reward, shown, tiny_model_dir, tmp_path):
+    """A number (or a 0-d tensor) where TRL wants one reward per completion: not TRL's ``'float' object is not
+    iterable`` (or ``iteration over a 0-d tensor``), which names nothing, but the function, what it returned and the
+    list of floats expected."""
+    trainer = trainer_with(reward, tiny_model_dir, tmp_path)
+    expected = (re.escape(f"reward function '{reward.__name__}' returned {shown}") + ".*"
+                + re.escape("; expected a list with one reward per completion (16 here): a float, or None"))
+    with pytest.raises(RewardFunctionError, match=expected):
+        trainer.train()

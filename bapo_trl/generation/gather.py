@@ -9,7 +9,8 @@ be whole before it is written (ZeRO-3 gathers around the copy; an FSDP2 shard is
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -81,3 +82,37 @@ def gathered_base(model, dist, vllm_name: Callable[[str], str], keep: bool) -> d
                 base[vllm_name(name.removeprefix("base_model.model.").replace(".base_layer", ""))] = tensor.to(
                     "cpu", copy=True)
     return base
+
+
+@contextlib.contextmanager
+def exact_unmerge(model) -> Iterator[None]:
+    """While it is open, a peft ``model``'s ``unmerge_adapter`` puts back, bit for bit, the base weights its
+    ``merge_adapter`` merged into. Why: TRL's merged push merges the adapter in place and unmerges it after; in
+    bfloat16 ``W + BA - BA`` is not ``W``, so every push moved the frozen base (huggingface/trl#6688). The weights are
+    copied to the CPU at the merge (the push reads the whole model then anyway), inside TRL's gather, so a ZeRO-3
+    shard gets the restored values when it is partitioned again."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    merge, unmerge = model.merge_adapter, model.unmerge_adapter
+
+    def merge_keeping_the_base(*args, **kwargs):
+        saved.clear()
+        for module in model.modules():
+            if isinstance(module, BaseTunerLayer):
+                base = module.get_base_layer()
+                saved.extend((p, p.data.to("cpu", copy=True)) for p in base.parameters(recurse=False))
+        return merge(*args, **kwargs)
+
+    def unmerge_restoring_the_base(*args, **kwargs):
+        result = unmerge(*args, **kwargs)
+        for param, value in saved:
+            param.data.copy_(value)
+        saved.clear()
+        return result
+
+    model.merge_adapter, model.unmerge_adapter = merge_keeping_the_base, unmerge_restoring_the_base
+    try:
+        yield
+    finally:
+        del model.merge_adapter, model.unmerge_adapter  # the class's methods again

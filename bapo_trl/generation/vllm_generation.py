@@ -12,6 +12,8 @@ does not.
   the in-process engine reloads a safetensors directory instead, as the server.
 * A user ``seed`` in ``generation_kwargs``: every prompt row gets a seed of its own, per process group, step and call
   (:mod:`.seeding`).
+* A merged LoRA push (TRL's, ``vllm_lora_sync="merged"``): the base weights are put back bit for bit after TRL's
+  in-place unmerge (:func:`.gather.exact_unmerge`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from trl.generation.vllm_generation import VLLMGeneration, is_peft_model
 
 from .adapter_sync import LORA_RANKS, AdapterPush, AdapterSync, adapter_refusal, write_adapter
 from .fleet import ServerFleet, one_client, server_urls
-from .gather import adapter_shapes, gathered_adapter, gathered_base
+from .gather import adapter_shapes, exact_unmerge, gathered_adapter, gathered_base
 from .http_client import (
     HTTPVLLMClient,
     KeyedVLLMClient,
@@ -195,6 +197,15 @@ class CPUServerVLLMGeneration(VLLMGeneration):
             except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
                 error = exc
         self._raise_everywhere(error)
+
+    def _iter_named_params(self):
+        """TRL's walk over the weights to push; with a peft model the merged walk leaves the base weights bit-exact
+        (:func:`~.gather.exact_unmerge`: in bfloat16 TRL's merge and unmerge moved them)."""
+        if not is_peft_model(self.model):
+            yield from super()._iter_named_params()
+            return
+        with exact_unmerge(self.model):
+            yield from super()._iter_named_params()
 
     def gather_state(self) -> dict:
         """The current weights as CPU copies on the main process (empty elsewhere); every process must call it, the

@@ -22,7 +22,8 @@ class RewardFunctionError(RuntimeError):
 def checked_output(name: str, output: Any, kwargs: dict) -> Any:
     """``output`` when it can be TRL's list of rewards (one float, or None, per completion); else the error naming the
     function and what it returned (TRL would fail with ``'NoneType' object is not iterable``, naming nothing)."""
-    if output is None or isinstance(output, (str, bytes, dict)) or not hasattr(output, "__iter__"):
+    if (output is None or isinstance(output, (str, bytes, dict)) or not hasattr(output, "__iter__")
+            or getattr(output, "ndim", None) == 0):  # a 0-d tensor or array has __iter__, but iterating it raises
         completions = kwargs.get("completions")
         count = f" ({len(completions)} here)" if hasattr(completions, "__len__") else ""
         raise RewardFunctionError(

@@ -1,0 +1,68 @@
+"""The merged LoRA push (``vllm_lora_sync="merged"``, TRL's way) leaves the base weights exactly as they were.
+
+TRL's push merges the adapter into the base weights in place and unmerges it after (``merge_adapter`` /
+``unmerge_adapter``): in bfloat16, ``W + BA - BA`` is not ``W``, so every push moved the frozen base a little and the
+model that trained drifted away from the one loaded (reported against TRL: huggingface/trl#6688). bapo_trl restores
+the saved base after the unmerge; this checks it bit for bit, over 50 pushes, a run and a resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import cpu_config, tiny_trainer
+from peft import LoraConfig, get_peft_model
+from policy_server import PolicyServer
+from transformers import AutoModelForCausalLM
+
+pytestmark = pytest.mark.usefixtures("use_test_cache")
+
+
+def bf16_peft_model(model_dir):
+    """The tiny model in bfloat16 with a LoRA adapter whose B is not zero (a merge changes every targeted weight)."""
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"]))
+    generator = torch.Generator().manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model
+
+
+def base_weights(model) -> dict[str, torch.Tensor]:
+    return {name: param.detach().clone() for name, param in model.named_parameters() if "lora_" not in name}
+
+
+def plain(name: str) -> str:
+    """A peft parameter's name as the push names it (the base model's)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer", "")
+
+
+def test_fifty_merged_pushes_a_run_and_a_resume_leave_the_bf16_base_bit_exact(tiny_model_dir, tmp_path,
+                                                                                monkeypatch):
+    monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
+    server = PolicyServer(tiny_model_dir)
+    try:
+        model = bf16_peft_model(tiny_model_dir)
+        before = base_weights(model)
+        args = cpu_config(tmp_path / "out", bf16=True, use_vllm=True, vllm_mode="server",
+                          vllm_server_base_url=server.url, vllm_server_timeout=30, vllm_lora_sync="merged",
+                          per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
+                          steps_per_generation=2, max_steps=4, learning_rate=5e-3, logging_steps=1, seed=0,
+                          save_strategy="steps", save_steps=1, disable_tqdm=True)
+        trainer = tiny_trainer(tiny_model_dir, args, model=model)
+        merged = 0
+        for _ in range(50):
+            state = trainer.vllm_generation.gather_state()  # TRL's merged walk: merge, read, unmerge
+            merged += any(not torch.equal(state[plain(name)], value) for name, value in before.items()
+                          if ".base_layer." in name)
+        assert merged == 50  # every push carried merged weights, not the base
+        after = base_weights(trainer.model)
+        drifted = [name for name in before if not torch.equal(before[name], after[name])]
+        assert not drifted, f"{len(drifted)} base tensors moved, e.g. {drifted[:3]}"
+        trainer.train()  # pushes through the server at every generation
+        trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+        assert server.requests["RPC", "reload_weights"] >= 2
+        after = base_weights(trainer.model)
+        assert all(torch.equal(before[name], after[name]) for name in before)
+    finally:
+        server.close()
