@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from trl.trainer.utils import RepeatSampler
 
 from bapo_trl import BAPOConfig
-from bapo_trl.rollout.async_generation import AsyncGeneration
+from bapo_trl.rollout.async_generation import AsyncGeneration, decode_batch, encode_batch
 from bapo_trl.rollout.producer import Producer, PromptStream, Work
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")
@@ -69,6 +69,25 @@ class ScriptedGenerator:
         self.calls.append(("end", time.perf_counter()))
         return {"completion_ids": [[7] for _ in work.prompts for _ in range(work.n)],
                 "logps": [[-0.5] for _ in work.prompts for _ in range(work.n)]}
+
+
+def test_each_batch_records_how_far_the_servers_weights_were_behind_the_trainer_when_its_request_started():
+    """``weight_sync_lag`` = the trainer's step read as the request starts (the producer's clock) - the version the
+    server held; a batch restored from an older checkpoint (no trainer step) reports none."""
+    generate, steps = ScriptedGenerator(), iter([3, 7])
+    producer = Producer(generate, request_timeout=10, clock=lambda: next(steps))
+    try:
+        producer.version = 2
+        producer.submit(Work(0, [[1]], n=1, max_tokens=4, context=[0]))
+        first, _ = producer.take(0)
+        producer.version = 6
+        producer.submit(Work(1, [[1]], n=1, max_tokens=4, context=[1]))
+        second, _ = producer.take(1)
+    finally:
+        producer.close()
+    assert (first.trainer_step, first.weight_sync_lag, second.weight_sync_lag) == (3, 1, 1)
+    restored = decode_batch({**encode_batch(first), "trainer_step": None})
+    assert restored.weight_sync_lag is None and decode_batch(encode_batch(second)).weight_sync_lag == 1
 
 
 def test_a_push_waits_for_the_request_in_flight_and_later_batches_carry_its_version():
@@ -866,6 +885,13 @@ def test_lazy_loading_lets_a_slower_server_skip_reloads_within_the_bound(tiny_mo
     assert server.versions == [v for v in per_batch for _ in range(2)], server.versions
     loads = [h["async/load_seconds"] for h in trainer.state.log_history if "async/load_seconds" in h]
     assert 0 < sum(s > 0 for s in loads) < len(loads), loads  # hand-overs with a load since the last, and without
+    # the push lag at generation, apart from the age at hand-over: batch b's request starts while the trainer ends
+    # step b - 1 or has just ended it (a race the lag reports as it is), on the weights above (0, 0, 0, 2, 2, 4, ...):
+    # never more than the age at hand-over, which counts the steps trained since; below it where a batch waited
+    # (batch 2: weights 0, started by step 1, handed over at step 2), and at least one step where loads were skipped
+    lags = [h["bapo/weight_sync_lag"] for h in trainer.state.log_history if "bapo/weight_sync_lag" in h]
+    assert len(lags) == 10 and all(0 <= lag <= age for lag, age in zip(lags, ages)), (lags, ages)
+    assert lags[2] < ages[2] and max(lags) >= 1, (lags, ages)
 
 
 @pytest.mark.slow

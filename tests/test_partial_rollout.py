@@ -175,6 +175,33 @@ def test_each_segment_carries_the_logps_of_the_policy_that_produced_it(partial_r
     assert len(checked) >= 2 and gap > 1e-3
 
 
+def test_a_completion_paused_across_two_updates_keeps_every_segments_version_and_log_probs(tiny_model_dir, tmp_path):
+    """The guarantee row "versions never silently mixed": a completion whose tokens come from three policies (paused
+    across two optimizer steps) carries, token by token, the version that generated it and that version's log-prob
+    (recomputed with the saved policies), and the logged staleness counts per token (step - version of each token,
+    averaged over the batch's tokens, not one version per completion)."""
+    snapshots = PolicySnapshots()
+    # groups of 2 (both right: finished in their first round, so the pool need not finish older groups to fill a
+    # batch) and a budget of 4 (a right answer, 3 digits and EOS, ends in one round; a rambling one is carried)
+    trainer = build(tiny_model_dir, tmp_path, [snapshots], RECORDING, max_steps=8, save_strategy="no",
+                    num_generations=2, learning_rate=5e-3, partial_rollout_budget=4, partial_rollout_max_resumes=5,
+                    max_completion_length=12)
+    trainer.train()
+    spanning = [c for c in trainer.trained if len(set(c.versions)) >= 3]
+    assert spanning, "no completion was paused across two updates"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    for c in spanning[:6]:
+        check_behaviour_logps(model, snapshots.policies, c.prompt_ids, c.token_ids, c.versions, c.logps, atol=1e-4,
+                              temperature=trainer.temperature, newest=max(c.versions))
+    batch = trainer.args.per_device_train_batch_size
+    logged = [h["partial/token_staleness_mean"] for h in trainer.state.log_history if "partial/carried" in h]
+    assert len(trainer.trained) == batch * len(logged)
+    for step, value in enumerate(logged):
+        ages = [step - v for c in trainer.trained[step * batch:(step + 1) * batch] for v in c.versions]
+        assert value == pytest.approx(sum(ages) / len(ages)), step
+    assert any(v > 0 for v in logged)
+
+
 def test_lora_segments_carry_the_logps_of_the_adapted_policy(tiny_model_dir, tmp_path):
     """With a peft LoRA adapter, each segment's log-probs are those of base + adapter at that step (the snapshots
     hold the adapter weights, which change every step)."""

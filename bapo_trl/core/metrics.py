@@ -73,7 +73,7 @@ PARTIAL = (
 )
 #: Staleness buckets (optimizer steps since the token was sampled) of the per-age split.
 AGE_BUCKETS = ("0", "1", "2", "3+")
-#: Logged when async generation is on: the first eight once per generation batch (main process), the rest per update.
+#: Logged when async generation is on: the first nine once per generation batch (main process), the rest per update.
 ASYNC = (
     "async/wait_seconds",
     "async/generate_seconds",
@@ -83,6 +83,7 @@ ASYNC = (
     "async/queue_depth",
     "async/staleness_mean",
     "async/staleness_max",
+    "bapo/weight_sync_lag",
     *(f"bapo/{what}/age_{age}" for age in AGE_BUCKETS
       for what in ("positive_loss_share", "clip_fraction", "token_fraction")),
 )
@@ -320,9 +321,14 @@ def replay_values(sums: list[float]) -> dict[str, float]:
 
 
 def async_values(versions: list[list[int]], step: int, generate_seconds: float, waited: float,
-                 push_seconds: float, queue_depth: int, load_seconds: float = 0.0) -> dict[str, float]:
+                 push_seconds: float, queue_depth: int, load_seconds: float = 0.0,
+                 weight_sync_lag: int | None = None) -> dict[str, float]:
     """The per-batch ``async/*`` values of one global batch (per-token policy versions) handed at ``step``;
-    ``load_seconds``: the generation thread's time loading pushed weights since the previous hand-over."""
+    ``load_seconds``: the generation thread's time loading pushed weights since the previous hand-over;
+    ``weight_sync_lag``: optimizer steps the server's weights were behind the trainer when the batch's request
+    started (``bapo/weight_sync_lag``, NaN when not known: a batch restored from a checkpoint of an older release).
+    The data's staleness (``async/staleness_*``) counts from the trainer's step when the batch TRAINS; the lag, at
+    generation: a push that is slow or spaced (``weight_sync_steps``) shows in the lag, a deep queue in neither."""
     ages = [step - v for row in versions for v in row] or [0]
     return {
         "async/wait_seconds": waited,
@@ -335,6 +341,7 @@ def async_values(versions: list[list[int]], step: int, generate_seconds: float, 
         "async/queue_depth": float(queue_depth),
         "async/staleness_mean": sum(ages) / len(ages),
         "async/staleness_max": float(max(ages)),
+        "bapo/weight_sync_lag": float("nan") if weight_sync_lag is None else float(weight_sync_lag),
     }
 
 

@@ -74,14 +74,15 @@ def encode_batch(batch: GeneratedBatch) -> dict:
     work = batch.work
     return {"index": work.index, "prompts": work.prompts, "n": work.n, "max_tokens": work.max_tokens,
             "context": work.context, "seed": work.seed, "completion_ids": batch.completion_ids, "logps": batch.logps,
-            "version": batch.version, "seconds": batch.seconds, "token_versions": batch.token_versions}
+            "version": batch.version, "seconds": batch.seconds, "token_versions": batch.token_versions,
+            "trainer_step": batch.trainer_step}
 
 
 def decode_batch(data: dict, context: Any = None) -> GeneratedBatch:
     work = Work(data["index"], data["prompts"], data["n"], data["max_tokens"],
                 data["context"] if context is None else context, data["seed"])
     return GeneratedBatch(work, data["completion_ids"], data["logps"], data["version"], data["seconds"],
-                          data.get("token_versions"))
+                          data.get("token_versions"), data.get("trainer_step"))
 
 
 class AsyncGeneration:
@@ -293,7 +294,8 @@ class AsyncGeneration:
                                    port.shuffle_dataset, settings.seed)
         self.stream.skip_to(self.submitted)  # resumed: the batches already drawn are not drawn again
         self.producer = Producer(self._generate, float(settings.vllm_server_timeout),
-                                 lazy=settings.lazy_weight_loading, progress=port.requests_answered)
+                                 lazy=settings.lazy_weight_loading, progress=port.requests_answered,
+                                 clock=lambda: port.global_step)
         self.producer.version = self.pushed_step if self.pushed_step is not None else port.global_step
         self.producer.preload(self._restored)
         self._restored = {}
@@ -313,7 +315,8 @@ class AsyncGeneration:
         versions = batch.token_versions or [[batch.version] * len(ids) for ids in batch.completion_ids]
         return Handover(rows=[dict(port.train_dataset[i]) for i in batch.work.context],
                         prompt_ids=batch.prompt_ids, completion_ids=batch.completion_ids, logps=batch.logps,
-                        versions=versions, metrics=self._batch_metrics(versions, batch.seconds, waited, push_seconds))
+                        versions=versions, metrics=self._batch_metrics(versions, batch.seconds, waited, push_seconds,
+                                                                       batch.weight_sync_lag))
 
     def _plan_up_to(self, end: int) -> None:
         while self.planned_upto < end:
@@ -373,6 +376,6 @@ class AsyncGeneration:
                 "versions": [c.versions for c in completions]}
 
     def _batch_metrics(self, versions: list[list[int]], seconds: float, waited: float,
-                       push_seconds: float) -> dict[str, float]:
+                       push_seconds: float, lag: int | None = None) -> dict[str, float]:
         return async_values(versions, self.port.global_step, seconds, waited, push_seconds, self.producer.depth(),
-                            self.producer.take_load_seconds())
+                            self.producer.take_load_seconds(), lag)

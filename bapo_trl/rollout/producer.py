@@ -81,6 +81,13 @@ class GeneratedBatch:
     version: int  # optimizer step of the weights the server held when the request started
     seconds: float  # time of the generate request
     token_versions: list[list[int]] | None = None  # per token, when a push reached the request in flight
+    trainer_step: int | None = None  # the trainer's optimizer step when the request started (None: not known)
+
+    @property
+    def weight_sync_lag(self) -> int | None:
+        """Optimizer steps the sampler's weights were behind the trainer's when the request started: a slow or
+        spaced push, apart from how stale the data is when it trains."""
+        return None if self.trainer_step is None else self.trainer_step - self.version
 
     @property
     def prompt_ids(self) -> list[list[int]]:
@@ -108,8 +115,9 @@ class Producer:
     and the per-request timeout bounds each answer. A stall is then a :class:`ProducerStalled` error, never a hang."""
 
     def __init__(self, generate: Callable[[Work], dict], request_timeout: float, lazy: bool = False,
-                 progress: Callable[[], Any] | None = None):
+                 progress: Callable[[], Any] | None = None, clock: Callable[[], int] | None = None):
         self.generate, self.request_timeout = generate, request_timeout
+        self.clock = clock  # the trainer's optimizer step (any thread), read as each request starts
         self.progress = progress or (lambda: None)  # changes whenever the server answers a request (any thread)
         self.lazy = lazy  # apply a push handed over only when the next work's min_version needs it
         self.version = 0  # optimizer step of the weights on the server (set under the lock by the pusher)
@@ -311,6 +319,7 @@ class Producer:
                         # eager: exactly the push it was queued after; lazy (the server's weights too old): the newest
                         self.apply_pending(upto=None if self.lazy else work.min_version)
                     version, start, self.in_flight = self.version, time.perf_counter(), work.index
+                    trainer_step = None if self.clock is None else self.clock()
                     with self.condition:
                         self._unstarted.remove(work)
                         self.condition.notify_all()
@@ -318,7 +327,7 @@ class Producer:
                     seconds = time.perf_counter() - start
                     self.in_flight = None
                 batch = GeneratedBatch(work, output["completion_ids"], output["logps"], version, seconds,
-                                       output.get("versions"))
+                                       output.get("versions"), trainer_step)
                 with self.condition:
                     self.ready[work.index] = batch
                     self.condition.notify_all()
