@@ -83,10 +83,9 @@ def default_results(task: str) -> str:
     return os.path.join(REPO, "docs", "data", f"dropin_runs{suffix}.jsonl")
 
 
-def table(runs: list[dict], seeds: set[int] | None = None, resamples: int = 10000) -> tuple[list[str], dict]:
-    """The report's table for one task (a row per config, a column per cell: BAPO(C) - TRL(C) [interval] and the
-    verdict, over ``seeds`` or every seed), and per config the verdicts ``{cell: word}``."""
-    runs = [r for r in runs if seeds is None or r["seed"] in seeds]
+def table(runs: list[dict], resamples: int = 10000) -> tuple[list[str], dict]:
+    """The report's table for one task's runs (a row per config, a column per cell: BAPO(C) - TRL(C) [interval] and
+    the verdict), and per config the verdicts ``{cell: word}``."""
     cells = sorted({(r["staleness"], r["lr"]) for r in runs}, key=lambda c: (int(c[0].split()[-1]), c[1]))
     head = "| config | " + " | ".join(f"{s.replace('spg', 'staleness')}, lr {lr:g}" for s, lr in cells) + " |"
     lines, verdicts = [head, "|---" * (len(cells) + 1) + "|"], {}
@@ -134,7 +133,7 @@ def report(tasks: dict[str, list[dict]], resamples: int = 10000) -> str:
             chosen = [r for r in runs if keep(r["seed"])]
             if not chosen:
                 continue
-            rows, verdicts = table(chosen, None, resamples)
+            rows, verdicts = table(chosen, resamples)
             seen = sorted({r["seed"] for r in chosen})
             lines += [f"## {TASK_NAMES.get(task, task)}: {label} seeds ({fmt_seeds(seen)})", "", *rows, "",
                       "The claim, config by config:", "", *claim(verdicts), ""]

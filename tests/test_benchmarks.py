@@ -25,9 +25,10 @@ NUMBER = r"-?\d+(?:\.\d+)?"
 #: The benchmarks' shared modules: libraries with no command of their own. A benchmark script takes what it shares
 #: with another from these, never from the other script (benchmarks/server_bench.py's docstring says why).
 SHARED_MODULES = {"server_bench", "study", "m2po"}
-#: The one script that runs other scripts' measurements: the GPU check times bound_search's search and
-#: step_overhead's steps on a GPU, in one command (it drives those benchmarks, it does not borrow helpers).
-DRIVERS = {"gpu_check": {"bound_search", "step_overhead"}}
+#: The scripts that run other scripts' measurements: the GPU check times bound_search's search and step_overhead's
+#: steps on a GPU, in one command; the drop-in study runs the evidence study's cells (its runner, runs file and pairs)
+#: with methods of its own. They drive those benchmarks; they do not borrow helpers.
+DRIVERS = {"gpu_check": {"bound_search", "step_overhead"}, "dropin_study": {"evidence_study"}}
 #: ``import x`` / ``from x import`` at the start of a line of a string: the code a script runs in a child process.
 IMPORT_LINE = re.compile(r"^\s*(?:import|from)\s+(\w+)", re.MULTILINE)
 

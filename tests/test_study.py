@@ -262,3 +262,41 @@ def test_the_choice_rule_skips_a_candidate_that_loses_a_cell_and_the_default_rul
             for r in runs]
     chosen, lines = evidence_study.choose(both, resamples=2000)
     assert chosen == "M2PO then balance" and "every candidate loses a cell; it loses 1" in lines[-1]
+
+
+def test_the_drop_in_study_runs_each_config_as_is_on_both_trainers_and_checks_the_written_claim():
+    """benchmarks/dropin_study.py (issue 64): BAPO(C) and TRL(C) run the same fields C (BAPO's path is the rule's,
+    no ratio_* field added); on synthetic runs the claim holds only with no 'loses' and at least one 'beats'."""
+    import dropin_study
+
+    from bapo_trl import BAPOConfig
+    from bapo_trl.core.window_rule import RATIO_FIELDS
+
+    todo = dropin_study.specs(dropin_study.CONFIGS, ["spg 8"], [100], (1e-3,))
+    assert len(todo) == 2 * len(dropin_study.CONFIGS)
+    for bapo, trl in zip(todo[::2], todo[1::2]):
+        assert (bapo["trainer"], trl["trainer"]) == ("bapo", "trl") and bapo["settings"] == trl["settings"]
+        assert not set(bapo["settings"]) & set(RATIO_FIELDS)
+        BAPOConfig(output_dir="unused", use_cpu=True, steps_per_generation=2, **bapo["settings"])  # a valid config
+
+    def runs(config, cell, diffs):
+        bapo, trl = dropin_study.methods(config)
+        out = []
+        for seed, diff in enumerate(diffs):
+            out += [dict(method=bapo, staleness=cell[0], lr=cell[1], seed=seed, reward_final=0.5 + diff),
+                    dict(method=trl, staleness=cell[0], lr=cell[1], seed=seed, reward_final=0.5)]
+        return out
+
+    beats, ties, loses = [0.10 + 0.01 * i for i in range(10)], [(-1) ** i * 0.05 for i in range(10)], [
+        -0.1 - 0.01 * i for i in range(10)]
+    synthetic = (runs("TRL defaults", ("spg 8", 1e-3), beats) + runs("TRL defaults", ("spg 32", 1e-3), ties)
+                 + runs("SAPO", ("spg 8", 1e-3), ties) + runs("VESPO", ("spg 8", 1e-3), beats)
+                 + runs("VESPO", ("spg 32", 1e-3), loses))
+    rows, verdicts = dropin_study.table(synthetic, resamples=2000)
+    assert verdicts == {"TRL defaults": {("spg 8", 1e-3): "beats", ("spg 32", 1e-3): "ties"},
+                        "SAPO": {("spg 8", 1e-3): "ties"},
+                        "VESPO": {("spg 8", 1e-3): "beats", ("spg 32", 1e-3): "loses"}}
+    claim = dropin_study.claim(verdicts)
+    assert claim[0].startswith("- TRL defaults: holds") and claim[1].startswith("- SAPO: FAILS")
+    assert claim[2].startswith("- VESPO: FAILS (1 beats, 1 loses")
+    assert rows[0].startswith("| config | staleness 8, lr 0.001 | staleness 32, lr 0.001 |")
