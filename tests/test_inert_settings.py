@@ -53,6 +53,8 @@ WARNINGS = [
     ("--loss_type vespo --positive_contribution_is_weighted", "TRL folds the vLLM importance-sampling weights"),
     ("--ratio_lower_start 0.8 --ratio_lower_max 0.8 --ratio_upper_max 1.2 --target_entropy 1.0",
      "so target_entropy=1.0 only matter(s) for a moving search"),
+    ("--max_steps 2 --logging_steps 10", "`logging_steps` (10) exceeds `max_steps` (2): no training step will be "
+     "logged"),
 ]
 
 

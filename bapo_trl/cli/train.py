@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import sys
 import warnings
@@ -229,6 +230,7 @@ class BAPOParser(TrlParser):
     A bad flag gives one line (not a 200-line usage wall) pointing at ``--help``."""
 
     def __init__(self, dataclass_types, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # `--max_step` is not `--max_steps`: a typo is refused, not guessed
         kwargs.setdefault("description", DESCRIPTION)
         kwargs.setdefault("usage", "%(prog)s [--config recipe.yaml] [--OPTION VALUE ...]")
         super().__init__(dataclass_types, **kwargs)
@@ -334,7 +336,22 @@ def parse_args(argv: list[str] | None = None, parser: TrlParser | None = None, c
     try:
         return parser.parse_args_and_config(argv)
     except ValueError as err:  # no usage wall: the message names the field and the allowed range
-        parser.exit(2, f"{parser.prog}: error: {err}\n")
+        parser.exit(2, f"{parser.prog}: error: {unknown_flags_hint(parser, argv) or err}\n")
+
+
+def unknown_flags_hint(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """``unknown option --max_stpes; did you mean --max_steps?`` for every flag of ``argv`` the parser does not
+    know (prefixes included: abbreviations are off), or None when all are known."""
+    known = {option for action in parser._actions for option in action.option_strings}
+    unknown = [arg.split("=", 1)[0] for arg in argv if arg.startswith("--") and arg.split("=", 1)[0] not in known]
+    if not unknown:
+        return None
+    flags = sorted(o for o in known if o.startswith("--") and "-" not in o[2:])  # one spelling each
+    parts = []
+    for flag in unknown:
+        close = difflib.get_close_matches(flag.replace("-", "_").replace("__", "--", 1), flags, n=1, cutoff=0.75)
+        parts.append(f"unknown option {flag}" + (f"; did you mean {close[0]}?" if close else ""))
+    return "; ".join(parts) + " (`--help` lists the options)"
 
 
 SHM_OP = "deepspeed_shm_comm"
@@ -588,9 +605,9 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
 
 
 def run(argv: list[str] | None = None, parser: TrlParser | None = None):
-    """Parse and train; setup errors print one ``error:`` line on stderr and exit with code 2. A run that trained but
-    logged no step, or in which no generation batch had a reward (:func:`~bapo_trl.trainer.summary.run_problems`), says
-    why in ``error:`` lines and exits with code 1. A job of several processes on CPU ends through
+    """Parse and train; setup errors print one ``error:`` line on stderr and exit with code 2. A run in which no
+    generation batch had a reward (:func:`~bapo_trl.trainer.summary.run_problems`) says why in ``error:`` lines and
+    exits with code 1. A job of several processes on CPU ends through
     :func:`exit_past_gloo_teardown` (:func:`exits_past_gloo_teardown` says when)."""
     from ..trainer.summary import run_problems
 

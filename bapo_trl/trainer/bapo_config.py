@@ -314,7 +314,7 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         (:meth:`~bapo_trl.rollout.settings.RolloutSettings.inert_rollout_settings`), then the search's. Errors: a
         feature the user turned on would never act. Warnings: the run is legitimate but a setting is useless in it.
         Every row compares a setting with its field's declared default."""
-        rows = self.inert_rollout_settings() + self._sequence_window_rows()
+        rows = self.inert_rollout_settings() + self._sequence_window_rows() + self._logging_rows()
         path = self._loss.path(self.bapo_settings)
         window = f"[{path.clip_low[0]}, {path.clip_high[0]}]"
         rows += self._loss_type_rows()
@@ -340,6 +340,16 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
                 f"run has none (use_vllm={self.use_vllm}, vllm_importance_sampling_correction="
                 f"{self.vllm_importance_sampling_correction}): the share is measured unweighted.")))
         return rows
+
+    def _logging_rows(self) -> list[tuple[str, str]]:
+        """A run too short for its first log: no metric, summary or plot (the model is still trained and saved)."""
+        strategy = getattr(self.logging_strategy, "value", self.logging_strategy)
+        steps = self.logging_steps
+        if strategy == "steps" and self.max_steps > 0 and steps >= 1 and steps > self.max_steps:
+            return [("warning", (f"`logging_steps` ({steps:g}) exceeds `max_steps` ({self.max_steps}): no training "
+                                 "step will be logged, so the run has no metric, summary or plot (it still trains and "
+                                 "saves). Set `logging_steps` to at most max_steps, e.g. --logging_steps 1."))]
+        return []
 
     @property
     def _loss(self):

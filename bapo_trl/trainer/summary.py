@@ -63,16 +63,10 @@ def _reward_line(log_history: list[dict]) -> list[str]:
 
 
 def run_problems(log_history: list[dict], args=None) -> list[str]:
-    """What makes a finished run a failed one (``bapo train`` exits non-zero on any): no training step logged, or no
-    generation batch with a reward. Empty: none."""
+    """What makes a finished run a failed one (``bapo train`` exits non-zero on any): no generation batch with a
+    reward (nothing was trained). Empty: none. A run that trained but logged no step is not a failure: its model is
+    saved; ``BAPOConfig`` warns before any work when ``logging_steps`` exceeds ``max_steps``."""
     problems = []
-    if not generation_rows(log_history):
-        steps = next((h["step"] for h in reversed(log_history) if "step" in h), 0)
-        strategy = getattr(args, "logging_strategy", None)
-        settings = "" if args is None else (f" with logging_strategy={getattr(strategy, 'value', strategy)}, "
-                                            f"logging_steps={args.logging_steps}")
-        problems.append(f"no training step was logged ({steps} optimizer steps ran{settings}): there is no metric, "
-                        "summary or plot of the run. Log at least once within the run (e.g. --logging_steps 1).")
     counts = reward_batches(log_history)
     if counts is not None and counts[0] and counts[0] == counts[1]:
         problems.append(f"no generation batch had a reward: in all {counts[0]}, every reward function returned None "
