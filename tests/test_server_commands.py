@@ -265,3 +265,14 @@ def test_every_serve_flag_has_both_spellings():
     separated = [f for f in flags if any(c in f[0][2:] for c in "-_")]
     assert len(separated) == 4, separated
     assert all(f == both_spellings(f[0]) for f in separated), separated
+
+
+def test_a_dry_run_prints_the_registry_models_directory_without_converting_it(capsys, tmp_path, monkeypatch):
+    """`bapo serve --model smollm2 --dry-run`: the command names the local checkpoint the registry name resolves to
+    (it printed `smollm2` unresolved), and says it is not prepared yet; nothing is converted."""
+    from bapo_trl.recipes.models import model_dir
+
+    monkeypatch.setenv("BAPO_TRL_CACHE", str(tmp_path / "cache"))
+    out = _dry_run(capsys, tmp_path, "--model", "smollm2", "--dry-run")
+    assert f"--model {model_dir('smollm2')}" in out and "--model smollm2 " not in out
+    assert "is not prepared yet" in out and not (tmp_path / "cache").exists()

@@ -205,6 +205,10 @@ def test_model_card_names_bapo_and_its_settings(tiny_model_dir, tmp_path):
     assert "mean chosen window" in card
     assert "bapo" in card.split("---")[1]  # TRL's front matter carries the tag
     assert "@article{xi2025bapo" in card  # the paper citation comes through TRL's own card template
+    # nothing pushed (no hub_model_id): the quick start loads the saved folder, not model="None" (TRL's template)
+    assert 'model="None"' not in card and f'model="{tmp_path}"' in card
+    trainer.save_model(str(tmp_path / "elsewhere"))  # a model saved to another folder: its card loads that one
+    assert f'model="{tmp_path / "elsewhere"}"' in (tmp_path / "elsewhere" / "README.md").read_text()
 
 
 def test_num_iterations_makes_the_second_pass_off_policy_and_bapo_acts(tiny_model_dir, tmp_path, monkeypatch):

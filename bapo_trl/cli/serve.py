@@ -235,21 +235,26 @@ def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.serv
     else:
         backend = args.backend
         python = sys.executable if backend == "gpu" else os.path.join(venv, "bin", "python")
-    if not args.dry_run:
-        from ..recipes.models import (  # standard library only until a conversion is needed
-            ModelSetupError,
-            resolve_model,
-        )
+    from ..recipes.models import (  # standard library only until a conversion is needed
+        ModelSetupError,
+        is_prepared,
+        is_registry_name,
+        model_dir,
+        resolve_model,
+    )
 
-        try:
-            args.model = resolve_model(args.model)  # a registry name (smollm2-135m-instruct) -> its local checkpoint
-        except ModelSetupError as err:
-            raise SystemExit(f"error: {err}") from err
+    registry = is_registry_name(args.model)
+    try:  # a registry name (smollm2-135m-instruct) -> its local checkpoint; --dry-run converts nothing
+        args.model = model_dir(args.model) if registry and args.dry_run else resolve_model(args.model)
+    except ModelSetupError as err:
+        raise SystemExit(f"error: {err}") from err
     cmd, env = build_command(args.model, args.host, args.port, backend, python, args.dtype, extra, api_key,
                              lora=args.lora_rank)
     if args.dry_run:  # the key itself is not printed
         print(" ".join(f"{k}={'<hidden>' if k == API_KEY_ENV else shlex.quote(v)}" for k, v in env.items()),
               shlex.join(cmd))
+        if registry and not is_prepared(args.model):
+            print(f"# {args.model} is not prepared yet: the command above converts it first (`bapo models ...`)")
         return
     os.environ.update(env)
     sys.stdout.flush()

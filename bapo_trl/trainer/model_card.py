@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # importing this module stays light: `bapo plot` reads rho0 back from a card with it
@@ -73,8 +72,15 @@ def bapo_card_section(args: BAPOConfig, log_history: list[dict]) -> str:
     )
 
 
+#: What TRL's card's quick start loads when the run has no Hub id (``hub_model_id`` unset: nothing pushed).
+NO_HUB_ID = 'model="None"'
 #: What TRL's card template writes when it has no Hub id for the base model (a local directory, or no name at all).
 NO_BASE_MODEL = "fine-tuned version of [None](https://huggingface.co/None)"
+
+
+def quick_start_model(folder: str) -> str:
+    """The card's quick start loading the saved ``folder`` (TRL's loads the Hub id, "None" when nothing is pushed)."""
+    return f'model="{os.path.abspath(folder)}"'
 
 
 def name_base_model(text: str, base: str | None) -> str:
@@ -102,7 +108,10 @@ class ModelCardMixin:
         self.create_model_card(model_name=os.path.basename(os.path.normpath(target)))
         card = os.path.join(self.args.output_dir, "README.md")
         if os.path.abspath(target) != os.path.abspath(self.args.output_dir) and os.path.exists(card):
-            shutil.copyfile(card, os.path.join(target, "README.md"))
+            with open(card) as f:  # its quick start loads this folder
+                text = f.read().replace(quick_start_model(self.args.output_dir), quick_start_model(target))
+            with open(os.path.join(target, "README.md"), "w") as f:
+                f.write(text)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's generated card (tags, citation of the paper), extended with a BAPO section; a base model loaded from a
@@ -116,4 +125,5 @@ class ModelCardMixin:
         config = getattr(self.model, "config", None)
         base = getattr(config, "name_or_path", None) or None
         with open(path, "w") as f:
+            text = text.replace(NO_HUB_ID, quick_start_model(self.args.output_dir))  # not pushed: the saved folder
             f.write(name_base_model(text, base) + "\n" + bapo_card_section(self.args, self.state.log_history))
