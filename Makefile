@@ -39,9 +39,9 @@ train: install
 FAST_WORKERS ?= 2
 
 test: install-test
-	$(PYTHON) -m pytest -m "not slow" -q -n $(FAST_WORKERS) --durations=20
-	$(PYTHON) -m pytest -m "slow and side_by_side" -q -n $(FAST_WORKERS) --durations=20
-	$(PYTHON) -m pytest -m "slow and not side_by_side" -q --durations=30
+	$(PYTHON) -m pytest -m "not slow" -q -n $(FAST_WORKERS) --durations=0
+	$(PYTHON) -m pytest -m "slow and side_by_side" -q -n $(FAST_WORKERS) --durations=0
+	$(PYTHON) -m pytest -m "slow and not side_by_side" -q --durations=0
 
 test-fast: install-test
 	$(PYTHON) -m pytest -m "not slow" -q -n $(FAST_WORKERS) --durations=20

