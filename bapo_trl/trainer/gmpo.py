@@ -18,6 +18,7 @@ import warnings
 
 from ..core.clipping import BAPOSettings
 from ..core.loss_types import GEOMETRIC_MEAN
+from ..core.window_rule import RATIO_FIELDS
 from .bapo_config import BAPOConfig
 from .bapo_trainer import BAPOTrainer
 from .presets import gmpo_balanced
@@ -49,6 +50,13 @@ def gmpo_errors(args: BAPOConfig) -> list[str]:
         errors.append(f"`off_policy_correction` must be 'none' with BAPOGMPOTrainer, got "
                       f"{args.off_policy_correction!r}: the decoupled correction weighs each token, and GMPO's loss "
                       "takes one weight per sequence (its geometric mean).")
+    derived = [name for name in RATIO_FIELDS if name not in args.ratio_fields_set]
+    window_set = args.epsilon != BAPOConfig.__dataclass_fields__["epsilon"].default or args.epsilon_high is not None
+    if derived and window_set:
+        errors.append(f"`epsilon` ({args.epsilon}) / `epsilon_high` ({args.epsilon_high}) with BAPOGMPOTrainer: "
+                      "BAPOConfig derives the unset ratio_* fields from a window [1 - epsilon, 1 + epsilon_high], "
+                      "while GMPO reads its epsilons as log-space bounds [exp(-epsilon), exp(epsilon_high)]. Set the "
+                      "ratio_* fields instead: **gmpo_balanced() starts at TRL's documented GMPO window exp(+-0.4).")
     return errors
 
 
