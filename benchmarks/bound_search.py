@@ -286,7 +286,10 @@ def main(argv=None) -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        return worker(args.worker)
+        worker(args.worker)
+        from bapo_trl.cli.train import exit_past_gloo_teardown
+
+        exit_past_gloo_teardown()  # gloo can abort a finished process while the interpreter finalizes (its docstring)
 
     torch.set_num_threads(1)  # the machines are shared 2-core boxes: one thread gives stable numbers
     baseline = load_baseline(args.baseline) if args.baseline else None
