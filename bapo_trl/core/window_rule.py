@@ -36,13 +36,21 @@ class Widening:
     lower_narrowest: float
 
 
+def sequence_widening(scale: float) -> Widening:
+    """The sequence-level widening at ``scale`` (issue 53's "GSPO-scale x<scale>" candidates): c_high to
+    ``1 + 10 scale h``, c_low from ``1 - 3 scale e`` to ``1 - e``."""
+    return Widening(upper=10.0 * scale, lower_widest=3.0 * scale, lower_narrowest=1.0)
+
+
+#: The scale issue 53's development runs chose among 1, 2, 4, 10 and 25 ("BAPO GSPO-scale x10", seeds 100-109),
+#: confirmed on seeds 300-319 and 400-419 (docs/results.md).
+SEQUENCE_SCALE = 10.0
 #: Per ratio level. Token: the paper's path read at TRL's default ``epsilon = 0.2`` (3.0 = 1 + 10 x 0.2, 0.6 = 1 - 2
-#: x 0.2, 0.9 = 1 - 0.5 x 0.2; the paper's own runs). Sequence: ``gspo_balanced()``, the scale issue 53's development
-#: runs chose among 1, 2, 4, 10 and 25 ("BAPO GSPO-scale x10", seeds 100-109) and confirmed on seeds 300-319 and
-#: 400-419 (docs/results.md): c_high to 1 + 100 h, c_low from 1 - 30 e to 1 - e.
+#: x 0.2, 0.9 = 1 - 0.5 x 0.2; the paper's own runs). Sequence: ``gspo_balanced()``'s, at :data:`SEQUENCE_SCALE`:
+#: c_high to 1 + 100 h, c_low from 1 - 30 e to 1 - e.
 WIDENING = {
     "token": Widening(upper=10.0, lower_widest=2.0, lower_narrowest=0.5),
-    "sequence": Widening(upper=100.0, lower_widest=30.0, lower_narrowest=1.0),
+    "sequence": sequence_widening(SEQUENCE_SCALE),
 }
 
 #: The ratio fields the rule derives (``BAPOConfig`` fields; one the user sets overrides the rule for that field).
@@ -61,11 +69,11 @@ def _clean(value: float) -> float:
     return float(f"{value:.12g}")
 
 
-def window_path(epsilon: float, epsilon_high: float | None, level: str = "token") -> dict[str, float]:
+def window_path(epsilon: float, epsilon_high: float | None, level: str | Widening = "token") -> dict[str, float]:
     """The ``ratio_*`` fields of the search path around the window ``[1 - epsilon, 1 + epsilon_high]`` at
-    ``level`` (``"token"`` or ``"sequence"``); see the module doc."""
+    ``level`` (``"token"`` or ``"sequence"``, or a :class:`Widening` of its own); see the module doc."""
     high = epsilon if epsilon_high is None else epsilon_high
-    widen = WIDENING[level]
+    widen = WIDENING[level] if isinstance(level, str) else level
     upper_max, lower_start = 1 + widen.upper * high, 1 - widen.lower_widest * epsilon
     lower_max = 1 - widen.lower_narrowest * epsilon
     return {name: _clean(value) for name, value in dict(

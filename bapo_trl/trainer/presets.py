@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import math
 
+from ..core.window_rule import SEQUENCE_SCALE, sequence_widening, window_path
+
 #: GSPO as TRL documents it for the GSPO paper's setting (TRL's paper index): the sequence-level ratio, loss ``grpo``,
 #: a narrow window (the mean log-ratio of a sequence moves far less than a token's), no KL term.
 GSPO_DOCUMENTED = dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4,
                        beta=0.0)
 
 
-def gspo_balanced(scale: float = 10.0) -> dict:
+def gspo_balanced(scale: float = SEQUENCE_SCALE) -> dict:
     """BAPO's balance of GSPO's sequence-level ratio, on a search path around TRL's documented GSPO window:
     ``c_high`` from ``1 + epsilon_high`` to ``1 + 10 x scale x epsilon_high`` (37 points), ``c_low`` from
     ``1 - 3 x scale x epsilon`` to ``1 - epsilon`` (16 points), with GSPO's ``epsilon = 3e-4``, ``epsilon_high =
@@ -28,12 +30,9 @@ def gspo_balanced(scale: float = 10.0) -> dict:
     4, 10 and 25 it had the largest paired difference against the documented GSPO on the development seeds)."""
     if not (isinstance(scale, (int, float)) and scale >= 1):
         raise ValueError(f"gspo_balanced: `scale` must be a number >= 1, got {scale!r}")
-    low, high = GSPO_DOCUMENTED["epsilon"], GSPO_DOCUMENTED["epsilon_high"]
-    upper, lower = 10 * scale, 3 * scale
     gspo = {name: GSPO_DOCUMENTED[name] for name in ("loss_type", "importance_sampling_level", "beta")}
-    return dict(gspo, ratio_upper_start=1 + high, ratio_upper_max=1 + high * upper,
-                ratio_upper_step=high * (upper - 1) / 36,
-                ratio_lower_start=1 - low * lower, ratio_lower_max=1 - low, ratio_lower_step=low * (lower - 1) / 15)
+    return dict(gspo, **window_path(GSPO_DOCUMENTED["epsilon"], GSPO_DOCUMENTED["epsilon_high"],
+                                    sequence_widening(scale)))
 
 
 #: The length-fair window's band paths (``BAPOConfig``'s ``band_*`` fields), in standard errors of a sequence's mean
