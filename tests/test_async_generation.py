@@ -1,9 +1,10 @@
 """Async generation: the vLLM server generates the next batches while the trainer trains (issue 17).
 
 Fast tier: the prompt stream, the producer's pacing and push ordering (a scripted generator in place of the server,
-named as such), configuration and argument errors, and a stalled server (the stand-in server of policy_server.py). Slow
-tier: the real vLLM CPU server: overlap, staleness bounded by K, behaviour log-probs equal to a recomputation with the
-saved sampling policy, resume without loss or duplication, LoRA, and ZeRO-3 on 2 processes through train_bapo.py.
+named as such), configuration and argument errors, and a stalled server (the stand-in server of
+support/policy_server.py). Slow tier: the real vLLM CPU server: overlap, staleness bounded by K, behaviour log-probs
+equal to a recomputation with the saved sampling policy, resume without loss or duplication, LoRA, and ZeRO-3 on 2
+processes through train_bapo.py.
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from harness import CPU, PolicySnapshots, Probe, check_behaviour_logps, cpu_config, tiny_trainer
-from policy_server import PolicyServer
-from test_vllm_server import completion_length, reset_server_weights, train_with_server
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl.trainer.utils import RepeatSampler
 
 from bapo_trl import BAPOConfig
 from bapo_trl.rollout.async_generation import AsyncGeneration, decode_batch, encode_batch
 from bapo_trl.rollout.producer import Producer, PromptStream, Work
+from support.async_launches import zero3_async_from_train_bapo
+from support.harness import CPU, PolicySnapshots, Probe, check_behaviour_logps, cpu_config, tiny_trainer
+from support.policy_server import PolicyServer
+from support.server_training import completion_length, reset_server_weights, train_with_server
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")
 
@@ -689,8 +691,8 @@ class StepsOutlastTheRequestAhead(TrainerCallback):
 
 
 class AsyncProbe:
-    """What a :class:`harness.Probe` records around the real source's methods (a probe, not a fake): each batch handed
-    to the trainer and when each server request started."""
+    """What a :class:`support.harness.Probe` records around the real source's methods (a probe, not a fake): each
+    batch handed to the trainer and when each server request started."""
 
     def __init__(self):
         self.batches, self.requests = [], {}
@@ -713,8 +715,8 @@ class AsyncProbe:
 
 
 def probed(probe: AsyncProbe, resume_from=None, **kwargs):
-    """A :class:`harness.Probe` recording into ``probe``, whose ``train()`` resumes from ``resume_from``; ``kwargs``
-    go to the trainer (``peft_config``, ``eval_dataset``)."""
+    """A :class:`support.harness.Probe` recording into ``probe``, whose ``train()`` resumes from ``resume_from``;
+    ``kwargs`` go to the trainer (``peft_config``, ``eval_dataset``)."""
     def train(trainer, real, *args, **kw):
         return real(resume_from_checkpoint=resume_from)
 
@@ -942,28 +944,6 @@ def test_lora_with_async_generation(tiny_server, tiny_model_dir, tmp_path):
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
 
 
-def zero3_async_from_train_bapo(server_url: str, out, *extra) -> tuple[str, list[float]]:
-    """`accelerate launch` of train_bapo.py, ZeRO-3 on 2 processes, 4 steps of async K=1 through the server at
-    ``server_url`` (``extra``: more flags); checks that ZeRO-3 partitioned the weights and that the first batch was
-    fresh and every later one a step stale; returns the launch's output and the logged staleness per step."""
-    from launching import REPO, accelerate_launch, assert_zero3_partitioned
-
-    proc = accelerate_launch(
-        REPO / "train_bapo.py", "--max_steps", "4",
-        "--per_device_train_batch_size", "8", "--num_generations", "4", "--steps_per_generation", "1",
-        "--logging_steps", "1", "--output_dir", out, *extra,
-        "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", server_url,
-        "--async_generation", "--max_staleness", "1",
-        config_file=REPO / "accelerate_configs" / "deepspeed_zero3.yaml", extra_launch=["--mixed_precision", "no"],
-        timeout=1200,
-    )
-    assert_zero3_partitioned(out)
-    text = proc.stdout + proc.stderr
-    staleness = [float(x) for x in re.findall(r"'async/staleness_max': '([^']+)'", text)]
-    assert len(staleness) == 4 and staleness[0] == 0 and min(staleness[1:]) >= 1, staleness
-    return text, staleness
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial_rollout"])
 def test_zero3_two_processes_async_from_train_bapo(tiny_server, tiny_model_dir, tmp_path, partial):
@@ -1093,14 +1073,13 @@ def test_weight_sync_steps_pushes_every_nth_step(tiny_server, tiny_model_dir, tm
 @pytest.mark.slow
 @pytest.mark.parametrize("stalled", [0, 2], ids=["first batch", "later batch"])
 def test_a_stalled_server_ends_every_process_of_a_two_process_run(stalled, tmp_path):
-    """2 processes; the stand-in server (tests/policy_server.py) stalls on the first batch's request, or answers the
-    first two batches and stalls on the third (sent while step 1 trains): rank 0's request times out, and both ranks
-    end with the error at the next hand-over (rank 1 through the broadcast), before either enters the weight push's
-    collectives. A batch is 4 requests here (2 x 8 rows / 4 completions: one seeded request per prompt)."""
-    from policy_server import PolicyServer
-
+    """2 processes; the stand-in server (tests/support/policy_server.py) stalls on the first batch's request, or
+    answers the first two batches and stalls on the third (sent while step 1 trains): rank 0's request times out, and
+    both ranks end with the error at the next hand-over (rank 1 through the broadcast), before either enters the weight
+    push's collectives. A batch is 4 requests here (2 x 8 rows / 4 completions: one seeded request per prompt)."""
     from bapo_trl.recipes.toy import build_tiny_model
-    from launching import REPO, accelerate_launch
+    from support.launching import REPO, accelerate_launch
+    from support.policy_server import PolicyServer
 
     prompts_per_batch = 4
     server = PolicyServer(build_tiny_model(), stall_on=(stalled * prompts_per_batch + 1,))  # the embedded model

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from bapo_trl.cli import main as bapo
-from launching import REPO
+from support.launching import REPO
 
 #: subcommand -> the command it stands for (run from the repository root)
 OLD = {

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from launching import REPO, run_quick
+from support.launching import REPO, run_quick
 
 # side_by_side: the quick runs start their own servers (or the worker's own live one) and assert no timing, so the slow
 # tier runs them on 2 workers.

@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from harness import cpu_config, tiny_trainer
 from transformers import TrainerCallback
 
 import bapo_trl.trainer.checkpoints as checkpoints_module
@@ -23,6 +22,7 @@ from bapo_trl.trainer.checkpoints import (
     resolve_resume,
     saved_world_size,
 )
+from support.harness import cpu_config, tiny_trainer
 
 
 def build(model_dir, out, **overrides):

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from bapo_trl.cli.train import make_parser, parse_args, run
-from launching import REPO
+from support.launching import REPO
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")  # train_bapo.py builds the embedded model there
 

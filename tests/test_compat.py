@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bapo_trl import _compat
-from launching import REPO
+from support.launching import REPO
 
 #: one old path per kind of move (the whole table is checked by test_every_old_path_resolves)
 SAMPLES = [("bapo_trl.clipping", "bapo_trl.core.clipping"), ("bapo_trl.loss_hook", "bapo_trl.trainer.loss_hook"),
@@ -126,7 +126,8 @@ def test_the_project_itself_never_imports_a_deprecated_path():
     pattern = re.compile(r"(?:from|import|-m)\s+[\"']?(" + "|".join(map(re.escape, old)) + r")(?![\w])")
     module_flag = re.compile(r"\"-m\", \"(" + "|".join(map(re.escape, old)) + r")\"")
     files = [*REPO.glob("bapo_trl/**/*.py"), *REPO.glob("benchmarks/*.py"), *REPO.glob("tests/*.py"),
-             *REPO.glob("notebooks/*.ipynb"), *REPO.glob("scripts/*"), REPO / "train_bapo.py", REPO / "Makefile"]
+             *REPO.glob("tests/support/*.py"), *REPO.glob("notebooks/*.ipynb"), *REPO.glob("scripts/*"),
+             REPO / "train_bapo.py", REPO / "Makefile"]
     found = []
     for path in files:
         if path.name in ("test_compat.py", "_compat.py") or not path.is_file():
@@ -141,8 +142,8 @@ def test_every_module_the_project_runs_with_python_m_has_a_command():
     """``python -m bapo_trl.recipes.models`` imports the functions and exits 0 having done nothing: a test that runs a
     module that way must name one with a command (``if __name__ == "__main__"``, or a package's ``__main__.py``)."""
     named = set()
-    for path in [*REPO.glob("tests/*.py"), *REPO.glob("benchmarks/*.py"), *REPO.glob("bapo_trl/**/*.py"),
-                 *REPO.glob("scripts/*"), REPO / "Makefile", REPO / "README.md"]:
+    for path in [*REPO.glob("tests/*.py"), *REPO.glob("tests/support/*.py"), *REPO.glob("benchmarks/*.py"),
+                 *REPO.glob("bapo_trl/**/*.py"), *REPO.glob("scripts/*"), REPO / "Makefile", REPO / "README.md"]:
         if path.is_file() and path.name != "test_compat.py":
             named |= set(re.findall(r"-m[\"', ]+(bapo_trl(?:\.\w+)+)", path.read_text(errors="replace")))
     assert "bapo_trl.cli.models" in named  # the scan finds the forms in use

@@ -70,10 +70,10 @@ def test_a_dataset_without_a_prompt_column_is_refused_when_the_trainer_is_built(
     does not exist), naming the dataset and the columns it has; an IterableDataset without known columns is read
     by its first example, an eval set of several datasets set by set."""
     from datasets import IterableDataset
-    from harness import cpu_config
 
     from bapo_trl import BAPOTrainer
-    from bapo_trl.trainer.bapo_trainer import check_prompt_column
+    from bapo_trl.trainer.input_checks import check_prompt_column
+    from support.harness import cpu_config
 
     good, bad = Dataset.from_list([{"prompt": "123>"}]), Dataset.from_list(ROWS)
     datasets, name = {"train": ({"train_dataset": bad}, "`train_dataset`"),

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from launching import REPO, accelerate_launch
+from support.launching import REPO, accelerate_launch
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from launching import REPO, accelerate_launch
+from support.launching import REPO, accelerate_launch
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from launching import REPO
+from support.launching import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 import durations_table  # noqa: E402

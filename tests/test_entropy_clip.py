@@ -6,13 +6,13 @@ import random
 
 import pytest
 import torch
-from harness import cpu_config, tiny_trainer
 
 from bapo_trl import search_clip_bounds
 from bapo_trl.cli.plot import main as plot_main
 from bapo_trl.core.clipping_reference import entropy_clip_reference
 from bapo_trl.core.entropy_clip import METRICS, entropy_clip_metrics, entropy_clip_sums, predicted_vs_realised
 from bapo_trl.core.target_controller import TargetController
+from support.harness import cpu_config, tiny_trainer
 
 
 def random_batch(rng: random.Random):

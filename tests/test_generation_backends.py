@@ -9,11 +9,11 @@ import threading
 
 import pytest
 import torch
-from harness import PolicySnapshots, cpu_config
 
 from bapo_trl import BAPOConfig
 from bapo_trl.generation.contract import GenerationBackend, register_backend, registered_backends
 from bapo_trl.rollout.settings import staleness_bound
+from support.harness import PolicySnapshots, cpu_config
 
 
 class InProcessBackend:
@@ -86,7 +86,7 @@ def test_async_generation_trains_through_a_registered_backend(tiny_model_dir, tm
     """Async generation, K=1, 2 updates per batch, through the registered stand-in (no vLLM, ``use_vllm`` off): it
     trains; every trained token's behaviour log-prob is its version's saved policy's (recomputed as the guarantees
     matrix does) and its staleness within the documented bound, which some tokens reach."""
-    from test_guarantees import build, check_behaviour_logps, check_versions_and_staleness
+    from support.guarantee_rows import build, check_behaviour_logps, check_versions_and_staleness
 
     snapshots = PolicySnapshots()
     args = cpu_config(

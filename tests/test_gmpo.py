@@ -253,10 +253,9 @@ def test_trls_gmpo_loss_clips_with_the_window_the_plain_loop_chooses(tiny_model_
     """Stale data (4 updates per generation batch) on BAPOGMPOTrainer: TRL's GMPO loss runs (its clip metrics are
     logged), and at every update the window installed where it reads it (``epsilon_low = -log c_low``,
     ``epsilon_high = log c_high``) is the plain loop's choice on that micro-batch."""
-    from harness import Probe, cpu_config, tiny_trainer
-
     from bapo_trl.core.numerics import loss_mask
     from bapo_trl.trainer.gmpo import BAPOGMPOTrainer
+    from support.harness import Probe, cpu_config, tiny_trainer
 
     class GMPOProbe(Probe, BAPOGMPOTrainer):
         pass
@@ -297,9 +296,8 @@ def test_trls_gmpo_loss_clips_with_the_window_the_plain_loop_chooses(tiny_model_
     ("epsilon", 0.4, "GMPO reads its epsilons as log-space bounds"),  # with a ratio field the rule would derive
 ])
 def test_what_gmpo_never_reads_is_refused_by_name(tiny_model_dir, tmp_path, field, value, says):
-    from harness import cpu_config, tiny_trainer
-
     from bapo_trl.trainer.gmpo import BAPOGMPOTrainer
+    from support.harness import cpu_config, tiny_trainer
 
     settings = {**gmpo_balanced(), field: value}
     if field == "epsilon":  # GMPO's own window given as GMPO users write it, the path left to BAPOConfig's rule
@@ -310,10 +308,10 @@ def test_what_gmpo_never_reads_is_refused_by_name(tiny_model_dir, tmp_path, fiel
 
 
 def test_trls_gmpo_config_is_refused_with_the_setting_to_use(tiny_model_dir, tmp_path):
-    from harness import CPU, tiny_trainer
     from trl.experimental.gmpo import GMPOConfig
 
     from bapo_trl.trainer.gmpo import BAPOGMPOTrainer  # (imports trl.experimental, quietly)
+    from support.harness import CPU, tiny_trainer
 
     with pytest.raises(TypeError, match=r"needs `args` to be a BAPOConfig, got GMPOConfig.*gmpo_balanced\(\)"):
         tiny_trainer(tiny_model_dir, GMPOConfig(output_dir=str(tmp_path), **CPU), cls=BAPOGMPOTrainer)
@@ -322,9 +320,8 @@ def test_trls_gmpo_config_is_refused_with_the_setting_to_use(tiny_model_dir, tmp
 def test_what_gmpo_never_reads_warns_when_left_at_another_losss_value(tiny_model_dir, tmp_path):
     """BAPOConfig's dual clip (on by default) and the weighted share act in TRL's clipped losses, not in GMPO's: each
     warns, by name; gmpo_balanced() warns of neither."""
-    from harness import cpu_config, tiny_trainer
-
     from bapo_trl.trainer.gmpo import BAPOGMPOTrainer
+    from support.harness import cpu_config, tiny_trainer
 
     with pytest.warns(UserWarning) as caught:
         tiny_trainer(tiny_model_dir, cpu_config(tmp_path, positive_contribution_is_weighted=True), cls=BAPOGMPOTrainer)
@@ -349,7 +346,7 @@ def test_the_studied_gmpo_settings_are_one_definition(tmp_path):
     the path has 37 upper and 16 lower points, as gspo_balanced()'s."""
     import sys
 
-    from harness import cpu_config
+    from support.harness import cpu_config
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks"))
     import step_overhead

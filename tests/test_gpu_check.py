@@ -17,7 +17,7 @@ from importlib.metadata import version
 import pytest
 import torch
 
-from launching import REPO
+from support.launching import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_check  # noqa: E402

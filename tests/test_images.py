@@ -2,7 +2,8 @@
 either trains with the image inputs passed to every forward exactly as TRL's loss passes them (TRL's generation, the
 default source with stale steps, the decoupled correction's proximal forward), or refuses an image dataset at
 construction, naming itself and the column (replay, partial rollout, async generation: they keep token batches
-without the images). The model is a real vision-language class, LLaVA, built from configs (``tests/tiny_vlm.py``).
+without the images). The model is a real vision-language class, LLaVA, built from configs
+(``tests/support/tiny_vlm.py``).
 
 Not covered here: Qwen-style ``image_grid_thw`` batches (Qwen2-VL's processor needs torchvision, which the test
 environment does not install); the pass-through reads its keys from TRL's own forward signature, checked against
@@ -16,11 +17,11 @@ import re
 import datasets
 import pytest
 import torch
-from harness import Probe, cpu_config
 
 from bapo_trl import BAPOTrainer
 from bapo_trl.recipes.toy import reverse_reward
 from bapo_trl.trainer.trl_port import forward_inputs, multimodal_keys
+from support.harness import Probe, cpu_config
 
 ASYNC = dict(async_generation=True, use_vllm=True, vllm_mode="server")
 
@@ -60,7 +61,7 @@ def test_a_source_that_drops_images_refuses_an_image_dataset_by_name(tiny_model_
     assert source in str(error.value) and f"`{column}` column" in str(error.value)
 
 
-# -- a real vision-language class (tests/tiny_vlm.py: LLaVA built from configs) through TRL's own generation ------
+# -- a real vision-language class (tests/support/tiny_vlm.py: LLaVA built from configs) through TRL's own generation --
 
 def keep_batches(trainer, compute_loss, model, inputs, *args, **kwargs):
     trainer.batches.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
@@ -78,10 +79,10 @@ def test_a_vision_language_model_trains_with_ratios_of_one_when_the_policy_stand
     """LLaVA on image prompts, learning rate 0 (the policy never moves): every micro-batch's reference log-probs
     (TRL's, or the decoupled proximal ones) are the policy's own WITH the batch's images, so every ratio and every
     decoupled weight is exactly 1 (within float noise); the stored behaviour log-probs agree too."""
-    from tiny_vlm import build_tiny_vlm, image_reward, make_image_dataset
     from transformers import AutoProcessor
 
     from bapo_trl.trainer.decoupled import BEHAVIOUR
+    from support.tiny_vlm import build_tiny_vlm, image_reward, make_image_dataset
 
     model_dir = build_tiny_vlm(str(tmp_path / "vlm"))
     args = cpu_config(tmp_path / "out", per_device_train_batch_size=4, num_generations=4, max_completion_length=6,

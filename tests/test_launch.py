@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from launching import (
+from support.launching import (
     PORT_ATTEMPTS,
     REPO,
     accelerate_launch,

@@ -6,6 +6,9 @@ A module's layer is the folder of ``bapo_trl/`` it is in; the package face (``ba
 the test; same-layer imports are allowed, as long as no chain of imports runs in a circle. Why: a lower layer that
 knows an upper one (the rollout sources calling back into the trainer, the config loading a rollout source) is how
 cycles and untestable modules start.
+
+The tests are shaped like the package: no module under ``tests/`` imports a test module (``test_*``); a helper that
+several test modules share lives in ``tests/support/`` (or is a ``conftest.py`` fixture), in one place.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "bapo_trl"
+TESTS = ROOT / "tests"
 
 #: The layers, lowest first: one folder of bapo_trl/ each.
 LAYERS = ("core", "generation", "rollout", "trainer", "recipes", "cli")
@@ -176,3 +180,50 @@ def test_the_public_face_takes_nothing_from_the_commands():
 
     assert {name: where for name, where in bapo_trl._EXPORTS.items() if where.startswith("bapo_trl.cli")} == {}
 
+
+def imports_of_test_modules(files: dict[Path, str | None]) -> list[str]:
+    """``file:line`` of every import of a test module (a module named ``test_*``) in the files: ``import test_x``,
+    ``from test_x import ...``, ``from . import test_x``, ``importlib.import_module("test_x")`` or
+    ``__import__("test_x")``, anywhere in the file (top level, inside a function, under a condition)."""
+    problems = []
+    for path, source in files.items():
+        for node in ast.walk(ast.parse(source if source is not None else path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module] if node.module else [a.name for a in node.names]
+            elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                  and isinstance(node.args[0].value, str)
+                  and ast.unparse(node.func) in ("importlib.import_module", "import_module", "__import__")):
+                names = [node.args[0].value]
+            else:
+                continue
+            problems += [f"{path.relative_to(ROOT)}:{node.lineno}: imports the test module {name}" for name in names
+                         if any(part.startswith("test_") for part in name.split("."))]
+    return problems
+
+
+def test_no_test_module_is_imported_by_another_module():
+    """A helper a test module defines and another module needs moves to ``tests/support/`` (the test module then
+    imports it from there too): importing a test module runs its module-level code and its fixtures in a second place,
+    and hides which tests a change to it touches."""
+    problems = imports_of_test_modules({path: None for path in sorted(TESTS.rglob("*.py"))})
+    assert problems == [], "move the helper into tests/support/:\n" + "\n".join(problems)
+
+
+def test_an_import_of_a_test_module_is_caught():
+    """The check itself: each form is reported with its file and line, a nested one too; support modules and names
+    that only start like a test module (``testing``, ``test``) are not."""
+    problems = imports_of_test_modules({
+        TESTS / "test_a.py": "import os\nimport test_b\nfrom support.harness import cpu_config\n",
+        TESTS / "test_c.py": "def f():\n    if True:\n        from test_d import helper\n",
+        TESTS / "support" / "x.py": "import importlib\nimport testing\nimportlib.import_module('test_e')\n",
+        TESTS / "dist_scripts" / "y.py": "from . import test_f\nimport test\nx = __import__('test_g')\n",
+    })
+    assert problems == [
+        "tests/test_a.py:2: imports the test module test_b",
+        "tests/test_c.py:3: imports the test module test_d",
+        "tests/support/x.py:3: imports the test module test_e",
+        "tests/dist_scripts/y.py:1: imports the test module test_f",
+        "tests/dist_scripts/y.py:3: imports the test module test_g",
+    ]

@@ -72,7 +72,7 @@ def test_replay_partial_rollout_and_target_checkpoint_resumes(tmp_path, loaded):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["async", "async_partial"])
 def test_async_checkpoint_resumes_with_the_real_server(name, tiny_server, tiny_model_dir, tmp_path, loaded):
-    from test_vllm_server import reset_server_weights, train_with_server
+    from support.server_training import reset_server_weights, train_with_server
 
     reset_server_weights(tiny_server.url, tiny_model_dir)
     checkpoint = copy_fixture(name, tmp_path / "out")

@@ -187,9 +187,8 @@ def test_trls_loss_clips_each_sequence_in_the_window_the_plain_loop_chooses(tiny
     chose are the plain loop's on that micro-batch (advantages weighted 1/L, as grpo's loss weighs tokens), and the
     window installed where TRL's clamp reads it (epsilon_low/high, one per sequence) is each sequence's own, from
     the definitions; the run logs the widths and the mean window."""
-    from harness import Probe, cpu_config, tiny_trainer
-
     from bapo_trl.core.numerics import loss_mask
+    from support.harness import Probe, cpu_config, tiny_trainer
 
     calls, reductions = [], []
 
@@ -260,9 +259,8 @@ def test_trls_loss_clips_each_sequence_in_the_window_the_plain_loop_chooses(tiny
 ])
 def test_a_bad_length_fair_setting_is_refused_by_name_through_the_api_and_the_command(settings, says, tmp_path,
                                                                                       capsys):
-    from harness import cpu_config
-
     from bapo_trl.cli.train import make_parser, run
+    from support.harness import cpu_config
 
     with pytest.raises(ValueError) as error:
         cpu_config(tmp_path, **settings)
@@ -277,7 +275,7 @@ def test_a_bad_length_fair_setting_is_refused_by_name_through_the_api_and_the_co
 def test_settings_the_chosen_window_never_reads_warn():
     import warnings
 
-    from harness import cpu_config
+    from support.harness import cpu_config
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -295,9 +293,8 @@ def test_the_studied_settings_are_one_definition_and_valid_configs(tmp_path):
     wide band is BAPOConfig's field defaults; step_overhead's --variant length-fair is gspo_length_fair()."""
     import sys
 
-    from harness import cpu_config
-
     from bapo_trl.trainer.presets import gspo_length_fair
+    from support.harness import cpu_config
 
     for band, widths in (("gspo", (0.002, 0.2, 0.03, 0.001)), ("wide", (1.0, 4.0, 4.0, 1.0))):
         config = cpu_config(tmp_path, **gspo_length_fair(band))
@@ -330,9 +327,8 @@ def test_with_tokens_the_loss_drops_the_band_still_comes_from_the_whole_loss_mas
     sequence's band (its mean log-ratio's standard error) comes from its whole loss mask, as GSPO's sequence mean
     does. At every update the trainer's widths and share are the plain loop's with exactly that split, and on this
     run the split matters (with the band over the kept tokens only, the loop's choice or share differs somewhere)."""
-    from harness import Probe, cpu_config, tiny_trainer
-
     from bapo_trl.core.numerics import loss_mask
+    from support.harness import Probe, cpu_config, tiny_trainer
 
     calls = []
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import cpu_config, tiny_trainer
 from peft import LoraConfig, get_peft_model
-from policy_server import PolicyServer
 from transformers import AutoModelForCausalLM
+
+from support.harness import cpu_config, tiny_trainer
+from support.policy_server import PolicyServer
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")
 

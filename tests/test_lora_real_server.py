@@ -9,10 +9,11 @@ import re
 
 import pytest
 import requests
-from harness import tiny_trainer
 from peft import LoraConfig
-from test_guarantees import FAST, adapter_that_matters, run_row
-from test_vllm_server import IN_SYNC, logp_differences, reset_server_weights
+
+from support.guarantee_rows import FAST, adapter_that_matters, run_row
+from support.harness import tiny_trainer
+from support.server_training import IN_SYNC, logp_differences, reset_server_weights
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +37,7 @@ def test_a_lora_run_samples_from_its_adapter_and_retires_old_names(lora_server, 
     recomputation with the same adapter (the bound the full push meets; with an adapter on ``embed_tokens`` too, whose
     tensors peft names without a trailing part), every push after the first carries the adapter alone, and a replaced
     adapter's name is refused by the server (404), so it cannot be sampled from."""
-    from test_adapter_sync import server_config
+    from support.server_training import server_config
 
     reset_server_weights(lora_server.url, tiny_model_dir)
     trainer = tiny_trainer(tiny_model_dir, server_config(lora_server, tmp_path, max_steps=6),
@@ -68,7 +69,7 @@ def test_the_lora_row_of_the_matrix_with_the_real_server(lora_server, tiny_model
 def test_zero3_two_processes_push_the_adapter_alone(lora_server, tiny_model_dir, tmp_path, use_test_cache):
     """`accelerate launch` ZeRO-3 on 2 processes with LoRA (train_bapo.py --use_peft), async K=1: every rank gathers
     only the adapter's parameters at each push (the base weights once), and rank 0 pushes the adapter."""
-    from test_async_generation import zero3_async_from_train_bapo
+    from support.async_launches import zero3_async_from_train_bapo
 
     reset_server_weights(lora_server.url, tiny_model_dir)
     text, _ = zero3_async_from_train_bapo(

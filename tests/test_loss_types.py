@@ -14,8 +14,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_clipping import adversarial_batches, assert_same_choice, random_batch
-from test_trainer import make_trainer, stale_batch
 from trl import GRPOConfig, GRPOTrainer
 
 from bapo_trl import BAPOConfig, BAPOTrainer, search_clip_bounds
@@ -32,6 +30,8 @@ from bapo_trl.core.clipping_reference import (
 from bapo_trl.core.gates import vespo_log_weights, vespo_weight
 from bapo_trl.core.loss_types import LOSS_TYPES, SUPPORTED_LOSS_TYPES, trl_ratios
 from bapo_trl.trainer.loss_hook import search_inputs
+from support.clipping_batches import adversarial_batches, assert_same_choice, random_batch
+from support.trainers import make_trainer, stale_batch
 
 TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 VARIANTS = ("paper", "verl")

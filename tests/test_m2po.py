@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from launching import REPO
+from support.launching import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from m2po import m2po_mask  # noqa: E402

@@ -16,7 +16,7 @@ from bapo_trl.cli.train import parse_args, prepare
 from bapo_trl.recipes.math_reasoning import evaluate as math_eval
 from bapo_trl.recipes.math_reasoning.data import SYSTEM_PROMPT, resolve_format, to_math_prompts
 from bapo_trl.recipes.math_reasoning.rewards import SOFT_OVERLONG, boxed_accuracy, boxed_format_reward
-from launching import REPO
+from support.launching import REPO
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")  # train_bapo.py builds the embedded model there
 

@@ -13,7 +13,7 @@ import re
 import pytest
 
 import bapo_trl
-from launching import REPO
+from support.launching import REPO
 
 NOTEBOOKS = ["bapo_quickstart.ipynb", "bapo_vs_grpo.ipynb"]
 #: a stored notebook's size limit: outputs, figures included, but no widget state or huge logs

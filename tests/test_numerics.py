@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from harness import cpu_config, tiny_trainer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
@@ -14,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from bapo_trl import search_clip_bounds
 from bapo_trl.core.clipping import BAPOSettings, search_path
 from bapo_trl.core.numerics import loss_mask, sanitize_micro_batch
+from support.harness import cpu_config, tiny_trainer
 
 NASTY = [math.nan, math.inf, -math.inf, 1e30, 1e-30, 0.0, 1e38]
 ratio_values = st.floats(1e-30, 1e30, allow_nan=False) | st.sampled_from([1.0, 0.6, 1.2, 3.0, 1e-30, 1e30])

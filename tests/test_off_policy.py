@@ -9,12 +9,12 @@ import math
 
 import pytest
 import torch
-from harness import PolicySnapshots, Probe, cpu_config, logps_under, tiny_trainer
 from transformers import AutoModelForCausalLM
 
 from bapo_trl import BAPOConfig
 from bapo_trl.core.clipping_reference import decoupled_weights_reference, effective_sample_size_reference
 from bapo_trl.core.off_policy import WEIGHT_MODES, behaviour_weights, weight_sums, weight_values
+from support.harness import PolicySnapshots, Probe, cpu_config, logps_under, tiny_trainer
 
 
 def random_batch(seed: int, rows: int = 6, width: int = 9):
@@ -181,7 +181,7 @@ def test_the_behaviour_policy_is_the_samplers_and_trls_weight_steps_aside(tiny_m
     behaviour log-probs are the SAMPLER's (not the trainer's old log-probs, which differ from them by far more than
     noise), TRL's own vLLM importance weight is 1 on every trained token (the decoupled weight already carries the
     mismatch it corrects), and each token's advantage carries the truncated pi_prox / pi_sampler weight."""
-    from policy_server import PolicyServer
+    from support.policy_server import PolicyServer
 
     monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
     server = PolicyServer(tiny_model_dir, perturb=1.0)

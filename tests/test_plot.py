@@ -17,7 +17,7 @@ CORE = ["reward", "entropy", "clip_bounds", "positive_share", "clip_fractions", 
 @pytest.fixture(scope="module")
 def run(tiny_model_dir, tmp_path_factory):
     """8 BAPO steps on stale data (4 steps per generation), checkpoints at steps 4 and 8, with the callback."""
-    from harness import cpu_config, tiny_trainer
+    from support.harness import cpu_config, tiny_trainer
 
     out = tmp_path_factory.mktemp("plot") / "bapo-run"
     args = cpu_config(
@@ -34,7 +34,7 @@ def run(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def replay_run(tiny_model_dir, tmp_path_factory):
     """A real short replay run (half of every batch's groups from the queue after the first step)."""
-    from harness import cpu_config, tiny_trainer
+    from support.harness import cpu_config, tiny_trainer
 
     args = cpu_config(
         tmp_path_factory.mktemp("plot-replay"), save_strategy="no", per_device_train_batch_size=16,

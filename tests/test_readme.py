@@ -15,20 +15,10 @@ import sys
 import pytest
 import yaml
 
-from launching import REPO
+from support.launching import REPO
+from support.readme_blocks import PYTHON_BLOCKS, README, REAL_MODEL_BLOCK, shown_output
 
-README = (REPO / "README.md").read_text()
-PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-#: The real-model example (SmolLM2, converted into the default cache): run by the slow tier, in
-#: tests/test_smollm2.py, not here (a fresh cache would fetch the model's wheel from the package registry).
-REAL_MODEL_BLOCK = next(i for i, block in enumerate(PYTHON_BLOCKS) if 'prepare_model("smollm2")' in block)
 SEARCH_BLOCK = next(i for i, block in enumerate(PYTHON_BLOCKS) if "search_clip_bounds(" in block)
-
-
-def shown_output(index: int) -> str:
-    """The ```text block right after the python block ``index`` (what the README says it prints)."""
-    after = README.split(f"```python\n{PYTHON_BLOCKS[index]}```", 1)[1]
-    return re.match(r"(?:(?!```).)*```text\n(.*?)```", after, flags=re.S).group(1).strip()  # no block between
 #: The documents whose commands are checked: README, the contributor guide and every page of the site.
 DOCUMENTS = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md")),
              *sorted((REPO / "docs" / "reference").glob("*.md"))]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import bapo_trl
-from launching import REPO
+from support.launching import REPO
 
 MAKE_TARGETS = ("install", "install-test", "train", "test", "test-fast")
 

@@ -4,13 +4,13 @@ import math
 
 import pytest
 import torch
-from harness import PolicySnapshots, Probe, check_behaviour_logps, cpu_config, replay_queue_of, tiny_trainer
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from bapo_trl import BAPOTrainer
 from bapo_trl.core import metrics
 from bapo_trl.recipes.toy import reverse_reward
 from bapo_trl.rollout import ReplaySource
+from support.harness import PolicySnapshots, Probe, check_behaviour_logps, cpu_config, replay_queue_of, tiny_trainer
 
 REPLAY = dict(
     per_device_train_batch_size=16, num_generations=4, max_completion_length=10, logging_steps=1, seed=0,
@@ -19,10 +19,10 @@ REPLAY = dict(
 )
 
 
-def record_search(trainer, log_search, result, ratio, advantages, mask, inputs, *args):
-    """Records, per loss call, the ratios and origin flags the search saw (around the real _log_search)."""
+def record_search(trainer, choose_window, logps, inputs, mask, ratio, *args):
+    """Records, per loss call, the ratios and origin flags the search saw (around the real _choose_window)."""
     trainer.seen.append((ratio.detach().clone(), inputs["replayed"].clone(), mask.clone()))
-    return log_search(result, ratio, advantages, mask, inputs, *args)
+    return choose_window(logps, inputs, mask, ratio, *args)
 
 
 def record_pushed(trainer, push, group):
@@ -43,7 +43,7 @@ def build(cls, model_dir, out, callbacks=(), reward=reverse_reward, around=None,
 def replay_run(tiny_model_dir, tmp_path_factory):
     snapshots = PolicySnapshots()
     trainer = build(Probe, tiny_model_dir, tmp_path_factory.mktemp("replay"), [snapshots],
-                    around={"_log_search": record_search, (ReplaySource, "queue.push"): record_pushed},
+                    around={"_choose_window": record_search, (ReplaySource, "queue.push"): record_pushed},
                     record=("seen", "pushed"), max_steps=8, save_strategy="no", replay_sampling="recent")
     trainer.train()
     return trainer, snapshots

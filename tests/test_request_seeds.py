@@ -17,14 +17,14 @@ from types import SimpleNamespace
 
 import pytest
 import requests
-from policy_server import PolicyServer
-from test_vllm_server import reset_server_weights
 
 from bapo_trl.generation.fleet import ServerFleet
 from bapo_trl.generation.http_client import HTTPVLLMClient
 from bapo_trl.generation.seeding import SeededEngine, per_prompt_seeds, prompt_seeds, seed_salt
 from bapo_trl.generation.vllm_server import VLLMServerBackend
 from bapo_trl.trainer.trl_port import TRLPort
+from support.policy_server import PolicyServer
+from support.server_training import reset_server_weights
 
 PROMPT = [6, 7, 14, 43]  # a reverse-task prompt of the toy tokenizer
 COPIES = 8
@@ -236,8 +236,8 @@ def test_a_user_seed_samples_a_repeated_prompt_anew_at_every_step(tiny_model_dir
     """TRL's generation through a server with `generation_kwargs={"seed": ...}` and a data set of one prompt (every
     generation batch the same prompts in the same order): each batch's requests carry other seeds (the step is in the
     salt), so batches are not replays of the first."""
-    from harness import tiny_trainer
-    from test_adapter_sync import server_config
+    from support.harness import tiny_trainer
+    from support.server_training import server_config
 
     server = PolicyServer(tiny_model_dir)
     try:

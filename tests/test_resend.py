@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import requests
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-from policy_server import PolicyServer
 from transformers import AutoModelForCausalLM
 
 from bapo_trl.generation.adapter_sync import LOAD, UNLOAD, AdapterPush, AdapterSync
 from bapo_trl.generation.http_client import HTTPVLLMClient, VLLMServerTimeout, VLLMServerUnreachable
 from bapo_trl.generation.resend import lost_before_answer
 from bapo_trl.generation.weight_sync import DiskWeightSync, WeightSyncError
+from support.policy_server import PolicyServer
 
 PROMPT = [6, 7, 14, 43]
 

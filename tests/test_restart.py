@@ -19,9 +19,9 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_vllm_server import reset_server_weights
 
-from launching import REPO
+from support.launching import REPO
+from support.server_training import reset_server_weights
 
 pytestmark = pytest.mark.slow
 

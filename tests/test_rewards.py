@@ -4,10 +4,10 @@ import math
 import re
 
 import pytest
-from harness import cpu_config, tiny_trainer
 
 from bapo_trl.cli.rewards import RewardFunctionError, resolve_reward_funcs
 from bapo_trl.recipes.toy import reverse_reward
+from support.harness import cpu_config, tiny_trainer
 
 
 def trainer_with(reward, model_dir, tmp_path):

@@ -14,12 +14,12 @@ import math
 
 import pytest
 import torch
-from harness import Probe, cpu_config, tiny_trainer
 
 from bapo_trl import BAPOTrainer
 from bapo_trl.recipes.toy import build_tokenizer
 from bapo_trl.rollout import ReadyCompletions, ReplaySource, register_source
 from bapo_trl.rollout.contract import NothingInBackground, RolloutSource, TrainerPort, stamp_policy_version
+from support.harness import Probe, cpu_config, tiny_trainer
 
 #: The completions, as text; each is followed by EOS. Two right answers' shapes and two wrong ones of other lengths.
 TEXTS = ("321", "12", "99999", "1")
@@ -70,7 +70,7 @@ def record_batch(trainer, next_batch, inputs, score):
 
 
 def build(tiny_model_dir, tmp_path, cls=Probe, **overrides):
-    """``cls``: a :class:`harness.Probe` keeping every batch (``batches``), or BAPOTrainer."""
+    """``cls``: a :class:`support.harness.Probe` keeping every batch (``batches``), or BAPOTrainer."""
     settings = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8, logging_steps=1,
                     seed=0, max_steps=4, learning_rate=1e-3, steps_per_generation=2, save_strategy="no",
                     rollout_source="fixed")

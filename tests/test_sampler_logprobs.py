@@ -20,8 +20,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from harness import cpu_config, tiny_trainer
-from policy_server import PolicyServer
 from trl import GRPOTrainer
 
 from bapo_trl import BAPOTrainer
@@ -29,6 +27,8 @@ from bapo_trl.core.numerics import loss_mask
 from bapo_trl.generation.http_client import VLLMLogprobsModeError, check_logprobs_mode
 from bapo_trl.generation.vllm_generation import CPUServerVLLMGeneration
 from bapo_trl.rollout.settings import sampler_logprobs_use
+from support.harness import cpu_config, tiny_trainer
+from support.policy_server import PolicyServer
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")
 RAW = "raw_logprobs"
@@ -194,7 +194,7 @@ def test_a_client_error_names_the_server(stand_ins):
 def test_every_process_of_a_launch_is_stopped(stand_ins, tiny_model_dir, tmp_path):
     """2 processes (accelerate launch), the second server of two reporting raw log-probs: both ranks raise the
     refusal at construction, none hangs in a collective waiting for the main process."""
-    from launching import REPO, accelerate_launch
+    from support.launching import REPO, accelerate_launch
 
     servers = [stand_ins(), stand_ins(logprobs_mode=RAW)]
     accelerate_launch(REPO / "tests" / "dist_scripts" / "logprobs_mode_refusal.py", tiny_model_dir,

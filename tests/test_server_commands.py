@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from launching import REPO
+from support.launching import REPO
 
 #: Hub models the docs name, MoE or not (a hub id missing here fails the test: classify it).
 HUB_MODELS = {

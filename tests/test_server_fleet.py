@@ -1,8 +1,8 @@
 """Several generation servers (``vllm_server_base_url`` lists them): the field, the split of prompts over servers, a
 weight push that reaches every server, errors that name the server, and training through two servers.
 
-The fast tests run against :class:`policy_server.PolicyServer` stand-ins (they sample from the policy they hold and
-reload the pushed weights); the slow test at the end trains through two real vLLM CPU servers. The async guarantees
+The fast tests run against :class:`support.policy_server.PolicyServer` stand-ins (they sample from the policy they hold
+and reload the pushed weights); the slow test at the end trains through two real vLLM CPU servers. The async guarantees
 with two servers are a row of the guarantees matrix (tests/test_guarantees.py, ``async_k2_two_servers``).
 """
 
@@ -16,14 +16,14 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from policy_server import PolicyServer
-from test_vllm_server import IN_SYNC, LOGP_DIFF, reset_server_weights
-from vllm_servers import Server
 
 from bapo_trl import BAPOConfig
 from bapo_trl.generation.fleet import ServerFleet, merge_outputs, server_urls, shares
 from bapo_trl.generation.http_client import HTTPVLLMClient, VLLMServerTimeout
 from bapo_trl.generation.weight_sync import DiskWeightSync, WeightSyncError
+from support.policy_server import PolicyServer
+from support.server_training import IN_SYNC, LOGP_DIFF, reset_server_weights
+from support.vllm_servers import Server
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")
 
@@ -60,7 +60,7 @@ def test_a_bad_server_list_names_the_field(value, message):
 
 
 def test_the_config_keeps_one_url_as_trl_does_and_several_as_a_list(tmp_path):
-    from harness import CPU
+    from support.harness import CPU
 
     common = dict(CPU, output_dir=str(tmp_path), gradient_checkpointing=True,  # TRL's default, as this check ran
                   use_vllm=True, vllm_mode="server")
@@ -294,7 +294,7 @@ def test_a_stalled_server_of_the_fleet_is_named_in_the_error(two_stand_ins):
 
 
 def train_through(servers, model_dir, out, **overrides):
-    from harness import cpu_config, tiny_trainer
+    from support.harness import cpu_config, tiny_trainer
 
     settings = dict(gradient_checkpointing=True,  # TRL's default, as these runs have always trained
                     per_device_train_batch_size=8, num_generations=4, max_completion_length=8, logging_steps=1,

