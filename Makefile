@@ -16,7 +16,7 @@ export DS_BUILD_OPS ?= 0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install install-test install-torch train test test-fast
+.PHONY: install install-test install-torch train test test-fast test-experimental
 
 install: install-torch
 	$(PIP) install -q -e .
@@ -45,3 +45,7 @@ test: install-test
 
 test-fast: install-test
 	$(PYTHON) -m pytest -m "not slow" -q -n $(FAST_WORKERS) --durations=20
+
+# The research candidates (bapo_trl/experimental) alone, both tiers; `make test` runs them too.
+test-experimental: install-test
+	$(PYTHON) -m pytest tests/experimental -q -n $(FAST_WORKERS)

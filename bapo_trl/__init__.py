@@ -4,9 +4,9 @@ The public API is what this module exports (``__all__``):
 
 * the method: ``BAPOConfig`` / ``BAPOTrainer`` subclass TRL's ``GRPOConfig`` / ``GRPOTrainer``; ``search_clip_bounds``
   is the bound search as a pure function (``BAPOSettings``, ``SearchResult``); ``gspo_balanced`` is a named setting
-  (BAPO's balance of GSPO's sequence-level ratio around TRL's documented window; ``BAPOConfig(**gspo_balanced())``),
-  ``gspo_length_fair`` another (a window per sequence, scaled to the noise of its mean log-ratio);
-  ``BAPOGMPOTrainer`` puts the search in front of TRL's experimental GMPO loss (``gmpo_balanced`` its setting);
+  (BAPO's balance of GSPO's sequence-level ratio around TRL's documented window; ``BAPOConfig(**gspo_balanced())``);
+* research candidates that did not win live in :mod:`bapo_trl.experimental` (the 0.1 names ``gspo_length_fair``,
+  ``gmpo_balanced`` and ``BAPOGMPOTrainer`` still answer here, with a deprecation warning);
 * a run's results: ``PlotDynamicsCallback`` (the dynamics PNG at the end of training), ``plot_dynamics`` (the same
   figure from log histories or run directories, several overlaid), ``format_summary`` (the text summary ``bapo train``
   prints) and ``generation_rows`` (its rows: one per generation batch);
@@ -32,9 +32,6 @@ _EXPORTS = {
     "BAPOConfig": "bapo_trl.trainer.bapo_config",
     "BAPOTrainer": "bapo_trl.trainer.bapo_trainer",
     "gspo_balanced": "bapo_trl.trainer.presets",
-    "gspo_length_fair": "bapo_trl.trainer.presets",
-    "gmpo_balanced": "bapo_trl.trainer.presets",
-    "BAPOGMPOTrainer": "bapo_trl.trainer.gmpo",
     "PlotDynamicsCallback": "bapo_trl.trainer.callbacks",
     "plot_dynamics": "bapo_trl.trainer.dynamics",
     "format_summary": "bapo_trl.trainer.summary",
@@ -48,7 +45,14 @@ _EXPORTS = {
     "boxed_accuracy": "bapo_trl.recipes.math_reasoning.rewards",
 }
 
+#: 0.1 names of research candidates, now in bapo_trl.experimental: each use warns (until bapo_trl 0.2)
+_MOVED = {
+    "gspo_length_fair": "bapo_trl.experimental.length_fair.presets:gspo_length_fair",
+    "gmpo_balanced": "bapo_trl.experimental.gmpo.presets:gmpo_balanced",
+    "BAPOGMPOTrainer": "bapo_trl.experimental.gmpo.trainer:BAPOGMPOTrainer",
+}
+
 __all__ = sorted(_EXPORTS) + ["__version__"]
-__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, _MOVED)
 
 _compat.install()  # the 0.1 import paths (bapo_trl.clipping, bapo_trl.config, ...): see _compat.py

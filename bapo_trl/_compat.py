@@ -37,6 +37,12 @@ MOVED: dict[str, str] = {
     "bapo_trl.plot": "bapo_trl.cli.plot",
     "bapo_trl.generation.serve": "bapo_trl.cli.serve",
     "bapo_trl.cli.summary": "bapo_trl.trainer.summary",  # a library module: the public face takes nothing from cli
+    # research candidates, out of the method's files (bapo_trl.experimental)
+    "bapo_trl.core.length_fair": "bapo_trl.experimental.length_fair.search",
+    "bapo_trl.core.off_policy": "bapo_trl.experimental.decoupled.weights",
+    "bapo_trl.core.geometric_mean": "bapo_trl.experimental.gmpo.geometric_mean",
+    "bapo_trl.trainer.decoupled": "bapo_trl.experimental.decoupled.trainer",
+    "bapo_trl.trainer.gmpo": "bapo_trl.experimental.gmpo.trainer",
 }
 #: old module that was split -> the modules its names went to, searched in order (the first holds its functions)
 SPLIT: dict[str, tuple[str, ...]] = {

@@ -13,7 +13,7 @@ deepspeed), this script checks, on ``--device cuda``:
 3. **BAPO vs TRL GRPO steps** in bf16 on a randomly initialised model of Qwen2.5-0.5B's shape (Llama
    architecture, 24 layers, hidden 896, vocabulary 151,936: 494M parameters, built locally, no hub), at two batch
    sizes, same batch, learning rate 0 so both do identical work: step-time ratio and peak-memory ratio (and BAPO
-   with ``off_policy_correction="decoupled"`` against BAPO: the cost of its extra forward pass)
+   ``DecoupledBAPOTrainer`` against BAPO: the cost of its extra forward pass)
    (``benchmarks/step_overhead.py``'s ``measure``; target: BAPO within 1% of GRPO); then, per batch size, one block
    of BAPO steps under ``torch.profiler``: the search's and BAPO's whole adaptation's (search + metrics) share of
    the block's device time and host time, and the host syncs the search makes inside those real training steps;
@@ -92,7 +92,7 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from bapo_trl import search_clip_bounds  # noqa: E402
-from bapo_trl.core.length_fair import length_fair_search  # noqa: E402
+from bapo_trl.experimental.length_fair.search import length_fair_search  # noqa: E402
 from bapo_trl.recipes.toy import build_tiny_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -326,7 +326,7 @@ def section_variants(device: str, quick: bool, tmp: str, rounds: int | None = No
 def step_row(model_dir: str, device: str, overrides: dict, rounds: int, steps: int, params: int,
              build_s: float) -> dict:
     """BAPO vs GRPO, interleaved blocks of ``steps`` steps: the paired step-time ratio and the peak-memory ratio; and
-    BAPO with ``off_policy_correction="decoupled"`` (one more forward pass per generation batch) against BAPO."""
+    ``DecoupledBAPOTrainer`` (one more forward pass per generation batch) against BAPO."""
     cuda = device == "cuda"
     result = step_overhead.measure(model_dir, ("grpo", "bapo", "decoupled"), rounds=rounds, steps=steps,
                                    device=device, overrides=overrides or None)

@@ -5,8 +5,8 @@ old log-probs, forward, loss, backward, optimizer, logging) on the embedded tiny
 in one process:
 
 * ``grpo``: TRL's ``GRPOTrainer``; ``bapo``: ``BAPOTrainer``; ``replay``: ``BAPOTrainer`` with
-  ``replay_buffer_size=16, replay_ratio=0.25``; ``decoupled``: ``BAPOTrainer`` with
-  ``off_policy_correction="decoupled"`` (one more forward pass over each generation batch). Same aggregation
+  ``replay_buffer_size=16, replay_ratio=0.25``; ``decoupled``: ``DecoupledBAPOTrainer``
+  (``bapo_trl.experimental.decoupled``) (one more forward pass over each generation batch). Same aggregation
   (``dapo``), seed, model, data and batch; stale micro-batches (``steps_per_generation=4``), so old log-probs are
   computed and the search runs on every step.
 * Learning rate 0: every trainer then generates the same completions from the same seed, so the runs do the same
@@ -54,10 +54,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, s
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-import bapo_trl  # noqa: E402
 from bapo_trl import BAPOConfig, BAPOTrainer, gspo_balanced  # noqa: E402
+from bapo_trl.experimental.decoupled import DecoupledBAPOConfig, DecoupledBAPOTrainer  # noqa: E402
+from bapo_trl.experimental.gmpo import BAPOGMPOTrainer, gmpo_balanced  # noqa: E402
+from bapo_trl.experimental.length_fair import LengthFairBAPOConfig, LengthFairBAPOTrainer, gspo_length_fair  # noqa: E402,E501
 from bapo_trl.recipes.toy import build_tiny_model, make_reverse_dataset, reverse_reward  # noqa: E402
-from bapo_trl.trainer.presets import gmpo_balanced, gspo_length_fair  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 0
@@ -65,8 +66,9 @@ SEED = 0
 VARIANTS = {"gspo-scale-x10": gspo_balanced,
             "length-fair": gspo_length_fair,  # issue 53's second-round candidate: a window per sequence
             "gmpo": gmpo_balanced}  # its third: BAPO on TRL's GMPO loss
-#: Variants that run on a trainer of their own (the rest on BAPOTrainer): the name in bapo_trl.
-VARIANT_TRAINERS = {"gmpo": "BAPOGMPOTrainer"}
+#: Kinds and variants that run on a config and trainer of their own (the rest on BAPOConfig / BAPOTrainer).
+CLASSES = {"decoupled": (DecoupledBAPOConfig, DecoupledBAPOTrainer),
+           "length-fair": (LengthFairBAPOConfig, LengthFairBAPOTrainer), "gmpo": (BAPOConfig, BAPOGMPOTrainer)}
 #: BAPOTrainer methods timed from inside (what BAPO adds to a GRPO step, free of background noise).
 LABELS = {"_adapt_clip_window": "search + metrics", "mix": "replay mixing"}
 
@@ -106,19 +108,18 @@ def common_args(output_dir: str, steps: int, device: str = "cpu", **overrides) -
 
 
 def build(kind: str, model_dir: str, output_dir: str, steps: int, device: str = "cpu", overrides=None,
-          bapo_extra=None, task=None, trainer_cls=None):
+          bapo_extra=None, task=None, classes=None):
     """One trainer: ``grpo``, ``bapo`` or ``replay``; each has its own copy of the same model. ``overrides``
     change the shared training arguments, ``bapo_extra`` adds BAPO settings (replay, partial rollout, ...),
-    ``trainer_cls`` replaces BAPOTrainer (a variant on a trainer of its own)."""
+    ``classes``: ``(config class, trainer class)`` replacing BAPOConfig / BAPOTrainer (a research candidate)."""
     args = common_args(output_dir, steps, device, **(overrides or {}))
     if kind == "grpo":
         config = GRPOConfig(**args)
         cls = GRPOTrainer
     else:
-        extra = {"replay": dict(replay_buffer_size=16, replay_ratio=0.25),
-                 "decoupled": dict(off_policy_correction="decoupled")}.get(kind, {})
-        config = BAPOConfig(**(args | extra | (bapo_extra or {})))  # a variant's settings win (its loss type)
-        cls = trainer_cls or BAPOTrainer
+        extra = {"replay": dict(replay_buffer_size=16, replay_ratio=0.25)}.get(kind, {})
+        config_cls, cls = classes or CLASSES.get(kind, (BAPOConfig, BAPOTrainer))
+        config = config_cls(**(args | extra | (bapo_extra or {})))  # a variant's settings win (its loss type)
     timer = BlockTimer(torch.cuda.synchronize if device != "cpu" else None)
     reward, dataset = task or (reverse_reward, make_reverse_dataset(64, seed=SEED))
     trainer = cls(
@@ -212,7 +213,7 @@ def measure(model_dir: str, kinds=("grpo", "bapo", "replay"), rounds: int = 12, 
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {kind: build(kind, model_dir, os.path.join(tmp, kind), steps, device, overrides,
                                 bapo_extra=(settings or {}).get(kind), task=task,
-                                trainer_cls=(classes or {}).get(kind))
+                                classes=(classes or {}).get(kind))
                     for kind in kinds}
 
         def block(kind, round_index):
@@ -282,7 +283,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)  # measured several times faster than 2 threads for a model this small
     model_dir = build_tiny_model()
     kinds = ("grpo", "bapo", "replay", "decoupled") + (("variant",) if args.variant else ())
-    variant_cls = getattr(bapo_trl, VARIANT_TRAINERS[args.variant]) if args.variant in VARIANT_TRAINERS else None
+    variant_cls = CLASSES.get(args.variant)
     result = measure(model_dir, kinds, rounds, steps, settings={"variant": VARIANTS[args.variant]()} if args.variant
                      else None, classes={"variant": variant_cls})
     times, tokens, inside = result["times"], result["tokens"], result["inside"]

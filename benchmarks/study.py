@@ -22,7 +22,9 @@ import tempfile
 import time
 
 # plain numbers: no torch, no TRL
-from bapo_trl.trainer.presets import GMPO_DOCUMENTED, GSPO_DOCUMENTED, gmpo_balanced, gspo_balanced, gspo_length_fair
+from bapo_trl.experimental.gmpo.presets import GMPO_DOCUMENTED, gmpo_balanced
+from bapo_trl.experimental.length_fair.presets import gspo_length_fair
+from bapo_trl.trainer.presets import GSPO_DOCUMENTED, gspo_balanced
 from bapo_trl.trainer.summary import moved  # one definition of "the bounds moved"
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,7 +142,8 @@ def seed_tag(seeds: str | None) -> str:
 def trainer_classes(kind: str):
     """``(config class, trainer class)`` of a run's ``trainer`` field: ``"bapo"`` (default), ``"trl"`` (TRL's own
     GRPOConfig / GRPOTrainer), ``"m2po"`` (M2PO on TRL's trainer), ``"m2po-bapo"`` (M2PO on BAPOTrainer), ``"gmpo"``
-    (TRL's experimental GMPOConfig / GMPOTrainer), ``"bapo-gmpo"`` (BAPOGMPOTrainer)."""
+    (TRL's experimental GMPOConfig / GMPOTrainer), and the research candidates of ``bapo_trl.experimental``:
+    ``"bapo-gmpo"`` (BAPOGMPOTrainer), ``"bapo-decoupled"`` and ``"bapo-length-fair"``."""
     from trl import GRPOConfig
 
     from bapo_trl import BAPOConfig, BAPOTrainer
@@ -159,14 +162,22 @@ def trainer_classes(kind: str):
         return BAPOConfig, bapo_trainer_class()
     if kind == "gmpo":
         # first bapo_trl's module, which imports TRL's experimental GMPO with its notice silenced (once a process)
-        from bapo_trl.trainer import gmpo  # noqa: I001
+        from bapo_trl.experimental.gmpo import trainer as gmpo  # noqa: I001
         from trl.experimental.gmpo import GMPOConfig
 
         return GMPOConfig, gmpo.GMPOTrainer
     if kind == "bapo-gmpo":
-        from bapo_trl import BAPOGMPOTrainer
+        from bapo_trl.experimental.gmpo import BAPOGMPOTrainer
 
         return BAPOConfig, BAPOGMPOTrainer
+    if kind == "bapo-decoupled":
+        from bapo_trl.experimental.decoupled import DecoupledBAPOConfig, DecoupledBAPOTrainer
+
+        return DecoupledBAPOConfig, DecoupledBAPOTrainer
+    if kind == "bapo-length-fair":
+        from bapo_trl.experimental.length_fair import LengthFairBAPOConfig, LengthFairBAPOTrainer
+
+        return LengthFairBAPOConfig, LengthFairBAPOTrainer
     if kind in (None, "bapo"):
         return BAPOConfig, BAPOTrainer
     raise ValueError(f"unknown trainer {kind!r}")
@@ -516,19 +527,17 @@ def evidence_methods() -> dict[str, dict]:
         "BAPO GSPO + dual clip": dict(trainer="bapo", settings=dict(GSPO, delta=3.0)),
         # issue 53's candidates (docs/data/candidate_protocol.md)
         "BAPO GSPO-scale x10": dict(trainer="bapo", settings=dict(GSPO_SCALE_X10)),
-        "BAPO paper + dual clip + decoupled": dict(trainer="bapo", settings=dict(
-            delta=3.0, off_policy_correction="decoupled")),
-        "BAPO GSPO-scale x10 + decoupled": dict(trainer="bapo", settings=dict(
-            GSPO_SCALE_X10, off_policy_correction="decoupled")),
+        "BAPO paper + dual clip + decoupled": dict(trainer="bapo-decoupled", settings=dict(delta=3.0)),
+        "BAPO GSPO-scale x10 + decoupled": dict(trainer="bapo-decoupled", settings=dict(GSPO_SCALE_X10)),
         "M2PO then balance": dict(trainer="m2po-bapo", settings=dict(loss_type="dapo", delta=3.0),
                                   trainer_kwargs=dict(m2po_tau=m2po.TAU)),
         # a candidate after the first round's choice (issue 53's length-fair sequence balance; its own development
         # runs, docs/results.md): GSPO's ratio, each sequence's window k standard errors of its mean log-ratio
-        "BAPO length-fair": dict(trainer="bapo", settings=gspo_length_fair("wide")),
+        "BAPO length-fair": dict(trainer="bapo-length-fair", settings=dict(gspo_length_fair(), **LENGTH_FAIR_WIDE)),
         # its band scaled to the documented GSPO's width (added on the development seeds after the default band,
         # 1-4 standard errors, gave half-widths ~1000x GSPO's and lost to gspo_balanced at staleness 32):
         # k_high 0.002-0.2, k_low 0.03 down to 0.0015 standard errors (gspo_balanced's ranges over a typical b ~ 0.3)
-        "BAPO length-fair narrow": dict(trainer="bapo", settings=gspo_length_fair("gspo")),
+        "BAPO length-fair narrow": dict(trainer="bapo-length-fair", settings=gspo_length_fair()),  # its default band
         # a third round's candidate (issue 53's GMPO window; its protocol: docs/data/candidate_protocol.md): TRL's
         # experimental GMPO as TRL documents it (GMPOConfig's defaults: log-ratios clipped to [-0.4, 0.4] inside the
         # geometric mean), and BAPO's window on it from that start (gmpo_balanced)
@@ -540,12 +549,16 @@ def evidence_methods() -> dict[str, dict]:
         # not a candidate (added after the development runs showed the decoupled default collapsing under replay and
         # partial rollout at lr 2e-3): tokens whose weight left [1/3, 3] are dropped (AReaL masks above its cap),
         # which gives back the protection the clip around the behaviour policy gave against very old tokens
-        "BAPO paper + dual clip + decoupled mask": dict(trainer="bapo", settings=dict(
-            delta=3.0, off_policy_correction="decoupled", off_policy_weight_mode="token_mask",
+        "BAPO paper + dual clip + decoupled mask": dict(trainer="bapo-decoupled", settings=dict(
+            delta=3.0, off_policy_weight_mode="token_mask",
             off_policy_weight_floor=1 / 3, off_policy_weight_cap=3.0)),
     }
 
 
+#: The length-fair window's first band, 1 to 4 standard errors on both sides (dropped on the development seeds: its
+#: half-widths were ~1000x GSPO's); LengthFairBAPOConfig's defaults are the band kept ("BAPO length-fair narrow").
+LENGTH_FAIR_WIDE = dict(band_upper_start=1.0, band_upper_max=4.0, band_upper_step=0.25,
+                        band_lower_start=4.0, band_lower_min=1.0, band_lower_step=0.25)
 #: The candidate issue 53's development chose (x10 of the scales 1, 2, 4, 10, 25; seeds 100-104, staleness 32): the
 #: library's named setting, so a user runs exactly what the study ran.
 GSPO_SCALE_X10 = gspo_balanced(10)

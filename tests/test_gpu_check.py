@@ -23,8 +23,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_check  # noqa: E402
 
 from bapo_trl import search_clip_bounds  # noqa: E402
-from bapo_trl.core import clipping, length_fair  # noqa: E402
-from bapo_trl.core.length_fair import length_fair_search  # noqa: E402
+from bapo_trl.core import clipping  # noqa: E402
+from bapo_trl.experimental.length_fair import search as length_fair  # noqa: E402
+from bapo_trl.experimental.length_fair.search import length_fair_search  # noqa: E402
 
 x = torch.arange(1.0, 4.0)
 

@@ -18,7 +18,7 @@ import datasets
 import pytest
 import torch
 
-from bapo_trl import BAPOTrainer
+from bapo_trl import BAPOConfig, BAPOTrainer
 from bapo_trl.recipes.toy import reverse_reward
 from bapo_trl.trainer.trl_port import forward_inputs, multimodal_keys
 from support.harness import Probe, cpu_config
@@ -72,23 +72,29 @@ def keep_batches(trainer, compute_loss, model, inputs, *args, **kwargs):
     dict(steps_per_generation=1),
     dict(steps_per_generation=2),
     dict(steps_per_generation=1, num_iterations=2),
-    dict(steps_per_generation=2, off_policy_correction="decoupled"),
-    dict(steps_per_generation=2, num_iterations=2, off_policy_correction="decoupled"),
+    dict(steps_per_generation=2, decoupled=True),
+    dict(steps_per_generation=2, num_iterations=2, decoupled=True),
 ], ids=["on_policy", "steps_per_generation_2", "num_iterations_2", "decoupled", "decoupled_num_iterations_2"])
 def test_a_vision_language_model_trains_with_ratios_of_one_when_the_policy_stands_still(tmp_path, settings):
     """LLaVA on image prompts, learning rate 0 (the policy never moves): every micro-batch's reference log-probs
     (TRL's, or the decoupled proximal ones) are the policy's own WITH the batch's images, so every ratio and every
-    decoupled weight is exactly 1 (within float noise); the stored behaviour log-probs agree too."""
+    decoupled weight is exactly 1 (within float noise); the stored behaviour log-probs agree too. ``decoupled``: on
+    DecoupledBAPOTrainer (bapo_trl.experimental)."""
     from transformers import AutoProcessor
 
-    from bapo_trl.trainer.decoupled import BEHAVIOUR
+    from bapo_trl.experimental.decoupled import DecoupledBAPOConfig, DecoupledBAPOTrainer
+    from bapo_trl.experimental.decoupled.trainer import BEHAVIOUR
+    from support.harness import probe_of
     from support.tiny_vlm import build_tiny_vlm, image_reward, make_image_dataset
 
     model_dir = build_tiny_vlm(str(tmp_path / "vlm"))
+    settings = dict(settings)
+    decoupled = settings.pop("decoupled", False)
     args = cpu_config(tmp_path / "out", per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
                       max_steps=4, learning_rate=0.0, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                      **settings)
-    trainer = Probe(model=model_dir, reward_funcs=image_reward, args=args, train_dataset=make_image_dataset(16),
+                      config_cls=DecoupledBAPOConfig if decoupled else BAPOConfig, **settings)
+    cls = probe_of(DecoupledBAPOTrainer) if decoupled else Probe
+    trainer = cls(model=model_dir, reward_funcs=image_reward, args=args, train_dataset=make_image_dataset(16),
                     processing_class=AutoProcessor.from_pretrained(model_dir), around={"compute_loss": keep_batches},
                     record=("batches",))
     trainer.train()
@@ -110,4 +116,4 @@ def test_a_vision_language_model_trains_with_ratios_of_one_when_the_policy_stand
         reference += 1
     assert reference > 0 or settings == dict(steps_per_generation=1)
     weights = [h["decoupled/capped_fraction"] for h in trainer.state.log_history if "decoupled/ess" in h]
-    assert (len(weights) > 0) == ("off_policy_correction" in settings) and not any(weights)
+    assert (len(weights) > 0) == decoupled and not any(weights)

@@ -1,4 +1,5 @@
-"""Layers, read from the folders: core < generation < rollout sources < trainer < recipes < command line.
+"""Layers, read from the folders: core < generation < rollout sources < trainer < research candidates < recipes <
+command line.
 
 A module's layer is the folder of ``bapo_trl/`` it is in; the package face (``bapo_trl/__init__.py`` and the table of
 0.1 import paths, ``_compat.py``) sits above them all, and any other module outside the folders fails. An import
@@ -22,9 +23,10 @@ PACKAGE = ROOT / "bapo_trl"
 TESTS = ROOT / "tests"
 
 #: The layers, lowest first: one folder of bapo_trl/ each.
-LAYERS = ("core", "generation", "rollout", "trainer", "recipes", "cli")
+LAYERS = ("core", "generation", "rollout", "trainer", "experimental", "recipes", "cli")
 FACE = len(LAYERS)
-NAMES = {**dict(enumerate(("core", "generation", "rollout sources", "trainer", "recipes", "command line"))),
+NAMES = {**dict(enumerate(("core", "generation", "rollout sources", "trainer", "research candidates", "recipes",
+                            "command line"))),
          FACE: "package face"}
 #: The modules outside the folders: the package face.
 EXACT = {"bapo_trl": FACE, "bapo_trl._compat": FACE}
@@ -106,7 +108,7 @@ def test_an_upward_import_is_caught():
 def test_a_module_without_a_layer_is_reported():
     problems = upward_imports({PACKAGE / "brand_new.py": "import os\n"})
     assert problems == ["bapo_trl.brand_new has no layer: move it into the folder of its layer, "
-                        "one of core, generation, rollout, trainer, recipes, cli"]
+                        "one of core, generation, rollout, trainer, experimental, recipes, cli"]
 
 
 def test_importing_the_config_or_the_rollout_package_loads_no_source(fresh_imports):

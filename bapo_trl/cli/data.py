@@ -8,8 +8,8 @@ from ..recipes.datasets_io import FILE_FORMATS, load_split  # noqa: F401  (FILE_
 
 def prepare_prompts(dataset, prompt_column: str = "prompt"):
     """Check the prompt column exists and name it ``prompt``; the error lists the columns there are (the trainer's
-    check, :func:`~bapo_trl.trainer.bapo_trainer.check_prompt_column`, with this command's flag as the fix)."""
-    from ..trainer.bapo_trainer import check_prompt_column
+    check, :func:`~bapo_trl.trainer.input_checks.check_prompt_column`, with this command's flag as the fix)."""
+    from ..trainer.input_checks import check_prompt_column
 
     check_prompt_column(dataset, "The dataset", prompt_column, why=" (from `prompt_column`)",
                         fix="Pass --prompt_column NAME.")

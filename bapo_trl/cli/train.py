@@ -116,20 +116,11 @@ BAPO_OPTION_GROUPS = (
      ("positive_contribution_target", "ratio_lower_start", "ratio_lower_max", "ratio_lower_step", "ratio_upper_start",
       "ratio_upper_max", "ratio_upper_step", "bapo_variant", "dual_clip", "positive_contribution_mode",
       "positive_contribution_is_weighted")),
-    ("BAPO: the length-fair sequence window",
-     "sequence_window=length_fair (GSPO's sequence ratio, clipped losses): each sequence's window is k_low/k_high "
-     "standard errors of its mean token log-ratio; the search chooses k_high, then k_low.",
-     ("sequence_window", "band_upper_start", "band_upper_max", "band_upper_step", "band_lower_start",
-      "band_lower_min", "band_lower_step", "band_floor")),
     ("BAPO: stale data (replay, partial rollout) and where batches come from",
      "Off-policy data beyond TRL's batch reuse (steps_per_generation, num_iterations): replayed groups keep the "
      "log-probs of the policy that sampled them; partial rollout grows long completions over several rounds.",
      ("replay_buffer_size", "replay_ratio", "replay_max_staleness", "replay_sampling", "replay_fill_zero_std_groups",
       "replay_saves_generation", "partial_rollout_budget", "partial_rollout_max_resumes", "rollout_source")),
-    ("BAPO: the decoupled off-policy correction",
-     "Clip around the policy the batch starts training with (one forward pass), and weight each token by the "
-     "truncated proximal / behaviour ratio, which carries staleness and sampler mismatch (docs/off_policy.md).",
-     ("off_policy_correction", "off_policy_weight_mode", "off_policy_weight_cap", "off_policy_weight_floor")),
     ("BAPO: async generation",
      "The vLLM server generates the next batches while the trainer trains on the current one (use_vllm, "
      "vllm_mode=server). Not TRL's AsyncGRPOTrainer: max_staleness here counts generation batches run ahead and "

@@ -7,9 +7,6 @@
 * ``metrics.py``: every logged metric as a pure function, and the registry of their names; ``entropy_clip.py``: the
   Entropy-Clip Rule diagnostics;
 * ``numerics.py``: finite inputs for the loss; ``target_controller.py``: the closed-loop target (experimental);
-  ``off_policy.py``: the decoupled correction's weights and their metrics; ``length_fair.py``: the length-fair
-  sequence-level balance (issue 53's candidate, ``sequence_window="length_fair"``); ``geometric_mean.py``: the share
-  of GMPO's loss (``BAPOGMPOTrainer``);
 * ``window_rule.py``: the search path derived from the user's clipping window (``BAPOConfig``'s unset ``ratio_*``);
 * ``lazy.py``: how the package's ``__init__`` modules load a name on first use.
 """

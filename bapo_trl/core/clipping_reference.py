@@ -11,12 +11,8 @@ user checking the fast path on their own batches can import it (``from bapo_trl.
   two loops above with a soft gate's share (:func:`sapo_contributions`, :func:`vespo_contributions`), and the ratios
   and token weights TRL's loss uses, token by token (:func:`sequence_ratios`, :func:`vespo_sequence_weights`,
   :func:`sequence_mean_weights`).
-* The length-fair sequence-level balance (:func:`length_fair_loop_search`, against
-  :mod:`bapo_trl.core.length_fair`).
-* GMPO's share (:func:`gmpo_contributions_reference`, for the two loops above, against
-  :mod:`bapo_trl.core.geometric_mean`).
-* The decoupled correction's truncated importance weights and their effective sample size
-  (:func:`decoupled_weights_reference`, :func:`effective_sample_size_reference`).
+
+The research candidates' reference loops live beside each candidate (``bapo_trl/experimental/*/reference.py``).
 
 Both compute every sum directly from the definitions (``min(r, c_high) * A`` ...), in float64, with none of the
 bucketing of :mod:`bapo_trl.core.clipping`; they are slow on purpose. Grid points are ``start + k * step`` with integer
@@ -32,7 +28,6 @@ from typing import Callable
 import torch
 
 from .clipping import GRID_TOLERANCE, TARGET_TOLERANCE, VERL_EPS, BAPOSettings
-from .length_fair import LengthFairSettings
 
 
 def _flat_valid(ratio, advantages, mask):
@@ -306,122 +301,3 @@ def entropy_clip_reference(logps, ratio, advantages, mask, clip_low: float, clip
     out["entropy_clip/predicted_change_all"] = neg_cov([a for _, _, a in tokens])
     out["entropy_clip/clip_effect"] = out["entropy_clip/predicted_change"] - out["entropy_clip/predicted_change_all"]
     return out
-
-
-def decoupled_weights_reference(proximal, behaviour, mask, mode: str, cap, floor=None) -> list[list[float]]:
-    """The decoupled correction's weight of every token, row by row from the definition, in float64: the token's
-    ``exp(log pi_prox - log pi_behaviour)`` (token modes) or its sequence's ``exp(sum over valid tokens of the
-    same)`` (sequence modes), a NaN behaviour log-prob counting 0, then truncated to ``[floor, cap]`` or 0 outside it
-    (mask modes); tokens outside ``mask`` get their sequence's weight too (0 difference in token modes: ratio 1)."""
-    out = []
-    for p_row, b_row, m_row in zip(proximal.tolist(), behaviour.tolist(), mask.tolist()):
-        diffs = [0.0 if (not m or math.isnan(b - p)) else p - b for p, b, m in zip(p_row, b_row, m_row)]
-        raw = [math.exp(math.fsum(diffs))] * len(diffs) if mode.startswith("sequence") else [math.exp(d)
-                                                                                            for d in diffs]
-        row = []
-        for w in raw:
-            outside = (floor is not None and w < floor) or (cap is not None and w > cap)
-            if mode.endswith("mask"):
-                row.append(0.0 if outside else w)
-            else:
-                low = w if floor is None else max(w, floor)
-                row.append(low if cap is None else min(low, cap))
-        out.append(row)
-    return out
-
-
-def effective_sample_size_reference(weights: list[float]) -> float:
-    """``(sum w)^2 / (n sum w^2)`` of a list of weights, in float64 (NaN: empty or all 0)."""
-    n, total, squares = len(weights), math.fsum(weights), math.fsum(w * w for w in weights)
-    return total * total / (n * squares) if n and squares > 0 else float("nan")
-
-
-def length_fair_loop_search(log_ratio, advantages, mask, reduce_fn=None, statistics_mask=None, **settings) -> dict:
-    """The length-fair balance as a plain loop (float64, token by token, from the definitions): Algorithm 1's
-    ``while`` loop on ``(k_low, k_high)``, re-scoring the batch for every candidate. ``statistics_mask``: the tokens
-    of each sequence's mean and spread (default ``mask``)."""
-    s = LengthFairSettings(**settings)
-    over = mask if statistics_mask is None else statistics_mask
-    rows = []
-    for i in range(log_ratio.shape[0]):
-        xs = [float(log_ratio[i, t]) for t in range(log_ratio.shape[1]) if over[i, t] != 0]
-        tokens = [t for t in range(log_ratio.shape[1]) if mask[i, t] != 0]
-        if not xs or not tokens or not all(math.isfinite(v) for v in xs):
-            continue
-        mean = sum(xs) / len(xs)
-        sd = math.sqrt(sum((v - mean) ** 2 for v in xs) / len(xs))
-        b = max(sd / math.sqrt(len(xs)), s.band_floor)
-        row = advantages[i]
-        weights = [float(row) if row.dim() == 0 else float(row[0] if row.numel() == 1 else row[t]) for t in tokens]
-        rows.append((math.exp(mean), b, [w for w in weights if math.isfinite(w)]))
-
-    def score(k_low, k_high):
-        pos = neg = 0.0
-        for ratio, b, weights in rows:
-            c_low, c_high = math.exp(-k_low * b), math.exp(k_high * b)
-            c_high = c_high if s.delta is None else min(c_high, s.delta)
-            for w in weights:
-                if w > 0 and s.positive_contribution_mode == "value":
-                    pos += min(ratio, c_high) * w
-                elif w > 0 and ratio < c_high:
-                    pos += ratio * w
-                elif w < 0 and s.positive_contribution_mode == "value":
-                    neg += max(ratio, c_low) * -w
-                elif w < 0 and ratio > c_low and (s.delta is None or ratio <= s.delta):
-                    neg += ratio * -w
-        if reduce_fn is not None:
-            pos, neg = reduce_fn(torch.tensor([pos, neg], dtype=torch.float64)).tolist()
-        return pos, neg
-
-    def meets(pos, neg):
-        return pos + neg <= 0 or pos / (pos + neg) >= s.positive_contribution_target - TARGET_TOLERANCE
-
-    k_hi = k_lo = steps = 0
-    n_hi = math.floor((s.band_upper_max - s.band_upper_start) / s.band_upper_step + GRID_TOLERANCE)
-    n_lo = math.floor((s.band_lower_start - s.band_lower_min) / s.band_lower_step + GRID_TOLERANCE)
-    k_high = lambda: min(s.band_upper_start + k_hi * s.band_upper_step, s.band_upper_max)  # noqa: E731
-    k_low = lambda: s.band_lower_start - min(k_lo * s.band_lower_step, s.band_lower_start - s.band_lower_min)  # noqa: E731
-    pos, neg = score(k_low(), k_high())
-    before = _share(pos, neg)
-    while not meets(pos, neg) and (k_hi < n_hi or k_lo < n_lo):
-        if k_hi < n_hi:
-            k_hi += 1
-        else:
-            k_lo += 1
-        steps += 1
-        pos, neg = score(k_low(), k_high())
-    return {"clip_low": k_low(), "clip_high": k_high(), "positive_contribution": _share(pos, neg),
-            "positive_contribution_before": before, "steps": steps, "target_met": meets(pos, neg)}
-
-
-def gmpo_contributions_reference(ratio, advantages, mask) -> Callable:
-    """GMPO's ``(pos, neg)`` at one window, sequence by sequence from the definition (float64, plain loops): each
-    sequence weighs ``w = exp(mean_t clip(log r_t))`` over its valid tokens, ``min(log r, log c_high)`` for ``A > 0``,
-    ``max(log r, log c_low)`` for ``A < 0``; value share ``w |A|``, gradient share ``w |A|`` times the fraction of its
-    tokens strictly inside the bound (``r < c_high``, ``r > c_low``). For :func:`paper_loop_search` /
-    :func:`verl_loop_search` as ``contributions_fn`` (they pass the flattened tokens, which this ignores: the
-    sequences are bound here)."""
-    rows = []
-    for i in range(ratio.shape[0]):
-        rs = [float(ratio[i, t]) for t in range(ratio.shape[1])
-              if mask[i, t] != 0 and math.isfinite(float(ratio[i, t]))]
-        a = float(advantages[i])
-        if rs and math.isfinite(a) and a != 0:
-            rows.append((rs, a))
-
-    def fn(r, a, c_low, c_high, mode):
-        pos = neg = 0.0
-        for rs, adv in rows:
-            c = c_high if adv > 0 else c_low
-            clipped = [math.log(max(min(x, c) if adv > 0 else max(x, c), 1e-300)) for x in rs]
-            inside = sum(x < c if adv > 0 else x > c for x in rs)
-            term = math.exp(sum(clipped) / len(rs)) * abs(adv)
-            if mode != "value":
-                term *= inside / len(rs)
-            if adv > 0:
-                pos += term
-            else:
-                neg += term
-        return torch.tensor(pos, dtype=torch.float64), torch.tensor(neg, dtype=torch.float64)
-
-    return fn

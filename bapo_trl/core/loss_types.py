@@ -18,7 +18,6 @@ import torch
 
 from .clipping import cap_path, cap_sums, grid_sums, search_path
 from .gates import negative_scale, positive_scale, sapo_sums, sapo_weight, vespo_log_weights, vespo_sums, vespo_weight
-from .geometric_mean import gmpo_contributions, gmpo_sums, gmpo_window
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
@@ -245,19 +244,6 @@ VESPO_GATE = LossType(
     contributions=vespo_contributions,
     reads=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
     is_weight_in_ratio=True,
-)
-
-
-#: TRL's experimental GMPO (``trl.experimental.gmpo.GMPOTrainer``): not a ``loss_type`` but a trainer of its own, so
-#: this row is chosen by ``BAPOGMPOTrainer`` (bapo_trl/trainer/gmpo.py), not by the config's ``loss_type``.
-GEOMETRIC_MEAN = LossType(
-    objective="exp(mean_t clip(log r_t, log c_low, log c_high)) A (GMPO, sign-aware clip in log space)",
-    kind="clip",
-    to_trl=gmpo_window,
-    grid_sums=gmpo_sums,
-    clipped=surrogate_clipped,
-    contributions=gmpo_contributions,
-    uses_is_weights=False,
 )
 
 #: TRL ``loss_type`` -> how BAPO balances it. dapo, bnpo, dr_grpo and luspo differ only in TRL's normaliser (one

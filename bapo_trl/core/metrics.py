@@ -17,9 +17,7 @@ from .clipping import SearchPath
 from .entropy_clip import METRICS as ENTROPY_CLIP
 from .entropy_clip import NUM_SUMS as ENTROPY_CLIP_SUMS
 from .entropy_clip import entropy_clip_metrics, entropy_clip_sums, without_gradient
-from .length_fair import SequenceWindow
 from .loss_types import CLIPPED_SURROGATE, LossType
-from .off_policy import METRICS as DECOUPLED
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -87,11 +85,6 @@ ASYNC = (
     *(f"bapo/{what}/age_{age}" for age in AGE_BUCKETS
       for what in ("positive_loss_share", "clip_fraction", "token_fraction")),
 )
-#: Logged per update with ``sequence_window="length_fair"``: the chosen band widths (standard errors).
-LENGTH_FAIR = (
-    "bapo/band_lower",
-    "bapo/band_upper",
-)
 #: Logged per update with a soft-gate loss (sapo, vespo): the gate parameters installed in TRL's loss.
 GATES = (
     "bapo/sapo_temperature_pos",
@@ -107,9 +100,9 @@ REWARDS = (
     "bapo/generation_batches",
     "bapo/generation_batches_without_reward",
 )
-#: Every metric name bapo_trl logs, by group.
+#: Every metric name the method logs, by group (a research candidate in ``bapo_trl/experimental`` lists its own).
 REGISTRY = {"search": SEARCH, "entropy_clip": ENTROPY_CLIP, "replay": REPLAY, "partial": PARTIAL, "async": ASYNC,
-            "gates": GATES, "rewards": REWARDS, "decoupled": DECOUPLED, "length_fair": LENGTH_FAIR}
+            "gates": GATES, "rewards": REWARDS}
 
 #: valid, positive, negative, low-clipped, high-clipped (by the window), window-sensitive, positive and negative tokens
 #: without gradient, staleness sum, non-finite
@@ -352,51 +345,62 @@ def gate_values(loss: LossType, clip_low: float, clip_high: float) -> dict[str, 
             if name.startswith("args.")}
 
 
-def update_values(result, path: SearchPath, loss: LossType, ratio: torch.Tensor, advantages: torch.Tensor,
-                  mask: torch.Tensor, inputs: dict, logps: torch.Tensor, entropies: torch.Tensor | None, step: int,
-                  nonfinite_inputs: torch.Tensor, target: float, sum_over_processes: Reduce,
-                  max_over_processes: Reduce, by_age: bool,
-                  window: SequenceWindow | None = None) -> tuple[dict[str, float], tuple[float, float]]:
+@dataclasses.dataclass
+class MicroBatch:
+    """What one loss call's search saw and chose, as the metrics need it: ``result`` and ``path`` the search's,
+    ``loss`` the loss type's row, ``ratio``/``advantages``/``mask`` what it balanced, ``inputs`` TRL's micro-batch,
+    ``logps``/``entropies`` the policy forward's, ``step`` the optimizer step, ``nonfinite_inputs`` the tokens dropped
+    before the forward, ``target`` rho0, the two reductions over processes, and ``by_age`` (report the share by token
+    age)."""
+
+    result: object
+    path: SearchPath
+    loss: LossType
+    ratio: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    inputs: dict
+    logps: torch.Tensor
+    entropies: torch.Tensor | None
+    step: int
+    nonfinite_inputs: torch.Tensor
+    target: float
+    sum_over_processes: Reduce
+    max_over_processes: Reduce
+    by_age: bool
+
+
+def update_values(batch: MicroBatch) -> tuple[dict[str, float], tuple[float, float]]:
     """Every value a micro-batch logs (search, Entropy-Clip; fresh vs replayed tokens when the batch holds replayed
     rows; the share by token age when ``by_age``), with the fewest collectives: one sum and one max per group.
     Returns the values and ``(entropy sum, tokens)`` over all processes (0, 0 when the entropy is unknown). Clipped
     tokens are those TRL's loss gives no gradient, the dual clip's negatives above ``delta`` included (except in
-    ``bapo/clip_fraction_low/high``, the window's, as TRL's ``clip_ratio/*``).
-
-    ``window``: the length-fair search's (``result`` then holds the widths ``k_low``/``k_high`` and ``path`` is
-    theirs): clip flags and shares use every sequence's own window; the widths are logged as ``bapo/band_lower`` /
-    ``bapo/band_upper`` and ``bapo/clip_low``/``bapo/clip_high`` are the sequences' mean window (one more sum)."""
-    if window is not None:
-        lower, upper = window.bounds()
-        result = dataclasses.replace(result, clip_low=lower, clip_high=upper)  # the flags' window, per sequence
-        loss = dataclasses.replace(loss, sensitive=window.sensitive)
-        widths = {"clip_low": window.k_low, "clip_high": window.k_high}
-    staleness = token_staleness(inputs, step, ratio)
-    sums, stale_max = search_sums(result, path, ratio, advantages, mask, logps, entropies, staleness,
-                                  nonfinite_inputs, loss)
-    if window is not None:  # the mean window, at the chosen widths and at the start's, rides in the same collective
-        rows = ((mask != 0) & torch.isfinite(ratio)).any(-1)
-        sums = torch.cat([sums, window.mean_sums(rows), window.mean_sums(rows, path.clip_low[0], path.clip_high[0])])
-    sums, stale_max = sum_over_processes(sums).tolist(), max_over_processes(stale_max)
-    floats = result.as_floats() if window is None else dataclasses.replace(result, **widths).as_floats()
-    if window is not None:
-        sums, chosen, start = sums[:-6], sums[-6:-3], sums[-3:]
-    values, entropy = search_values(sums, floats, path, float(stale_max), target)
-    if window is not None:  # an update no window changes is reported at the start (search_values), its mean too
-        values["bapo/band_lower"], values["bapo/band_upper"] = values["bapo/clip_low"], values["bapo/clip_high"]
-        low, high, count = chosen if values["bapo/search_active"] else start
-        values["bapo/clip_low"], values["bapo/clip_high"] = low / max(count, 1.0), high / max(count, 1.0)
-    values.update(gate_values(loss, values["bapo/clip_low"], values["bapo/clip_high"]))
-    if "replayed" in inputs:  # fresh vs replayed tokens
-        replay_staleness = (step - inputs["policy_version"]).double()[:, None].expand_as(ratio)
-        totals, rep_max = origin_sums(result, ratio, advantages, mask, inputs["replayed"], replay_staleness,
-                                      with_trl_clip(loss, path))
-        totals, rep_max = sum_over_processes(totals), max_over_processes(rep_max)
-        values.update(origin_values(totals.tolist(), float(rep_max)))
-    if by_age and staleness is not None:
-        values.update(age_values(sum_over_processes(age_sums(result, ratio, advantages, mask, staleness,
-                                                             with_trl_clip(loss, path))).tolist()))
+    ``bapo/clip_fraction_low/high``, the window's, as TRL's ``clip_ratio/*``)."""
+    b = batch
+    staleness = token_staleness(b.inputs, b.step, b.ratio)
+    sums, stale_max = search_sums(b.result, b.path, b.ratio, b.advantages, b.mask, b.logps, b.entropies, staleness,
+                                  b.nonfinite_inputs, b.loss)
+    sums, stale_max = b.sum_over_processes(sums).tolist(), b.max_over_processes(stale_max)
+    values, entropy = search_values(sums, b.result.as_floats(), b.path, float(stale_max), b.target)
+    values.update(gate_values(b.loss, values["bapo/clip_low"], values["bapo/clip_high"]))
+    values.update(origin_and_age_values(b, staleness))
     return values, entropy
+
+
+def origin_and_age_values(batch: MicroBatch, staleness: torch.Tensor | None) -> dict[str, float]:
+    """The share of fresh vs replayed tokens (when the batch holds replayed rows) and by token age (when
+    ``batch.by_age``), at the window ``batch.result`` holds (one sum and one max per group)."""
+    b, values = batch, {}
+    if "replayed" in b.inputs:  # fresh vs replayed tokens
+        replay_staleness = (b.step - b.inputs["policy_version"]).double()[:, None].expand_as(b.ratio)
+        totals, rep_max = origin_sums(b.result, b.ratio, b.advantages, b.mask, b.inputs["replayed"], replay_staleness,
+                                      with_trl_clip(b.loss, b.path))
+        totals, rep_max = b.sum_over_processes(totals), b.max_over_processes(rep_max)
+        values.update(origin_values(totals.tolist(), float(rep_max)))
+    if b.by_age and staleness is not None:
+        values.update(age_values(b.sum_over_processes(age_sums(b.result, b.ratio, b.advantages, b.mask, staleness,
+                                                               with_trl_clip(b.loss, b.path))).tolist()))
+    return values
 
 
 def is_active(entry: dict) -> bool:

@@ -9,9 +9,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from ..core.clipping import MODES, VARIANTS, BAPOSettings, is_real, settings_errors
-from ..core.length_fair import SEQUENCE_WINDOWS, LengthFairSettings, band_errors
 from ..core.loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SUPPORTED_LOSS_TYPES
-from ..core.off_policy import CORRECTIONS, WEIGHT_MODES
 from ..core.window_rule import RATIO_FIELDS, WIDENING, derived_path
 from ..generation.adapter_sync import LORA_SYNC_MODES
 from ..generation.fleet import normalized_server_urls, server_urls
@@ -121,46 +119,6 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
             ``bapo serve MODEL --lora-rank R``). In colocate mode the in-process engine is built with LoRA enabled and
             loads each push's adapter the same way (not with ``vllm_enable_sleep_mode``, which pushes merged weights).
             ``"merged"`` merges it and pushes the full weights (TRL's way). Ignored without a peft model.
-
-        off_policy_correction (`str`, *optional*, defaults to `"none"`):
-            `"none"`: the ratio BAPO searches and TRL clips is ``pi_theta / pi_behaviour`` (the policy that sampled
-            each token). `"decoupled"` (AReaL's decoupled objective, ``docs/off_policy.md``): when a generation batch
-            starts training, one forward pass gives the proximal log-probs ``pi_prox`` (the trainer's policy then);
-            the search and TRL's loss act on ``pi_theta / pi_prox``, and each token's loss is multiplied by the
-            truncated weight ``pi_prox / pi_behaviour``, which carries staleness and sampler mismatch (it replaces
-            TRL's vLLM importance-sampling weight, the mismatch part alone). Logged as ``decoupled/*``.
-        off_policy_weight_mode (`str`, *optional*, defaults to `"token_truncate"`):
-            How the decoupled weight is formed, as TRL's ``vllm_importance_sampling_mode`` reads: per token or per
-            sequence (the product of its tokens' ratios), truncated to the bounds or set to 0 outside them.
-        off_policy_weight_cap (`float`, *optional*, defaults to `3.0`):
-            Upper bound of the decoupled weight (TRL's ``vllm_importance_sampling_clip_max`` default), > 0.
-        off_policy_weight_floor (`float` or `None`, *optional*, defaults to `None`):
-            Lower bound of the decoupled weight, in [0, cap); None: none.
-
-        sequence_window (`str`, *optional*, defaults to `"fixed"`):
-            `"fixed"`: one window ``[c_low, c_high]`` for every ratio (BAPO's search). `"length_fair"` (a candidate
-            of the study in docs/results.md, ``importance_sampling_level="sequence"`` and a clipped loss only): each
-            sequence's ratio ``R = exp(mean log r)`` is clipped in ``log R in [-k_low b, k_high b]``, ``b`` the
-            standard error of the sequence's mean token log-ratio (``sd / sqrt(L)``, at least ``band_floor``), so a
-            short answer's noisy mean is not clipped more than a long one's; the search chooses ``k_high`` (from
-            ``band_upper_start`` up to ``band_upper_max``), then ``k_low`` (from ``band_lower_start`` down to
-            ``band_lower_min``) for the positive share (``bapo_trl.core.length_fair``). Logged: ``bapo/band_upper``,
-            ``bapo/band_lower`` (the widths) and ``bapo/clip_low``/``bapo/clip_high`` (the sequences' mean window).
-        band_upper_start (`float`, *optional*, defaults to `1.0`):
-            Start of ``k_high`` (standard errors), > 0. Reset for every update.
-        band_upper_max (`float`, *optional*, defaults to `4.0`):
-            Largest ``k_high``, >= band_upper_start.
-        band_upper_step (`float`, *optional*, defaults to `0.25`):
-            Step of ``k_high``, > 0.
-        band_lower_start (`float`, *optional*, defaults to `4.0`):
-            Start (widest) of ``k_low`` (standard errors), > 0. Reset for every update.
-        band_lower_min (`float`, *optional*, defaults to `1.0`):
-            Narrowest ``k_low``, <= band_lower_start.
-        band_lower_step (`float`, *optional*, defaults to `0.25`):
-            Step of ``k_low``, > 0.
-        band_floor (`float`, *optional*, defaults to `3e-4`):
-            The smallest band unit ``b`` (a one-token sequence or on-policy data has ``sd = 0``): GSPO's documented
-            ``epsilon``.
     """
 
     positive_contribution_target: float = field(
@@ -240,34 +198,6 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
                   "--lora-rank R`); 'merged' pushes merged full weights (TRL's way). Ignored without a peft model.",
                   "choices": list(LORA_SYNC_MODES)},
     )
-    off_policy_correction: str = field(
-        default="none",
-        metadata={"help": "'decoupled': clip pi_theta / pi_prox (the trainer's policy when the batch starts training, "
-                  "one forward pass) and weight each token's loss by the truncated pi_prox / pi_behaviour (staleness "
-                  "and sampler mismatch); 'none': clip pi_theta / pi_behaviour.", "choices": list(CORRECTIONS)},
-    )
-    off_policy_weight_mode: str = field(
-        default="token_truncate",
-        metadata={"help": "The decoupled weight, as TRL's vllm_importance_sampling_mode: per token or sequence, "
-                  "truncated or masked outside the bounds.", "choices": list(WEIGHT_MODES)},
-    )
-    off_policy_weight_cap: float = field(default=3.0, metadata={"help": "Upper bound of the decoupled weight, > 0."})
-    off_policy_weight_floor: float | None = field(
-        default=None, metadata={"help": "Lower bound of the decoupled weight, in [0, cap); None: none."})
-    sequence_window: str = field(
-        default="fixed",
-        metadata={"help": "'fixed': one window for every ratio; 'length_fair' (importance_sampling_level='sequence', "
-                  "clipped losses): each sequence's window is k_low/k_high standard errors of its mean log-ratio, "
-                  "the search choosing k_high then k_low.", "choices": list(SEQUENCE_WINDOWS)},
-    )
-    band_upper_start: float = field(default=1.0, metadata={"help": "length_fair: start of k_high, > 0."})
-    band_upper_max: float = field(default=4.0, metadata={"help": "length_fair: largest k_high, >= its start."})
-    band_upper_step: float = field(default=0.25, metadata={"help": "length_fair: step of k_high, > 0."})
-    band_lower_start: float = field(default=4.0, metadata={"help": "length_fair: start (widest) of k_low, > 0."})
-    band_lower_min: float = field(default=1.0, metadata={"help": "length_fair: narrowest k_low, <= its start."})
-    band_lower_step: float = field(default=0.25, metadata={"help": "length_fair: step of k_low, > 0."})
-    band_floor: float = field(default=3e-4, metadata={"help": "length_fair: smallest band unit b, > 0."})
-
     def __post_init__(self):
         self._derive_search_path()
         # Validate BAPO's own fields first: a bad value must fail before TrainingArguments sets up devices.
@@ -314,12 +244,13 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         (:meth:`~bapo_trl.rollout.settings.RolloutSettings.inert_rollout_settings`), then the search's. Errors: a
         feature the user turned on would never act. Warnings: the run is legitimate but a setting is useless in it.
         Every row compares a setting with its field's declared default."""
-        rows = self.inert_rollout_settings() + self._sequence_window_rows() + self._logging_rows()
+        return self.inert_rollout_settings() + self._logging_rows() + self._loss_type_rows() + self._window_rows()
+
+    def _window_rows(self) -> list[tuple[str, str]]:
+        """Inert-setting rows of the search path (a research window with a path of its own replaces them)."""
+        rows = []
         path = self._loss.path(self.bapo_settings)
         window = f"[{path.clip_low[0]}, {path.clip_high[0]}]"
-        rows += self._loss_type_rows()
-        if self.sequence_window == "length_fair":
-            return rows  # the ratio path's rows speak of a window this run does not use
         if (self.bapo_variant == "paper" and len(path.low_grid) == 1 and self.ratio_upper_max > self.ratio_upper_start
                 and not path.negatives_on_high):
             rows.append(("warning", (
@@ -356,21 +287,6 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         """The loss type's row (:mod:`bapo_trl.core.loss_types`); the clipped surrogate's for an unknown one
         (refused)."""
         return LOSS_TYPES.get(self.loss_type, LOSS_TYPES["dapo"])
-
-    def _sequence_window_rows(self) -> list[tuple[str, str]]:
-        """The window's fields that the chosen ``sequence_window`` never reads."""
-        fair = self.sequence_window == "length_fair"
-        names = ([n for n in BAPOSettings.__dataclass_fields__ if n.startswith("ratio_") or n == "bapo_variant"]
-                 if fair else [n for n in LengthFairSettings.__dataclass_fields__ if n.startswith("band_")])
-        moved = [f"`{n}`" for n in names
-                 if (n in self.ratio_fields_set if n in RATIO_FIELDS else getattr(self, n) != field_default(self, n))]
-        if not moved:
-            return []
-        why = ("the length-fair window's path is band_upper_*/band_lower_*" if fair else
-               "they set the length-fair window's path, and sequence_window is 'fixed'")
-        verb = "has" if len(moved) == 1 else "have"
-        drop = 'it' if len(moved) == 1 else 'them'
-        return [("warning", f"{', '.join(moved)} {verb} no effect: {why}. Drop {drop}.")]
 
     def _loss_type_rows(self) -> list[tuple[str, str]]:
         """Inert-setting rows that depend on the loss type."""
@@ -419,17 +335,6 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
             )
         if self.vllm_lora_sync not in LORA_SYNC_MODES:
             errors.append(f"`vllm_lora_sync` must be one of {LORA_SYNC_MODES}, got {self.vllm_lora_sync!r}.")
-        if self.off_policy_correction not in CORRECTIONS:
-            errors.append(f"`off_policy_correction` must be one of {CORRECTIONS}, got {self.off_policy_correction!r}.")
-        if self.off_policy_weight_mode not in WEIGHT_MODES:
-            errors.append(f"`off_policy_weight_mode` must be one of {WEIGHT_MODES} (TRL's "
-                          f"vllm_importance_sampling_mode values), got {self.off_policy_weight_mode!r}.")
-        cap, floor = self.off_policy_weight_cap, self.off_policy_weight_floor
-        if not (is_real(cap) and cap > 0):
-            errors.append(f"`off_policy_weight_cap` must be a finite number > 0, got {cap!r}.")
-        elif floor is not None and not (is_real(floor) and 0 <= floor < cap):
-            errors.append(f"`off_policy_weight_floor` must be None or in [0, off_policy_weight_cap = {cap}), got "
-                          f"{floor!r}.")
         if self.use_liger_kernel:
             errors.append("`use_liger_kernel` must be False with BAPO (the Liger GRPO loss has a fixed window), got "
                           "True: set use_liger_kernel=False.")
@@ -482,39 +387,11 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
                     f"target_entropy={self.target_entropy}, target_adapt_rate={self.target_adapt_rate}, "
                     f"target_min={self.target_min}, positive_contribution_target={self.positive_contribution_target}, "
                     f"target_max={self.target_max}.")
-        errors += self._sequence_window_errors()
         try:
             server_urls(self.vllm_server_base_url)
         except ValueError as exc:
             errors.append(str(exc))
         return errors + rollout_errors(self)
-
-    def _sequence_window_errors(self) -> list[str]:
-        if self.sequence_window not in SEQUENCE_WINDOWS:
-            return [f"`sequence_window` must be one of {SEQUENCE_WINDOWS}, got {self.sequence_window!r}."]
-        if self.sequence_window == "fixed":
-            return []
-        errors = band_errors(**{n: v for n, v in self._length_fair_dict().items() if n.startswith("band_")})
-        if self.importance_sampling_level != "sequence":
-            errors.append(f"`sequence_window='length_fair'` clips each sequence's ratio: it needs "
-                          f"`importance_sampling_level='sequence'` (GSPO's ratio), got "
-                          f"{self.importance_sampling_level!r}.")
-        if self._loss.kind != "clip":
-            errors.append(f"`sequence_window='length_fair'` needs a clipped loss (grpo, bnpo, dr_grpo, dapo, luspo), "
-                          f"got loss_type={self.loss_type!r}.")
-        return errors
-
-    def _length_fair_dict(self) -> dict:
-        return {name: getattr(self, name) for name in LengthFairSettings.__dataclass_fields__ if name != "delta"}
-
-    @property
-    def length_fair_settings(self) -> LengthFairSettings | None:
-        """The length-fair search's settings (``delta`` as :attr:`bapo_settings` takes it), or None with the fixed
-        window."""
-        if self.sequence_window != "length_fair":
-            return None
-        delta = self.delta if self._loss.kind == "clip" else None
-        return LengthFairSettings(**self._length_fair_dict(), delta=delta)
 
     def _settings_dict(self) -> dict:
         """The search settings as set; ``delta`` (TRL's field, checked in :meth:`bapo_errors`) joins in

@@ -20,9 +20,7 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from ..core import metrics
 from ..core.clipping import SearchResult, search_clip_bounds
-from ..core.length_fair import length_fair_path
 from ..core.loss_types import LOSS_TYPES, LossType
 from ..core.numerics import loss_mask, mask_nonfinite_inputs, sanitize_after_forward
 from ..core.target_controller import TargetController
@@ -30,9 +28,9 @@ from ..rollout.contract import parts, stamp_policy_version
 from ..rollout.registry import build_source, check_source_arguments
 from .bapo_config import BAPOConfig, trainer_config
 from .checkpoints import CheckpointMixin
-from .decoupled import decouple
-from .loop_hooks import AtEachUpdate, training_random_state_kept
-from .loss_hook import install, length_fair_window, optimised_tokens, restore, search_inputs
+from .input_checks import check_prompt_column
+from .loop_hooks import AtEachUpdate, EvaluationKeepsTrainingRandomState
+from .loss_hook import WindowChoice, install, log_search, optimised_tokens, restore, search_inputs
 from .model_card import PAPER_CITATION, ModelCardMixin
 from .reward_errors import RewardTally, name_errors
 from .trl_port import TRLPort
@@ -42,32 +40,13 @@ from .vllm_backend import CPUServerSyncMixin  # vLLM server mode on CPU (disk we
 check_trl_seams()  # a TRL that moved a private method we override fails here, loudly, not mid-training
 
 
-def check_prompt_column(dataset, name: str = "train_dataset", column: str = "prompt",
-                        why: str = ", where TRL's GRPOTrainer reads the prompts",
-                        fix: str = "Rename the one that holds them: `dataset.rename_column(NAME, 'prompt')`.") -> None:
-    """Raise ``ValueError`` when ``dataset`` has no ``column``, naming the columns it has (``bapo train`` uses it too,
-    with its flag as the fix). A dict of datasets (``eval_dataset``) is checked set by set; an ``IterableDataset``
-    whose columns are unknown (``column_names`` None) by its first example; a dataset of another kind is not checked.
-    """
-    if isinstance(dataset, dict):
-        for key, part in dataset.items():
-            check_prompt_column(part, f"{name}[{key!r}]", column, why, fix)
-        return
-    from datasets import IterableDataset
-
-    columns = getattr(dataset, "column_names", None)
-    if columns is None and isinstance(dataset, IterableDataset):
-        first = next(iter(dataset), None)
-        columns = None if not isinstance(first, dict) else list(first)
-    if columns is not None and column not in columns:
-        raise ValueError(f"{name} has no column {column!r}{why}; its columns are {list(columns)}. {fix}")
-
-
-class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrainer):
+class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, EvaluationKeepsTrainingRandomState,
+                  GRPOTrainer):
     """GRPO with BAPO's adaptive clipping window (Xi et al., 2025).
 
     Mixins, each beside the code it uses: vLLM server mode without CUDA (``vllm_backend.py``), checkpoints
-    (``checkpoints.py``), TRL's model card with a BAPO section (``model_card.py``).
+    (``checkpoints.py``), TRL's model card with a BAPO section (``model_card.py``), evaluation that leaves training's
+    random state as it found it (``loop_hooks.py``).
 
     Takes exactly :class:`trl.GRPOTrainer`'s arguments, with ``args`` a :class:`BAPOConfig`. On on-policy
     micro-batches the ratio is exactly 1 and BAPO changes nothing; it acts on stale data
@@ -76,8 +55,7 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
 
     _tag_names = ["trl", "grpo", "bapo"]
     _name = "BAPO"
-    #: The loss row a subclass balances whatever the config's ``loss_type`` (BAPOGMPOTrainer: GMPO's); None: the
-    #: ``loss_type``'s row.
+    #: Hook: the loss row a subclass balances whatever the config's ``loss_type``; None: the ``loss_type``'s row.
     loss_row: LossType | None = None
     _paper = {"title": "BAPO: Stabilizing Off-Policy Reinforcement Learning for LLMs via Balanced Policy "
               "Optimization with Adaptive Clipping", "id": "2510.18927", "citation": PAPER_CITATION}
@@ -94,11 +72,9 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
         self.last_search: SearchResult | None = None
         super().__init__(model, reward_funcs, args=args, **kwargs)
         # A reward function that raises is named in the error (TRL keeps the callables in this list).
-        self.reward_funcs = [
-            name_errors(f, n) if callable(f) and not isinstance(f, torch.nn.Module) else f
-            for f, n in zip(self.reward_funcs, self.reward_func_names)
-        ]
-        self._base_settings, self._length_fair_base = args.bapo_settings, args.length_fair_settings
+        self.reward_funcs = [name_errors(f, n) if callable(f) and not isinstance(f, torch.nn.Module) else f
+                             for f, n in zip(self.reward_funcs, self.reward_func_names)]
+        self._base_settings = args.bapo_settings
         self._runs = 0
         self._new_run_state()
         self.add_callback(AtEachUpdate(self._end_of_update))
@@ -129,9 +105,9 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
             self._end_of_training()
 
     def _begin_run(self) -> None:
-        if self._runs:
-            self._new_run_state()
         self._runs += 1
+        if self._runs > 1:
+            self._new_run_state()
 
     @property
     def _bapo_settings(self):
@@ -140,32 +116,21 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
             return self._base_settings
         return dataclasses.replace(self._base_settings, positive_contribution_target=self.target_controller.value)
 
-    @property
-    def _length_fair_settings(self):
-        """The length-fair search's settings (None with the fixed window), with the closed-loop target's rho0."""
-        if self.target_controller is None or self._length_fair_base is None:
-            return self._length_fair_base
-        return dataclasses.replace(self._length_fair_base,
-                                   positive_contribution_target=self.target_controller.value)
-
-    def evaluate(self, *args, **kwargs):
-        """TRL's evaluation, with training's random state put back afterwards: evaluating (its dataloader, TRL's own
-        sampling) then changes nothing training draws next (TRL's shuffle of each generation batch, its sampling), so
-        a run trains the same batches and weights with or without ``eval_strategy``."""
-        with training_random_state_kept(self.accelerator.device):
-            return super().evaluate(*args, **kwargs)
-
     # -- data: every batch from the rollout source, stamped with the policy versions that sampled it -----------
 
     def _generate_and_score_completions(self, inputs):
         score = super()._generate_and_score_completions
         if self.model.training:
             batch = self.rollout_source.next_batch(inputs, self.reward_tally.counting(score, self))
-            if self.args.off_policy_correction == "decoupled":
-                batch = decouple(self, batch)  # the proximal policy: this one, as the batch starts training
-            return batch
+            return self._training_batch(batch)
         with self.rollout_source.paused():  # evaluation: TRL's own generation, background generation held
             return stamp_policy_version(score(inputs), self.state.global_step)
+
+    def _training_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Hook: a generation batch as it starts training (every process calls it at once), before TRL splits it into
+        micro-batches. A research candidate that re-weights batches overrides only this (:mod:`bapo_trl.experimental`);
+        the method trains the batch as its source gave it."""
+        return batch
 
     def _rank_states(self) -> dict[str, Any]:
         """Per-process state saved beside TRL's checkpoint files (:class:`~.checkpoints.CheckpointMixin`)."""
@@ -198,8 +163,7 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
         if stored is not None:
             return stored, None, None
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-        )
+            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         inputs, self._bapo_pending = self._bapo_pending, None  # only the policy forward of a loss call
         if inputs is not None:
             self._adapt_clip_window(logps, inputs, entropies)
@@ -213,33 +177,21 @@ class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, GRPOTrain
         mask = optimised_tokens(self, loss_mask(inputs), per_token_logps, entropies, inputs)
         ratio, advantages = search_inputs(self.loss, per_token_logps, inputs, self.args.importance_sampling_level,
                                           self.args.positive_contribution_is_weighted)
-        settings, window = self._bapo_settings, None
-        if self.args.sequence_window == "length_fair":
-            result, window = length_fair_window(self, per_token_logps, inputs, mask, advantages)
-        else:
-            result = search_clip_bounds(ratio, advantages, mask, config=settings, path=self.loss.path(settings),
-                                        reduce_fn=self.port.sum_over_processes, sums_fn=self.loss.grid_sums)
-        bounds = (result.clip_low, result.clip_high) if window is None else window.bounds()
-        install(self, self.loss.to_trl(*bounds), per_token_logps.dtype, saved=self._bapo_installed)
-        self.last_search = result
-        self._log_search(result, ratio, advantages, mask, inputs, per_token_logps, entropies, window)
+        choice = self._choose_window(per_token_logps, inputs, mask, ratio, advantages)
+        install(self, self.loss.to_trl(*choice.bounds), per_token_logps.dtype, saved=self._bapo_installed)
+        self.last_search = choice.result
+        log_search(self, choice, ratio, advantages, mask, inputs, per_token_logps, entropies)
 
-    def _log_search(self, result: SearchResult, ratio, advantages, mask, inputs, logps, entropies=None,
-                    window=None) -> None:
-        """The micro-batch's metrics (:func:`bapo_trl.core.metrics.update_values`; ``window``: the length-fair
-        search's per-sequence window); its entropy joins the closed-loop target's update, if on."""
-        mode, settings = "train" if self.model.training else "eval", self._bapo_settings
-        path = self.loss.path(settings) if window is None else length_fair_path(self._length_fair_settings)
-        values, entropy = metrics.update_values(
-            result, path, self.loss, ratio, advantages, mask, inputs, logps, entropies,
-            self.state.global_step, self._nonfinite_inputs, settings.positive_contribution_target,
-            self.port.sum_over_processes, self.port.max_over_processes,
-            by_age=self.rollout_source.metrics_by_age and mode == "train", window=window)
-        self.port.log_metrics(values, mode)
-        if self.target_controller is not None and mode == "train":
-            if entropies is None:
-                raise RuntimeError("target_entropy needs the policy entropy, but TRL's loss forward returned none.")
-            self.target_controller.observe(*entropy)  # the target moves once the update is over
+    def _choose_window(self, logps: torch.Tensor, inputs: dict[str, Any], mask: torch.Tensor, ratio: torch.Tensor,
+                       advantages: torch.Tensor) -> WindowChoice:
+        """Hook: the window one micro-batch gets, with what its metrics need. The method: BAPO's search over the loss
+        type's path, its sums reduced over all processes. A research candidate with another window overrides only
+        this (:mod:`bapo_trl.experimental`)."""
+        settings = self._bapo_settings
+        path = self.loss.path(settings)
+        result = search_clip_bounds(ratio, advantages, mask, config=settings, path=path,
+                                    reduce_fn=self.port.sum_over_processes, sums_fn=self.loss.grid_sums)
+        return WindowChoice(result, path, (result.clip_low, result.clip_high))
 
     def _end_of_update(self) -> None:
         if self.target_controller is not None:

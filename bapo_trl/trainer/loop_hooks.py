@@ -26,6 +26,16 @@ def training_random_state_kept(device: torch.device):
         np.random.set_state(numpy_state)
 
 
+class EvaluationKeepsTrainingRandomState:
+    """Trainer mixin: TRL's evaluation, with training's random state put back afterwards: evaluating (its dataloader,
+    TRL's own sampling) then changes nothing training draws next (TRL's shuffle of each generation batch, its
+    sampling), so a run trains the same batches and weights with or without ``eval_strategy``."""
+
+    def evaluate(self, *args, **kwargs):
+        with training_random_state_kept(self.accelerator.device):
+            return super().evaluate(*args, **kwargs)
+
+
 class AtEachUpdate(TrainerCallback):
     """Calls ``end_of_update`` once per optimizer step, after the optimizer stepped and before a checkpoint
     is saved."""

@@ -6,11 +6,25 @@ loss call when it is a config field).
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 
-from ..core.length_fair import length_fair_choice
+from ..core import metrics
+from ..core.clipping import SearchPath, SearchResult
 from ..core.loss_types import LossType
 from ..core.numerics import loss_mask
+
+
+class WindowChoice(NamedTuple):
+    """What the search chose for one micro-batch (:meth:`BAPOTrainer._choose_window`): its result and path, the
+    bounds TRL's loss gets (through the loss type's row), and the function that turns the micro-batch's record into
+    its logged values and entropy."""
+
+    result: SearchResult
+    path: SearchPath
+    bounds: tuple
+    values: Callable[[metrics.MicroBatch], tuple[dict, tuple]] = metrics.update_values
 
 
 def optimised_tokens(trainer, mask: torch.Tensor, logps: torch.Tensor, entropies: torch.Tensor | None,
@@ -33,15 +47,6 @@ def token_log_ratio(logps: torch.Tensor, inputs: dict) -> torch.Tensor:
     is on-policy, every ratio exactly 1)."""
     old = inputs.get("old_per_token_logps")
     return logps.detach() - old if old is not None else torch.zeros_like(logps)
-
-
-def length_fair_window(trainer, logps: torch.Tensor, inputs: dict, mask: torch.Tensor, advantages: torch.Tensor):
-    """``(result, window)`` of the length-fair search on one micro-batch (sums reduced over all processes): the
-    chosen widths (``result.clip_low``/``clip_high`` are ``k_low``/``k_high``) and every sequence's window
-    (:class:`~bapo_trl.core.length_fair.SequenceWindow`). The band's statistics are taken over TRL's loss mask (its
-    sequence mean's)."""
-    return length_fair_choice(token_log_ratio(logps, inputs), advantages, mask, trainer._length_fair_settings,
-                              trainer.port.sum_over_processes, statistics_mask=loss_mask(inputs))
 
 
 def search_inputs(loss: LossType, logps: torch.Tensor, inputs: dict, level: str,
@@ -79,3 +84,19 @@ def restore(args, saved: dict) -> None:
     config is saved with checkpoints)."""
     for name, value in saved.items():
         setattr(args, name, value)
+
+
+def log_search(trainer, choice: WindowChoice, ratio, advantages, mask, inputs, logps, entropies=None) -> None:
+    """The micro-batch's metrics (``choice.values``: :func:`bapo_trl.core.metrics.update_values` for the method);
+    its entropy joins the closed-loop target's update, if on."""
+    mode = "train" if trainer.model.training else "eval"
+    values, entropy = choice.values(metrics.MicroBatch(
+        choice.result, choice.path, trainer.loss, ratio, advantages, mask, inputs, logps, entropies,
+        trainer.state.global_step, trainer._nonfinite_inputs, trainer._bapo_settings.positive_contribution_target,
+        trainer.port.sum_over_processes, trainer.port.max_over_processes,
+        by_age=trainer.rollout_source.metrics_by_age and mode == "train"))
+    trainer.port.log_metrics(values, mode)
+    if trainer.target_controller is not None and mode == "train":
+        if entropies is None:
+            raise RuntimeError("target_entropy needs the policy entropy, but TRL's loss forward returned none.")
+        trainer.target_controller.observe(*entropy)  # the target moves once the update is over

@@ -156,13 +156,13 @@ SEAMS: tuple[Seam, ...] = (
     Seam("trl.models.utils:disable_gradient_checkpointing", "no-grad policy forwards outside the loss"),
 )
 
-#: TRL's experimental GMPO, which ``BAPOGMPOTrainer`` (bapo_trl/trainer/gmpo.py) puts BAPO in front of: checked when
-#: that module is imported (experimental in TRL, so a user of BAPOTrainer alone never depends on it).
+#: TRL's experimental GMPO, which ``BAPOGMPOTrainer`` (bapo_trl/experimental/gmpo/trainer.py) puts BAPO in front
+#: of: checked when that module is imported (experimental in TRL, so a user of BAPOTrainer alone never depends on it).
 GMPO = "trl.experimental.gmpo.gmpo_trainer:GMPOTrainer"
 GMPO_SEAMS: tuple[Seam, ...] = (
     Seam(f"{GMPO}._compute_loss", "GMPO's loss reads the window BAPO installs in epsilon_low/high as log-space "
          "bounds, runs the policy forward BAPO's search hooks, and weights a sequence by the geometric mean of its "
-         "sign-clipped token ratios over the loss mask (mirrored by bapo_trl.core.geometric_mean)",
+         "sign-clipped token ratios over the loss mask (mirrored by bapo_trl.experimental.gmpo.geometric_mean)",
          params=("model", "inputs"),
          mentions=("self._get_per_token_logps_and_entropies", "self.get_high_entropy_mask(entropies, mask",
                    'completion_mask * inputs["tool_mask"]',

@@ -15,11 +15,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, TrainerCallback
 
+from bapo_trl import BAPOConfig
 from bapo_trl.core.numerics import loss_mask
 from bapo_trl.rollout.producer import Producer
 from bapo_trl.rollout.settings import staleness_bound
 from bapo_trl.trainer.trl_port import TRLPort
-from support.harness import PolicySnapshots, Probe, cpu_config, replay_queue_of, tiny_trainer
+from support.harness import PolicySnapshots, Probe, cpu_config, probe_of, replay_queue_of, tiny_trainer
 from support.harness import check_behaviour_logps as behaviour_logps_match
 from support.policy_server import PolicyServer
 
@@ -49,7 +50,7 @@ SOURCES = {
     "async_partial_lora": dict(async_generation=True, partial_rollout_budget=3, partial_rollout_max_resumes=2),
     "async_inflight_lora": dict(async_generation=True, max_staleness=2, inflight_update_tokens=2),
     "async_k2_two_servers_lora": dict(async_generation=True, max_staleness=2),
-    # off_policy_correction="decoupled" on every source: the proximal log-probs are checked too
+    # DecoupledBAPOTrainer (bapo_trl.experimental) on every source: the proximal log-probs are checked too
     "replay_decoupled": dict(replay_buffer_size=8, replay_ratio=0.5),
     "partial_decoupled": dict(partial_rollout_budget=3, partial_rollout_max_resumes=2),
     "async_k1_decoupled": dict(async_generation=True, max_staleness=1),
@@ -64,7 +65,7 @@ SOURCES = {
 #: stand-in answers such a name 404, as vLLM does), and the base weights were reloaded once per trainer object.
 LORA = {"async_k1_lora", "async_partial_lora", "async_inflight_lora", "async_k2_two_servers_lora",
         "async_k1_lora_decoupled"}
-#: Rows with ``off_policy_correction="decoupled"``: each trained token's proximal log-prob equals a recomputation with
+#: Rows on ``DecoupledBAPOTrainer``: each trained token's proximal log-prob equals a recomputation with
 #: the policy of the step its generation batch started training at (check_proximal_logps).
 DECOUPLED = {s for s in SOURCES if s.endswith("_decoupled")}
 #: Rows that generate on several servers (``vllm_server_base_url`` lists them): every server answers requests and
@@ -261,8 +262,6 @@ def config(source: str, setting: tuple[int, int, int], out: Path, servers: list,
     steps_per_generation, num_iterations, accumulation = setting
     updates = max(1, -(-steps_per_generation * num_iterations // accumulation))
     extra = dict(SOURCES[source], **(USER_SAMPLING if setting == USER_SAMPLING_SETTING else {}))
-    if source in DECOUPLED:
-        extra["off_policy_correction"] = "decoupled"
     if "replay_buffer_size" in extra:  # the youngest age a replayed group can have, and more
         ahead = 1 + extra.get("max_staleness", 1) if extra.get("replay_saves_generation") else 0
         extra["replay_max_staleness"] = (3 + ahead) * updates
@@ -279,7 +278,15 @@ def config(source: str, setting: tuple[int, int, int], out: Path, servers: list,
         num_iterations=num_iterations, gradient_accumulation_steps=accumulation,
         max_steps=row_steps(source, updates),
         save_strategy="steps", save_steps=1, disable_tqdm=True)
-    return cpu_config(out, **{**settings, **extra, **overrides})
+    return cpu_config(out, config_cls=decoupled_classes()[0] if source in DECOUPLED else BAPOConfig,
+                      **{**settings, **extra, **overrides})
+
+
+def decoupled_classes():
+    """The decoupled rows' config and trainer classes (bapo_trl.experimental.decoupled)."""
+    from bapo_trl.experimental.decoupled import DecoupledBAPOConfig, DecoupledBAPOTrainer
+
+    return DecoupledBAPOConfig, DecoupledBAPOTrainer
 
 
 def row_steps(source: str, updates: int) -> int:
@@ -311,8 +318,10 @@ def adapter_that_matters(model, seed: int = 0) -> None:
 def build(model_dir, args, probe=True, callbacks=(), peft=None):
     """The row's trainer; ``probe``: recording what each micro-batch trains (``trained``, ``queue_ages``); ``peft``: a
     peft config (LoRA rows)."""
-    recording = dict(cls=Probe, around={"compute_loss": record_trained}, record=("trained", "queue_ages")) if probe \
-        else {}
+    config_cls, trainer_cls = decoupled_classes()
+    decoupled = isinstance(args, config_cls)
+    recording = dict(cls=probe_of(trainer_cls) if decoupled else Probe, around={"compute_loss": record_trained},
+                     record=("trained", "queue_ages")) if probe else dict(cls=trainer_cls) if decoupled else {}
     return tiny_trainer(model_dir, args, reward=digit_reward, prompts=64, prompt_seed=0,
                         eval_prompts=2 if args.eval_strategy != "no" else 0, eval_seed=5, callbacks=callbacks,
                         **recording, **({"peft_config": peft} if peft is not None else {}))

@@ -120,8 +120,8 @@ def check_behaviour_logps(model, policies: dict, prompt_ids, completion_ids, ver
     return float((current[older] - behaviour[older]).abs().max())
 
 
-class Probe(BAPOTrainer):
-    """A BAPOTrainer whose chosen methods are wrapped to record what they saw (the real methods always run: a probe,
+class ProbeMixin:
+    """A trainer whose chosen methods are wrapped to record what they saw (the real methods always run: a probe,
     not a fake). Exists so the tests record the micro-batches the loss trained, the batches a source handed over,
     the calls generation made... with one mechanism instead of a subclass each.
 
@@ -151,3 +151,12 @@ class Probe(BAPOTrainer):
             return wrapper(self, real, *args, **kwargs)
 
         setattr(owner, name, wrapped)
+
+
+class Probe(ProbeMixin, BAPOTrainer):
+    """A BAPOTrainer probe (:class:`ProbeMixin`)."""
+
+
+def probe_of(trainer_cls: type) -> type:
+    """The :class:`ProbeMixin` probe of another trainer class (a research candidate's, e.g.)."""
+    return type(f"{trainer_cls.__name__}Probe", (ProbeMixin, trainer_cls), {})

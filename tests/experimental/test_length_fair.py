@@ -1,14 +1,15 @@
-"""The length-fair sequence-level balance (bapo_trl.core.length_fair, issue 53's candidate): its one-pass search
-against the plain float64 loop, on random batches of varied lengths, masks, signs, modes, delta and process splits;
-and the window's length fairness itself."""
+"""The length-fair sequence-level balance (bapo_trl.experimental.length_fair, issue 53's candidate): its one-pass
+search against the plain float64 loop, on random batches of varied lengths, masks, signs, modes, delta and process
+splits; and the window's length fairness itself."""
 
 import math
 
 import pytest
 import torch
 
-from bapo_trl.core.clipping_reference import length_fair_loop_search
-from bapo_trl.core.length_fair import (
+from bapo_trl.experimental.length_fair.presets import GSPO_BAND
+from bapo_trl.experimental.length_fair.reference import length_fair_loop_search
+from bapo_trl.experimental.length_fair.search import (
     LengthFairSettings,
     length_fair_path,
     length_fair_search,
@@ -16,7 +17,24 @@ from bapo_trl.core.length_fair import (
     sequence_bounds,
     sequence_statistics,
 )
-from bapo_trl.trainer.presets import LENGTH_FAIR_BANDS
+
+#: The band the studies dropped (1 to 4 standard errors on both sides): its widths are easy to read in a test.
+WIDE = dict(band_upper_start=1.0, band_upper_max=4.0, band_upper_step=0.25,
+            band_lower_start=4.0, band_lower_min=1.0, band_lower_step=0.25)
+
+
+def length_fair_config(output_dir, **settings):
+    from bapo_trl.experimental.length_fair import LengthFairBAPOConfig
+    from support.harness import cpu_config
+
+    return cpu_config(output_dir, config_cls=LengthFairBAPOConfig, **settings)
+
+
+def length_fair_probe():
+    from bapo_trl.experimental.length_fair import LengthFairBAPOTrainer
+    from support.harness import probe_of
+
+    return probe_of(LengthFairBAPOTrainer)
 
 
 def batch(seed, rows=12, width=9, spread=0.3, drift=0.0, token_advantages=False):
@@ -188,7 +206,7 @@ def test_trls_loss_clips_each_sequence_in_the_window_the_plain_loop_chooses(tiny
     window installed where TRL's clamp reads it (epsilon_low/high, one per sequence) is each sequence's own, from
     the definitions; the run logs the widths and the mean window."""
     from bapo_trl.core.numerics import loss_mask
-    from support.harness import Probe, cpu_config, tiny_trainer
+    from support.harness import tiny_trainer
 
     calls, reductions = [], []
 
@@ -205,11 +223,11 @@ def test_trls_loss_clips_each_sequence_in_the_window_the_plain_loop_chooses(tiny
                       inputs["advantages"].double(), trainer.epsilon_low.detach().double().clone(),
                       trainer.epsilon_high.detach().double().clone(), trainer.last_search.as_floats()))
 
-    args = cpu_config(tmp_path, loss_type="grpo", importance_sampling_level="sequence", sequence_window="length_fair",
-                      positive_contribution_mode=mode, per_device_train_batch_size=8, num_generations=4,
-                      steps_per_generation=4, max_steps=4, max_completion_length=8, learning_rate=5e-2,
-                      logging_steps=1, save_strategy="no", seed=3)
-    trainer = tiny_trainer(tiny_model_dir, args, cls=Probe, around={"_adapt_clip_window": adapt})
+    args = length_fair_config(tmp_path, loss_type="grpo", importance_sampling_level="sequence", **WIDE,
+                              positive_contribution_mode=mode, per_device_train_batch_size=8, num_generations=4,
+                              steps_per_generation=4, max_steps=4, max_completion_length=8, learning_rate=5e-2,
+                              logging_steps=1, save_strategy="no", seed=3)
+    trainer = tiny_trainer(tiny_model_dir, args, cls=length_fair_probe(), around={"_adapt_clip_window": adapt})
     trainer.train()
     assert len(calls) == 4
     distinct = moved = 0
@@ -248,78 +266,77 @@ def test_trls_loss_clips_each_sequence_in_the_window_the_plain_loop_chooses(tiny
 
 
 @pytest.mark.parametrize("settings, says", [
-    (dict(sequence_window="lengthfair"),
-     "`sequence_window` must be one of ('fixed', 'length_fair'), got 'lengthfair'"),
-    (dict(sequence_window="length_fair"),
-     "it needs `importance_sampling_level='sequence'` (GSPO's ratio), got 'token'"),
-    (dict(sequence_window="length_fair", importance_sampling_level="sequence", loss_type="cispo"),
+    (dict(), "it needs `importance_sampling_level='sequence'` (GSPO's ratio), got 'token'"),
+    (dict(importance_sampling_level="sequence", loss_type="cispo"),
      "needs a clipped loss (grpo, bnpo, dr_grpo, dapo, luspo), got loss_type='cispo'"),
-    (dict(sequence_window="length_fair", importance_sampling_level="sequence", band_upper_step=-1.0),
-     "`band_upper_step` must be > 0"),
+    (dict(importance_sampling_level="sequence", band_upper_step=-1.0), "`band_upper_step` must be > 0"),
 ])
-def test_a_bad_length_fair_setting_is_refused_by_name_through_the_api_and_the_command(settings, says, tmp_path,
-                                                                                      capsys):
-    from bapo_trl.cli.train import make_parser, run
-    from support.harness import cpu_config
-
+def test_a_bad_length_fair_setting_is_refused_by_name(settings, says, tmp_path):
     with pytest.raises(ValueError) as error:
-        cpu_config(tmp_path, **settings)
+        length_fair_config(tmp_path, **settings)
     assert says in str(error.value)
-    flags = [part for name, value in settings.items() for part in (f"--{name}", str(value))]
-    with pytest.raises(SystemExit):
-        run(flags + ["--output_dir", str(tmp_path), "--use_cpu", "--bf16", "False"], parser=make_parser())
-    err = capsys.readouterr().err
-    assert says in err or ("--sequence_window" in err and "invalid choice: 'lengthfair'" in err), err  # argparse's
 
 
-def test_settings_the_chosen_window_never_reads_warn():
+def test_the_old_fields_are_refused_and_the_old_paths_warn(tmp_path):
+    """0.1's BAPOConfig(sequence_window=...) is an unknown argument now (the command line's flag too); the old
+    import paths answer with a deprecation warning and the very same objects."""
     import warnings
 
+    from bapo_trl.cli.train import make_parser, run
+    from bapo_trl.experimental.length_fair import presets
     from support.harness import cpu_config
+
+    with pytest.raises(TypeError, match="sequence_window"):
+        cpu_config(tmp_path, sequence_window="length_fair")
+    with pytest.raises(SystemExit):
+        run(["--sequence_window", "length_fair", "--output_dir", str(tmp_path), "--use_cpu"], parser=make_parser())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import bapo_trl
+        from bapo_trl.core import length_fair as old
+
+        assert old.length_fair_search is length_fair_search and bapo_trl.gspo_length_fair is presets.gspo_length_fair
+    assert sum("moved to bapo_trl.experimental" in str(w.message) for w in caught) == 2, [str(w.message) for w in
+                                                                                         caught]
+
+
+def test_settings_the_chosen_window_never_reads_warn(tmp_path):
+    import warnings
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cpu_config("unused", band_floor=0.1, band_upper_max=5.0)
-        cpu_config("unused", sequence_window="length_fair", importance_sampling_level="sequence", ratio_upper_max=2.0)
+        length_fair_config(tmp_path, importance_sampling_level="sequence", ratio_upper_max=2.0)
     said = [str(w.message) for w in caught if "no effect" in str(w.message)]
-    assert any("`band_upper_max`, `band_floor` have no effect" in s and "sequence_window is 'fixed'" in s
-               for s in said), said
     assert any("`ratio_upper_max` has no effect: the length-fair window's path is band_upper_*" in s
                for s in said), said
 
 
 def test_the_studied_settings_are_one_definition_and_valid_configs(tmp_path):
-    """The studies' "BAPO length-fair narrow" and "BAPO length-fair" are gspo_length_fair("gspo") and ("wide"); the
-    wide band is BAPOConfig's field defaults; step_overhead's --variant length-fair is gspo_length_fair()."""
+    """The studies' "BAPO length-fair narrow" is LengthFairBAPOConfig(**gspo_length_fair()) with the config's default
+    band (GSPO_BAND) and "BAPO length-fair" the wide band on top; step_overhead's --variant length-fair is
+    gspo_length_fair()."""
     import sys
 
-    from bapo_trl.trainer.presets import gspo_length_fair
-    from support.harness import cpu_config
+    from bapo_trl.experimental.length_fair import gspo_length_fair
 
-    for band, widths in (("gspo", (0.002, 0.2, 0.03, 0.001)), ("wide", (1.0, 4.0, 4.0, 1.0))):
-        config = cpu_config(tmp_path, **gspo_length_fair(band))
-        settings = config.length_fair_settings
-        assert config.importance_sampling_level == "sequence" and config.loss_type == "grpo" and config.beta == 0
-        assert (settings.band_upper_start, settings.band_upper_max, settings.band_lower_start,
-                settings.band_lower_min) == widths
-    path = length_fair_path(cpu_config(tmp_path, **gspo_length_fair()).length_fair_settings)
+    config = length_fair_config(tmp_path, **gspo_length_fair())
+    settings = config.length_fair_settings
+    assert config.importance_sampling_level == "sequence" and config.loss_type == "grpo" and config.beta == 0
+    assert {f: getattr(settings, f) for f in GSPO_BAND} == GSPO_BAND
+    path = length_fair_path(settings)
     assert len(path.high_grid) == 37 and len(path.low_grid) == 16  # gspo_balanced's 37 and 16 points
-    assert {f: getattr(cpu_config(tmp_path, sequence_window="length_fair", importance_sampling_level="sequence",
-                                  loss_type="grpo"), f)
-            for f in LENGTH_FAIR_BANDS["wide"]} == LENGTH_FAIR_BANDS["wide"]
-    with pytest.raises(ValueError, match="gspo_length_fair: `band` must be one of \\['gspo', 'wide'\\], got 'x'"):
-        gspo_length_fair("x")
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "benchmarks"))
     import step_overhead
     import study
 
     methods = study.evidence_methods()
-    assert methods["BAPO length-fair narrow"]["settings"] == gspo_length_fair() == gspo_length_fair("gspo")
-    assert methods["BAPO length-fair"]["settings"] == gspo_length_fair("wide")
+    assert methods["BAPO length-fair narrow"] == dict(trainer="bapo-length-fair", settings=gspo_length_fair())
+    assert methods["BAPO length-fair"] == dict(trainer="bapo-length-fair", settings=dict(gspo_length_fair(), **WIDE))
+    assert study.LENGTH_FAIR_WIDE == WIDE
     assert step_overhead.VARIANTS["length-fair"]() == gspo_length_fair()
 
 
-NARROW = LENGTH_FAIR_BANDS["gspo"]  # the narrow band: its widths move with small changes of a sequence's band
+NARROW = GSPO_BAND  # the narrow band: its widths move with small changes of a sequence's band
 
 
 def test_with_tokens_the_loss_drops_the_band_still_comes_from_the_whole_loss_mask(tiny_model_dir, tmp_path):
@@ -328,7 +345,7 @@ def test_with_tokens_the_loss_drops_the_band_still_comes_from_the_whole_loss_mas
     does. At every update the trainer's widths and share are the plain loop's with exactly that split, and on this
     run the split matters (with the band over the kept tokens only, the loop's choice or share differs somewhere)."""
     from bapo_trl.core.numerics import loss_mask
-    from support.harness import Probe, cpu_config, tiny_trainer
+    from support.harness import tiny_trainer
 
     calls = []
 
@@ -339,11 +356,11 @@ def test_with_tokens_the_loss_drops_the_band_still_comes_from_the_whole_loss_mas
         calls.append((logps.detach().double() - inputs["old_per_token_logps"].double(), mask, kept,
                       inputs["advantages"].double(), trainer.last_search.as_floats()))
 
-    args = cpu_config(tmp_path, loss_type="grpo", importance_sampling_level="sequence", sequence_window="length_fair",
-                      top_entropy_quantile=0.5, per_device_train_batch_size=8, num_generations=4, **NARROW,
-                      steps_per_generation=4, max_steps=4, max_completion_length=8, learning_rate=5e-2,
-                      logging_steps=1, save_strategy="no", seed=3)
-    trainer = tiny_trainer(tiny_model_dir, args, cls=Probe, around={"_adapt_clip_window": adapt})
+    args = length_fair_config(tmp_path, loss_type="grpo", importance_sampling_level="sequence",
+                              top_entropy_quantile=0.5, per_device_train_batch_size=8, num_generations=4, **NARROW,
+                              steps_per_generation=4, max_steps=4, max_completion_length=8, learning_rate=5e-2,
+                              logging_steps=1, save_strategy="no", seed=3)
+    trainer = tiny_trainer(tiny_model_dir, args, cls=length_fair_probe(), around={"_adapt_clip_window": adapt})
     trainer.train()
     assert len(calls) == 4
     differs = 0

@@ -4,10 +4,10 @@ Why a class and not a ``loss_type``: TRL ships GMPO as a trainer of its own (``t
 a ``GRPOTrainer`` subclass whose ``_compute_loss`` reads ``epsilon_low`` / ``epsilon_high`` as log-space bounds).
 This class puts ``BAPOTrainer`` in front of it: TRL's GMPO loss runs as TRL wrote it, BAPO's loss hook installs the
 window it chose (as ``epsilon_low = -log c_low``, ``epsilon_high = log c_high``) before that loss reads it, and the
-search balances GMPO's own share (:mod:`bapo_trl.core.geometric_mean`). Everything else is ``BAPOTrainer``'s.
+search balances GMPO's own share (:mod:`.geometric_mean`). Everything else is ``BAPOTrainer``'s.
 
 What GMPO's loss never reads is refused here, by name, before TRL loads anything: sequence-level ratios (GMPO's
-ratio is already its geometric mean), the length-fair window, TRL's off-policy mask (GMPO's loss does not apply it,
+ratio is already its geometric mean), another candidate's config, TRL's off-policy mask (GMPO's loss does not apply it,
 so the search would balance tokens the loss keeps). The dual clip's ``delta`` is left out of the path (GMPO has no
 two-sided clip); TRL's vLLM importance-sampling weights are not in GMPO's loss, nor in its share.
 """
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import warnings
 
-from ..core.clipping import BAPOSettings
-from ..core.loss_types import GEOMETRIC_MEAN
-from ..core.window_rule import RATIO_FIELDS
-from .bapo_config import BAPOConfig
-from .bapo_trainer import BAPOTrainer
+from ...core.clipping import BAPOSettings
+from ...core.window_rule import RATIO_FIELDS
+from ...trainer.bapo_config import BAPOConfig
+from ...trainer.bapo_trainer import BAPOTrainer
+from ...trainer.trl_seams import GMPO_SEAMS, check_trl_seams
+from .geometric_mean import GEOMETRIC_MEAN
 from .presets import gmpo_balanced
-from .trl_seams import GMPO_SEAMS, check_trl_seams
 
 with warnings.catch_warnings():  # TRL's notice that trl.experimental is experimental: this class is named for it
     warnings.simplefilter("ignore")
@@ -34,22 +34,18 @@ check_trl_seams(GMPO_SEAMS)  # GMPO is experimental in TRL: a release that moves
 def gmpo_errors(args: BAPOConfig) -> list[str]:
     """The config fields GMPO's loss never reads, set to something that would need it."""
     errors = []
+    if type(args) is not BAPOConfig:
+        errors.append(f"`args` must be a BAPOConfig, got {type(args).__name__}: another research window or "
+                      "correction does not combine with GMPO's loss.")
     if args.loss_type != BAPOConfig.__dataclass_fields__["loss_type"].default:
         errors.append(f"`loss_type` ({args.loss_type!r}) has no effect with BAPOGMPOTrainer: GMPO's loss replaces "
                       "TRL's loss types. Drop it.")
     if args.importance_sampling_level != "token":
         errors.append(f"`importance_sampling_level` must be 'token' with BAPOGMPOTrainer, got "
                       f"{args.importance_sampling_level!r}: GMPO's ratio is the geometric mean of the token ratios.")
-    if args.sequence_window != "fixed":
-        errors.append(f"`sequence_window` must be 'fixed' with BAPOGMPOTrainer, got {args.sequence_window!r}: the "
-                      "length-fair window is for TRL's sequence-level ratio.")
     if args.off_policy_mask_threshold is not None:
         errors.append(f"`off_policy_mask_threshold` ({args.off_policy_mask_threshold}) has no effect in GMPO's loss "
                       "(TRL's GMPOTrainer does not apply it): drop it.")
-    if args.off_policy_correction != "none":
-        errors.append(f"`off_policy_correction` must be 'none' with BAPOGMPOTrainer, got "
-                      f"{args.off_policy_correction!r}: the decoupled correction weighs each token, and GMPO's loss "
-                      "takes one weight per sequence (its geometric mean).")
     derived = [name for name in RATIO_FIELDS if name not in args.ratio_fields_set]
     window_set = args.epsilon != BAPOConfig.__dataclass_fields__["epsilon"].default or args.epsilon_high is not None
     if derived and window_set:

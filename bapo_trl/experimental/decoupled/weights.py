@@ -12,7 +12,7 @@ loss as a truncated importance weight. Its modes and caps read as TRL's ``vllm_i
 the weights' normalised effective sample size (in (0, 1]: 1 when every weight is equal), by origin and by age, the
 share of weights the cap changed, and the mismatch and staleness parts of the old ratio apart (``|log prox/behaviour|``
 over the tokens sampled by the weights the batch starts from, and over the older ones). The plain float64 loops the
-tests compare them with live in :mod:`bapo_trl.core.clipping_reference`.
+tests compare them with live in :mod:`.reference`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import torch
 
 #: TRL's ``vllm_importance_sampling_mode`` values, with the same meaning here.
 WEIGHT_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-CORRECTIONS = ("none", "decoupled")
 #: Staleness buckets of the by-age effective sample size (as the search metrics' buckets).
 AGE_BUCKETS = ("0", "1", "2", "3+")
 #: The parts the sums are split by: every token, the fresh and the replayed ones, then one per age bucket.
@@ -29,7 +28,7 @@ PARTS = ("", "/fresh", "/replayed", *(f"/age_{age}" for age in AGE_BUCKETS))
 #: Per part: count, sum w, sum w^2; then capped count, mismatch sum and count, staleness sum and count.
 _PER_PART = 3
 
-#: Logged once per generation batch with ``off_policy_correction="decoupled"``.
+#: Logged once per generation batch by :class:`~.trainer.DecoupledBAPOTrainer`.
 METRICS = (
     *(f"decoupled/ess{part}" for part in PARTS),
     "decoupled/capped_fraction",

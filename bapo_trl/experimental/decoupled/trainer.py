@@ -1,5 +1,5 @@
-"""``off_policy_correction="decoupled"`` on a generation batch as it starts training (the math, and why:
-:mod:`bapo_trl.core.off_policy`).
+"""``DecoupledBAPOTrainer``: the decoupled correction on a generation batch as it starts training (the math, and why:
+:mod:`.weights`). It overrides one hook of ``BAPOTrainer``, the batch as it starts training.
 
 Once per generation batch, before TRL splits it into the micro-batches of its updates: the batch's behaviour
 log-probs (the sampler's, ``sampling_per_token_logps``, where vLLM reported them; else ``old_per_token_logps`` as the
@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 
-from ..core.metrics import token_staleness
-from ..core.numerics import loss_mask
-from ..core.off_policy import behaviour_weights, weight_sums, weight_values
+from ...core.metrics import token_staleness
+from ...core.numerics import loss_mask
+from ...trainer.bapo_trainer import BAPOTrainer
+from .config import DecoupledBAPOConfig
+from .weights import behaviour_weights, weight_sums, weight_values
 
 #: The batch key of the behaviour log-probs once the proximal ones took ``old_per_token_logps``.
 BEHAVIOUR = "behaviour_per_token_logps"
@@ -53,3 +55,24 @@ def decouple(trainer, batch: dict[str, Any]) -> dict[str, Any]:
     if out.get("importance_sampling_ratio") is not None:
         out["importance_sampling_ratio"] = torch.ones_like(out["importance_sampling_ratio"])
     return out
+
+
+class DecoupledBAPOTrainer(BAPOTrainer):
+    """BAPO with the decoupled off-policy correction. Takes ``BAPOTrainer``'s arguments with ``args`` a
+    :class:`DecoupledBAPOConfig`."""
+
+    _tag_names = ["trl", "grpo", "bapo", "decoupled"]
+    _name = "BAPO-decoupled"
+
+    def __init__(self, model, reward_funcs=None, args: DecoupledBAPOConfig | None = None, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else model.config.name_or_path
+            args = DecoupledBAPOConfig(f"{name.split('/')[-1]}-BAPO-decoupled")
+        if not isinstance(args, DecoupledBAPOConfig):
+            raise TypeError(f"DecoupledBAPOTrainer needs `args` to be a DecoupledBAPOConfig, got "
+                            f"{type(args).__name__} (from bapo_trl.experimental.decoupled import "
+                            "DecoupledBAPOConfig).")
+        super().__init__(model, reward_funcs, args=args, **kwargs)
+
+    def _training_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return decouple(self, batch)  # the proximal policy: this one, as the batch starts training

@@ -1,4 +1,4 @@
-"""Length-fair sequence-level balance (issue 53's candidate, ``BAPOConfig(sequence_window="length_fair")``): GSPO's
+"""Length-fair sequence-level balance (issue 53's candidate, :class:`~.trainer.LengthFairBAPOTrainer`): GSPO's
 sequence ratio clipped in a band as wide as the noise of the sequence's own mean, BAPO's search choosing the band's
 width per sign.
 
@@ -29,10 +29,7 @@ from typing import Callable
 
 import torch
 
-from .clipping import MODES, SearchPath, SearchResult, _device_grids, _grid, choose_bounds, is_real
-
-#: ``BAPOConfig.sequence_window``: one window for every ratio, or this module's.
-SEQUENCE_WINDOWS = ("fixed", "length_fair")
+from ...core.clipping import MODES, SearchPath, SearchResult, _device_grids, _grid, choose_bounds, is_real
 
 
 @dataclass(frozen=True)

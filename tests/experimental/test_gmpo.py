@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from bapo_trl.core.clipping import BAPOSettings, search_clip_bounds
-from bapo_trl.core.clipping_reference import gmpo_contributions_reference, loop_search
-from bapo_trl.core.geometric_mean import gmpo_contributions, gmpo_sums, gmpo_window
-from bapo_trl.core.loss_types import GEOMETRIC_MEAN
-from bapo_trl.trainer.presets import gmpo_balanced
+from bapo_trl.core.clipping_reference import loop_search
+from bapo_trl.experimental.gmpo.geometric_mean import GEOMETRIC_MEAN, gmpo_contributions, gmpo_sums, gmpo_window
+from bapo_trl.experimental.gmpo.presets import gmpo_balanced
+from bapo_trl.experimental.gmpo.reference import gmpo_contributions_reference
 
 PRESET = {k: v for k, v in gmpo_balanced().items() if k.startswith("ratio_")}
 
@@ -254,7 +254,7 @@ def test_trls_gmpo_loss_clips_with_the_window_the_plain_loop_chooses(tiny_model_
     logged), and at every update the window installed where it reads it (``epsilon_low = -log c_low``,
     ``epsilon_high = log c_high``) is the plain loop's choice on that micro-batch."""
     from bapo_trl.core.numerics import loss_mask
-    from bapo_trl.trainer.gmpo import BAPOGMPOTrainer
+    from bapo_trl.experimental.gmpo import BAPOGMPOTrainer
     from support.harness import Probe, cpu_config, tiny_trainer
 
     class GMPOProbe(Probe, BAPOGMPOTrainer):
@@ -291,12 +291,11 @@ def test_trls_gmpo_loss_clips_with_the_window_the_plain_loop_chooses(tiny_model_
 @pytest.mark.parametrize("field, value, says", [
     ("importance_sampling_level", "sequence", "`importance_sampling_level` must be 'token'"),
     ("off_policy_mask_threshold", 0.5, "`off_policy_mask_threshold` (0.5) has no effect in GMPO's loss"),
-    ("off_policy_correction", "decoupled", "`off_policy_correction` must be 'none' with BAPOGMPOTrainer"),
     ("loss_type", "cispo", "`loss_type` ('cispo') has no effect with BAPOGMPOTrainer"),
     ("epsilon", 0.4, "GMPO reads its epsilons as log-space bounds"),  # with a ratio field the rule would derive
 ])
 def test_what_gmpo_never_reads_is_refused_by_name(tiny_model_dir, tmp_path, field, value, says):
-    from bapo_trl.trainer.gmpo import BAPOGMPOTrainer
+    from bapo_trl.experimental.gmpo import BAPOGMPOTrainer
     from support.harness import cpu_config, tiny_trainer
 
     settings = {**gmpo_balanced(), field: value}
@@ -310,7 +309,7 @@ def test_what_gmpo_never_reads_is_refused_by_name(tiny_model_dir, tmp_path, fiel
 def test_trls_gmpo_config_is_refused_with_the_setting_to_use(tiny_model_dir, tmp_path):
     from trl.experimental.gmpo import GMPOConfig
 
-    from bapo_trl.trainer.gmpo import BAPOGMPOTrainer  # (imports trl.experimental, quietly)
+    from bapo_trl.experimental.gmpo import BAPOGMPOTrainer  # (imports trl.experimental, quietly)
     from support.harness import CPU, tiny_trainer
 
     with pytest.raises(TypeError, match=r"needs `args` to be a BAPOConfig, got GMPOConfig.*gmpo_balanced\(\)"):
@@ -320,7 +319,7 @@ def test_trls_gmpo_config_is_refused_with_the_setting_to_use(tiny_model_dir, tmp
 def test_what_gmpo_never_reads_warns_when_left_at_another_losss_value(tiny_model_dir, tmp_path):
     """BAPOConfig's dual clip (on by default) and the weighted share act in TRL's clipped losses, not in GMPO's: each
     warns, by name; gmpo_balanced() warns of neither."""
-    from bapo_trl.trainer.gmpo import BAPOGMPOTrainer
+    from bapo_trl.experimental.gmpo import BAPOGMPOTrainer
     from support.harness import cpu_config, tiny_trainer
 
     with pytest.warns(UserWarning) as caught:
@@ -348,11 +347,11 @@ def test_the_studied_gmpo_settings_are_one_definition(tmp_path):
 
     from support.harness import cpu_config
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "benchmarks"))
     import step_overhead
     import study
 
-    from bapo_trl.trainer.presets import GMPO_DOCUMENTED
+    from bapo_trl.experimental.gmpo.presets import GMPO_DOCUMENTED
 
     methods = study.evidence_methods()
     assert methods["BAPO GMPO balanced"] == dict(trainer="bapo-gmpo", settings=gmpo_balanced())
@@ -365,7 +364,8 @@ def test_the_studied_gmpo_settings_are_one_definition(tmp_path):
 
     documented = GMPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
     assert (documented.epsilon, documented.epsilon_high or documented.epsilon) == (0.4, 0.4)  # TRL's defaults
-    assert step_overhead.VARIANTS["gmpo"]() == gmpo_balanced() and step_overhead.VARIANT_TRAINERS["gmpo"]
+    assert step_overhead.VARIANTS["gmpo"]() == gmpo_balanced() and step_overhead.CLASSES["gmpo"][1].__name__ == (
+        "BAPOGMPOTrainer")
     path = GEOMETRIC_MEAN.path(cpu_config(tmp_path, **gmpo_balanced()).bapo_settings)
     assert len(path.high_grid) == 37 and len(path.low_grid) == 16 and path.high_grid[-1] == pytest.approx(3.0)
 
@@ -375,7 +375,7 @@ def test_trls_gmpo_runs_as_its_bapo_twin_where_only_bapo_runs(tmp_path):
     BAPOGMPOTrainer with its fixed window, as every TRL rival of the study does (a study once stopped at replay)."""
     import sys
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "benchmarks"))
     import evidence_study
     import study
 

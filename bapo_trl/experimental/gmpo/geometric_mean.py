@@ -26,7 +26,8 @@ import math
 
 import torch
 
-from .clipping import _device_grids
+from ...core.clipping import _device_grids
+from ...core.loss_types import LossType, surrogate_clipped
 
 #: Ratios at or below this are taken at it before the log (an underflowed ``exp``): no ``-inf`` in any mean.
 TINY_RATIO = 1e-300
@@ -114,3 +115,16 @@ def gmpo_window(c_low, c_high) -> dict:
     ``epsilon_high = log c_high``."""
     log = torch.log if isinstance(c_high, torch.Tensor) else math.log
     return {"epsilon_low": -log(c_low), "epsilon_high": log(c_high)}
+
+
+#: TRL's experimental GMPO (``trl.experimental.gmpo.GMPOTrainer``): not a ``loss_type`` but a trainer of its own, so
+#: this row is chosen by ``BAPOGMPOTrainer`` (:mod:`.trainer`), not by the config's ``loss_type``.
+GEOMETRIC_MEAN = LossType(
+    objective="exp(mean_t clip(log r_t, log c_low, log c_high)) A (GMPO, sign-aware clip in log space)",
+    kind="clip",
+    to_trl=gmpo_window,
+    grid_sums=gmpo_sums,
+    clipped=surrogate_clipped,
+    contributions=gmpo_contributions,
+    uses_is_weights=False,
+)

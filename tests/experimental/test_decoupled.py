@@ -1,7 +1,7 @@
-"""The decoupled off-policy correction (``off_policy_correction="decoupled"``): its weights and metrics against plain
+"""The decoupled off-policy correction (``bapo_trl.experimental.decoupled``): its weights and metrics against plain
 float64 loops on random inputs, and, through a trainer, what reaches TRL's loss (the proximal log-probs as the clip's
 reference, the behaviour ones kept, each token's advantage times its weight) and what a resume restores. The
-guarantees matrix (test_guarantees.py) runs every rollout source with it."""
+guarantees matrix (tests/test_guarantees.py) runs every rollout source with it."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from bapo_trl import BAPOConfig
-from bapo_trl.core.clipping_reference import decoupled_weights_reference, effective_sample_size_reference
-from bapo_trl.core.off_policy import WEIGHT_MODES, behaviour_weights, weight_sums, weight_values
-from support.harness import PolicySnapshots, Probe, cpu_config, logps_under, tiny_trainer
+from bapo_trl.experimental.decoupled import DecoupledBAPOConfig, DecoupledBAPOTrainer
+from bapo_trl.experimental.decoupled.reference import decoupled_weights_reference, effective_sample_size_reference
+from bapo_trl.experimental.decoupled.weights import WEIGHT_MODES, behaviour_weights, weight_sums, weight_values
+from support.harness import PolicySnapshots, cpu_config, logps_under, probe_of, tiny_trainer
+
+Probe = probe_of(DecoupledBAPOTrainer)
 
 
 def random_batch(seed: int, rows: int = 6, width: int = 9):
@@ -87,11 +89,11 @@ def test_the_metrics_are_the_definitions(mode):
     assert math.isclose(values["decoupled/staleness"], sum(gaps[False]) / len(gaps[False]), rel_tol=1e-6)
 
 
-def decoupled_config(tmp_path, **overrides) -> BAPOConfig:
-    return cpu_config(tmp_path / "out", **{**dict(
+def decoupled_config(tmp_path, **overrides) -> DecoupledBAPOConfig:
+    return cpu_config(tmp_path / "out", config_cls=DecoupledBAPOConfig, **{**dict(
         save_strategy="no", per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
         logging_steps=1, seed=0, learning_rate=5e-3, lr_scheduler_type="constant", steps_per_generation=2,
-        max_steps=6, replay_buffer_size=8, replay_ratio=0.5, off_policy_correction="decoupled",
+        max_steps=6, replay_buffer_size=8, replay_ratio=0.5,
         off_policy_weight_cap=1.2, disable_tqdm=True), **overrides})
 
 
@@ -164,15 +166,20 @@ def test_a_resume_mid_batch_trains_the_decoupled_batch_it_saved(tiny_model_dir, 
         assert torch.equal(after[key], before[key]), key
 
 
-def test_bad_settings_are_refused_naming_the_field():
-    with pytest.raises(ValueError, match="off_policy_correction"):
-        BAPOConfig(output_dir="unused", use_cpu=True, off_policy_correction="aereal")
+def test_bad_settings_are_refused_naming_the_field(tmp_path):
+    from bapo_trl import BAPOConfig, BAPOTrainer
+
     with pytest.raises(ValueError, match="off_policy_weight_mode"):
-        BAPOConfig(output_dir="unused", use_cpu=True, off_policy_weight_mode="token")
+        DecoupledBAPOConfig(output_dir="unused", use_cpu=True, off_policy_weight_mode="token")
     with pytest.raises(ValueError, match="off_policy_weight_cap"):
-        BAPOConfig(output_dir="unused", use_cpu=True, off_policy_weight_cap=0)
+        DecoupledBAPOConfig(output_dir="unused", use_cpu=True, off_policy_weight_cap=0)
     with pytest.raises(ValueError, match="off_policy_weight_floor"):
-        BAPOConfig(output_dir="unused", use_cpu=True, off_policy_weight_floor=5.0)
+        DecoupledBAPOConfig(output_dir="unused", use_cpu=True, off_policy_weight_floor=5.0)
+    with pytest.raises(TypeError, match="off_policy_correction"):  # 0.1's field: the class is the correction now
+        BAPOConfig(output_dir="unused", use_cpu=True, off_policy_correction="decoupled")
+    assert issubclass(DecoupledBAPOTrainer, BAPOTrainer)
+    with pytest.raises(TypeError, match="DecoupledBAPOTrainer needs `args` to be a DecoupledBAPOConfig"):
+        DecoupledBAPOTrainer(model="unused", args=cpu_config(tmp_path))
 
 
 def test_the_behaviour_policy_is_the_samplers_and_trls_weight_steps_aside(tiny_model_dir, tmp_path, monkeypatch):

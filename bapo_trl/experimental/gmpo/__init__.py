@@ -1,0 +1,16 @@
+"""BAPO's search in front of TRL's experimental GMPO loss (issue 53's third candidate; it did not beat the method,
+docs/results.md).
+
+``BAPOGMPOTrainer(model, rewards, args=BAPOConfig(output_dir, **gmpo_balanced()))``.
+"""
+
+from ...core.lazy import lazy_names
+
+_EXPORTS = {
+    "BAPOGMPOTrainer": "trainer",
+    "gmpo_balanced": "presets",
+    "GMPO_DOCUMENTED": "presets",
+    "GEOMETRIC_MEAN": "geometric_mean",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
