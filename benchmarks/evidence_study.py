@@ -80,6 +80,7 @@ from study import (
     NOT_BAPO,
     REPO,
     SECOND_ROUND,
+    STALENESS,
     TASKS,
     THIRD_ROUND,
     commit,
@@ -261,7 +262,7 @@ def run_study(todo: list[dict], results: str, server_url: str | None = None) -> 
     servers = Servers(os.path.dirname(os.path.abspath(results)), server_url, tasks.pop())
     try:
         for i, spec in enumerate(todo):
-            if spec["staleness"] in ASYNC:
+            if STALENESS[spec["staleness"]].get("server"):  # async and server sync: the task's vLLM server
                 spec = dict(spec, server_url=servers.get())
                 if spec["server_url"] is None:
                     continue
