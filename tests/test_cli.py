@@ -500,3 +500,23 @@ def test_a_mistyped_or_shortened_flag_is_refused_with_a_suggestion_before_anythi
         parse_args([*flags, "--output_dir", str(tmp_path / "out")], parser=make_parser())
     assert exit_info.value.code == 2
     assert says in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_a_folder_holding_another_runs_checkpoints_is_refused_unless_overwritten_or_resumed(tmp_path, capsys):
+    """`bapo train --max_steps 1` into a folder with another run's checkpoint-N folders: refused, before any model is
+    built, naming the three ways on; --overwrite_output_dir removes them and trains; a folder without checkpoints
+    (a finished embedded run's, which saves none) trains again as before."""
+    out = tmp_path / "out"
+    (out / "checkpoint-2").mkdir(parents=True)
+    (out / "checkpoint-2" / "marker").write_text("theirs")
+    flags = ["--output_dir", str(out), "--max_steps", "1", "--num_train_prompts", "16"]
+    with pytest.raises(SystemExit) as exit_info:
+        run(flags, parser=make_parser())
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert (f"--output_dir {out} holds another run's checkpoints (checkpoint-2): pass --resume_from_checkpoint "
+            "latest to continue that run, --overwrite_output_dir to train a new one there") in err
+    assert (out / "checkpoint-2" / "marker").exists()  # nothing touched
+    run([*flags, "--overwrite_output_dir"], parser=make_parser())
+    assert not (out / "checkpoint-2").exists()
+    run(flags, parser=make_parser())  # the embedded job saves no checkpoint: a second run is not refused

@@ -21,9 +21,11 @@ BAPO_TITLES = [title for title, _, _ in train_cli.BAPO_OPTION_GROUPS]
 
 
 def command_output(capsys, *argv: str) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        bapo(list(argv))
-    assert exit_info.value.code in (0, None)
+    try:
+        code = bapo(list(argv))  # `bapo train --help` returns (answered from the snapshot), others exit
+    except SystemExit as exit_info:
+        code = exit_info.code
+    assert code in (0, None)
     return capsys.readouterr().out
 
 
@@ -140,12 +142,88 @@ def test_the_help_shows_the_defaults_a_run_of_your_own_gets_and_names_the_embedd
     _, args, _ = train_cli.parse_args(["--model_name_or_path", "some/model"], parser=train_cli.make_parser(),
                                       cuda_available=False)
     capsys.readouterr()
-    for name in ("learning_rate", "max_steps", "max_completion_length", "num_generations", "bf16",
+    for name in ("learning_rate", "max_steps", "max_completion_length", "num_generations",
                  "positive_contribution_target"):  # each in the short help too
         assert _default_shown(text, f"--{name}") == str(getattr(args, name)), name
     assert _default_shown(text, "--steps_per_generation") == "None"  # TRL: gradient_accumulation_steps
     description = " ".join(text.split("options:", 1)[0].split())
     assert "The defaults shown are those of a run of your own (--model_name_or_path or --config)" in description
+    # the same text on every machine (bapo train --help answers from a snapshot, without torch): the CPU's device and
+    # precision defaults are said in the description, not in the defaults shown
+    assert "on a machine without CUDA, the CPU in float32 (use_cpu=True, bf16=False)" in description
+    assert _default_shown(text, "--bf16") == "None"
+    assert help_flag == "--help" or _default_shown(text, "--use_cpu") == "False"
     for name, value in train_cli.EMBEDDED_DEFAULTS.items():
         assert f"{name}={value}" in description, name
     assert "learning_rate=0.001" in description and "max_steps=160" in description
+
+
+def _fresh_python(code: str, cache):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, BAPO_TRL_CACHE=str(cache), COLUMNS="60")  # a narrow terminal: the text does not change
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+BAPO = ("import sys\nfrom bapo_trl.cli.main import main\ncode = main({argv!r})\n"
+        "print('exit', code, 'torch' in sys.modules, file=sys.stderr)\n")
+
+
+@pytest.mark.parametrize("flag, full", [("--help", False), ("--help-all", True), ("-h", False)])
+def test_bapo_train_help_imports_no_torch_and_prints_the_parsers_text(tmp_path, monkeypatch, flag, full):
+    """`bapo train --help` answers from the snapshot of these versions (shipped, or cached by a first run), without
+    importing torch or TRL, and prints exactly what the parser prints (whatever the terminal's width)."""
+    from bapo_trl.cli import train_front
+
+    monkeypatch.setenv("BAPO_TRL_CACHE", str(tmp_path))
+    if json_versions_differ(train_front):  # another transformers release than the shipped snapshot's
+        train_front.remember(train_cli.make_parser)  # what a first run under these versions does
+    out = _fresh_python(BAPO.format(argv=["train", flag]), tmp_path)
+    assert out.stderr.strip().endswith("exit 0 False"), out.stderr[-2000:]
+    assert out.stdout == train_cli.make_parser(prog="bapo train").format_help(full=full)
+
+
+def json_versions_differ(train_front) -> bool:
+    import json
+
+    return json.loads(train_front.SHIPPED.read_text())["versions"] != train_front.versions()
+
+
+def test_a_misspelled_flag_is_refused_with_a_suggestion_before_torch_is_imported(tmp_path):
+    from bapo_trl.cli import train_front
+
+    if json_versions_differ(train_front):
+        pytest.skip("the shipped snapshot is for other versions (python -m bapo_trl.cli.train_front --write)")
+    for argv, says in ((["--max_stpes", "1"], "unknown option --max_stpes; did you mean --max_steps?"),
+                       (["--max_step", "1"], "unknown option --max_step; did you mean --max_steps?")):
+        out = _fresh_python(BAPO.format(argv=["train", *argv]), tmp_path)
+        assert out.stderr.strip().endswith("exit 2 False"), out.stderr[-2000:]
+        assert f"bapo train: error: {says}" in out.stderr
+
+
+def test_the_shipped_snapshot_is_the_parsers_for_its_versions():
+    """Refresh with `python -m bapo_trl.cli.train_front --write` when an option or a help text changes."""
+    import json
+
+    from bapo_trl.cli import train_front
+
+    if json_versions_differ(train_front):
+        pytest.skip("the shipped snapshot is for other versions (python -m bapo_trl.cli.train_front --write)")
+    assert json.loads(train_front.SHIPPED.read_text()) == train_front.snapshot(train_cli.make_parser)
+
+
+def test_without_a_snapshot_of_these_versions_the_command_parses_as_before_and_caches_one(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from bapo_trl.cli import train_front
+
+    monkeypatch.setenv("BAPO_TRL_CACHE", str(tmp_path))
+    monkeypatch.setattr(train_front, "SHIPPED", Path(tmp_path / "none.json"))
+    assert train_front.answer(["--help"], "bapo train") is None  # no snapshot: TRL's parser answers
+    train_front.remember(train_cli.make_parser)
+    assert train_front.cached_path(train_front.versions()).exists()
+    assert train_front.answer(["--max_stpes", "1"], "bapo train") == 2
+    assert train_front.answer(["--max_steps", "1"], "bapo train") is None  # a known flag: the run goes on
+    assert train_front.answer(["--config", "r.yaml", "--help"], "bapo train") is None  # a recipe's defaults

@@ -31,7 +31,7 @@ PROG = "bapo"
 
 #: subcommand -> (module defining ``command(argv, prog) -> int``, one line of help)
 SUBCOMMANDS = {
-    "train": ("bapo_trl.cli.train", "train with BAPO on top of TRL's GRPO (= train_bapo.py)"),
+    "train": ("bapo_trl.cli.train_front", "train with BAPO on top of TRL's GRPO (= train_bapo.py)"),
     "serve": ("bapo_trl.cli.serve", "start a vLLM server with the flags BAPO/TRL training needs (GPU or CPU)"),
     "evaluate": ("bapo_trl.cli.evaluate", "avg@k / pass@k of a model or checkpoint on a math dataset"),
     "plot": ("bapo_trl.cli.plot", "training-dynamics PNG of one or more runs"),

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import os
 import sys
 import warnings
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from trl import ModelConfig, ScriptArguments, TrlParser
 
 from ..trainer.bapo_config import BAPOConfig
+from .train_front import remember, unknown_flags
 
 #: Training settings of the embedded default job (applied only when no model is given; flags still override).
 EMBEDDED_DEFAULTS = dict(
@@ -46,6 +46,8 @@ EMBEDDED_DEFAULTS = dict(
     dataloader_num_workers=0,
 )
 
+#: The help's width, whatever the terminal's: the text is the same everywhere (:mod:`.train_front` stores it).
+HELP_WIDTH = 110
 #: The flags that print the help: the defaults they show are a run of the user's own, not the embedded job's.
 HELP_FLAGS = ("-h", "--help", "--help-all", "--help_all")
 
@@ -103,6 +105,12 @@ class BAPOScriptArguments(ScriptArguments):
         default="system",
         metadata={"help": "Boxed-answer instruction as a 'system' message or appended to the 'user' message.",
                   "choices": ["system", "user"]},
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Train a new run into an --output_dir that holds another run's checkpoints: they are "
+                  "removed first. Without it such a folder is refused (--resume_from_checkpoint latest continues "
+                  "that run instead)."},
     )
 
 
@@ -229,6 +237,9 @@ class BAPOParser(TrlParser):
                           help="show every option (TRL's and transformers' too) and exit")
         self.option_groups = organize_help(self)
 
+    def _get_formatter(self):
+        return self.formatter_class(prog=self.prog, width=HELP_WIDTH)  # the same text on every terminal
+
     def format_help(self, full: bool = False) -> str:
         """``--help`` (``full=False``): BAPO's groups, this command's and the common TRL options; ``--help-all``:
         every group."""
@@ -320,7 +331,8 @@ def parse_args(argv: list[str] | None = None, parser: TrlParser | None = None, c
     # --help shows the defaults of such a run (the embedded job's are listed in the description).
     if not any(a.split("=")[0] in ("--model_name_or_path", "--config", *HELP_FLAGS) for a in argv):
         parser.set_defaults_with_config(**EMBEDDED_DEFAULTS)
-    apply_cpu_defaults(parser, argv, cuda_available)  # before parsing: the config file and the flags override it
+    if not any(a in HELP_FLAGS for a in argv):  # the help shows TRL's defaults (the description says the CPU's)
+        apply_cpu_defaults(parser, argv, cuda_available)  # before parsing: the config file and the flags override it
     notice = deepspeed_cpu_build_notice(argv, cuda_available=cuda_available)
     if notice:  # the build runs inside the parse (BAPOConfig's device setup initializes DeepSpeed's backend)
         print(notice, flush=True)
@@ -332,17 +344,8 @@ def parse_args(argv: list[str] | None = None, parser: TrlParser | None = None, c
 
 def unknown_flags_hint(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
     """``unknown option --max_stpes; did you mean --max_steps?`` for every flag of ``argv`` the parser does not
-    know (prefixes included: abbreviations are off), or None when all are known."""
-    known = {option for action in parser._actions for option in action.option_strings}
-    unknown = [arg.split("=", 1)[0] for arg in argv if arg.startswith("--") and arg.split("=", 1)[0] not in known]
-    if not unknown:
-        return None
-    flags = sorted(o for o in known if o.startswith("--") and "-" not in o[2:])  # one spelling each
-    parts = []
-    for flag in unknown:
-        close = difflib.get_close_matches(flag.replace("-", "_").replace("__", "--", 1), flags, n=1, cutoff=0.75)
-        parts.append(f"unknown option {flag}" + (f"; did you mean {close[0]}?" if close else ""))
-    return "; ".join(parts) + " (`--help` lists the options)"
+    know (:func:`~.train_front.unknown_flags`), or None when all are known."""
+    return unknown_flags({option for action in parser._actions for option in action.option_strings}, argv)
 
 
 SHM_OP = "deepspeed_shm_comm"
@@ -395,6 +398,33 @@ class SetupError(SystemExit):
         self.message = message
 
 
+def earlier_checkpoints(output_dir: str) -> list[str]:
+    """The ``checkpoint-N`` folders of ``output_dir``, oldest first."""
+    import re
+
+    try:
+        names = [n for n in os.listdir(output_dir) if re.fullmatch(r"checkpoint-\d+", n)
+                 and os.path.isdir(os.path.join(output_dir, n))]
+    except OSError:
+        return []
+    return sorted(names, key=lambda n: int(n.split("-")[1]))
+
+
+def output_dir_problem(training_args: BAPOConfig, script_args: BAPOScriptArguments) -> str | None:
+    """Why a new run must not write into ``--output_dir``: it holds another run's checkpoints (this run's would mix
+    with them, and a later resume would take the newest, whichever run wrote it); None when it may."""
+    if script_args.overwrite_output_dir or training_args.resume_from_checkpoint:
+        return None
+    found = earlier_checkpoints(training_args.output_dir)
+    if not found:
+        return None
+    shown = ", ".join(found[-3:])
+    return (f"--output_dir {training_args.output_dir} holds another run's checkpoints ({shown}"
+            f"{', ...' if len(found) > 3 else ''}): pass --resume_from_checkpoint latest to continue that run, "
+            "--overwrite_output_dir to train a new one there (its checkpoints are removed first), or another "
+            "--output_dir.")
+
+
 def prepare(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args: ModelConfig):
     """Everything that can fail cheaply, before any model is built or loaded: rewards, data, the model path."""
     from .data import load_prompts
@@ -403,6 +433,9 @@ def prepare(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_a
 
     embedded = model_args.model_name_or_path is None
     try:
+        taken = output_dir_problem(training_args, script_args)
+        if taken:
+            raise ValueError(taken)
         mistakes = launch_errors(training_args)
         if mistakes:
             raise ValueError(" ".join(mistakes))
@@ -564,6 +597,11 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
         model_init_kwargs.update(training_args.model_init_kwargs or {})
         training_args.model_init_kwargs = {k: v for k, v in model_init_kwargs.items() if v is not None}
     peft_config = get_peft_config(model_args)
+    if script_args.overwrite_output_dir and os.environ.get("RANK", "0") == "0":
+        import shutil
+
+        for name in earlier_checkpoints(training_args.output_dir):  # another run's: this one starts afresh
+            shutil.rmtree(os.path.join(training_args.output_dir, name))
     if os.environ.get("RANK", "0") == "0":
         trained = f"LoRA r={model_args.lora_r}, alpha={model_args.lora_alpha}" if peft_config else "every weight"
         model = (f"the embedded tiny model (~90k parameters, built offline and cached; {trained}): {model_path}"
@@ -623,6 +661,7 @@ def run(argv: list[str] | None = None, parser: TrlParser | None = None):
 def command(argv: list[str] | None = None, prog: str | None = None) -> int:
     """``bapo train``'s contract (:mod:`.main`): :func:`run` with the parser named ``prog``; a run it ends early exits
     itself (2 for a setup error, 1 for a run that trained nothing), so a return is a finished run."""
+    remember(make_parser)  # the help and flags of these versions, for `bapo train --help` without torch
     run(argv, parser=make_parser(prog=prog))
     return 0
 

@@ -1,0 +1,128 @@
+"""``bapo train``'s front door: the help and the misspelled flags, answered without importing torch or TRL.
+
+Why: ``bapo train``'s options are the fields of ``BAPOConfig``, TRL's ``GRPOConfig`` and transformers'
+``TrainingArguments``, and reading them imports torch and TRL (4 s on an idle 2-core machine, up to 2 minutes on a
+busy one) before ``--help`` or a typo's error could be printed. So the help texts and the list of known flags are
+kept as a snapshot (:func:`snapshot`), valid for the exact versions of Python, TRL, transformers and bapo_trl it was
+taken with: shipped in the package (``train_options.json``, for the versions CI installs: ``python -m
+bapo_trl.cli.train_front --write`` refreshes it) and written to the cache (``$BAPO_TRL_CACHE/cli``) by the first run
+under any other versions. With no snapshot of the running versions, everything goes to :mod:`.train`, as before.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
+
+#: The program name's stand-in in the stored texts.
+PROG = "@PROG@"
+SHIPPED = Path(__file__).with_name("train_options.json")
+HELP, HELP_ALL = ("-h", "--help"), ("--help-all", "--help_all")
+
+
+def versions() -> dict[str, str]:
+    """What the option texts depend on (argparse's layout changes between Python releases)."""
+    from .. import __version__
+
+    return {"python": "%d.%d" % sys.version_info[:2], "trl": metadata.version("trl"),
+            "transformers": metadata.version("transformers"), "bapo_trl": __version__}
+
+
+def cached_path(found: dict[str, str]) -> Path:
+    from ..recipes.cache import default_cache_dir
+
+    key = hashlib.sha256(json.dumps(found, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(default_cache_dir()) / "cli" / f"train-options-{key}.json"
+
+
+def load() -> dict | None:
+    """The snapshot of the running versions (the cache's, else the shipped one), or None."""
+    found = versions()
+    for path in (cached_path(found), SHIPPED):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if data.get("versions") == found:
+            return data
+    return None
+
+
+def snapshot(make_parser) -> dict:
+    """The help texts and the known flags of the parser ``make_parser(prog=...)`` builds."""
+    parser = make_parser(prog=PROG)
+    return {"versions": versions(), "help": parser.format_help(), "help_all": parser.format_help(full=True),
+            "options": sorted({o for action in parser._actions for o in action.option_strings})}
+
+
+def remember(make_parser) -> None:
+    """Write the running versions' snapshot to the cache, once (a run of :mod:`.train` calls it); never fails a run."""
+    path = cached_path(versions())
+    if path.exists() or load() is not None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(snapshot(make_parser)))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def unknown_flags(known: set[str], argv: list[str]) -> str | None:
+    """``unknown option --max_stpes; did you mean --max_steps?`` for every flag of ``argv`` not in ``known``
+    (prefixes included: abbreviations are off), or None when all are known."""
+    unknown = [arg.split("=", 1)[0] for arg in argv if arg.startswith("--") and arg.split("=", 1)[0] not in known]
+    if not unknown:
+        return None
+    flags = sorted(o for o in known if o.startswith("--") and "-" not in o[2:])  # one spelling each
+    parts = []
+    for flag in unknown:
+        close = difflib.get_close_matches(flag.replace("-", "_").replace("__", "--", 1), flags, n=1, cutoff=0.75)
+        parts.append(f"unknown option {flag}" + (f"; did you mean {close[0]}?" if close else ""))
+    return "; ".join(parts) + " (`--help` lists the options)"
+
+
+def answer(argv: list[str], prog: str) -> int | None:
+    """The exit code when the snapshot answers ``argv`` (the help, or an unknown flag refused), else None."""
+    if "--config" in argv or any(a.startswith("--config=") for a in argv):
+        return None  # a recipe's values are the help's defaults, and its keys are checked by TRL's parser
+    data = load()
+    if data is None:
+        return None
+    if any(a in HELP_ALL for a in argv) or any(a in HELP for a in argv):
+        text = data["help_all" if any(a in HELP_ALL for a in argv) else "help"]
+        sys.stdout.write(text.replace(PROG, prog))
+        return 0
+    problem = unknown_flags(set(data["options"]), argv)
+    if problem:
+        sys.stderr.write(f"{prog}: error: {problem}\n")
+        return 2
+    return None
+
+
+def command(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """``bapo train``: the snapshot's answer where it has one, else :func:`bapo_trl.cli.train.command`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = prog or "bapo train"
+    code = answer(argv, prog)
+    if code is not None:
+        return code
+    from .train import command as train
+
+    return train(argv, prog=prog)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write"]:
+        from .train import make_parser
+
+        SHIPPED.write_text(json.dumps(snapshot(make_parser), indent=0) + "\n")
+        print(f"wrote {SHIPPED}")
+    else:
+        sys.exit(command())
