@@ -319,7 +319,21 @@ def test_the_summary_heading_says_which_generation_batches_its_rows_are():
         "BAPO run summary (11 of the 40 generation batches: every 4th and the last;")  # 0, 4, ..., 36, then 39
     lines = format_summary(history(15)).splitlines()  # 0, 2, ..., 14: the last is one of them
     assert lines[0].startswith("BAPO run summary (8 of the 15 generation batches: every 2nd;")
-    assert lines[10].startswith("reward:") and lines[9].split()[0] == "29-30"
+    assert lines[10].startswith("reward (a generation batch's mean): start") and lines[9].split()[0] == "29-30"
+
+
+def test_the_summary_gives_the_start_the_best_batch_and_the_end():
+    """A run that peaked mid-way and fell back: the trend line says so (its first version said 0.569 -> 0.820 over
+    a run that peaked at 0.957 and ended near 0.7)."""
+    from bapo_trl.trainer.summary import format_summary
+
+    rewards = [0.2, 0.4, 0.95, 0.9, 0.7, 0.6, 0.65, 0.6]
+    history = [{"loss": 0.1, "step": 2 * b + s + 1, "entropy": 1.0, **({"reward": r} if s == 0 else {})}
+               for b, r in enumerate(rewards) for s in range(2)]
+    line = next(x for x in format_summary(history).splitlines() if x.startswith("reward"))
+    assert line.startswith("reward (a generation batch's mean): start 0.300 (first quarter of the batches), best "
+                           "0.950 (steps 5-6), end 0.625 (last quarter);"), line
+    assert "(on the others the update was TRL's GRPO at the start window)" in line
 
 
 def test_the_saved_listing_names_each_entry_and_says_what_it_is(tmp_path):
@@ -520,3 +534,18 @@ def test_a_folder_holding_another_runs_checkpoints_is_refused_unless_overwritten
     run([*flags, "--overwrite_output_dir"], parser=make_parser())
     assert not (out / "checkpoint-2").exists()
     run(flags, parser=make_parser())  # the embedded job saves no checkpoint: a second run is not refused
+
+
+def test_a_run_shows_a_progress_bar_and_writes_every_metric_to_a_file_not_the_console(tmp_path, capsys):
+    """No printed dict per logged step (transformers' ~70 metrics each): the bar's few numbers on stderr, every
+    logged entry in output_dir/metrics.jsonl, which the saved listing names."""
+    out = tmp_path / "out"
+    trainer = run(["--output_dir", str(out), "--max_steps", "3", "--num_train_prompts", "32",
+                   "--steps_per_generation", "1"], parser=make_parser())
+    console = capsys.readouterr()
+    assert "'loss'" not in console.out + console.err and "'bapo/clip_high'" not in console.out + console.err
+    assert "training: 100%" in console.err and "reward=" in console.err
+    entries = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in entries if "loss" in e] == [1, 2, 3]
+    assert entries[:3] == [{"step": h["step"], **h} for h in trainer.state.log_history[:3]]
+    assert "metrics.jsonl" in console.out and "every logged entry, one JSON line each" in console.out

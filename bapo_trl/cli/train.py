@@ -576,6 +576,7 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
     from ..trainer.callbacks import PlotDynamicsCallback
     from ..trainer.summary import format_saved, format_summary
     from .launch_info import LaunchInfoCallback
+    from .progress import ConsoleProgress
 
     embedded = model_args.model_name_or_path is None
     threads = script_args.torch_threads or (1 if embedded else None)
@@ -618,6 +619,7 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
         peft_config=peft_config,
         quantization_config=get_quantization_config(model_args),  # --load_in_4bit / --load_in_8bit, as TRL's script
     )
+    ConsoleProgress.install(trainer)  # a progress bar; every metric in output_dir/metrics.jsonl
     trainer.add_callback(LaunchInfoCallback(trainer))
     trainer.add_callback(PlotDynamicsCallback())  # output_dir/dynamics.png + bapo_log_history.json at the end
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)

@@ -81,8 +81,9 @@ def _ordinal(n: int) -> str:
 
 def format_summary(log_history: list[dict], args=None, max_rows: int = 12) -> str:
     """Reward per generation batch (every one, or every k-th and the last when there are more than ``max_rows``: the
-    heading says which), mean bounds and positive share, the overall trend, and the share of generation batches
-    without any reward."""
+    heading says which), mean bounds and positive share, the reward at the start, its best batch and at the end, how
+    often BAPO's window differed from GRPO's (the start window), and the share of generation batches without any
+    reward."""
     rows = generation_rows(log_history)
     if not rows:
         return "\n".join(["No training steps were logged."] + _reward_line(log_history))
@@ -126,9 +127,13 @@ def format_summary(log_history: list[dict], args=None, max_rows: int = 12) -> st
     else:  # no update had a ratio past a window on the search path (on-policy data): no bounds to average
         search = (f"search never active (no window on the path changed the loss in any of the {len(train)} updates: "
                   f"the data was on-policy or the ratios stayed inside the start window){target}")
+    scored = [r for r in rows if r["reward"] is not None and not math.isnan(r["reward"])]
+    best = max(scored, key=lambda r: r["reward"]) if scored else None
+    peak = f"best {best['reward']:.3f} (steps {best['first_step']}-{best['last_step']}), " if best else ""
     lines.append(
-        f"reward: {first:.3f} (first quarter of generations) -> {last:.3f} (last quarter); {search}; "
-        f"bounds moved in {100 * _mean([moved(e) for e in train]):.0f}% of updates."
+        f"reward (a generation batch's mean): start {first:.3f} (first quarter of the batches), {peak}"
+        f"end {last:.3f} (last quarter); {search}; bounds moved in {100 * _mean([moved(e) for e in train]):.0f}% of "
+        "updates (on the others the update was TRL's GRPO at the start window)."
     )
     return "\n".join(lines + _reward_line(log_history))
 
@@ -148,6 +153,7 @@ SAVED_FILES = {
     "training_args.bin": "the BAPOConfig of the run (torch.load)",
     "dynamics.png": "reward, entropy, bounds, positive share, clipping, staleness (redraw: bapo plot {folder})",
     "bapo_log_history.json": "every logged step's metrics (bapo plot reads it)",
+    "metrics.jsonl": "every logged entry, one JSON line each, written as the run went",
     "trainer_state.json": "the trainer's state and log history",
     "launch_info": "each process's device, precision and launch (one JSON per rank)",
 }
