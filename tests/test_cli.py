@@ -549,3 +549,34 @@ def test_a_run_shows_a_progress_bar_and_writes_every_metric_to_a_file_not_the_co
     assert [e["step"] for e in entries if "loss" in e] == [1, 2, 3]
     assert entries[:3] == [{"step": h["step"], **h} for h in trainer.state.log_history[:3]]
     assert "metrics.jsonl" in console.out and "every logged entry, one JSON line each" in console.out
+
+
+def test_deepspeed_is_told_the_cpu_where_no_accelerator_is_found():
+    """Its import then prints no "Setting accelerator to CPU" warning; a CUDA, XPU or MPS machine, or a user's own
+    DS_ACCELERATOR, is left to DeepSpeed's detection."""
+    from types import SimpleNamespace
+
+    from bapo_trl.cli.train import quiet_deepspeed_on_cpu
+
+    def torch(cuda=False, xpu=False, mps=False):
+        return SimpleNamespace(cuda=SimpleNamespace(is_available=lambda: cuda),
+                               xpu=SimpleNamespace(is_available=lambda: xpu),
+                               backends=SimpleNamespace(mps=SimpleNamespace(is_available=lambda: mps)))
+
+    for device in ({}, {"cuda": True}, {"xpu": True}, {"mps": True}):
+        environ = {}
+        quiet_deepspeed_on_cpu(torch(**device), environ)
+        assert environ == ({} if device else {"DS_ACCELERATOR": "cpu"}), device
+    environ = {"DS_ACCELERATOR": "npu"}
+    quiet_deepspeed_on_cpu(torch(), environ)
+    assert environ == {"DS_ACCELERATOR": "npu"}
+
+
+def test_a_run_prints_no_warning_of_the_projects_own_making(tmp_path):
+    """The embedded job in a fresh process: no DeepSpeed accelerator warning and no deprecation warning of a setting
+    the project passes (transformers' `gradient_checkpointing` rename)."""
+    proc = subprocess.run([sys.executable, str(REPO / "train_bapo.py"), "--max_steps", "1", "--output_dir",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Setting accelerator to CPU" not in proc.stderr + proc.stdout
+    assert "`gradient_checkpointing` is deprecated" not in proc.stderr + proc.stdout

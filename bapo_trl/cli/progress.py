@@ -31,7 +31,7 @@ class ConsoleProgress(TrainerCallback):
 
     @staticmethod
     def install(trainer) -> ConsoleProgress:
-        """Replace transformers' console callbacks (the bar with printed dicts, or the printed dicts) on ``trainer``."""
+        """Replace transformers' console callbacks (a bar with printed dicts, or printed dicts) on ``trainer``."""
         trainer.remove_callback(ProgressCallback)
         trainer.remove_callback(PrinterCallback)
         progress = ConsoleProgress()

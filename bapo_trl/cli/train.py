@@ -25,12 +25,14 @@ from trl import ModelConfig, ScriptArguments, TrlParser
 from ..trainer.bapo_config import BAPOConfig
 from .train_front import remember, unknown_flags
 
+_training_fields = {f.name for f in dataclasses.fields(BAPOConfig)}
 #: Training settings of the embedded default job (applied only when no model is given; flags still override).
 EMBEDDED_DEFAULTS = dict(
     output_dir="outputs/bapo-tiny-reverse",
     use_cpu=True,
     bf16=False,
-    gradient_checkpointing=False,
+    **({"activation_checkpointing": False} if "activation_checkpointing" in _training_fields else
+       {"gradient_checkpointing": False}),  # transformers >= 5.2x renamed it (the old name warns)
     learning_rate=1e-3,
     lr_scheduler_type="constant",
     per_device_train_batch_size=32,
@@ -534,7 +536,7 @@ def _output_plan(args: BAPOConfig, peft: bool) -> str:
         checkpoints = f"a checkpoint-N/ every {strategy}"
     trackers = [name for name in (args.report_to or []) if name != "none"]
     every = "at every step" if args.logging_steps == 1 else f"every {args.logging_steps:g} steps"
-    logs = f"metrics {every} to the console" + (
+    logs = f"metrics {every} to metrics.jsonl (a progress bar on the console)" + (
         f" and {', '.join(trackers)}" if trackers else "")
     hub = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
     hub = f"; pushed to the Hub as {hub}" if args.push_to_hub else ""
@@ -568,6 +570,16 @@ def run_plan(args: BAPOConfig, script_args: BAPOScriptArguments | None = None, m
     return "\n".join(["[bapo_trl] this run:"] + [f"  {label + ':':<{width}} {text}" for label, text in rows])
 
 
+def quiet_deepspeed_on_cpu(torch, environ=os.environ) -> None:
+    """Tell DeepSpeed the accelerator is the CPU where it is (no CUDA, XPU or MPS device, and ``DS_ACCELERATOR``
+    unset): it then says nothing, instead of warning at its import, which TRL's trainer triggers, "Setting
+    accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it." on every CPU run."""
+    others = (torch.cuda.is_available(), hasattr(torch, "xpu") and torch.xpu.is_available(),
+              hasattr(torch.backends, "mps") and torch.backends.mps.is_available())
+    if not any(others):
+        environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args: ModelConfig):
     import torch
     from trl import get_peft_config, get_quantization_config
@@ -579,6 +591,7 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
     from .progress import ConsoleProgress
 
     embedded = model_args.model_name_or_path is None
+    quiet_deepspeed_on_cpu(torch)
     threads = script_args.torch_threads or (1 if embedded else None)
     if threads:
         torch.set_num_threads(threads)
