@@ -42,27 +42,27 @@ def _default(field: dataclasses.Field) -> str:
 
 
 def config_tables() -> str:
-    """Markdown: the fields BAPOConfig declares (the search) and those it inherits from RolloutSettings (where
-    batches come from), each with its type, default and help."""
+    """Markdown: the fields BAPOConfig adds to TRL's GRPOConfig (its own and those it inherits from
+    RolloutSettings), one table per option group (:mod:`bapo_trl.core.option_groups`, the groups ``bapo train --help``
+    shows), each field with its type, default and help."""
     from trl import GRPOConfig
 
-    from bapo_trl.rollout.settings import RolloutSettings
+    from bapo_trl.core.option_groups import GROUPS
     from bapo_trl.trainer.bapo_config import BAPOConfig
 
-    inherited = {f.name for f in dataclasses.fields(GRPOConfig)}
-    rollout = {f.name for f in dataclasses.fields(RolloutSettings)}
-    groups = {"The bound search (`BAPOConfig`)": [], "Where batches come from (`RolloutSettings`)": []}
-    for field in dataclasses.fields(BAPOConfig):
-        if field.name in inherited and field.name not in rollout:
-            continue
-        group = "Where batches come from (`RolloutSettings`)" if field.name in rollout else (
-            "The bound search (`BAPOConfig`)")
-        type_name = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
-        groups[group].append(f"| `{field.name}` | `{_cell(type_name)}` | {_cell(_default(field))} | "
-                             f"{_cell(field.metadata.get('help', ''))} |")
+    trl_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    own = [f for f in dataclasses.fields(BAPOConfig) if f.name not in trl_fields]
+    by_name = {f.name: f for f in own}
     out = []
-    for title, rows in groups.items():
-        out += [f"### {title}", "", "| field | type | default | help |", "|---|---|---|---|", *rows, ""]
+    for title, description, names in GROUPS:
+        rows = []
+        for name in names:
+            field = by_name[name]
+            type_name = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+            rows.append(f"| `{name}` | `{_cell(type_name)}` | {_cell(_default(field))} | "
+                        f"{_cell(field.metadata.get('help', ''))} |")
+        out += [f"### {title.removeprefix('BAPO: ').capitalize()}", "", description, "",
+                "| field | type | default | help |", "|---|---|---|---|", *rows, ""]
     return "\n".join(out)
 
 
