@@ -97,17 +97,21 @@ def test_search_example_prints_the_documented_window():
     assert "'clip_low': 0.6" in proc.stdout and "'clip_high': 1.5" in proc.stdout
 
 
-def test_the_real_model_example_follows_the_toy_one_and_shows_a_window_per_step():
+def test_the_real_model_example_follows_the_toy_one_and_shows_a_reward_per_generation_batch():
     """Right after the toy example: SmolLM2 by its registry name (a Hub id on a GPU), the shipped chat task, a reward
-    of the package, and under it a ``(c_low, c_high)`` pair for each of its steps (tests/test_smollm2.py runs it)."""
-    import ast
-
+    of the package, at least three generation batches (max_steps / steps_per_generation), and under it one reward
+    line per batch and where the files went (tests/test_smollm2.py runs it)."""
     block = PYTHON_BLOCKS[REAL_MODEL_BLOCK]
     assert REAL_MODEL_BLOCK == 1 and SEARCH_BLOCK == 2
     assert "chat_arithmetic_splits()" in block and "reward_funcs=boxed_accuracy" in block
     steps = int(re.search(r"max_steps=(\d+)", block).group(1))
-    shown = ast.literal_eval(shown_output(REAL_MODEL_BLOCK))
-    assert len(shown) == steps and all(0.6 <= low <= 0.9 and 1.2 <= high <= 3.0 for low, high in shown)
+    per_batch = int(re.search(r"steps_per_generation=(\d+)", block).group(1))
+    batches = steps // per_batch
+    shown = shown_output(REAL_MODEL_BLOCK).splitlines()
+    assert batches >= 3 and len(shown) == batches + 1, shown
+    for line, first in zip(shown, range(1, steps, per_batch)):
+        assert re.fullmatch(rf"steps {first}-{first + per_batch - 1}: reward [01]\.\d{{3}}", line), line
+    assert shown[-1] == "dynamics.png and bapo_log_history.json are in outputs/smollm2-bapo"
     section = README.split("## A real model", 1)[1].split("\n## ", 1)[0]
     assert "a `prompt` column, plain text or conversational" in section and "peak RSS" in section
     assert "notebooks/bapo_quickstart.ipynb" in section and "notebooks/bapo_vs_grpo.ipynb" in section

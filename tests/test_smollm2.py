@@ -526,10 +526,10 @@ def test_evidence_study_on_smollm2_quick_trains_evaluates_and_resumes(smollm2_di
 @pytest.mark.side_by_side  # about one core (BAPO_TEST_CPU_LOG), no server, no timing bound; peak RSS under 5 GiB
 def test_the_readmes_real_model_example_runs_as_printed(smollm2_dir, tmp_path):
     """README's "A real model" example, as printed, in a scratch directory: it trains SmolLM2 offline (the converted
-    model in the default cache) and prints one ``(c_low, c_high)`` pair per step, as many as the README shows, each
-    within the search's path, the first (on-policy) the start window; and it wrote the plot it says it writes.
-    Measured 2 min 52 s, peak RSS 4.5 GiB (one thread on 2 shared cores)."""
-    import ast
+    model in the default cache) for three generation batches and prints, as the README shows, one reward line per
+    batch (each a mean of 0/1 rewards) and where its files went; and it wrote them there. Measured 3 min 3 s, peak RSS
+    4.6 GiB (one thread on 2 shared cores)."""
+    import re
 
     from support.readme_blocks import PYTHON_BLOCKS, REAL_MODEL_BLOCK, shown_output
 
@@ -537,11 +537,11 @@ def test_the_readmes_real_model_example_runs_as_printed(smollm2_dir, tmp_path):
     proc = subprocess.run([sys.executable, "-c", PYTHON_BLOCKS[REAL_MODEL_BLOCK]], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    printed = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
-    shown = ast.literal_eval(shown_output(REAL_MODEL_BLOCK))
-    assert isinstance(printed, list) and len(printed) == len(shown) == 4, printed
-    assert all(isinstance(pair, tuple) and len(pair) == 2 for pair in printed), printed
-    assert all(0.6 <= low <= 0.9 and 1.2 <= high <= 3.0 for low, high in printed), printed
-    assert printed[0] == (0.6, 1.2), printed  # step 1 is on-policy: the start window
+    printed = [line for line in proc.stdout.splitlines() if line.startswith(("steps ", "dynamics.png"))]
+    shown = shown_output(REAL_MODEL_BLOCK).splitlines()
+    assert len(printed) == len(shown) >= 4, proc.stdout[-3000:]
+    assert [re.sub(r"\d\.\d{3}$", "#", line) for line in printed] == [re.sub(r"\d\.\d{3}$", "#", line)
+                                                                       for line in shown]
+    assert printed[-1] == shown[-1]
     out = tmp_path / "outputs" / "smollm2-bapo"
     assert (out / "dynamics.png").is_file() and (out / "bapo_log_history.json").is_file()
