@@ -227,3 +227,18 @@ def test_the_layering_check_catches_what_it_should():
     # inside the command line, and public names elsewhere, are fine
     assert layering_problems({"bapo_trl.cli.train": "from .data import _prompts\n",
                               "bapo_trl.cli.serve": "from ..cli.train import run\n"}) == []
+
+
+def test_a_machine_without_cuda_got_the_cpu_torch_and_no_cuda_wheels():
+    """What the README's install gives a CPU machine (the Makefile's guard installs torch's CPU build before the
+    package, so the unpinned `torch` requirement is already met): no `nvidia-*` wheel (6 GB of them came with the
+    CUDA build the first README pulled) and a torch built without CUDA. CI's fresh virtualenv is such an install."""
+    import importlib.metadata as metadata
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine keeps its CUDA torch")
+    names = sorted({(d.metadata["Name"] or "").lower() for d in metadata.distributions()})
+    assert [n for n in names if n.startswith("nvidia-")] == []
+    assert torch.version.cuda is None, torch.__version__
