@@ -114,3 +114,22 @@ def test_the_rule_is_the_formula_of_its_docstring():
             assert path["ratio_lower_max"] == pytest.approx(1 - n * e)
             assert path["ratio_lower_step"] == pytest.approx((w - n) * e / 15)
     assert derived_path("clip", 0.2, None, "token")[0] == PAPER_PATH
+
+
+def test_the_rule_runs_once_at_config_time_and_never_during_training(tiny_model_dir, tmp_path, monkeypatch):
+    """No per-step cost: the path is derived when the config is built; a run on it (stale steps, the search run at
+    every update) never calls the rule again, and trains on the same settings as the explicit fields would."""
+    from bapo_trl.trainer import bapo_config
+    from support.harness import cpu_config, tiny_trainer
+
+    calls = []
+    rule = bapo_config.derived_path
+    monkeypatch.setattr(bapo_config, "derived_path", lambda *a, **k: calls.append(a) or rule(*a, **k))
+    args = cpu_config(tmp_path, **GSPO_DOCUMENTED, per_device_train_batch_size=8, num_generations=4,
+                      steps_per_generation=4, max_steps=4, max_completion_length=6, logging_steps=1,
+                      save_strategy="no")
+    assert len(calls) == 1
+    trainer = tiny_trainer(tiny_model_dir, args)
+    trainer.train()
+    assert len(calls) == 1 and trainer.last_search is not None  # the search ran at every update
+    assert trainer._bapo_settings == config(**gspo_balanced()).bapo_settings
