@@ -378,7 +378,7 @@ def test_the_plan_names_the_data_format_the_checkpoints_and_the_stale_sources(tm
         "window": "the search path is the paper's path, BAPO around TRL's default window [0.8, 1.2]",
         "writes to": f"{tmp_path}: launch_info/ at the start, a checkpoint-N/ every 50 steps; at the end the model "
                      "with its card (README.md), dynamics.png and bapo_log_history.json; metrics every 5 steps to "
-                     "the console",
+                     "metrics.jsonl (a progress bar on the console)",
     }
     texts = Dataset.from_list([{"prompt": "123>"}])
     assert plan_block(run_plan(args, script_args, "m", texts))["data"].endswith(": 1 prompt, plain text")
@@ -419,7 +419,7 @@ def test_an_on_policy_recipe_says_so_once_and_a_run_too_short_to_log_is_warned_b
     assert plan["data"] == "the embedded 3-digit reversal task: 4,096 prompts, plain text"
     assert plan["steps"].startswith("2 optimizer steps of 8 completions each (1 process), learning rate 1e-06")
     assert plan["writes to"].startswith(f"{tmp_path / 'out'}: launch_info/ at the start, no checkpoints")
-    assert "metrics every 10 steps to the console" in plan["writes to"]
+    assert "metrics every 10 steps to metrics.jsonl" in plan["writes to"]
     assert not [w for w in caught if "exactly on-policy" in str(w.message)]
     assert "No training steps were logged." in out and "error:" not in err
     warned = [str(w.message) for w in caught if "`logging_steps` (10) exceeds `max_steps` (2)" in str(w.message)]
