@@ -24,7 +24,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser
 
 from ..core.option_groups import GROUPS
 from ..trainer.bapo_config import BAPOConfig
-from .train_front import remember, unknown_flags
+from .flag_hints import unknown_flags
 
 _training_fields = {f.name for f in dataclasses.fields(BAPOConfig)}
 #: Training settings of the embedded default job (applied only when no model is given; flags still override).
@@ -320,7 +320,7 @@ def parse_args(argv: list[str] | None = None, parser: TrlParser | None = None, c
 
 def unknown_flags_hint(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
     """``unknown option --max_stpes; did you mean --max_steps?`` for every flag of ``argv`` the parser does not
-    know (:func:`~.train_front.unknown_flags`), or None when all are known."""
+    know (:func:`~.flag_hints.unknown_flags`), or None when all are known."""
     return unknown_flags({option for action in parser._actions for option in action.option_strings}, argv)
 
 
@@ -650,7 +650,6 @@ def run(argv: list[str] | None = None, parser: TrlParser | None = None):
 def command(argv: list[str] | None = None, prog: str | None = None) -> int:
     """``bapo train``'s contract (:mod:`.main`): :func:`run` with the parser named ``prog``; a run it ends early exits
     itself (2 for a setup error, 1 for a run that trained nothing), so a return is a finished run."""
-    remember(make_parser)  # the help and flags of these versions, for `bapo train --help` without torch
     run(argv, parser=make_parser(prog=prog))
     return 0
 

@@ -11,13 +11,14 @@ under any other versions. With no snapshot of the running versions, everything g
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import os
 import sys
 from importlib import metadata
 from pathlib import Path
+
+from .flag_hints import unknown_flags
 
 #: The program name's stand-in in the stored texts.
 PROG = "@PROG@"
@@ -61,7 +62,8 @@ def snapshot(make_parser) -> dict:
 
 
 def remember(make_parser) -> None:
-    """Write the running versions' snapshot to the cache, once (a run of :mod:`.train` calls it); never fails a run."""
+    """Write the running versions' snapshot to the cache, once (:func:`command` calls it before a run of
+    :mod:`.train`); never fails a run."""
     path = cached_path(versions())
     if path.exists() or load() is not None:
         return
@@ -72,20 +74,6 @@ def remember(make_parser) -> None:
         os.replace(tmp, path)
     except OSError:
         pass
-
-
-def unknown_flags(known: set[str], argv: list[str]) -> str | None:
-    """``unknown option --max_stpes; did you mean --max_steps?`` for every flag of ``argv`` not in ``known``
-    (prefixes included: abbreviations are off), or None when all are known."""
-    unknown = [arg.split("=", 1)[0] for arg in argv if arg.startswith("--") and arg.split("=", 1)[0] not in known]
-    if not unknown:
-        return None
-    flags = sorted(o for o in known if o.startswith("--") and "-" not in o[2:])  # one spelling each
-    parts = []
-    for flag in unknown:
-        close = difflib.get_close_matches(flag.replace("-", "_").replace("__", "--", 1), flags, n=1, cutoff=0.75)
-        parts.append(f"unknown option {flag}" + (f"; did you mean {close[0]}?" if close else ""))
-    return "; ".join(parts) + " (`--help` lists the options)"
 
 
 def answer(argv: list[str], prog: str) -> int | None:
@@ -114,7 +102,9 @@ def command(argv: list[str] | None = None, prog: str | None = None) -> int:
     if code is not None:
         return code
     from .train import command as train
+    from .train import make_parser
 
+    remember(make_parser)  # the help and flags of these versions, for the next `bapo train --help` without torch
     return train(argv, prog=prog)
 
 

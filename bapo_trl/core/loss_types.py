@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from . import loss_checks
 from .clipping import cap_path, cap_sums, grid_sums, search_path
 from .gates import negative_scale, positive_scale, sapo_sums, sapo_weight, vespo_log_weights, vespo_sums, vespo_weight
 
@@ -179,6 +180,8 @@ class LossType:
             search must not multiply the advantages by them again.
         uses_is_weights: the loss multiplies by TRL's vLLM importance-sampling weights at all (GMPO's does not, so
             its share does not either).
+        config_errors, config_warnings: ``(args, name)`` -> what this loss refuses, or warns of, in a config
+            (:mod:`.loss_checks`): the config switches on no loss type.
     """
 
     objective: str
@@ -194,6 +197,13 @@ class LossType:
     reads: tuple[str, ...] = ()
     is_weight_in_ratio: bool = False
     uses_is_weights: bool = True
+    config_errors: Callable = loss_checks.clipped_errors
+    config_warnings: Callable = loss_checks.clipped_warnings
+
+    @property
+    def takes_delta(self) -> bool:
+        """TRL applies its two-sided clip ``delta`` to this loss (the clipped losses)."""
+        return self.kind == "clip"
 
     def bind(self, args) -> LossType:
         """This row with the run's values of :attr:`reads` given to its functions (a row without any: itself)."""
@@ -221,6 +231,8 @@ CAPPED_WEIGHT = LossType(
     path=cap_path,
     sensitive=cap_sensitive,
     contributions=cap_contributions,
+    config_errors=loss_checks.no_problems,
+    config_warnings=loss_checks.capped_warnings,
 )
 SAPO_GATE = LossType(
     objective="sigmoid(tau (r - 1)) 4 / tau A, tau = tau_sign s_sign",
@@ -232,6 +244,8 @@ SAPO_GATE = LossType(
     sensitive=gate_sensitive,
     contributions=sapo_contributions,
     reads=("sapo_temperature_pos", "sapo_temperature_neg"),
+    config_errors=loss_checks.sapo_errors,
+    config_warnings=loss_checks.gate_warnings,
 )
 VESPO_GATE = LossType(
     objective="sg(phi(w) ** s_sign) A log pi, phi(w) = exp(lambda + k log w - lambda w)",
@@ -244,6 +258,8 @@ VESPO_GATE = LossType(
     contributions=vespo_contributions,
     reads=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
     is_weight_in_ratio=True,
+    config_errors=loss_checks.gate_errors,
+    config_warnings=loss_checks.vespo_warnings,
 )
 
 #: TRL ``loss_type`` -> how BAPO balances it. dapo, bnpo, dr_grpo and luspo differ only in TRL's normaliser (one

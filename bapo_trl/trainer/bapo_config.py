@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from ..core.clipping import MODES, VARIANTS, BAPOSettings, is_real, settings_errors
+from ..core.clipping import MODES, VARIANTS, BAPOSettings, settings_errors
 from ..core.loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SUPPORTED_LOSS_TYPES
 from ..core.window_rule import RATIO_FIELDS, WIDENING, derived_path
 from ..generation.adapter_sync import LORA_SYNC_MODES
@@ -20,6 +21,9 @@ from ..rollout.settings import RolloutSettings, field_default, rollout_errors
 #: (``dual_clip``): in the evidence study of docs/results.md it lowered the largest gradient norm in every scenario
 #: and mostly tied the final reward (the exceptions are listed there).
 DUAL_CLIP = 3.0
+#: The search's defaults, declared once (:class:`~bapo_trl.core.clipping.BAPOSettings`): the config's fields take
+#: theirs (the ``ratio_*`` fields default to None: the window rule derives them, :mod:`bapo_trl.core.window_rule`).
+SEARCH_DEFAULTS = {f.name: f.default for f in dataclasses.fields(BAPOSettings)}
 
 
 @dataclass
@@ -122,7 +126,7 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
     """
 
     positive_contribution_target: float = field(
-        default=0.5,
+        default=SEARCH_DEFAULTS["positive_contribution_target"],
         metadata={"help": "BAPO target share rho0 of the loss held by positive-advantage tokens, in (0, 1)."},
     )
     ratio_lower_start: float | None = field(
@@ -149,7 +153,7 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         default=None, metadata={"help": "BAPO: step of the upper bound, > 0. Unset: derived (0.05 at TRL's defaults)."}
     )
     bapo_variant: str = field(
-        default="paper",
+        default=SEARCH_DEFAULTS["bapo_variant"],
         metadata={
             "help": "BAPO search variant: 'paper' (Algorithm 1, c_high moves first) or 'verl' (official code: "
             "c_low first, pos/neg ratio target, dual clip of negatives at 3|A|).",
@@ -163,7 +167,7 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
                   "if larger). False: TRL's one-sided clip unless delta is set."},
     )
     positive_contribution_mode: str = field(
-        default="value",
+        default=SEARCH_DEFAULTS["positive_contribution_mode"],
         metadata={
             "help": "How the positive share is measured: 'value' (paper; tokens at their clipped value) or "
             "'gradient' (only tokens that still carry a gradient, weight r|A|).",
@@ -205,7 +209,7 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         if errors:
             raise ValueError("Invalid BAPOConfig:\n  - " + "\n  - ".join(errors))
         self.vllm_server_base_url = normalized_server_urls(self.vllm_server_base_url)  # several: a list
-        if self.dual_clip and self.delta is None and self._loss.kind == "clip":
+        if self.dual_clip and self.delta is None and self._loss.takes_delta:
             self.delta = max(DUAL_CLIP, self.ratio_upper_max)
         super().__post_init__()
         errors = self.whole_group_errors()
@@ -289,36 +293,8 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         return LOSS_TYPES.get(self.loss_type, LOSS_TYPES["dapo"])
 
     def _loss_type_rows(self) -> list[tuple[str, str]]:
-        """Inert-setting rows that depend on the loss type."""
-        rows, kind, name = [], self._loss.kind, f"loss_type={self.loss_type!r}"
-        if kind == "clip" and self.delta is not None and self.delta < self.ratio_upper_max:
-            rows.append(("warning", (
-                f"`delta` ({self.delta}) is below `ratio_upper_max` ({self.ratio_upper_max}): TRL's two-sided "
-                "clip caps every ratio at delta, so a c_high above it would change nothing; the upper search path "
-                f"ends at {self.bapo_settings.ratio_upper_max} (paper: the last step <= delta; verl: delta itself). "
-                "Raise `delta` to >= `ratio_upper_max` for the full path, "
-                "or set `ratio_upper_max` to delta to silence this warning.")))
-        if kind != "clip" and self.delta is not None:
-            rows.append(("warning", f"`delta` ({self.delta}) has no effect with {name}: TRL applies it to the clipped "
-                                    "losses only. Drop `delta`."))
-        lower = ("ratio_lower_start", "ratio_lower_max", "ratio_lower_step")
-        lower_moved = any(name in self.ratio_fields_set for name in lower)
-        if kind == "cap" and lower_moved:
-            rows.append(("warning", (
-                f"`ratio_lower_start`/`ratio_lower_max`/`ratio_lower_step` have no effect with {name}: "
-                "CISPO caps the importance weight from above only (c_high is the cap; bapo/clip_low is 0, "
-                "no lower bound). Drop them.")))
-        if kind != "clip" and self.positive_contribution_mode != "value":
-            rows.append(("warning", (
-                f"`positive_contribution_mode` ({self.positive_contribution_mode!r}) has no effect with {name}: every "
-                "token keeps a gradient, so the value and the gradient share are one (the share of the weight each "
-                "token's gradient carries; docs/loss_types.md).")))
-        if self._loss.is_weight_in_ratio and self.positive_contribution_is_weighted:
-            rows.append(("warning", (
-                f"`positive_contribution_is_weighted` has no effect with {name}: "
-                "TRL folds the vLLM importance-sampling weights into the sequence weight w, "
-                "and the search always measures the share on that w.")))
-        return rows
+        """Inert-setting rows of the loss type: its row's ``config_warnings`` (:mod:`bapo_trl.core.loss_checks`)."""
+        return [("warning", text) for text in self._loss.config_warnings(self, f"loss_type={self.loss_type!r}")]
 
     def bapo_errors(self) -> list[str]:
         """Every problem with the BAPO fields and their combination with the GRPO fields."""
@@ -338,33 +314,8 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         if self.use_liger_kernel:
             errors.append("`use_liger_kernel` must be False with BAPO (the Liger GRPO loss has a fixed window), got "
                           "True: set use_liger_kernel=False.")
-        numbers_ok = all(is_real(getattr(self, n))
-                         for n in ("ratio_upper_start", "ratio_upper_max", "ratio_lower_max"))
-        kind = self._loss.kind
-        if kind == "clip" and self.delta is not None and numbers_ok:
-            if not (is_real(self.delta) and self.delta >= self.ratio_upper_start):
-                errors.append(
-                    f"`delta` ({self.delta}) must be >= `ratio_upper_start` ({self.ratio_upper_start}) with BAPO: TRL "
-                    "caps every ratio at delta, so no c_high of the search path could act. Raise `delta` or lower "
-                    "`ratio_upper_start`."
-                )
-        if kind == "gate" and numbers_ok:
-            if not self.ratio_upper_start > 1.0:
-                errors.append(
-                    f"`ratio_upper_start` must be > 1 with loss_type={self.loss_type!r} "
-                    "(the positive gate's sharpness is (ratio_upper_start - 1) / (c_high - 1)), "
-                    f"got {self.ratio_upper_start}: use e.g. 1.2."
-                )
-            if not self.ratio_lower_max < 1.0:
-                errors.append(
-                    f"`ratio_lower_max` must be < 1 with loss_type={self.loss_type!r} (the negative gate's sharpness "
-                    f"is (1 - ratio_lower_start) / (1 - c_low)), got {self.ratio_lower_max}: use e.g. 0.9."
-                )
-        if self.loss_type == "sapo":
-            for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-                if not (is_real(getattr(self, name)) and getattr(self, name) > 0):
-                    errors.append(f"`{name}` must be a finite number > 0 with BAPO (the start of the gate's path, "
-                                  f"scaled along it), got {getattr(self, name)!r}.")
+        if self.loss_type in SUPPORTED_LOSS_TYPES:
+            errors += self._loss.config_errors(self, f"loss_type={self.loss_type!r}")  # the row's own checks
         if not (isinstance(self.max_log_ratio, (int, float)) and math.isfinite(self.max_log_ratio)) or (
             not errors and self.max_log_ratio <= math.log(self.ratio_upper_max)
         ):
@@ -405,7 +356,7 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         two-sided clip gives no gradient), and below ``ratio_upper_max`` the upper path ends at ``delta`` (TRL caps
         every ratio there). Other loss types ignore ``delta``, as TRL does."""
         settings = self._settings_dict()
-        if self._loss.kind == "clip" and self.delta is not None:
+        if self._loss.takes_delta and self.delta is not None:
             settings["delta"] = self.delta
             settings["ratio_upper_max"] = min(self.ratio_upper_max, self.delta)
         return BAPOSettings(**settings)

@@ -1,0 +1,97 @@
+"""What each loss type's row refuses or warns of in a config, as functions of the config's fields: a loss type's
+checks live with its row (:mod:`.loss_types`), so a new loss variant is one row, and the config switches on no loss
+type or kind. Each takes ``(args, name)``: the config (read by field name; no import of it here) and the
+``loss_type=...`` text the messages use; it returns messages (errors: ``list[str]``; warnings: ``list[str]``)."""
+
+from __future__ import annotations
+
+from .clipping import is_real
+
+LOWER_FIELDS = ("ratio_lower_start", "ratio_lower_max", "ratio_lower_step")
+
+
+def _numbers_ok(args) -> bool:
+    return all(is_real(getattr(args, n)) for n in ("ratio_upper_start", "ratio_upper_max", "ratio_lower_max"))
+
+
+def no_problems(args, name: str) -> list[str]:
+    return []
+
+
+def clipped_errors(args, name: str) -> list[str]:
+    """The clipped losses: TRL's two-sided clip ``delta`` must leave the search's first ``c_high`` room to act."""
+    if args.delta is None or not _numbers_ok(args) or (is_real(args.delta) and args.delta >= args.ratio_upper_start):
+        return []
+    return [f"`delta` ({args.delta}) must be >= `ratio_upper_start` ({args.ratio_upper_start}) with BAPO: TRL caps "
+            "every ratio at delta, so no c_high of the search path could act. Raise `delta` or lower "
+            "`ratio_upper_start`."]
+
+
+def clipped_warnings(args, name: str) -> list[str]:
+    if args.delta is None or not args.delta < args.ratio_upper_max:
+        return []
+    return [f"`delta` ({args.delta}) is below `ratio_upper_max` ({args.ratio_upper_max}): TRL's two-sided clip caps "
+            "every ratio at delta, so a c_high above it would change nothing; the upper search path ends at "
+            f"{min(args.ratio_upper_max, args.delta)} (paper: the last step <= delta; verl: delta itself). Raise "
+            "`delta` to >= `ratio_upper_max` for the full path, or set `ratio_upper_max` to delta to silence this "
+            "warning."]
+
+
+def _unclipped_warnings(args, name: str) -> list[str]:
+    """A loss without TRL's two-sided clip, where every token keeps a gradient."""
+    rows = []
+    if args.delta is not None:
+        rows.append(f"`delta` ({args.delta}) has no effect with {name}: TRL applies it to the clipped losses only. "
+                    "Drop `delta`.")
+    if args.positive_contribution_mode != "value":
+        rows.append(f"`positive_contribution_mode` ({args.positive_contribution_mode!r}) has no effect with {name}: "
+                    "every token keeps a gradient, so the value and the gradient share are one (the share of the "
+                    "weight each token's gradient carries; docs/loss_types.md).")
+    return rows
+
+
+def capped_warnings(args, name: str) -> list[str]:
+    """CISPO: a cap from above only."""
+    rows = _unclipped_warnings(args, name)
+    if any(field in args.ratio_fields_set for field in LOWER_FIELDS):
+        rows.append(f"`ratio_lower_start`/`ratio_lower_max`/`ratio_lower_step` have no effect with {name}: CISPO "
+                    "caps the importance weight from above only (c_high is the cap; bapo/clip_low is 0, no lower "
+                    "bound). Drop them.")
+    return rows
+
+
+def gate_errors(args, name: str) -> list[str]:
+    """The soft gates: each sign's sharpness is read off its half-width relative to the start's."""
+    if not _numbers_ok(args):
+        return []
+    errors = []
+    if not args.ratio_upper_start > 1.0:
+        errors.append(f"`ratio_upper_start` must be > 1 with {name} (the positive gate's sharpness is "
+                      f"(ratio_upper_start - 1) / (c_high - 1)), got {args.ratio_upper_start}: use e.g. 1.2.")
+    if not args.ratio_lower_max < 1.0:
+        errors.append(f"`ratio_lower_max` must be < 1 with {name} (the negative gate's sharpness is "
+                      f"(1 - ratio_lower_start) / (1 - c_low)), got {args.ratio_lower_max}: use e.g. 0.9.")
+    return errors
+
+
+def sapo_errors(args, name: str) -> list[str]:
+    errors = gate_errors(args, name)
+    for field in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        value = getattr(args, field)
+        if not (is_real(value) and value > 0):
+            errors.append(f"`{field}` must be a finite number > 0 with BAPO (the start of the gate's path, scaled "
+                          f"along it), got {value!r}.")
+    return errors
+
+
+gate_warnings = _unclipped_warnings
+
+
+def vespo_warnings(args, name: str) -> list[str]:
+    """VESPO folds TRL's vLLM importance-sampling weights into its sequence weight."""
+    rows = _unclipped_warnings(args, name)
+    if args.positive_contribution_is_weighted:
+        rows.append(f"`positive_contribution_is_weighted` has no effect with {name}: TRL folds the vLLM "
+                    "importance-sampling weights into the sequence weight w, and the search always measures the "
+                    "share on that w.")
+    return rows
