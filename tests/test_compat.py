@@ -118,6 +118,26 @@ def test_the_rollout_face_exports_what_a_source_author_needs_and_warns_for_inter
         assert rollout.ReplayQueue is ReplayQueue  # 0.1 code keeps working until 0.2
 
 
+@pytest.mark.parametrize("module, old, new", [
+    ("bapo_trl.generation.vllm_generation", "CPUServerVLLMGeneration", "BAPOVLLMGeneration"),
+    ("bapo_trl.trainer.vllm_backend", "CPUServerSyncMixin", "VLLMGenerationMixin"),
+])
+def test_the_vllm_classes_0_1_names_still_import_with_a_warning(module, old, new):
+    """The vLLM backend lost the "CPU" in its names (it serves CUDA, colocate mode, LoRA and seeds too): the 0.1
+    names are the same classes until 0.2, each use warning with the new name."""
+    imported = importlib.import_module(module)
+    with pytest.warns(DeprecationWarning, match=rf"{re.escape(module)}\.{old} moved to {re.escape(module)}\.{new}"):
+        assert getattr(imported, old) is getattr(imported, new)
+
+
+def test_the_vllm_backends_0_1_module_still_answers_its_0_1_name():
+    from bapo_trl.generation.vllm_generation import BAPOVLLMGeneration
+
+    cpu_server, _ = fresh("bapo_trl.generation.cpu_server")
+    with pytest.warns(DeprecationWarning, match="CPUServerVLLMGeneration moved to"):
+        assert cpu_server.CPUServerVLLMGeneration is BAPOVLLMGeneration
+
+
 def test_the_project_itself_never_imports_a_deprecated_path():
     """Old paths are for users' code: the package, its benchmarks, tests, notebooks and scripts use the new ones (a
     study script written against 0.1 paths warned on every run, and `python -m` of a module that lost its command

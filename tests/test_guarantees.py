@@ -241,9 +241,9 @@ def trl_configured_client(url: str):
     use if bapo_trl left it TRL's client (on CUDA)."""
     import trl.generation.vllm_client as trl_client
 
-    from bapo_trl.generation.http_client import patched
+    from bapo_trl.generation.trl_patches import client_without_vllm
 
-    with patched(trl_client, "is_vllm_available", lambda *a, **k: True):
+    with client_without_vllm():
         return trl_client.VLLMClient(base_url=url)
 
 

@@ -269,14 +269,14 @@ def colocated_backend(monkeypatch, process_index: int, tensor_parallel_size: int
     user's seed (as TRL builds its SamplingParams; with tensor parallelism, the rows of the whole group, gathered)."""
     from trl.generation.vllm_generation import VLLMGeneration
 
-    from bapo_trl.generation.vllm_generation import CPUServerVLLMGeneration
+    from bapo_trl.generation.vllm_generation import BAPOVLLMGeneration
 
     def trl_generate(self, prompts, images, num_generations, profiler=None):
         params = StandInParams(n=1, **self.generation_kwargs)
         return self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params)
 
     monkeypatch.setattr(VLLMGeneration, "generate", trl_generate)
-    backend = CPUServerVLLMGeneration.__new__(CPUServerVLLMGeneration)
+    backend = BAPOVLLMGeneration.__new__(BAPOVLLMGeneration)
     backend.mode, backend.generation_kwargs = "colocate", {"seed": 9}
     backend.tensor_parallel_size = tensor_parallel_size
     backend.accelerator = SimpleNamespace(process_index=process_index)

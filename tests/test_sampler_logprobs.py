@@ -25,7 +25,7 @@ from trl import GRPOTrainer
 from bapo_trl import BAPOTrainer
 from bapo_trl.core.numerics import loss_mask
 from bapo_trl.generation.http_client import VLLMLogprobsModeError, check_logprobs_mode
-from bapo_trl.generation.vllm_generation import CPUServerVLLMGeneration
+from bapo_trl.generation.vllm_generation import BAPOVLLMGeneration
 from bapo_trl.rollout.settings import sampler_logprobs_use
 from support.harness import cpu_config, tiny_trainer
 from support.policy_server import PolicyServer
@@ -154,8 +154,8 @@ def test_the_check_reads_every_server_through_trls_client_on_cuda_too(stand_ins,
                                                      connection_timeout=5)
 
     monkeypatch.setattr(VLLMGeneration, "_init_vllm", trl_init)
-    monkeypatch.setattr(CPUServerVLLMGeneration, "uses_disk_sync", property(lambda self: False))
-    backend = CPUServerVLLMGeneration.__new__(CPUServerVLLMGeneration)
+    monkeypatch.setattr(BAPOVLLMGeneration, "uses_disk_sync", property(lambda self: False))
+    backend = BAPOVLLMGeneration.__new__(BAPOVLLMGeneration)
     backend.mode, backend.sampler_logprobs_use = "server", sampler_logprobs_use(SimpleNamespace(async_generation=True))
     backend.accelerator = SimpleNamespace(is_main_process=True, num_processes=1)
     with pytest.raises(VLLMLogprobsModeError, match=f"the vLLM server at {servers[1].url} runs with"):
@@ -170,7 +170,7 @@ def test_another_process_raises_the_main_process_refusal_as_the_same_error(monke
 
     monkeypatch.setattr(accelerate.utils, "broadcast_object_list", lambda box, from_process: box.__setitem__(
         0, ("VLLMLogprobsModeError", "the vLLM server at http://a:1 runs with `--logprobs-mode raw_logprobs`")))
-    backend = CPUServerVLLMGeneration.__new__(CPUServerVLLMGeneration)
+    backend = BAPOVLLMGeneration.__new__(BAPOVLLMGeneration)
     backend.accelerator = SimpleNamespace(is_main_process=False, num_processes=2)
     with pytest.raises(VLLMLogprobsModeError, match=r"on the main process: VLLMLogprobsModeError: .*http://a:1"):
         backend._raise_everywhere(None)

@@ -296,7 +296,7 @@ def test_trls_own_client_sends_the_key_too(dev_server, monkeypatch):
     from trl.generation.vllm_generation import VLLMGeneration
 
     from bapo_trl.generation.http_client import KeyedVLLMClient
-    from bapo_trl.generation.vllm_generation import CPUServerVLLMGeneration
+    from bapo_trl.generation.vllm_generation import BAPOVLLMGeneration
 
     server = dev_server(key=KEY)
     monkeypatch.setenv("VLLM_API_KEY", KEY)
@@ -307,8 +307,8 @@ def test_trls_own_client_sends_the_key_too(dev_server, monkeypatch):
     built = []
     monkeypatch.setattr(VLLMGeneration, "_init_vllm", lambda self: built.append(trl_generation.VLLMClient(
         base_url=server.url, group_port=51216, connection_timeout=5)))
-    monkeypatch.setattr(CPUServerVLLMGeneration, "uses_disk_sync", property(lambda self: False))
-    backend = CPUServerVLLMGeneration.__new__(CPUServerVLLMGeneration)
+    monkeypatch.setattr(BAPOVLLMGeneration, "uses_disk_sync", property(lambda self: False))
+    backend = BAPOVLLMGeneration.__new__(BAPOVLLMGeneration)
     backend.mode = "server"
     backend._init_vllm()
     assert len(built) == 1 and type(built[0]) is KeyedVLLMClient

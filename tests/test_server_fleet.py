@@ -247,11 +247,11 @@ def test_on_cuda_each_server_gets_a_client_and_a_group_port_of_its_own(monkeypat
             super().__init__(base_url, None, connection_timeout)
 
     monkeypatch.setattr(vllm_generation, "KeyedVLLMClient", RecordingKeyed)
-    one = vllm_generation.CPUServerVLLMGeneration._cuda_client(None, "http://a:8000", group_port=51216,
-                                                           connection_timeout=5)
+    one = vllm_generation.BAPOVLLMGeneration._cuda_client(None, "http://a:8000", group_port=51216,
+                                                         connection_timeout=5)
     assert isinstance(one, RecordingKeyed) and one.group_port == 51216
-    fleet = vllm_generation.CPUServerVLLMGeneration._cuda_client(None, ["http://a:8000", "http://b:8000"],
-                                                             group_port=51216, connection_timeout=5)
+    fleet = vllm_generation.BAPOVLLMGeneration._cuda_client(None, ["http://a:8000", "http://b:8000"],
+                                                           group_port=51216, connection_timeout=5)
     assert isinstance(fleet, ServerFleet) and [c.group_port for c in fleet.clients] == [51216, 51217]
     monkeypatch.setattr(http_client, "HTTPVLLMClient", RecordingHTTP)
     requests_client = http_client.request_client(fleet, timeout=7)

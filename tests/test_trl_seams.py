@@ -477,10 +477,10 @@ def _runtime_checked_classes(scan: SeamScan) -> list[type]:
     """The classes bapo_trl builds on TRL that can be imported: the trainer and the vLLM classes, and every one the
     scan found (a class defined inside a function and not exposed is checked by the scan only)."""
     from bapo_trl.generation.http_client import HTTPVLLMClient
-    from bapo_trl.generation.vllm_generation import CPUServerVLLMGeneration
+    from bapo_trl.generation.vllm_generation import BAPOVLLMGeneration
     from bapo_trl.trainer.bapo_trainer import BAPOTrainer
 
-    found = {BAPOTrainer, CPUServerVLLMGeneration, HTTPVLLMClient}
+    found = {BAPOTrainer, BAPOVLLMGeneration, HTTPVLLMClient}
     for key in scan.facing:
         cls = scan.classes[key]
         if cls.module.startswith("bapo_trl._seam_scan"):
@@ -589,7 +589,7 @@ def test_every_override_in_the_real_mro_is_a_seam():
     targets, _ = _listed(SEAMS)
     classes = _runtime_checked_classes(scan_seams())
     names = {k.__name__ for k in classes}
-    assert {"BAPOTrainer", "CPUServerVLLMGeneration", "HTTPVLLMClient"} <= names
+    assert {"BAPOTrainer", "BAPOVLLMGeneration", "HTTPVLLMClient"} <= names
     unlisted = []
     for cls in classes:
         theirs = [k for k in cls.__mro__ if _is_external(k.__module__)]
@@ -603,3 +603,151 @@ def test_every_override_in_the_real_mro_is_a_seam():
                                     f"{owner.__module__}.{owner.__qualname__}.{name} (in {cls.__name__}'s MRO), "
                                     "but no seam has it as target: add a Seam to bapo_trl/trainer/trl_seams.py")
     assert not unlisted, "\n".join(sorted(set(unlisted)))
+
+
+# -- every swap of a TRL name lives in bapo_trl/generation/trl_patches.py, and each swapped name is a seam ------------
+
+PATCHES_FILE = "bapo_trl/generation/trl_patches.py"
+#: Calls that swap ``obj.name`` when their first argument is a trl/transformers object: ``setattr``/``delattr`` and
+#: trl_patches' own helpers.
+SWAPPING_CALLS = {"setattr", "delattr", "patched", "patched_for_one_call"}
+
+
+def trl_swaps(label: str, module: str, is_package: bool, source: str,
+              instance_names: frozenset[str] | None = frozenset()) -> list[tuple[str, str]]:
+    """``(file:line, what)`` for each swap of a TRL name in a module: a call in :data:`SWAPPING_CALLS` on, or an
+    assignment to or ``del`` of an attribute of, a trl/transformers module or an object imported from one (``what``:
+    ``trl.module:name``); and an assignment to (or swapping call on) an attribute named in ``instance_names`` of any
+    object (``what``: ``.name``; None: every attribute, for the patches' own file)."""
+    scan = _module_scan(label, module, is_package, source)
+
+    def swap(node, owner_node, name: str | None) -> tuple[str, str] | None:
+        """``name``: the attribute, None where the code computes it."""
+        owner = scan._dotted(owner_node)
+        if owner is not None and _is_external(owner):
+            return f"{label}:{node.lineno}", f"{owner}:{name or '?'}"
+        if name is not None and (instance_names is None or name in instance_names):
+            return f"{label}:{node.lineno}", f".{name}"
+        return None
+
+    found = []
+    for node in ast.walk(ast.parse(source, filename=label)):
+        if isinstance(node, ast.Call) and len(node.args) >= 2:
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+            name = node.args[1].value if isinstance(node.args[1], ast.Constant) else None
+            if called in SWAPPING_CALLS:
+                found.append(swap(node, node.args[0], name if isinstance(name, str) else None))
+        targets = (node.targets if isinstance(node, (ast.Assign, ast.Delete))
+                   else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            for each in (target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]):
+                if isinstance(each, ast.Attribute):
+                    found.append(swap(node, each.value, each.attr))
+    return [f for f in found if f is not None]
+
+
+def _patches() -> list[tuple[str, str]]:
+    """The swaps in trl_patches.py (every attribute it assigns counts)."""
+    source = next(s for s in _package_sources() if s[0] == PATCHES_FILE)
+    return trl_swaps(*source, instance_names=None)
+
+
+def _instance_names(patches) -> frozenset[str]:
+    return frozenset(what[1:] for _, what in patches if what.startswith("."))
+
+
+def test_every_swap_of_a_trl_name_lives_in_trl_patches():
+    """No module but generation/trl_patches.py swaps a TRL module global, an attribute of a TRL class or function, or
+    an attribute of a TRL object that trl_patches swaps (``.llm``, ``.rollout_func``): each swap is one small function
+    there (the other modules call it)."""
+    patches = _patches()
+    # not vacuous: the scan sees every patch of the file
+    assert {what for _, what in patches} >= {
+        "trl.trainer.grpo_trainer:VLLMGeneration", "trl.generation.vllm_generation:VLLMClient",
+        "trl.generation.vllm_generation:LLM", "trl.generation.vllm_client:is_vllm_available", ".llm", ".rollout_func"}
+    instance = _instance_names(patches)
+    elsewhere = sorted(f"{where}: {what}" for source in _package_sources() if source[0] != PATCHES_FILE
+                       for where, what in trl_swaps(*source, instance_names=instance))
+    assert not elsewhere, ("swaps of a TRL name outside bapo_trl/generation/trl_patches.py (make each a function "
+                           "there):\n" + "\n".join(elsewhere))
+
+
+def test_each_name_trl_patches_swaps_is_a_seam():
+    """A swapped module global is a seam's target, with the TRL code whose call the swap serves (``looked_up_by``);
+    a swapped attribute of a TRL object is in the mentions of a seam (checked in the TRL source that sets or reads
+    it)."""
+    by_target = {s.target: s for s in SEAMS}
+    missing = []
+    for where, what in _patches():
+        if what.startswith("."):
+            if not any(f"self{what}" in mention for s in SEAMS for mention in s.mentions):
+                missing.append(f"{where}: {what} (no seam mentions self{what})")
+        elif what not in by_target or not by_target[what].looked_up_by:
+            missing.append(f"{where}: {what} (no seam with this target and looked_up_by)")
+    assert not missing, "add a Seam to bapo_trl/trainer/trl_seams.py:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("import trl.trainer.grpo_trainer as g\nsetattr(g, 'VLLMGeneration', object)\n",
+     ":2: trl.trainer.grpo_trainer:VLLMGeneration"),
+    ("import trl.generation.vllm_client as c\nfrom bapo_trl.generation.trl_patches import patched\n\n"
+     "with patched(c, 'is_vllm_available', bool):\n    pass\n", ":4: trl.generation.vllm_client:is_vllm_available"),
+    ("import trl\ntrl.generation.vllm_generation.LLM = object\n", ":2: trl.generation.vllm_generation:LLM"),
+    ("from trl import GRPOTrainer\nGRPOTrainer._generate = None\n", ":2: trl.GRPOTrainer:_generate"),
+    ("def serve(trainer, func):\n    saved, trainer.rollout_func = trainer.rollout_func, func\n", ":2: .rollout_func"),
+    ("def wrap(backend, engine):\n    backend.llm = engine\n", ":2: .llm"),
+])
+def test_a_swap_outside_trl_patches_is_reported(source, expected):
+    found = trl_swaps(SNIPPET, "bapo_trl._seam_scan_snippet", False, source, _instance_names(_patches()))
+    assert [f"{where}: {what}" for where, what in found] == [SNIPPET + expected]
+
+
+def test_the_import_check_covers_each_swapped_name(monkeypatch):
+    """Each swapped name is checked where it lives and where TRL looks it up; TRL's ``LLM`` (defined only with vLLM
+    installed) wherever vLLM is."""
+    import trl.generation.vllm_generation as trl_vllm_generation
+    import trl.import_utils as trl_import_utils
+    import trl.trainer.grpo_trainer as trl_grpo_trainer
+
+    monkeypatch.delattr(trl_grpo_trainer, "VLLMGeneration")
+    assert [p for p in seam_problems() if p.startswith("trl.trainer.grpo_trainer:VLLMGeneration is missing")]
+    monkeypatch.undo()
+
+    def _init_vllm(self):  # a TRL that builds its client and engine some other way: the swaps would do nothing
+        self.vllm_client = self.llm = None
+
+    monkeypatch.setattr(trl_vllm_generation.VLLMGeneration, "_init_vllm", _init_vllm)
+    problems = seam_problems()
+    assert [p for p in problems if "_init_vllm no longer calls VLLMClient(...)" in p]
+    monkeypatch.undo()
+
+    monkeypatch.setattr(trl_import_utils, "is_vllm_available", lambda *a, **k: True)  # as where vLLM is installed
+    monkeypatch.delattr(trl_vllm_generation, "LLM", raising=False)
+    assert [p for p in seam_problems() if p.startswith("trl.generation.vllm_generation:LLM is missing")]
+    monkeypatch.setattr(trl_vllm_generation, "LLM", object, raising=False)
+    assert seam_problems() == []
+    monkeypatch.setattr(trl_import_utils, "is_vllm_available", lambda *a, **k: False)  # no vLLM: no LLM to swap
+    monkeypatch.delattr(trl_vllm_generation, "LLM")
+    assert seam_problems() == []
+
+
+def test_a_swapped_module_global_serves_one_call_of_the_swapping_thread():
+    """trl_patches' swap of a module global: the first call made inside the block, by the thread that swapped it, gets
+    the replacement; a later call, or another thread's, gets TRL's own; TRL's own is back after the block."""
+    import threading
+    import types
+
+    from bapo_trl.generation.trl_patches import patched_for_one_call
+
+    module = types.SimpleNamespace(build=lambda: "trl")
+    other = []
+    with patched_for_one_call(module, "build", lambda: "ours"):
+        thread = threading.Thread(target=lambda: other.append(module.build()))
+        thread.start()
+        thread.join()
+        calls = [module.build(), module.build()]
+    assert other == ["trl"] and calls == ["ours", "trl"] and module.build() == "trl"
+    with pytest.raises(RuntimeError), patched_for_one_call(module, "build", lambda: "ours"):
+        raise RuntimeError  # a block that never made the call: TRL's own is back all the same
+    assert module.build() == "trl"

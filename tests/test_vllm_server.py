@@ -43,7 +43,7 @@ pytestmark = pytest.mark.usefixtures("use_test_cache")  # train_bapo.py launches
 @pytest.mark.slow
 def test_training_generates_through_the_server_with_weights_in_sync(tiny_server, tiny_model_dir, tmp_path,
                                                                    monkeypatch):
-    from bapo_trl.generation.vllm_generation import CPUServerVLLMGeneration
+    from bapo_trl.generation.vllm_generation import BAPOVLLMGeneration
 
     weights_root = tmp_path / "weights"
     weights_root.mkdir()
@@ -53,7 +53,7 @@ def test_training_generates_through_the_server_with_weights_in_sync(tiny_server,
     trainer = train_with_server(tiny_model_dir, tmp_path / "out", tiny_server.url)
 
     backend = trainer.vllm_generation
-    assert isinstance(backend, CPUServerVLLMGeneration) and backend.uses_disk_sync
+    assert isinstance(backend, BAPOVLLMGeneration) and backend.uses_disk_sync
     assert tiny_server.generated_tokens() > tokens_before  # the completions came from the server
     diffs = logp_differences(trainer)
     assert len(diffs) == 3, trainer.state.log_history  # 6 steps, one generation every 2 steps

@@ -5,7 +5,8 @@ The trainer builds its backend from here (:mod:`bapo_trl.trainer.vllm_backend`).
 
 * ``contract.py``: the ``GenerationBackend`` protocol and the registry of backends by name (``generation_backend``);
   ``vllm_server.py``: the ``"vllm"`` backend;
-* ``vllm_generation.py``: TRL's vLLM backend for server mode on any device; ``http_client.py``: the requests client;
+* ``vllm_generation.py``: TRL's vLLM backend (server mode on any device, colocate, LoRA, seeds); ``trl_patches.py``:
+  every swap of a TRL name (what TRL's constructors build, its client without vLLM); ``http_client.py``: the client;
   ``fleet.py``: several servers; ``resend.py``: a request lost before its answer sent again; ``seeding.py``: one seed
   per prompt;
 * weights: ``gather.py`` (whole tensors from ZeRO-3/FSDP shards), ``weight_files.py`` (the directories a disk push

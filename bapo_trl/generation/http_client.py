@@ -14,8 +14,6 @@ client here sends ``Authorization: Bearer $VLLM_API_KEY`` when that variable is 
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -30,8 +28,8 @@ from .fleet import ServerFleet, naming, one_client
 from .resend import ResendOnLostConnection
 from .seeding import PerPromptSeeds
 from .server_auth import authorize_session
+from .trl_patches import client_without_vllm
 
-_swap_lock = threading.RLock()
 #: Connections a client keeps open to one server: a seeded batch is one request per prompt, all in flight at once (TRL
 #: keeps 64, so a larger batch would open and drop connections beyond those at every call).
 CONNECTIONS = 4096
@@ -96,18 +94,6 @@ class _OnceAdapter(ResendOnLostConnection):
         return super().send(request, timeout=self.default_timeout if timeout is None else timeout, **kwargs)
 
 
-@contextlib.contextmanager
-def patched(module, name: str, value):
-    """Temporarily replace ``module.name`` (under a lock, restored on exit)."""
-    with _swap_lock:
-        original = getattr(module, name)
-        setattr(module, name, value)
-        try:
-            yield
-        finally:
-            setattr(module, name, original)
-
-
 class KeyedVLLMClient(PerPromptSeeds, VLLMClient):
     """TRL's ``VLLMClient`` (CUDA: NCCL weight transfer) that sends ``$VLLM_API_KEY`` with every request of its
     session, keeps :data:`CONNECTIONS` connections open (TRL's retries kept) and sends a seeded call with several
@@ -139,7 +125,7 @@ class HTTPVLLMClient(PerPromptSeeds, VLLMClient):
         if _trl_vllm_client.is_vllm_available():
             super().__init__(*args, **kwargs)
         else:  # the only vLLM use in __init__ is that availability check
-            with patched(_trl_vllm_client, "is_vllm_available", lambda *a, **k: True):
+            with client_without_vllm():
                 super().__init__(*args, **kwargs)
 
     def _send_once(self) -> None:

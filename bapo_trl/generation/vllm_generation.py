@@ -1,6 +1,6 @@
-"""TRL's vLLM backend, built by TRL in place of its own ``VLLMGeneration`` while ``BAPOTrainer`` is constructed
-(:mod:`bapo_trl.trainer.vllm_backend`): it defers to TRL's code wherever TRL's path works, and takes over where it
-does not.
+"""TRL's vLLM backend, :class:`BAPOVLLMGeneration`, built by TRL in place of its own ``VLLMGeneration`` while
+``BAPOTrainer`` is constructed (:mod:`bapo_trl.trainer.vllm_backend`, through :mod:`.trl_patches`, which holds every
+swap of a TRL name): it defers to TRL's code wherever TRL's path works, and takes over where it does not.
 
 * Server mode on a machine without CUDA: TRL's server mode opens vLLM's NCCL weight-transfer group, which refuses any
   non-CUDA device. Here the client is :class:`~.http_client.HTTPVLLMClient` and weights go through a directory the
@@ -25,9 +25,9 @@ from collections.abc import Callable
 from functools import partial
 
 import requests
-import trl.generation.vllm_generation as _trl_vllm_generation
 from trl.generation.vllm_generation import VLLMGeneration, is_peft_model
 
+from ..core.lazy import lazy_names
 from .adapter_sync import LORA_RANKS, AdapterPush, AdapterSync, adapter_refusal, write_adapter
 from .fleet import ServerFleet, one_client, server_urls
 from .gather import adapter_shapes, exact_unmerge, gathered_adapter, gathered_base
@@ -37,16 +37,19 @@ from .http_client import (
     VLLMLogprobsModeError,
     VLLMServerUnreachable,
     check_logprobs_mode,
-    patched,
 )
 from .processes import broadcast_from_main, raise_everywhere
-from .seeding import SeededEngine, seed_salt
+from .seeding import seed_salt
+from .trl_patches import building_engine, building_server_client, seeded_engine
 from .weight_files import directory_bytes, write_weights
 from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError
 
 
-class CPUServerVLLMGeneration(VLLMGeneration):
-    """TRL's vLLM backend; in server mode on a non-CUDA device, connects over HTTP and syncs weights via disk."""
+class BAPOVLLMGeneration(VLLMGeneration):
+    """TRL's vLLM backend, built by TRL in place of its own (:func:`.trl_patches.building_generation`): TRL's code
+    wherever TRL's path works; on a non-CUDA device in server mode, HTTP and weights through disk; see the module doc
+    for the rest (LoRA, colocate, seeds). ``CPUServerVLLMGeneration`` in 0.1 (that name imports until 0.2, with a
+    ``DeprecationWarning``)."""
 
     disk_sync: DiskWeightSync | None = None
     #: What training does with the sampler's log-probs (:func:`bapo_trl.rollout.settings.sampler_logprobs_use`); None:
@@ -112,7 +115,7 @@ class CPUServerVLLMGeneration(VLLMGeneration):
 
     def _init_vllm(self):
         if self.mode == "server" and not self.uses_disk_sync:  # CUDA: TRL's code and NCCL, its client sends the key
-            with patched(_trl_vllm_generation, "VLLMClient", self._cuda_client):
+            with building_server_client(self._cuda_client):
                 super()._init_vllm()
             if self.sampler_logprobs_use is not None:  # the same on every process: all join the broadcast
                 error = None
@@ -127,14 +130,13 @@ class CPUServerVLLMGeneration(VLLMGeneration):
             if self.uses_colocate_adapter:  # the engine serves LoRA adapters (one at a time)
                 config = self._adapter_config()
                 rank = max([config["r"], *(config.get("rank_pattern") or {}).values()])
-                engine = partial(_trl_vllm_generation.LLM, enable_lora=True, max_loras=1,
-                                 max_lora_rank=next(r for r in LORA_RANKS if r >= rank))
-                with patched(_trl_vllm_generation, "LLM", engine):
+                with building_engine(enable_lora=True, max_loras=1,
+                                     max_lora_rank=next(r for r in LORA_RANKS if r >= rank)):
                     super()._init_vllm()
             else:
                 super()._init_vllm()
-            if self.mode == "colocate" and not isinstance(self.llm, SeededEngine):
-                self.llm = SeededEngine(self.llm)
+            if self.mode == "colocate":
+                seeded_engine(self)
             return
         error = None
         if self.accelerator.is_main_process:
@@ -348,3 +350,7 @@ def refresh_output_layers(worker) -> int:
     from .vllm_worker.bapo_vllm_worker import BAPOWorkerExtension
 
     return BAPOWorkerExtension.bapo_refresh_output_layers(worker)
+
+
+#: The 0.1 name, kept until 0.2 (it serves CUDA, colocate mode, LoRA and seeds too, not only a CPU server).
+__getattr__, __dir__ = lazy_names(__name__, {}, {"CPUServerVLLMGeneration": f"{__name__}:BAPOVLLMGeneration"})

@@ -1,5 +1,5 @@
 """The ``"vllm"`` generation backend (:mod:`.contract`): one or several vLLM servers, reached with the client and the
-weight pushes of TRL's vLLM backend (:class:`~.vllm_generation.CPUServerVLLMGeneration`, the one TRL's synchronous
+weight pushes of TRL's vLLM backend (:class:`~.vllm_generation.BAPOVLLMGeneration`, the one TRL's synchronous
 generation uses), so a run talks to its servers one way.
 
 Requests go through a client that sends each request once and bounds it by ``vllm_server_timeout``

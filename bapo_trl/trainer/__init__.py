@@ -5,7 +5,7 @@
   search balances, installing and restoring the window;
 * ``checkpoints.py``: complete-or-ignored checkpoints with the per-process rollout state;
 * ``model_card.py``: TRL's model card with a BAPO section; ``reward_errors.py``: reward functions named in their
-  errors; ``vllm_backend.py``: TRL's vLLM backend swapped for one that also serves CPU machines;
+  errors; ``vllm_backend.py``: TRL's vLLM backend swapped for bapo_trl's (CPU machines, LoRA, seeds);
 * ``loop_hooks.py``: a callback at each optimizer step, evaluation that leaves training's random state alone;
 * ``trl_seams.py``: every private TRL name and override, checked when the trainer is imported.
 

@@ -35,16 +35,16 @@ from .model_card import PAPER_CITATION, ModelCardMixin
 from .reward_errors import RewardTally, name_errors
 from .trl_port import TRLPort
 from .trl_seams import check_trl_seams
-from .vllm_backend import CPUServerSyncMixin  # vLLM server mode on CPU (disk weight sync)
+from .vllm_backend import VLLMGenerationMixin  # TRL builds bapo_trl's vLLM backend (any device, LoRA, seeds)
 
 check_trl_seams()  # a TRL that moved a private method we override fails here, loudly, not mid-training
 
 
-class BAPOTrainer(CPUServerSyncMixin, CheckpointMixin, ModelCardMixin, EvaluationKeepsTrainingRandomState,
+class BAPOTrainer(VLLMGenerationMixin, CheckpointMixin, ModelCardMixin, EvaluationKeepsTrainingRandomState,
                   GRPOTrainer):
     """GRPO with BAPO's adaptive clipping window (Xi et al., 2025).
 
-    Mixins, each beside the code it uses: vLLM server mode without CUDA (``vllm_backend.py``), checkpoints
+    Mixins, each beside the code it uses: TRL's vLLM backend swapped for bapo_trl's (``vllm_backend.py``), checkpoints
     (``checkpoints.py``), TRL's model card with a BAPO section (``model_card.py``), evaluation that leaves training's
     random state as it found it (``loop_hooks.py``).
 

@@ -20,6 +20,7 @@ import torch
 
 from ..generation.contract import GenerationBackend, build_backend
 from ..generation.processes import broadcast_from_main
+from ..generation.trl_patches import serving_rollout
 from ..rollout.contract import ReadyCompletions, ScoreFn, right_pad
 from ..rollout.settings import SourceSettings
 
@@ -213,14 +214,14 @@ class TRLPort:
         trainer = self._trainer
         self._ready = ready
         self._awaiting_old_logps = ready if self.trl_scores_old_logps() else None
-        saved_rollout_func, trainer.rollout_func = trainer.rollout_func, self._rollout
         try:
-            output = score(rows)
+            with serving_rollout(trainer, self._rollout):
+                output = score(rows)
             if self._awaiting_old_logps is not None:
                 raise RuntimeError("TRL did not compute old_per_token_logps where bapo_trl expected it to: the "
                                    "installed TRL's _generate_and_score_completions changed; please report it.")
         finally:
-            trainer.rollout_func, self._ready, self._awaiting_old_logps = saved_rollout_func, None, None
+            self._ready, self._awaiting_old_logps = None, None
         width, device = output["completion_ids"].size(1), output["completion_ids"].device
         output["old_per_token_logps"] = right_pad(ready.behaviour_logps, width, 0.0, torch.float32, device)
         return output

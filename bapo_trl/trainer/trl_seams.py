@@ -3,10 +3,11 @@ overrides, in one list, checked once when the trainer is imported.
 
 Why: ``BAPOTrainer`` reuses ``GRPOTrainer`` through ``super()`` and a few overrides of private methods and
 attributes (the window is installed through ``epsilon_low/high``, partial rollout answers TRL's old-log-prob
-forward, the CPU server swaps TRL's vLLM backend class...). A TRL release that renames or re-signs one of them would
-not fail loudly: an override of a method TRL no longer calls is silently dead. So each seam is listed here with what
-we expect of it, and :func:`check_trl_seams` refuses to go on, naming the seam and the TRL versions this release was
-tested with, instead of training with BAPO quietly switched off.
+forward, TRL's vLLM backend class is swapped for bapo_trl's...). A TRL release that renames or re-signs one of them
+would not fail loudly: an override of a method TRL no longer calls is silently dead. So each seam is listed here with
+what we expect of it, and :func:`check_trl_seams` refuses to go on, naming the seam and the TRL versions this release
+was tested with, instead of training with BAPO quietly switched off. Every TRL name that
+:mod:`bapo_trl.generation.trl_patches` swaps is a seam too, with the TRL code that must still look it up.
 
 The list cannot go stale: ``tests/test_trl_seams.py`` scans every module of the package with ``ast`` and fails,
 naming file and line, on a private name that trl/transformers define and no seam lists, and on a trl/transformers
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from dataclasses import dataclass
 
 #: The TRL versions CI tests this release with (setup.cfg pins ``trl>=1.16,<1.17`` to match).
@@ -26,12 +28,19 @@ TESTED_TRL_VERSIONS = "1.16.x"
 @dataclass(frozen=True)
 class Seam:
     """``module:qualname`` must exist; a callable must accept ``params`` (in that order, after ``self``) and its
-    source (or, for a class, its ``__init__``'s) must mention every string in ``mentions``."""
+    source (or, for a class, its ``__init__``'s) must mention every string in ``mentions``.
+
+    A TRL module global that bapo_trl swaps (:mod:`bapo_trl.generation.trl_patches`) names, in ``looked_up_by``, the
+    TRL code whose call the swap serves (``module:qualname``): that code must still call the name bare (``Name(``),
+    looked up in the module at call time, or the swap would do nothing. ``only_if`` (``module:function``) makes a seam
+    apply only where that function answers True (TRL defines ``LLM`` only where vLLM is installed)."""
 
     target: str
     why: str
     params: tuple[str, ...] = ()
     mentions: tuple[str, ...] = ()
+    looked_up_by: str = ""
+    only_if: str = ""
 
 
 GRPO = "trl.trainer.grpo_trainer:GRPOTrainer"
@@ -109,7 +118,9 @@ SEAMS: tuple[Seam, ...] = (
          params=("args", "state", "control")),
     Seam("transformers.trainer_callback:TrainerCallback.on_step_end", "the closed-loop target moves once per "
          "optimizer step, before a checkpoint is saved", params=("args", "state", "control")),
-    Seam("trl.trainer.grpo_trainer:VLLMGeneration", "the CPU server swaps this name for its own backend"),
+    Seam("trl.trainer.grpo_trainer:VLLMGeneration", "swapped for bapo_trl's vLLM backend (BAPOVLLMGeneration) for "
+         "the one call GRPOTrainer.__init__ makes (generation/trl_patches.py: building_generation)",
+         looked_up_by=f"{GRPO}.__init__"),
     Seam("trl.generation.vllm_generation:VLLMGeneration",
          "vLLM backend: max_completion_length caps a round; async generation sends TRL's sampling settings itself; "
          "the LoRA adapter push gathers the adapter through TRL's distributed backend (ZeRO-3: collective)",
@@ -118,13 +129,22 @@ SEAMS: tuple[Seam, ...] = (
                    "self.repetition_penalty", "self.temperature", "self.top_p", "self.top_k", "self.min_p",
                    "self.structured_outputs_regex", "self.generation_kwargs")),
     Seam("trl.generation.vllm_generation:VLLMGeneration._init_vllm", "CPU server: HTTP client instead of NCCL; "
-         "on CUDA the client TRL builds from server_base_url (a fleet for several)",
-         mentions=("VLLMClient(", "base_url=base_url", "group_port=self.group_port", "connection_timeout=")),
+         "on CUDA the client TRL builds from server_base_url (a fleet for several); colocate: the engine it sets "
+         "(self.llm) is wrapped for per-prompt seeds (generation/trl_patches.py: seeded_engine)",
+         mentions=("VLLMClient(", "base_url=base_url", "group_port=self.group_port", "connection_timeout=",
+                   "self.llm = LLM(")),
     Seam("trl.generation.vllm_generation:VLLMClient", "on CUDA the server client is swapped for one that sends "
-         "$VLLM_API_KEY", mentions=("self.session", "self.check_server(")),
+         "$VLLM_API_KEY, for the one call _init_vllm makes (generation/trl_patches.py: building_server_client)",
+         mentions=("self.session", "self.check_server("),
+         looked_up_by="trl.generation.vllm_generation:VLLMGeneration._init_vllm"),
+    Seam("trl.generation.vllm_generation:LLM", "colocate with the LoRA adapter push: the engine is built with LoRA "
+         "enabled, for the one call _init_vllm makes (generation/trl_patches.py: building_engine)",
+         looked_up_by="trl.generation.vllm_generation:VLLMGeneration._init_vllm",
+         only_if="trl.import_utils:is_vllm_available"),
     Seam("trl.generation.vllm_generation:VLLMGeneration.sync_weights", "CPU server: weights through disk"),
-    Seam("trl.generation.vllm_generation:VLLMGeneration.generate", "colocate: the engine (self.llm, wrapped by "
-         "generation/seeding.py's SeededEngine) gives each prompt of a seeded call a seed of its own",
+    Seam("trl.generation.vllm_generation:VLLMGeneration.generate", "colocate: the engine (self.llm, wrapped in "
+         "generation/seeding.py's SeededEngine by generation/trl_patches.py) gives each prompt of a seeded call a "
+         "seed of its own",
          mentions=("self.llm.generate(vllm_prompts, sampling_params=sampling_params",)),
     Seam("trl.generation.vllm_generation:VLLMGeneration._iter_named_params", "CPU server gathers weights"),
     Seam("trl.generation.vllm_generation:VLLMGeneration._fix_param_name_to_vllm", "the LoRA adapter push's one base "
@@ -150,7 +170,9 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{CLIENT}.reset_prefix_cache", "HTTP client: one bounded request, answered with JSON"),
     Seam(f"{CLIENT}._get", "request timeouts", params=("url",)),
     Seam(f"{CLIENT}._post", "request timeouts", params=("url",)),
-    Seam("trl.generation.vllm_client:is_vllm_available", "HTTP client without vllm installed"),
+    Seam("trl.generation.vllm_client:is_vllm_available", "HTTP client without vllm installed: answers True for the "
+         "one call VLLMClient.__init__ makes (generation/trl_patches.py: client_without_vllm)",
+         looked_up_by=f"{CLIENT}.__init__"),
     Seam("trl.trainer.utils:RepeatSampler", "async generation draws its prompts as TRL's sampler does"),
     Seam("trl.trainer.utils:is_async_callable", "async reward functions keep their errors named"),
     Seam("trl.models.utils:disable_gradient_checkpointing", "no-grad policy forwards outside the loss"),
@@ -185,6 +207,10 @@ def seam_problems(seams: tuple[Seam, ...] = SEAMS) -> list[str]:
     """One line per seam that is missing or not what bapo_trl expects (empty: all present)."""
     problems = []
     for seam in seams:
+        if seam.only_if and not _resolve(seam.only_if)():
+            continue
+        if seam.looked_up_by:
+            problems += _lookup_problems(seam)
         try:
             obj = _resolve(seam.target)
         except (ImportError, AttributeError) as err:
@@ -204,6 +230,22 @@ def seam_problems(seams: tuple[Seam, ...] = SEAMS) -> list[str]:
             if absent:
                 problems.append(f"{seam.target} no longer uses {absent}; used for: {seam.why}")
     return problems
+
+
+def _lookup_problems(seam: Seam) -> list[str]:
+    """The TRL code a swapped module global serves must still call it by its bare name (see :class:`Seam`)."""
+    name = seam.target.rpartition(":")[2]
+    try:
+        source = inspect.getsource(_resolve(seam.looked_up_by))
+    except (ImportError, AttributeError) as err:
+        return [f"{seam.looked_up_by} is missing ({type(err).__name__}: {err}); {seam.target} is swapped for its "
+                f"call; used for: {seam.why}"]
+    except (OSError, TypeError):
+        source = ""
+    if re.search(rf"(?<![\w.]){re.escape(name)}\(", source):
+        return []
+    return [f"{seam.looked_up_by} no longer calls {name}(...), the name bapo_trl swaps for that call; used for: "
+            f"{seam.why}"]
 
 
 def check_trl_seams(seams: tuple[Seam, ...] = SEAMS) -> None:

@@ -1,31 +1,32 @@
-"""The trainer's vLLM backend: TRL builds :class:`~bapo_trl.generation.vllm_generation.CPUServerVLLMGeneration` in
-place of its own ``VLLMGeneration`` while ``BAPOTrainer`` is constructed (server mode, and colocate mode without
-CUDA); that backend defers to TRL's own code wherever TRL's path works (:mod:`bapo_trl.generation.vllm_generation`
-says why each piece exists)."""
+"""The trainer's vLLM backend: TRL builds :class:`~bapo_trl.generation.vllm_generation.BAPOVLLMGeneration` in place
+of its own ``VLLMGeneration`` while ``BAPOTrainer`` is constructed (server and colocate mode;
+:func:`~bapo_trl.generation.trl_patches.building_generation`, the one swap of a TRL name here); that backend defers to
+TRL's own code wherever TRL's path works (:mod:`bapo_trl.generation.vllm_generation` says why each piece exists)."""
 
 from __future__ import annotations
 
 import functools
 
-import trl.trainer.grpo_trainer as _trl_grpo_trainer
-
-from ..generation.http_client import patched
-from ..generation.vllm_generation import CPUServerVLLMGeneration
+from ..core.lazy import lazy_names
+from ..generation.trl_patches import building_generation
+from ..generation.vllm_generation import BAPOVLLMGeneration
 from ..rollout.settings import sampler_logprobs_use
 
 
-class CPUServerSyncMixin:
-    """Put before ``GRPOTrainer`` in the bases: with vLLM (server, or colocate without CUDA), TRL builds
-    :class:`CPUServerVLLMGeneration`, which defers to TRL's own backend wherever TRL's path works."""
+class VLLMGenerationMixin:
+    """Put before ``GRPOTrainer`` in the bases: with vLLM (server or colocate mode, any device), TRL builds
+    :class:`~bapo_trl.generation.vllm_generation.BAPOVLLMGeneration`, which defers to TRL's own backend wherever
+    TRL's path works; the pushes it measures join the training logs. ``CPUServerSyncMixin`` in 0.1 (that name
+    imports until 0.2, with a ``DeprecationWarning``)."""
 
     def __init__(self, model, reward_funcs, args=None, **kwargs):
         if args is not None and getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) in (
                 "server", "colocate"):
             use = sampler_logprobs_use(args) if args.vllm_mode == "server" else None  # colocate: TRL sets the mode
-            backend = functools.partial(CPUServerVLLMGeneration, sampler_logprobs_use=use,
+            backend = functools.partial(BAPOVLLMGeneration, sampler_logprobs_use=use,
                                         lora_sync=args.vllm_lora_sync,
                                         seed_round=lambda: self.state.global_step)
-            with patched(_trl_grpo_trainer, "VLLMGeneration", backend):
+            with building_generation(backend):
                 super().__init__(model, reward_funcs, args=args, **kwargs)
         else:
             super().__init__(model, reward_funcs, args=args, **kwargs)
@@ -35,7 +36,7 @@ class CPUServerSyncMixin:
         removes the weight directories it wrote; the next generation (a later ``train()``, an evaluation) pushes
         again, on every process (the push is collective under ZeRO-3)."""
         backend = getattr(self, "vllm_generation", None)
-        if not isinstance(backend, CPUServerVLLMGeneration) or not backend.uses_disk_sync:
+        if not isinstance(backend, BAPOVLLMGeneration) or not backend.uses_disk_sync:
             return
         if backend.disk_sync is not None:  # the main process's
             backend.disk_sync.close()
@@ -47,10 +48,14 @@ class CPUServerSyncMixin:
         paths: server mode without CUDA or with the adapter push, and colocate without CUDA; TRL's NCCL push is not
         measured)."""
         backend = getattr(self, "vllm_generation", None)
-        pushes = backend.take_pushes() if isinstance(backend, CPUServerVLLMGeneration) else []
+        pushes = backend.take_pushes() if isinstance(backend, BAPOVLLMGeneration) else []
         if pushes and "loss" in logs:  # a training log (an evaluation's keeps its own keys)
             logs["weight_sync/pushed_bytes"] = sum(b for b, _ in pushes) / len(pushes)
             logs["weight_sync/seconds"] = sum(s for _, s in pushes) / len(pushes)
         elif pushes:
             backend._pushes[:0] = pushes  # kept for the next training log
         super().log(logs, *args, **kwargs)
+
+
+#: The 0.1 name, kept until 0.2 (the mixin serves CUDA, colocate mode, LoRA and seeds too, not only a CPU server).
+__getattr__, __dir__ = lazy_names(__name__, {}, {"CPUServerSyncMixin": f"{__name__}:VLLMGenerationMixin"})

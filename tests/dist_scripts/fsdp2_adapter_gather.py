@@ -1,7 +1,7 @@
 """Run under `accelerate launch` on 2 CPU processes (gloo): a peft LoRA model sharded with FSDP2 (torch's
 `fully_shard` on a CPU mesh: accelerate turns an FSDP config into DDP on CPU, so the sharding is done here, as
 accelerate does on GPUs), then the adapter push's gathers, `_gathered_adapter` and `_gather_base`, run on the
-STAND-IN of a backend (CPUServerVLLMGeneration without a server: the model, the accelerator and TRL's
+STAND-IN of a backend (BAPOVLLMGeneration without a server: the model, the accelerator and TRL's
 DistributedBackend with fsdp_version 2, the only parts those gathers use). Rank 0 writes whether what they gathered
 equals the unsharded model's adapter (peft's saved names) and base weights. argv: model_dir out_dir."""
 
@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 from trl.distributed import DistributedBackend
 
-from bapo_trl.generation.vllm_generation import CPUServerVLLMGeneration
+from bapo_trl.generation.vllm_generation import BAPOVLLMGeneration
 
 model_dir, out_dir = sys.argv[1], sys.argv[2]
 accelerator = Accelerator(cpu=True)
@@ -38,7 +38,7 @@ for layer in model.base_model.model.model.layers:
 fully_shard(model, mesh=mesh)
 sharded = sum(isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in model.parameters())
 
-backend = CPUServerVLLMGeneration.__new__(CPUServerVLLMGeneration)  # the stand-in (see the module doc)
+backend = BAPOVLLMGeneration.__new__(BAPOVLLMGeneration)  # the stand-in (see the module doc)
 backend.model, backend.accelerator = model, accelerator
 backend._dist = DistributedBackend(accelerator)
 backend._dist.fsdp_version = 2
