@@ -5,8 +5,6 @@ tests (conftest.py orders it), so the tiny model's server is switched once."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import requests
 from peft import LoraConfig
@@ -75,6 +73,8 @@ def test_zero3_two_processes_push_the_adapter_alone(lora_server, tiny_model_dir,
     text, _ = zero3_async_from_train_bapo(
         lora_server.url, tmp_path / "run", "--max_completion_length", "8",
         "--use_peft", "--lora_r", str(RANK), "--lora_alpha", "16", "--lora_target_modules", "q_proj", "v_proj")
-    pushed = [float(x) for x in re.findall(r"'weight_sync/pushed_bytes': '([^']+)'", text)]
+    from support.run_logs import values
+
+    pushed = values(tmp_path / "run", "weight_sync/pushed_bytes")
     total = model_bytes(tiny_model_dir)
     assert pushed and pushed[0] > total and all(b < 0.1 * total for b in pushed[1:]), (pushed, total)

@@ -73,9 +73,12 @@ def history(out):
     return {h["step"]: h for h in state["log_history"] if "loss" in h}
 
 
-def steps_logged_by(logs):
-    """Training-step log lines the process printed itself (one per step: logging_steps=1)."""
-    return [line for line in logs.with_suffix(".out").read_text().splitlines() if line.startswith("{'loss'")]
+def steps_logged(out) -> list[int]:
+    """The training steps logged into ``out``'s metrics.jsonl, in order (one per step: logging_steps=1; a resumed
+    run appends its own)."""
+    from support.run_logs import training_steps
+
+    return training_steps(out)
 
 
 def fingerprint(folder):
@@ -109,7 +112,7 @@ def test_kill_9_then_resume_continues_exactly(source_flags, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     reference = train(tmp_path / "reference", env=env, logs=tmp_path / "reference-log", source=flags)
     assert reference.wait(timeout=600) == 0, tail(tmp_path / "reference-log")
-    assert len(steps_logged_by(tmp_path / "reference-log")) == 24
+    assert steps_logged(tmp_path / "reference") == list(range(1, 25))
 
     event = tmp_path / "inside-the-save"
     victim = train(tmp_path / "victim", env=env, logs=tmp_path / "victim-log", source=flags,
@@ -132,13 +135,14 @@ def test_kill_9_then_resume_continues_exactly(source_flags, tmp_path):
     assert (tmp_path / "victim" / kept / "bapo_checkpoint_complete.json").exists()
 
     before = fingerprint(tmp_path / "victim" / kept)
+    logged_before = len(steps_logged(tmp_path / "victim"))
 
     resumed = train(tmp_path / "victim", "--resume_from_checkpoint", "latest", env=env, logs=tmp_path / "resumed-log",
                     source=flags)
     assert resumed.wait(timeout=600) == 0, tail(tmp_path / "resumed-log")
 
     # It resumed: it ran steps 7-24 only (a fresh start would log 24 steps and rewrite the checkpoint at step 6).
-    assert len(steps_logged_by(tmp_path / "resumed-log")) == 24 - CHECKPOINT
+    assert steps_logged(tmp_path / "victim")[logged_before:] == list(range(CHECKPOINT + 1, 25))
     assert fingerprint(tmp_path / "victim" / kept) == before
     assert (torn / "bapo_checkpoint_complete.json").exists() and (torn / "optimizer.pt").exists()  # written again
 

@@ -118,6 +118,8 @@ SEAMS: tuple[Seam, ...] = (
          params=("args", "state", "control")),
     Seam("transformers.trainer_callback:TrainerCallback.on_step_end", "the closed-loop target moves once per "
          "optimizer step, before a checkpoint is saved", params=("args", "state", "control")),
+    Seam("transformers.trainer_callback:TrainerCallback.on_log", "bapo train's progress bar and metrics.jsonl (in "
+         "place of transformers' printed dicts)", params=("args", "state", "control")),
     Seam("trl.trainer.grpo_trainer:VLLMGeneration", "swapped for bapo_trl's vLLM backend (BAPOVLLMGeneration) for "
          "the one call GRPOTrainer.__init__ makes (generation/trl_patches.py: building_generation)",
          looked_up_by=f"{GRPO}.__init__"),

@@ -3,8 +3,6 @@ async K=1 through a server."""
 
 from __future__ import annotations
 
-import re
-
 
 def zero3_async_from_train_bapo(server_url: str, out, *extra) -> tuple[str, list[float]]:
     """`accelerate launch` of train_bapo.py, ZeRO-3 on 2 processes, 4 steps of async K=1 through the server at
@@ -21,8 +19,10 @@ def zero3_async_from_train_bapo(server_url: str, out, *extra) -> tuple[str, list
         config_file=REPO / "accelerate_configs" / "deepspeed_zero3.yaml", extra_launch=["--mixed_precision", "no"],
         timeout=1200,
     )
+    from support.run_logs import values
+
     assert_zero3_partitioned(out)
     text = proc.stdout + proc.stderr
-    staleness = [float(x) for x in re.findall(r"'async/staleness_max': '([^']+)'", text)]
+    staleness = values(out, "async/staleness_max")
     assert len(staleness) == 4 and staleness[0] == 0 and min(staleness[1:]) >= 1, staleness
     return text, staleness
