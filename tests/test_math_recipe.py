@@ -263,7 +263,9 @@ def test_cpu_recipe_trains_two_steps(tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "model.safetensors").exists()
-    assert "rewards/boxed_accuracy/mean" in proc.stdout + proc.stderr and "BAPO run summary" in proc.stdout
+    from support.run_logs import logged
+
+    assert any("rewards/boxed_accuracy/mean" in e for e in logged(out)) and "BAPO run summary" in proc.stdout
     # the evaluation command on the training checkpoint, as a user would run it
     proc = subprocess.run([sys.executable, "-m", "bapo_trl.cli.evaluate", "--model", str(out / "checkpoint-2"),
                            "--dataset", "tests/data/math_problems.jsonl", "--k", "2", "--num_problems", "2",
