@@ -28,6 +28,7 @@ import torch
 
 from ...core.clipping import _device_grids
 from ...core.loss_types import LossType, surrogate_clipped
+from .checks import gmpo_config_errors, gmpo_config_warnings
 
 #: Ratios at or below this are taken at it before the log (an underflowed ``exp``): no ``-inf`` in any mean.
 TINY_RATIO = 1e-300
@@ -127,4 +128,6 @@ GEOMETRIC_MEAN = LossType(
     clipped=surrogate_clipped,
     contributions=gmpo_contributions,
     uses_is_weights=False,
+    config_errors=gmpo_config_errors,
+    config_warnings=gmpo_config_warnings,
 )
