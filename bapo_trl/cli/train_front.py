@@ -4,9 +4,10 @@ Why: ``bapo train``'s options are the fields of ``BAPOConfig``, TRL's ``GRPOConf
 ``TrainingArguments``, and reading them imports torch and TRL (4 s on an idle 2-core machine, up to 2 minutes on a
 busy one) before ``--help`` or a typo's error could be printed. So the help texts and the list of known flags are
 kept as a snapshot (:func:`snapshot`), valid for the exact versions of Python, TRL, transformers and bapo_trl it was
-taken with: shipped in the package (``train_options.json``, for the versions CI installs: ``python -m
-bapo_trl.cli.train_front --write`` refreshes it) and written to the cache (``$BAPO_TRL_CACHE/cli``) by the first run
-under any other versions. With no snapshot of the running versions, everything goes to :mod:`.train`, as before.
+taken with and the exact files that declare the options (:data:`OPTION_SOURCES`): shipped in the package
+(``train_options.json``; ``python -m bapo_trl.cli.train_front --write`` refreshes it, and a test fails until it
+matches the parser) and written to the cache (``$BAPO_TRL_CACHE/cli``) by the first run under anything else. With no
+snapshot of the running versions, everything goes to :mod:`.train`, as before.
 """
 
 from __future__ import annotations
@@ -26,12 +27,20 @@ SHIPPED = Path(__file__).with_name("train_options.json")
 HELP, HELP_ALL = ("-h", "--help"), ("--help-all", "--help_all")
 
 
+#: The package's files that declare ``bapo train``'s options, their help and groups: a snapshot is valid for their
+#: exact contents (an edited field in a development checkout must not be answered from an older snapshot).
+OPTION_SOURCES = ("trainer/bapo_config.py", "rollout/settings.py", "core/option_groups.py", "cli/train.py")
+
+
 def versions() -> dict[str, str]:
-    """What the option texts depend on (argparse's layout changes between Python releases)."""
+    """What the option texts depend on: Python (argparse's layout), TRL, transformers, bapo_trl and the digest of
+    :data:`OPTION_SOURCES`."""
     from .. import __version__
 
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256(b"".join((package / name).read_bytes() for name in OPTION_SOURCES)).hexdigest()[:16]
     return {"python": "%d.%d" % sys.version_info[:2], "trl": metadata.version("trl"),
-            "transformers": metadata.version("transformers"), "bapo_trl": __version__}
+            "transformers": metadata.version("transformers"), "bapo_trl": __version__, "options_source": digest}
 
 
 def cached_path(found: dict[str, str]) -> Path:
