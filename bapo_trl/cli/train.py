@@ -24,6 +24,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser
 
 from ..core.option_groups import GROUPS
 from ..trainer.bapo_config import BAPOConfig
+from ..trainer.checkpoints import checkpoint_folders
 from .flag_hints import unknown_flags
 
 _training_fields = {f.name for f in dataclasses.fields(BAPOConfig)}
@@ -374,24 +375,12 @@ class SetupError(SystemExit):
         self.message = message
 
 
-def earlier_checkpoints(output_dir: str) -> list[str]:
-    """The ``checkpoint-N`` folders of ``output_dir``, oldest first."""
-    import re
-
-    try:
-        names = [n for n in os.listdir(output_dir) if re.fullmatch(r"checkpoint-\d+", n)
-                 and os.path.isdir(os.path.join(output_dir, n))]
-    except OSError:
-        return []
-    return sorted(names, key=lambda n: int(n.split("-")[1]))
-
-
 def output_dir_problem(training_args: BAPOConfig, script_args: BAPOScriptArguments) -> str | None:
     """Why a new run must not write into ``--output_dir``: it holds another run's checkpoints (this run's would mix
     with them, and a later resume would take the newest, whichever run wrote it); None when it may."""
     if script_args.overwrite_output_dir or training_args.resume_from_checkpoint:
         return None
-    found = earlier_checkpoints(training_args.output_dir)
+    found = checkpoint_folders(training_args.output_dir)
     if not found:
         return None
     shown = ", ".join(found[-3:])
@@ -588,7 +577,7 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
     if script_args.overwrite_output_dir and os.environ.get("RANK", "0") == "0":
         import shutil
 
-        for name in earlier_checkpoints(training_args.output_dir):  # another run's: this one starts afresh
+        for name in checkpoint_folders(training_args.output_dir):  # another run's: this one starts afresh
             shutil.rmtree(os.path.join(training_args.output_dir, name))
     if os.environ.get("RANK", "0") == "0":
         trained = f"LoRA r={model_args.lora_r}, alpha={model_args.lora_alpha}" if peft_config else "every weight"

@@ -99,14 +99,18 @@ def clear_for_rewrite(folder: str) -> None:
         _remove(os.path.join(folder, name))
 
 
+def checkpoint_folders(output_dir: str) -> list[str]:
+    """The names of the ``checkpoint-N`` folders of ``output_dir``, lowest step first (none if it does not exist)."""
+    if not os.path.isdir(output_dir):
+        return []
+    steps = sorted((int(m.group(1)), name) for name in os.listdir(output_dir)
+                   if (m := _STEP.match(name)) and os.path.isdir(os.path.join(output_dir, name)))
+    return [name for _, name in steps]
+
+
 def latest_complete_checkpoint(output_dir: str) -> str | None:
     """The complete checkpoint with the highest step in ``output_dir`` (None if there is none)."""
-    if not os.path.isdir(output_dir):
-        return None
-    steps = sorted(
-        (int(m.group(1)), name) for name in os.listdir(output_dir) if (m := _STEP.match(name))
-    )
-    for _, name in reversed(steps):
+    for name in reversed(checkpoint_folders(output_dir)):
         folder = os.path.join(output_dir, name)
         if is_complete(folder):
             return folder
