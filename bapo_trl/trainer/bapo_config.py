@@ -363,11 +363,16 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
 
 
 
+def run_name(model) -> str:
+    """The last part of a model's name or path (a trainer's default output folder starts with it, as TRL's)."""
+    name = model if isinstance(model, str) else model.config.name_or_path
+    return name.split("/")[-1]
+
+
 def trainer_config(args, model) -> BAPOConfig:
     """``BAPOTrainer``'s ``args``: TRL's default when None (``<model name>-BAPO``), a clear error for a GRPOConfig."""
     if args is None:
-        name = model if isinstance(model, str) else model.config.name_or_path
-        return BAPOConfig(f"{name.split('/')[-1]}-BAPO")
+        return BAPOConfig(f"{run_name(model)}-BAPO")
     if not isinstance(args, BAPOConfig):
         raise TypeError(
             f"BAPOTrainer needs `args` to be a BAPOConfig, got {type(args).__name__}. BAPOConfig takes every "

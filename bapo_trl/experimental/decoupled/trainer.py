@@ -19,6 +19,7 @@ import torch
 
 from ...core.metrics import token_staleness
 from ...core.numerics import loss_mask
+from ...trainer.bapo_config import run_name
 from ...trainer.bapo_trainer import BAPOTrainer
 from .config import DecoupledBAPOConfig
 from .weights import behaviour_weights, weight_sums, weight_values
@@ -66,8 +67,7 @@ class DecoupledBAPOTrainer(BAPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args: DecoupledBAPOConfig | None = None, **kwargs):
         if args is None:
-            name = model if isinstance(model, str) else model.config.name_or_path
-            args = DecoupledBAPOConfig(f"{name.split('/')[-1]}-BAPO-decoupled")
+            args = DecoupledBAPOConfig(f"{run_name(model)}-BAPO-decoupled")
         if not isinstance(args, DecoupledBAPOConfig):
             raise TypeError(f"DecoupledBAPOTrainer needs `args` to be a DecoupledBAPOConfig, got "
                             f"{type(args).__name__} (from bapo_trl.experimental.decoupled import "

@@ -17,7 +17,7 @@ from __future__ import annotations
 import warnings
 
 from ...core.clipping import BAPOSettings
-from ...trainer.bapo_config import BAPOConfig
+from ...trainer.bapo_config import BAPOConfig, run_name
 from ...trainer.bapo_trainer import BAPOTrainer
 from ...trainer.trl_seams import GMPO_SEAMS, check_trl_seams
 from .geometric_mean import GEOMETRIC_MEAN
@@ -40,8 +40,7 @@ class BAPOGMPOTrainer(BAPOTrainer, GMPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args: BAPOConfig | None = None, **kwargs):
         if args is None:
-            name = model if isinstance(model, str) else model.config.name_or_path
-            args = BAPOConfig(f"{name.split('/')[-1]}-BAPO-GMPO", **gmpo_balanced())
+            args = BAPOConfig(f"{run_name(model)}-BAPO-GMPO", **gmpo_balanced())
         if not isinstance(args, BAPOConfig):
             raise TypeError(f"BAPOGMPOTrainer needs `args` to be a BAPOConfig, got {type(args).__name__}. For TRL's "
                             "GMPO window as the search's start: BAPOConfig(..., **gmpo_balanced()) (from bapo_trl "

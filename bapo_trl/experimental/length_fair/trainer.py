@@ -7,6 +7,7 @@ import dataclasses
 from functools import partial
 
 from ...core.numerics import loss_mask
+from ...trainer.bapo_config import run_name
 from ...trainer.bapo_trainer import BAPOTrainer
 from ...trainer.loss_hook import WindowChoice, token_log_ratio
 from .config import LengthFairBAPOConfig
@@ -24,8 +25,7 @@ class LengthFairBAPOTrainer(BAPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args: LengthFairBAPOConfig | None = None, **kwargs):
         if args is None:
-            name = model if isinstance(model, str) else model.config.name_or_path
-            args = LengthFairBAPOConfig(f"{name.split('/')[-1]}-BAPO-length-fair", **gspo_length_fair())
+            args = LengthFairBAPOConfig(f"{run_name(model)}-BAPO-length-fair", **gspo_length_fair())
         if not isinstance(args, LengthFairBAPOConfig):
             raise TypeError(f"LengthFairBAPOTrainer needs `args` to be a LengthFairBAPOConfig, got "
                             f"{type(args).__name__}: LengthFairBAPOConfig(..., **gspo_length_fair()) (from "
