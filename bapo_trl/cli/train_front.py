@@ -12,6 +12,7 @@ snapshot of the running versions, everything goes to :mod:`.train`, as before.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -32,6 +33,7 @@ HELP, HELP_ALL = ("-h", "--help"), ("--help-all", "--help_all")
 OPTION_SOURCES = ("trainer/bapo_config.py", "rollout/settings.py", "core/option_groups.py", "cli/train.py")
 
 
+@functools.lru_cache(maxsize=1)
 def versions() -> dict[str, str]:
     """What the option texts depend on: Python (argparse's layout), TRL, transformers, bapo_trl and the digest of
     :data:`OPTION_SOURCES`."""
@@ -85,11 +87,12 @@ def remember(make_parser) -> None:
         pass
 
 
-def answer(argv: list[str], prog: str) -> int | None:
-    """The exit code when the snapshot answers ``argv`` (the help, or an unknown flag refused), else None."""
+def answer(argv: list[str], prog: str, data: dict | None = None) -> int | None:
+    """The exit code when the snapshot (``data``, or :func:`load`'s) answers ``argv`` (the help, or an unknown flag
+    refused), else None."""
     if "--config" in argv or any(a.startswith("--config=") for a in argv):
         return None  # a recipe's values are the help's defaults, and its keys are checked by TRL's parser
-    data = load()
+    data = data or load()
     if data is None:
         return None
     if any(a in HELP_ALL for a in argv) or any(a in HELP for a in argv):
@@ -107,13 +110,15 @@ def command(argv: list[str] | None = None, prog: str | None = None) -> int:
     """``bapo train``: the snapshot's answer where it has one, else :func:`bapo_trl.cli.train.command`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = prog or "bapo train"
-    code = answer(argv, prog)
+    data = load()
+    code = answer(argv, prog, data)
     if code is not None:
         return code
     from .train import command as train
     from .train import make_parser
 
-    remember(make_parser)  # the help and flags of these versions, for the next `bapo train --help` without torch
+    if data is None:
+        remember(make_parser)  # the help and flags of these versions, for the next `bapo train --help` without torch
     return train(argv, prog=prog)
 
 
