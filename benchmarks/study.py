@@ -552,6 +552,10 @@ def evidence_methods() -> dict[str, dict]:
         "BAPO paper + dual clip + decoupled mask": dict(trainer="bapo-decoupled", settings=dict(
             delta=3.0, off_policy_weight_mode="token_mask",
             off_policy_weight_floor=1 / 3, off_policy_weight_cap=3.0)),
+        # issue 64's drop-in (benchmarks/dropin_study.py): BAPOConfig(**C) with nothing but C, the window rule's path;
+        # its rivals TRL(C) are "TRL dapo clip-higher" and "TRL GSPO (documented)" above
+        "BAPO(dapo clip-higher)": dict(trainer="bapo", settings=dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28)),
+        "BAPO(GSPO (documented))": dict(trainer="bapo", settings=dict(GSPO_DOCUMENTED)),
     }
 
 
