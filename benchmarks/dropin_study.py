@@ -16,6 +16,7 @@ each C BAPO(C) beats TRL(C) in at least one cell. Development seeds 100-109; con
     python benchmarks/dropin_study.py --seeds 100-109 --task reverse2-8     # development, 2-8 digits
     python benchmarks/dropin_study.py --seeds 700-719 --scenarios "replay 0.5,partial rollout"  # BAPO-only ones
     python benchmarks/dropin_study.py --report                              # report of both tasks' runs files
+    python benchmarks/dropin_study.py --readme                              # the README's table
     python benchmarks/dropin_study.py --quick                               # two short runs and the report (CI)
 
 Runs files: ``docs/data/dropin_runs.jsonl`` and ``docs/data/dropin_runs_reverse2-8.jsonl`` (one line per run,
@@ -144,6 +145,38 @@ def complete(runs: list[dict]) -> bool:
     return want <= {(r["method"], r["staleness"], r["lr"], r["seed"]) for r in runs}
 
 
+#: The README's short names of the configs (its table has a column per config).
+SHORT = {"TRL defaults": "TRL's defaults", "dapo clip-higher": "clip-higher", "GSPO (documented)": "GSPO",
+         "CISPO (documented)": "CISPO", "SAPO": "SAPO", "VESPO": "VESPO"}
+
+
+def readme_table(tasks: dict[str, list[dict]], resamples: int = 10000) -> list[str]:
+    """The README's table: a row per cell of both tasks, a column per config, BAPO(C) - TRL(C) on the confirmation
+    seeds to two decimals ([interval]; bold where BAPO(C) beats, "loses" written out), then the claim per config.
+    tests/test_readme.py checks the README holds exactly these lines."""
+    confirm = set(parse_seeds(CONFIRM_SEEDS))
+    lines = ["| task, staleness, lr | " + " | ".join(SHORT[c] for c in CONFIGS) + " |", "|---" * (len(CONFIGS) + 1)
+             + "|"]
+    words: dict[str, list[str]] = {c: [] for c in CONFIGS}
+    for task, runs in tasks.items():
+        runs = [r for r in runs if r["seed"] in confirm]
+        for scenario in SCENARIOS:
+            for lr in LEARNING_RATES:
+                values = by_seed(runs, (scenario, lr), "reward_final")
+                row = []
+                for config in CONFIGS:
+                    c = paired(values, *methods(config), resamples)
+                    word = verdict(c["low"], c["high"])
+                    words[config].append(word)
+                    text = f"{c['diff']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]"
+                    row.append(f"**{text}**" if word == "beats" else f"loses {text}" if word == "loses" else text)
+                label = f"{TASK_NAMES.get(task, task)}, {scenario.split()[1]}, {lr:g}"
+                lines.append(f"| {label} | " + " | ".join(row) + " |")
+    held = ["holds" if "beats" in w and "loses" not in w else "**fails**" for w in words.values()]
+    lines.append("| the claim: never loses, beats once | " + " | ".join(held) + " |")
+    return lines
+
+
 def report(tasks: dict[str, list[dict]], resamples: int = 10000) -> str:
     lines = ["# Swap the class, keep your config: BAPO(C) - TRL(C)", "",
              "Final reward, mean paired difference over seeds with a 95% bootstrap interval; **beats**/**loses** "
@@ -188,6 +221,12 @@ def report(tasks: dict[str, list[dict]], resamples: int = 10000) -> str:
     return "\n".join(lines)
 
 
+def both_tasks() -> dict[str, list[dict]]:
+    """Each task's runs, from its runs file."""
+    return {task: [r for r in read_jsonl(default_results(task)) if task_of(r) == task]
+            for task in TASKS if os.path.exists(default_results(task))}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default=DEV_SEEDS, help=f"A-B (development {DEV_SEEDS}, confirmation "
@@ -200,6 +239,7 @@ def main(argv=None) -> int:
     parser.add_argument("--report", action="store_true", help="only write the report from both tasks' runs files")
     parser.add_argument("--report-out", default=os.path.join(REPO, "docs", "data", "dropin_study.md"))
     parser.add_argument("--quick", action="store_true", help="two short runs and the report, in a temp dir (CI)")
+    parser.add_argument("--readme", action="store_true", help="only print the README's table (confirmation seeds)")
     parser.add_argument("--resamples", type=int, default=10000)
     args = parser.parse_args(argv)
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
@@ -213,13 +253,14 @@ def main(argv=None) -> int:
         text = report({args.task: read_jsonl(results)}, args.resamples)
         print(text)
         return 0
+    if args.readme:
+        print("\n".join(readme_table(both_tasks(), args.resamples)))
+        return 0
     if not args.report:
         task_model(args.task)  # built once here, not by each run
         run_study(specs(args.configs, scenarios, parse_seeds(args.seeds, count=False), task=args.task),
                   args.results or default_results(args.task))
-    tasks = {task: [r for r in read_jsonl(default_results(task)) if task_of(r) == task]
-             for task in TASKS if os.path.exists(default_results(task))}
-    text = report(tasks, args.resamples)
+    text = report(both_tasks(), args.resamples)
     with open(args.report_out, "w") as f:
         f.write(text + "\n")
     print(text)

@@ -236,6 +236,16 @@ def test_the_layout_table_names_every_module_of_the_package():
         assert f"`{name}`" in section, f"{name} is missing from CONTRIBUTING's Project layout"
 
 
+def test_the_readme_leads_with_the_drop_in_table_as_its_study_computes_it_from_the_stored_runs():
+    """The first box's table (issue 64) is exactly what ``benchmarks/dropin_study.py --readme`` prints from the
+    committed runs files: a number typed by hand, or a rerun that changes a cell, fails here."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import dropin_study
+
+    box = README[README.index("## Should you use it?"): README.index("## Install and run")]
+    assert "\n".join(dropin_study.readme_table(dropin_study.both_tasks())) in box
+
+
 def test_the_readme_is_a_front_door():
     """At most ~250 lines, nothing dated, no commit hashes."""
     assert len(README.splitlines()) <= 250
