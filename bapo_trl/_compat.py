@@ -36,6 +36,7 @@ MOVED: dict[str, str] = {
     "bapo_trl.datasets_io": "bapo_trl.recipes.datasets_io",
     "bapo_trl.plot": "bapo_trl.cli.plot",
     "bapo_trl.generation.serve": "bapo_trl.cli.serve",
+    "bapo_trl.generation.vllm_server": "bapo_trl.generation.vllm_generation",  # the "vllm" backend is TRL's own
     "bapo_trl.cli.summary": "bapo_trl.trainer.summary",  # a library module: the public face takes nothing from cli
     # research candidates, out of the method's files (bapo_trl.experimental)
     "bapo_trl.core.length_fair": "bapo_trl.experimental.length_fair.search",

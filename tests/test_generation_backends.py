@@ -1,7 +1,8 @@
 """A generation backend of one's own is one class and one registration line (bapo_trl.generation.contract): here a
 STAND-IN engine that samples in the trainer's process with a copy of the policy (no vLLM, no server), registered and
-trained through by async generation with no other change; its behaviour log-probs are checked against each token's
-saved policy and its staleness against the bound, as the guarantees matrix checks the vLLM backend."""
+trained through by every source that generates (TRL's default, partial rollout, async generation) with no other
+change: every trained completion is one the stand-in sampled, its behaviour log-probs are checked against each
+token's saved policy and its staleness against the bound, as the guarantees matrix checks the vLLM backend."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from bapo_trl import BAPOConfig
 from bapo_trl.generation.contract import GenerationBackend, register_backend, registered_backends
 from bapo_trl.rollout.settings import staleness_bound
+from support.guarantee_rows import build
 from support.harness import PolicySnapshots, cpu_config
 
 
@@ -30,10 +32,11 @@ class InProcessBackend:
         self.lock = threading.Lock()
         self.answered = 0
         self.pushes = 0
+        self.sampled: dict = {}  # prefix (prompt, or prompt + a partial completion) -> the segments sampled after it
         self.eos = trainer.processing_class.eos_token_id
 
     @torch.no_grad()
-    def generate(self, prompts, n, max_tokens, seed=None):
+    def sample(self, prompts, n, max_tokens, seed=None):
         temperature = self.trainer.args.temperature
         completions, logps = [], []
         with self.lock:
@@ -52,6 +55,7 @@ class InProcessBackend:
                             break
                     completions.append(out)
                     logps.append(lps)
+                    self.sampled.setdefault(tuple(prompt), set()).add(tuple(out))
             self.answered += 1
         return {"completion_ids": completions, "logps": logps}
 
@@ -82,28 +86,84 @@ def test_the_stand_in_follows_the_protocol():
     assert issubclass(InProcessBackend, GenerationBackend)  # runtime-checkable: the methods are there
 
 
-def test_async_generation_trains_through_a_registered_backend(tiny_model_dir, tmp_path):
-    """Async generation, K=1, 2 updates per batch, through the registered stand-in (no vLLM, ``use_vllm`` off): it
-    trains; every trained token's behaviour log-prob is its version's saved policy's (recomputed as the guarantees
-    matrix does) and its staleness within the documented bound, which some tokens reach."""
-    from support.guarantee_rows import build, check_behaviour_logps, check_versions_and_staleness
+def sampled_here(backend: InProcessBackend, prompt: tuple, completion: tuple) -> bool:
+    """Whether every token of ``completion`` came from one of the backend's calls: from the prompt, segment after
+    segment (partial rollout grows a completion over several calls, each continuing the prefix so far)."""
+    k = 0
+    while k < len(completion):
+        segments = [seg for seg in backend.sampled.get(prompt + completion[:k], ()) if seg
+                    and completion[k: k + len(seg)] == seg]
+        if not segments:
+            return False
+        k += max(len(seg) for seg in segments)
+    return True
+
+
+#: Each source that generates, as a user turns it on: (settings, the staleness a trained token may reach).
+SOURCES = {
+    "TRL's default (synchronous)": dict(steps_per_generation=2),
+    "partial rollout": dict(steps_per_generation=2, partial_rollout_budget=3),
+    "async generation, K=1": dict(steps_per_generation=2, async_generation=True, max_staleness=1),
+}
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_every_source_trains_through_a_registered_backend(source, tiny_model_dir, tmp_path):
+    """Through the registered stand-in (no vLLM, ``use_vllm`` off), 2 updates per batch: it trains; every trained
+    completion is one the stand-in sampled (TRL's generate call and its vLLM are not used); every trained token's
+    behaviour log-prob is its version's saved policy's (recomputed as the guarantees matrix does) and its staleness
+    within the documented bound (which async generation's tokens reach; the others' are stale too)."""
+    from support.guarantee_rows import check_behaviour_logps, check_versions_and_staleness
 
     snapshots = PolicySnapshots()
     args = cpu_config(
         tmp_path / "out", save_strategy="no", per_device_train_batch_size=8, num_generations=4,
-        max_completion_length=6, logging_steps=1, seed=0, learning_rate=5e-3, steps_per_generation=2, max_steps=6,
-        disable_tqdm=True, async_generation=True, max_staleness=1, generation_backend="in_process_stand_in")
+        max_completion_length=6, logging_steps=1, seed=0, learning_rate=5e-3, max_steps=6, disable_tqdm=True,
+        generation_backend="in_process_stand_in", **SOURCES[source])
     trainer = build(tiny_model_dir, args, callbacks=[snapshots])
     trainer.train()
     backend = trainer.port.backend
     assert isinstance(backend, InProcessBackend) and backend.pushes > 1 and backend.answered > 0
-    assert trainer.state.global_step == 6
+    assert trainer.state.global_step == 6 and trainer.trained
+    assert all(sampled_here(backend, r["prompt"], r["completion"]) for r in trainer.trained)
     bound = staleness_bound(args)
     check_versions_and_staleness(trainer.trained, bound)
-    assert max(r["step"] - min(r["versions"]) for r in trainer.trained) == bound
+    reached = max(r["step"] - min(r["versions"]) for r in trainer.trained)
+    assert reached == bound if args.async_generation else reached >= 1  # stale tokens (partial's bound is 9)
     assert check_behaviour_logps(trainer.trained, snapshots.policies, tiny_model_dir, args.temperature, 1e-4) > 0
+
+
+def test_a_backend_written_for_0_1_still_samples_with_a_deprecation_warning(tiny_model_dir, tmp_path):
+    """0.1's contract named the sampling method ``generate``: such a backend is still called, with a warning that
+    names the new name."""
+    from bapo_trl.generation.contract import build_backend
+
+    class OldBackend:  # the 0.1 contract's names (only `generate` matters here)
+        def __init__(self, trainer):
+            self.inner = InProcessBackend(trainer)
+
+        def generate(self, prompts, n, max_tokens, seed=None):
+            return self.inner.sample(prompts, n, max_tokens, seed)
+
+    trainer = build(tiny_model_dir, cpu_config(tmp_path / "out", save_strategy="no", per_device_train_batch_size=8,
+                                               num_generations=4, max_completion_length=6))
+    register_backend("old_stand_in", OldBackend)
+    with pytest.warns(DeprecationWarning, match="rename it to `sample`"):
+        backend = build_backend("old_stand_in", trainer)
+    assert len(backend.sample([[6, 7, 14, 43]], 2, 3)["completion_ids"]) == 2
 
 
 def test_an_unregistered_backend_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="generation_backend.*registered"):
         BAPOConfig(output_dir="unused", use_cpu=True, generation_backend="sglang")
+
+
+def test_a_rollout_func_beside_a_backend_of_ones_own_is_refused_by_name_before_loading(tmp_path):
+    """The default source hands a backend's completions to TRL through ``rollout_func``: a user's own would be
+    replaced, so the pair is refused, naming both, before the model is loaded (a path that does not exist)."""
+    from bapo_trl import BAPOTrainer
+
+    args = cpu_config(tmp_path / "out", generation_backend="in_process_stand_in")
+    with pytest.raises(ValueError, match="generation_backend='in_process_stand_in'.*rollout_func"):
+        BAPOTrainer(model=str(tmp_path / "no-model"), reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                    args=args, rollout_func=lambda prompts, trainer: {})

@@ -21,7 +21,7 @@ import requests
 from bapo_trl.generation.fleet import ServerFleet
 from bapo_trl.generation.http_client import HTTPVLLMClient
 from bapo_trl.generation.seeding import SeededEngine, per_prompt_seeds, prompt_seeds, seed_salt
-from bapo_trl.generation.vllm_server import VLLMServerBackend
+from bapo_trl.generation.vllm_generation import BAPOVLLMGeneration
 from bapo_trl.trainer.trl_port import TRLPort
 from support.policy_server import PolicyServer
 from support.server_training import reset_server_weights
@@ -31,15 +31,15 @@ COPIES = 8
 
 
 def port_for(url: str, **generation_kwargs) -> TRLPort:
-    """A TRLPort over the few facts server_generate reads of a trainer: its vLLM backend's sampling settings, behind
-    the server backend."""
-    client = HTTPVLLMClient(base_url=url, connection_timeout=30, request_timeout=60)
-    backend = SimpleNamespace(vllm_client=client, server_timeout=60, repetition_penalty=1.0, temperature=1.0,
-                              top_p=1.0, top_k=-1, min_p=0.0, structured_outputs_regex=None,
-                              generation_kwargs=generation_kwargs)
-    trainer = SimpleNamespace(vllm_generation=backend)
-    port = TRLPort(trainer)
-    port._backend = VLLMServerBackend(trainer)  # what generation_backend="vllm" builds
+    """A TRLPort whose generation backend is TRL's vLLM backend as bapo_trl builds it, holding only the few facts its
+    ``sample`` reads (the client and the sampling settings; TRL's constructor, which needs a model, not run)."""
+    backend = object.__new__(BAPOVLLMGeneration)
+    backend.__dict__.update(
+        vllm_client=HTTPVLLMClient(base_url=url, connection_timeout=30, request_timeout=60), server_timeout=60,
+        repetition_penalty=1.0, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, structured_outputs_regex=None,
+        generation_kwargs=generation_kwargs)
+    port = TRLPort(SimpleNamespace(vllm_generation=backend))
+    port._backend = backend  # what generation_backend="vllm" builds (trainer_vllm_backend)
     return port
 
 
@@ -64,19 +64,19 @@ def check_seeded_requests(url: str) -> None:
 
     # The rollout port: a request seed, a user seed, and both.
     port = port_for(url)
-    first = port.server_generate([PROMPT] * COPIES, 1, 8, seed=5)
+    first = port.sample([PROMPT] * COPIES, 1, 8, seed=5)
     assert distinct(first) > 1, first["completion_ids"]
-    assert port.server_generate([PROMPT] * COPIES, 1, 8, seed=5) == first  # reproducible
-    assert port.server_generate([PROMPT] * COPIES, 1, 8, seed=6) != first
-    grouped = port.server_generate([PROMPT, [12, 14, 8, 43]], 4, 8, seed=5)  # n > 1: prompt-major, 4 each
+    assert port.sample([PROMPT] * COPIES, 1, 8, seed=5) == first  # reproducible
+    assert port.sample([PROMPT] * COPIES, 1, 8, seed=6) != first
+    grouped = port.sample([PROMPT, [12, 14, 8, 43]], 4, 8, seed=5)  # n > 1: prompt-major, 4 each
     assert len(grouped["completion_ids"]) == 8 and len({tuple(ids) for ids in grouped["completion_ids"][:4]}) > 1
     assert all(len(lp) == len(ids) for lp, ids in zip(grouped["logps"], grouped["completion_ids"]))
     for request_seed in (None, 5):  # a continuation chunk has no request seed; a request has one
-        user = port_for(url, seed=7).server_generate([PROMPT] * COPIES, 1, 8, seed=request_seed)
+        user = port_for(url, seed=7).sample([PROMPT] * COPIES, 1, 8, seed=request_seed)
         assert distinct(user) > 1, user["completion_ids"]
-        assert port_for(url, seed=7).server_generate([PROMPT] * COPIES, 1, 8, seed=request_seed) == user
-        assert port_for(url, seed=8).server_generate([PROMPT] * COPIES, 1, 8, seed=request_seed) != user
-    assert port_for(url, seed=7).server_generate([PROMPT] * COPIES, 1, 8, seed=5) != first  # the user's seed counts
+        assert port_for(url, seed=7).sample([PROMPT] * COPIES, 1, 8, seed=request_seed) == user
+        assert port_for(url, seed=8).sample([PROMPT] * COPIES, 1, 8, seed=request_seed) != user
+    assert port_for(url, seed=7).sample([PROMPT] * COPIES, 1, 8, seed=5) != first  # the user's seed counts
 
 
 def test_prompt_seeds_are_reproducible_and_leave_room_for_each_prompts_children():

@@ -4,8 +4,8 @@ Light on purpose: ``serve`` and the worker extension must import without TRL; th
 The trainer builds its backend from here (:mod:`bapo_trl.trainer.vllm_backend`). The modules, by what they do:
 
 * ``contract.py``: the ``GenerationBackend`` protocol and the registry of backends by name (``generation_backend``);
-  ``vllm_server.py``: the ``"vllm"`` backend;
-* ``vllm_generation.py``: TRL's vLLM backend (server mode on any device, colocate, LoRA, seeds); ``trl_patches.py``:
+* ``vllm_generation.py``: TRL's vLLM backend (server mode on any device, colocate, LoRA, seeds), which is also the
+  ``"vllm"`` generation backend of the contract; ``trl_patches.py``:
   every swap of a TRL name (what TRL's constructors build, its client without vLLM); ``http_client.py``: the client;
   ``fleet.py``: several servers; ``resend.py``: a request lost before its answer sent again; ``seeding.py``: one seed
   per prompt;

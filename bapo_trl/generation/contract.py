@@ -1,19 +1,20 @@
-"""The generation contract: what the trainer and its rollout sources need of the engine that generates outside TRL's
-own generate call (async generation, in-flight updates), and a registry of such backends by name.
+"""The generation contract: what the trainer and its rollout sources need of the engine that generates for them, and a
+registry of such engines by name.
 
-A backend is a class built with the trainer (``cls(trainer)``; it reads what it needs: the model, the accelerator,
-the config) that follows :class:`GenerationBackend`. ``BAPOConfig.generation_backend`` picks one by name; the
-built-in ``"vllm"`` is one or several vLLM servers (:mod:`.vllm_server`). Adding a backend is one file with its class
-and one :func:`register_backend` call; the trainer, the port and the sources stay as they are.
-
-TRL's own generation (its ``VLLMGeneration``, or transformers' ``generate``) stays what TRL's generate call uses: the
-synchronous sources (TRL's, replay, partial rollout) run on it, and the ``"vllm"`` backend shares its client and
-weight pushes.
+A backend is built with the trainer (``build(trainer)``, a class or a function; it reads what it needs: the model,
+the accelerator, the config) and follows :class:`GenerationBackend`. ``BAPOConfig.generation_backend`` picks one by
+name. The built-in ``"vllm"`` is TRL's vLLM backend itself, as bapo_trl builds it
+(:class:`~.vllm_generation.BAPOVLLMGeneration`: one or several vLLM servers): the synchronous sources keep TRL's own
+generate call on it (transformers' ``generate`` without vLLM), async generation samples through this contract. A
+backend registered under another name serves every source: TRL's default generation, partial rollout and async
+generation sample through it. Adding one is one file with its class and one :func:`register_backend` call; the
+trainer, the port and the sources stay as they are.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -21,12 +22,12 @@ from typing import Any, Protocol, runtime_checkable
 class GenerationBackend(Protocol):
     """What a generation backend does for the trainer (its port onto TRL calls these; the producer thread too)."""
 
-    def generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int | None = None
-                 ) -> dict[str, list]:
+    def sample(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int | None = None) -> dict[str, list]:
         """``n`` completions of every prompt (token ids; any thread), at most ``max_tokens`` each, sampled with the
         run's sampling settings: ``{"completion_ids": [...], "logps": [...]}``, prompt-major, with each token's
         log-prob under the distribution it was sampled from (the behaviour log-probs). With ``seed`` the same call
-        samples the same completions, and no two sequences of it share a random stream."""
+        samples the same completions, and no two sequences of it share a random stream. (``generate`` in 0.1: TRL's
+        vLLM backend, which implements this contract, has a ``generate`` of its own.)"""
 
     def requests_answered(self) -> int:
         """How many requests the engine has answered so far (any thread): the progress of a batch in flight, which
@@ -48,13 +49,16 @@ class GenerationBackend(Protocol):
         again."""
 
 
-#: name -> the backend's class, or ``"module:Class"`` (imported only when chosen)
-_BACKENDS: dict[str, Any] = {"vllm": "bapo_trl.generation.vllm_server:VLLMServerBackend"}
+#: name -> what builds the backend from the trainer (a class or a function), or ``"module:name"`` (imported only when
+#: chosen)
+_BACKENDS: dict[str, Any] = {"vllm": "bapo_trl.generation.vllm_generation:trainer_vllm_backend"}
+#: The built-in backend (the default): TRL's own vLLM backend, which TRL's generate call uses too.
+BUILT_IN_BACKEND = "vllm"
 
 
-def register_backend(name: str, backend: type | str) -> None:
-    """Make ``BAPOConfig(generation_backend=name)`` build ``backend`` (a class taking ``(trainer)``, or
-    ``"module:Class"``)."""
+def register_backend(name: str, backend: Any) -> None:
+    """Make ``BAPOConfig(generation_backend=name)`` build ``backend`` (a class or function taking ``(trainer)``, or
+    ``"module:name"``)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"a generation backend needs a name, got {name!r}")
     _BACKENDS[name] = backend
@@ -74,4 +78,10 @@ def build_backend(name: str, trainer) -> GenerationBackend:
     if isinstance(entry, str):
         module, _, attr = entry.partition(":")
         entry = getattr(importlib.import_module(module), attr)
-    return entry(trainer)
+    backend = entry(trainer)
+    if not hasattr(backend, "sample") and hasattr(backend, "generate"):  # a backend written for 0.1
+        warnings.warn(f"generation backend {name!r} ({type(backend).__name__}) implements `generate`, the 0.1 name of "
+                      "GenerationBackend.sample; rename it to `sample` (0.2 will not call `generate`).",
+                      DeprecationWarning, stacklevel=2)
+        backend.sample = backend.generate
+    return backend

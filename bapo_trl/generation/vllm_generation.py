@@ -39,7 +39,7 @@ from .http_client import (
     check_logprobs_mode,
 )
 from .processes import broadcast_from_main, raise_everywhere
-from .seeding import seed_salt
+from .seeding import mixed_seed, seed_salt
 from .trl_patches import building_engine, building_server_client, seeded_engine
 from .weight_files import directory_bytes, write_weights
 from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError
@@ -222,6 +222,62 @@ class BAPOVLLMGeneration(VLLMGeneration):
                 state[name] = param.detach().to("cpu", copy=True)
         return state
 
+    # -- the generation contract (bapo_trl.generation.contract), for async generation ------------------------------
+
+    def sample(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int | None = None) -> dict[str, list]:
+        """:meth:`GenerationBackend.sample <.contract.GenerationBackend.sample>` over the vLLM server(s), any thread,
+        with the run's sampling settings. Requests go through a client that sends each request once and bounds it by
+        ``vllm_server_timeout`` (:func:`~.http_client.request_client`; TRL's own client, used on CUDA, retries and
+        sets no read timeout); with several servers each request goes to the least-loaded one. With ``seed``, or a
+        ``seed`` in ``generation_kwargs`` (then mixed with ``seed``), the sampling is reproducible, and a call with
+        several prompts is one request per prompt, each with a seed of its own (:mod:`.seeding`): vLLM gives every
+        prompt of one request the same seed, so a group's members would be sampled identically."""
+        kwargs = dict(self.generation_kwargs or {})
+        if seed is not None:
+            user_seed = kwargs.get("seed")
+            kwargs["seed"] = seed if user_seed is None else mixed_seed(user_seed, seed)
+        output = self._requests().generate(
+            prompts=prompts, n=n, repetition_penalty=self.repetition_penalty, temperature=self.temperature,
+            top_p=self.top_p, top_k=self.top_k, min_p=0.0 if self.min_p is None else self.min_p,
+            max_tokens=max_tokens, logprobs=0, structured_outputs_regex=self.structured_outputs_regex,
+            generation_kwargs=kwargs,
+        )
+        logps = [[float("nan") if lp[0] is None else float(lp[0]) for lp in seq] for seq in output["logprobs"]]
+        return {"completion_ids": output["completion_ids"], "logps": logps}
+
+    def _requests(self):
+        """The requests client over ``vllm_client`` (made at the first request, kept for later runs)."""
+        if getattr(self, "_request_client", None) is None:
+            from .http_client import request_client
+
+            self._request_client = request_client(self.vllm_client, self.server_timeout)
+        return self._request_client
+
+    def requests_answered(self) -> int:
+        counter = getattr(getattr(self, "_request_client", None), "requests", None)  # bapo_trl's client counts them
+        return 0 if counter is None else counter.answered
+
+    def push_weights(self) -> None:
+        """TRL's weight sync (NCCL on CUDA, the disk push without)."""
+        self.sync_weights()
+
+    def gather_weights(self):
+        """Every process: the current weights for a push applied later (:meth:`send_weights`); on the main process
+        the write to the weight directory starts at once, on the sync's writer thread, so the push applied later only
+        has the servers load them. ``None`` where only TRL's synchronous push exists (NCCL on CUDA streams the
+        gathered tensors straight to the server)."""
+        if not self.uses_disk_sync:
+            return None
+        state = self.gather_state()
+        return self.disk_sync.write_later(state) if self.disk_sync is not None else state  # main: its disk_sync
+
+    def send_weights(self, state) -> None:
+        self.disk_sync.load(state)
+
+    def close(self) -> None:
+        """The requests client stays (the next run's first request reuses its connections); the weight directories
+        go with the trainer's end of run (:meth:`bapo_trl.trainer.vllm_backend.VLLMGenerationMixin`)."""
+
     # -- LoRA: the adapter alone ------------------------------------------------------------------------------------
 
     def _adapter_config(self) -> dict:
@@ -345,6 +401,16 @@ class BAPOVLLMGeneration(VLLMGeneration):
                          default=ConnectionError)
 
 
+def trainer_vllm_backend(trainer) -> BAPOVLLMGeneration:
+    """The ``"vllm"`` generation backend (:mod:`.contract`): the trainer's own vLLM backend, which TRL built as
+    :class:`BAPOVLLMGeneration` (server mode)."""
+    backend = getattr(trainer, "vllm_generation", None)
+    if not isinstance(backend, BAPOVLLMGeneration):
+        raise ValueError("generation_backend='vllm' generates in the vLLM server(s) the trainer was built with: set "
+                         "use_vllm=True, vllm_mode='server' (or name a generation backend of your own).")
+    return backend
+
+
 def refresh_output_layers(worker) -> int:
     """Run inside a vLLM worker (``LLM.collective_rpc``): the worker extension's refresh of tied vocabulary layers."""
     from .vllm_worker.bapo_vllm_worker import BAPOWorkerExtension
@@ -353,4 +419,6 @@ def refresh_output_layers(worker) -> int:
 
 
 #: The 0.1 name, kept until 0.2 (it serves CUDA, colocate mode, LoRA and seeds too, not only a CPU server).
-__getattr__, __dir__ = lazy_names(__name__, {}, {"CPUServerVLLMGeneration": f"{__name__}:BAPOVLLMGeneration"})
+#: ``VLLMServerBackend`` (0.1's bapo_trl.generation.vllm_server): the facade over this backend, now the backend itself.
+__getattr__, __dir__ = lazy_names(__name__, {}, {"CPUServerVLLMGeneration": f"{__name__}:BAPOVLLMGeneration",
+                                                 "VLLMServerBackend": f"{__name__}:trainer_vllm_backend"})

@@ -348,7 +348,7 @@ class AsyncGeneration:
         handed over in the meantime reaching the completions between two chunks."""
         chunk = self.port.settings.inflight_update_tokens
         if chunk is None:
-            return self.port.server_generate(work.prompts, work.n, work.max_tokens, seed=work.seed)
+            return self.port.sample(work.prompts, work.n, work.max_tokens, seed=work.seed)
         return self._generate_in_chunks(work, chunk)
 
     def _generate_in_chunks(self, work: Work, chunk: int) -> dict:
@@ -361,7 +361,7 @@ class AsyncGeneration:
         pool = PartialRolloutPool(chunk, 1 << 30, work.max_tokens, port.stop_token_ids())
         pool.add_groups([{}] * len(work.prompts) * work.n, [p for p in work.prompts for _ in range(work.n)], work.n)
         completions = [c for g in pool.groups for c in g.completions]
-        first = port.server_generate(work.prompts, work.n, min(chunk, work.max_tokens), seed=work.seed)
+        first = port.sample(work.prompts, work.n, min(chunk, work.max_tokens), seed=work.seed)
         version = self.producer.version
         _, caps = pool.request(completions, chunk)
         pool.apply(completions, caps, first["completion_ids"], first["logps"], None, version)
@@ -370,7 +370,7 @@ class AsyncGeneration:
             version = self.producer.between_chunks()
             prefixes, caps = pool.request(todo, chunk)
             chunks += 1  # each chunk's request: a seed of its own, from the request's and its index
-            out = port.server_generate(prefixes, 1, max(caps), seed=mixed_seed(work.seed, chunks))
+            out = port.sample(prefixes, 1, max(caps), seed=mixed_seed(work.seed, chunks))
             pool.apply(todo, caps, out["completion_ids"], out["logps"], None, version)
         return {"completion_ids": [c.token_ids for c in completions], "logps": [c.logps for c in completions],
                 "versions": [c.versions for c in completions]}

@@ -114,15 +114,21 @@ class PortFacts(Protocol):
 
 
 class PortGeneration(Protocol):
-    """TRL's generation (transformers or vLLM) and the vLLM server's, from any thread."""
+    """TRL's generation (transformers or vLLM) and the run's generation backend's
+    (:mod:`bapo_trl.generation.contract`), from any thread."""
 
     def tokenize_prompts(self, prompts: list) -> list[list[int]]: ...
 
     def continue_completions(self, prefixes: list[list[int]], max_new_tokens: int
                              ) -> tuple[list[list[int]], list[list[float]] | None]: ...
 
-    def server_generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int | None = None
-                        ) -> dict[str, list]: ...
+    @property
+    def samples_through_backend(self) -> bool: ...  # a backend of the user's own: every source samples through it
+
+    def sample(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int | None = None
+               ) -> dict[str, list]: ...
+
+    def sample_rows(self, prompts: list) -> tuple[list[list[int]], dict[str, list]]: ...  # one per row, weights current
 
     def requests_answered(self) -> int: ...  # generate requests answered so far (a batch's progress, any thread)
 
@@ -211,6 +217,28 @@ def stamp_token_versions(output: dict[str, Any], versions: list[list[int]], fill
     output["token_policy_version"] = per_token
     output["policy_version"] = per_token.min(dim=1).values
     return output
+
+
+def continuation_logps(port: TrainerPort, prefixes: list[list[int]], segments: list[list[int]]
+                       ) -> list[list[float]]:
+    """The current policy's log-probs of each ``segments[i]`` after ``prefixes[i]`` (token ids), as the trainer
+    computes them: ONE forward however many prefixes this rank has (ranks differ; ZeRO-3 needs equal forward counts),
+    also when every segment is empty (then on a stand-in token)."""
+    if not any(segments):
+        empty = [[] for _ in segments]
+        continuation_logps(port, [prefixes[0][:-1] or prefixes[0]], [prefixes[0][-1:]])
+        return empty
+    width = max(len(s) for s in segments)
+    total = max(len(p) for p in prefixes) + width
+    # prefixes left-padded, segments right-padded: the segment tokens then sit in the last `width` columns
+    ids = torch.full((len(prefixes), total), port.pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(prefixes), total), dtype=torch.long)
+    start = total - width
+    for i, (p, s) in enumerate(zip(prefixes, segments)):
+        ids[i, start - len(p) : start + len(s)] = torch.tensor(p + s)
+        attention[i, start - len(p) : start + len(s)] = 1
+    logps = port.policy_logps(ids.to(port.device), attention.to(port.device), width, batch_size=len(prefixes))
+    return [logps[i, : len(s)].tolist() for i, s in enumerate(segments)]
 
 
 def right_pad(rows: list[list], width: int, fill, dtype: torch.dtype, device) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Partial rollout as a rollout source: completions grow by a token budget per round (one round per generation batch),
-through TRL's own generation.
+through TRL's own generation, or the run's generation backend where it is the user's own.
 
 Each step the new prompts join the pool (topped up from the train set to two steps' worth of groups, so completions
 can stay in flight), every unfinished completion grows by one budget, the oldest groups are finished if fewer than
@@ -20,6 +20,7 @@ from .contract import (
     ReadyCompletions,
     ScoreFn,
     TrainerPort,
+    continuation_logps,
     image_column,
     is_iterable_dataset,
     stamp_token_versions,
@@ -105,24 +106,7 @@ class PartialRollout(NothingInBackground):
 
     def segment_logps(self, prefixes: list[list[int]], segments: list[list[int]]) -> list[list[float]]:
         """Log-probs of the newly generated tokens under the current policy, as the trainer computes them."""
-        if not any(segments):  # still one forward (on a stand-in token): ranks must make the same forwards
-            empty = [[] for _ in segments]
-            prefixes, segments = [prefixes[0][:-1] or prefixes[0]], [prefixes[0][-1:]]
-            self.segment_logps(prefixes, segments)
-            return empty
-        port = self.port
-        width = max(len(s) for s in segments)
-        total = max(len(p) for p in prefixes) + width
-        # prefixes left-padded, segments right-padded: the segment tokens then sit in the last `width` columns
-        ids = torch.full((len(prefixes), total), port.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(prefixes), total), dtype=torch.long)
-        start = total - width
-        for i, (p, s) in enumerate(zip(prefixes, segments)):
-            ids[i, start - len(p) : start + len(s)] = torch.tensor(p + s)
-            attention[i, start - len(p) : start + len(s)] = 1
-        # ONE forward however many prefixes this rank has (ranks differ; ZeRO-3 needs equal forward counts)
-        logps = port.policy_logps(ids.to(port.device), attention.to(port.device), width, batch_size=len(prefixes))
-        return [logps[i, : len(s)].tolist() for i, s in enumerate(segments)]
+        return continuation_logps(self.port, prefixes, segments)
 
     def _join_empty_generation_round(self) -> None:
         """A rank with nothing to grow still makes the generate call and the scoring forward: under ZeRO-3 both

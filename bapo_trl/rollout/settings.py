@@ -118,11 +118,12 @@ class RolloutSettings:
             :func:`bapo_trl.rollout.register_source` (one file and one registration line; see
             ``bapo_trl/rollout/contract.py``). Replay, when on, wraps whichever source is chosen.
         generation_backend (`str`, *optional*, defaults to `"vllm"`):
-            The engine the sources that generate outside TRL's generate call use (async generation, in-flight
-            updates): `"vllm"`, the vLLM server(s) of ``vllm_server_base_url`` / host and port (``use_vllm=True,
-            vllm_mode="server"``), or a backend registered with
-            :func:`bapo_trl.generation.contract.register_backend` (one file and one registration line). TRL's own
-            generation (the synchronous sources) is TRL's, whatever this says.
+            The engine that samples the completions. `"vllm"`: TRL's own generation for the synchronous sources
+            (transformers' ``generate``, or vLLM with ``use_vllm``), and for async generation and in-flight updates
+            the vLLM server(s) of ``vllm_server_base_url`` / host and port (``use_vllm=True, vllm_mode="server"``).
+            Or the name of a backend registered with :func:`bapo_trl.generation.contract.register_backend` (one
+            file and one registration line): it then samples for every source (TRL's default generation, partial
+            rollout, async generation), brought to the current weights through the contract.
     """
 
     replay_buffer_size: int = field(
@@ -187,8 +188,9 @@ class RolloutSettings:
     )
     generation_backend: str = field(
         default="vllm",
-        metadata={"help": "The engine async generation and in-flight updates generate with: 'vllm' (the vLLM "
-                  "server(s)) or the name of a backend registered with bapo_trl.generation.contract."},
+        metadata={"help": "The engine that samples: 'vllm' (TRL's generation; the vLLM server(s) for async "
+                  "generation) or the name of a backend registered with bapo_trl.generation.contract, which then "
+                  "samples for every source."},
     )
 
     @property
@@ -557,7 +559,7 @@ def sampler_logprobs_use(args) -> str | None:
     source = getattr(args, "rollout_source", "auto")
     if source != "auto" and source not in BUILT_IN_SOURCES:
         return (f"the rollout source {source!r} (`rollout_source`) may train with them as the behaviour log-probs "
-                "(TRLPort.server_generate)")
+                "(TRLPort.sample)")
     if getattr(args, "vllm_importance_sampling_correction", False):
         return "TRL's importance-sampling correction (`vllm_importance_sampling_correction`) divides by them"
     if getattr(args, "off_policy_mask_threshold", None) is not None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..generation.contract import GenerationBackend, build_backend
+from ..generation.contract import BUILT_IN_BACKEND, GenerationBackend, build_backend
 from ..generation.processes import broadcast_from_main
 from ..generation.trl_patches import serving_rollout
 from ..rollout.contract import ReadyCompletions, ScoreFn, right_pad
@@ -100,9 +100,15 @@ class TRLPort:
         return [list(p) for p in prompt_ids]
 
     def continue_completions(self, prefixes: list[list[int]], max_new_tokens: int):
-        """TRL's own single-turn generation (transformers or vLLM), with the prefix = prompt + partial completion,
-        capped at ``max_new_tokens``. Returns the new tokens and the sampler's log-probs (vLLM) or None."""
+        """One completion of each prefix (prompt + partial completion), capped at ``max_new_tokens``: TRL's own
+        single-turn generation (transformers or vLLM), or the run's own generation backend
+        (:attr:`samples_through_backend`). Returns the new tokens and the sampler's log-probs (vLLM, a backend) or
+        None."""
         trainer = self._trainer
+        if self.samples_through_backend:
+            self._weights_current()
+            output = self.sample(prefixes, 1, max_new_tokens)
+            return [list(ids) for ids in output["completion_ids"]], [list(lp) for lp in output["logps"]]
         if not trainer.use_vllm:
             config = trainer.generation_config
             saved = config.max_new_tokens
@@ -130,18 +136,36 @@ class TRLPort:
 
     @property
     def backend(self) -> GenerationBackend:
-        """The generation backend of the sources that generate outside TRL's generate call (``generation_backend``,
-        built at its first use: :mod:`bapo_trl.generation.contract`)."""
+        """The run's generation backend (``generation_backend``, built at its first use:
+        :mod:`bapo_trl.generation.contract`)."""
         if self._backend is None:
             self._backend = build_backend(self.settings.generation_backend, self._trainer)
         return self._backend
 
-    def server_generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int | None = None
-                        ) -> dict[str, list]:
+    @property
+    def samples_through_backend(self) -> bool:
+        """Whether every source samples through the generation backend: a backend of the user's own. The built-in
+        ``"vllm"`` is TRL's vLLM backend, which TRL's generate call already uses (or transformers without vLLM): the
+        synchronous sources keep that call, async generation samples through the contract."""
+        return self.settings.generation_backend != BUILT_IN_BACKEND
+
+    def sample(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int | None = None) -> dict[str, list]:
         """The generation backend's completions (any thread): ``n`` of every prompt (token ids), at most
         ``max_tokens`` each; ``completion_ids`` (prompt-major) and the sampler's ``logps`` per token
-        (:meth:`~bapo_trl.generation.contract.GenerationBackend.generate`)."""
-        return self.backend.generate(prompts, n, max_tokens, seed)
+        (:meth:`~bapo_trl.generation.contract.GenerationBackend.sample`)."""
+        return self.backend.sample(prompts, n, max_tokens, seed)
+
+    def sample_rows(self, prompts: list) -> tuple[list[list[int]], dict[str, list]]:
+        """One completion per dataset row's prompt from the generation backend, brought to the current policy first
+        (every process: the push may be collective): the prompts' token ids and :meth:`sample`'s answer."""
+        self._weights_current()
+        prompt_ids = self.tokenize_prompts(prompts)
+        return prompt_ids, self.sample(prompt_ids, 1, self.max_completion_length)
+
+    def _weights_current(self) -> None:
+        """The generation backend brought to the current policy where it holds an older one (every process)."""
+        if self.weights_step != self.global_step:
+            self.push_weights()
 
     def requests_answered(self) -> int:
         """Requests the generation backend answered so far (any thread): the progress of a batch in flight."""
