@@ -26,7 +26,9 @@ window), and appends ``variant_over_bapo=<ratio-1> variant_own_ms=<ms> bapo_own_
 search and metrics per step (timed inside BAPO's own code) against the default's, the issue's "costs no more than
 today's". ``--variant length-fair``: the same for the length-fair window (``gspo_length_fair()``, the studies' "BAPO
 length-fair narrow"); ``--variant gmpo``: BAPO on TRL's GMPO loss (``BAPOGMPOTrainer`` with ``gmpo_balanced()``;
-its loss is GMPO's, so compare its own-code time, not its step).
+its loss is GMPO's, so compare its own-code time, not its step); ``--variant ratio-fields-set``: the paper's path
+written out in the ``ratio_*`` fields against the default config, whose identical path the window rule derives when
+the config is built (issue 64: the rule costs nothing per step).
 
 ``--model smollm2-135m-instruct`` (a registry name of :mod:`bapo_trl.recipes.models`, or a model directory) measures
 GRPO against BAPO on that model instead, on the shipped chat arithmetic task with its math-verify reward (replay is
@@ -55,6 +57,7 @@ from transformers.trainer_callback import PrinterCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from bapo_trl import BAPOConfig, BAPOTrainer, gspo_balanced  # noqa: E402
+from bapo_trl.core.window_rule import PAPER_PATH  # noqa: E402
 from bapo_trl.experimental.decoupled import DecoupledBAPOConfig, DecoupledBAPOTrainer  # noqa: E402
 from bapo_trl.experimental.gmpo import BAPOGMPOTrainer, gmpo_balanced  # noqa: E402
 from bapo_trl.experimental.length_fair import LengthFairBAPOConfig, LengthFairBAPOTrainer, gspo_length_fair  # noqa: E402,E501
@@ -64,6 +67,9 @@ REPO = Path(__file__).resolve().parent.parent
 SEED = 0
 #: ``--variant``: BAPO settings timed beside the default (the named setting the studies run as "BAPO GSPO-scale x10").
 VARIANTS = {"gspo-scale-x10": gspo_balanced,
+            # issue 64's window rule: the same path written out in ratio_* fields (the rule then derives nothing)
+            # against the default config, whose path the rule derives: the rule runs once, when the config is built
+            "ratio-fields-set": lambda: dict(PAPER_PATH),
             "length-fair": gspo_length_fair,  # issue 53's second-round candidate: a window per sequence
             "gmpo": gmpo_balanced}  # its third: BAPO on TRL's GMPO loss
 #: Kinds and variants that run on a config and trainer of their own (the rest on BAPOConfig / BAPOTrainer).

@@ -554,7 +554,8 @@ def evidence_methods() -> dict[str, dict]:
             off_policy_weight_floor=1 / 3, off_policy_weight_cap=3.0)),
         # issue 64's drop-in (benchmarks/dropin_study.py): BAPOConfig(**C) with nothing but C, the window rule's path;
         # its rivals TRL(C) are "TRL dapo clip-higher" and "TRL GSPO (documented)" above
-        "BAPO(dapo clip-higher)": dict(trainer="bapo", settings=dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28)),
+        "BAPO(dapo clip-higher)": dict(trainer="bapo",
+                                       settings=dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28)),
         "BAPO(GSPO (documented))": dict(trainer="bapo", settings=dict(GSPO_DOCUMENTED)),
     }
 

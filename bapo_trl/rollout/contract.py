@@ -128,7 +128,8 @@ class PortGeneration(Protocol):
     def sample(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int | None = None
                ) -> dict[str, list]: ...
 
-    def sample_rows(self, prompts: list) -> tuple[list[list[int]], dict[str, list]]: ...  # one per row, weights current
+    # one completion per row, the backend brought to the current weights first
+    def sample_rows(self, prompts: list) -> tuple[list[list[int]], dict[str, list]]: ...
 
     def requests_answered(self) -> int: ...  # generate requests answered so far (a batch's progress, any thread)
 
