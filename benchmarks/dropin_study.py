@@ -211,7 +211,15 @@ def report(tasks: dict[str, list[dict]], resamples: int = 10000) -> str:
                 lines += ["Scenarios only BAPOTrainer runs, BAPO(C) there against TRL(C) without them (replay and "
                           "partial rollout: TRL on-policy, one update per batch; async: TRL through the same vLLM "
                           "server, in step). Not part of the claim: what turning the scenario on costs or gains.",
-                          "", *rows, ""]
+                          ""]
+                ran = {r["staleness"] for r in chosen if r["staleness"] in BAPO_SCENARIOS}
+                if label == "confirmation" and (ran != set(BAPO_SCENARIOS) or any(
+                        f"(n={len(parse_seeds(CONFIRM_SEEDS))})" not in cell
+                        for row in rows[2:] for cell in row.split(" | ")[1:])):
+                    lines += ["**Incomplete: these runs are still going** (cells with fewer than the protocol's "
+                              f"{len(parse_seeds(CONFIRM_SEEDS))} seeds, `n`, are not its reading yet; scenarios "
+                              "not shown have not run).", ""]
+                lines += [*rows, ""]
     for label, verdicts in both.items():
         lines += [f"## The claim over every cell of both tasks: {label} seeds", ""]
         if label == "confirmation" and (incomplete or len(tasks) < 2):
