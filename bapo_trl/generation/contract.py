@@ -56,6 +56,12 @@ _BACKENDS: dict[str, Any] = {"vllm": "bapo_trl.generation.vllm_generation:traine
 BUILT_IN_BACKEND = "vllm"
 
 
+def samples_for_every_source(name: str) -> bool:
+    """Whether the backend named ``name`` samples for every source: one of the user's own does; the built-in one
+    samples for async generation only (the synchronous sources keep TRL's generate call, which uses it too)."""
+    return name != BUILT_IN_BACKEND
+
+
 def register_backend(name: str, backend: Any) -> None:
     """Make ``BAPOConfig(generation_backend=name)`` build ``backend`` (a class or function taking ``(trainer)``, or
     ``"module:name"``)."""

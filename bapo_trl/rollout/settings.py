@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ..generation.contract import registered_backends, samples_for_every_source
+
 #: How the replay queue picks stored groups.
 SAMPLING = ("uniform", "recent", "advantage")
 
@@ -457,7 +459,7 @@ def async_errors(cfg) -> list[str]:
             f"`generation_kwargs` keys {clashing} cannot be used with `inflight_update_tokens` (it caps each chunk "
             "itself and recognises stops by EOS token ids only: a stop string across two chunks would be missed); "
             "use `stop_token_ids` / `eos_token_id`.")
-    if cfg.generation_backend == "vllm" and not (cfg.use_vllm and cfg.vllm_mode == "server"):
+    if not samples_for_every_source(cfg.generation_backend) and not (cfg.use_vllm and cfg.vllm_mode == "server"):
         errors.append("`async_generation` needs a vLLM server to generate in (`use_vllm=True`, "
                       f"`vllm_mode='server'`); got use_vllm={cfg.use_vllm}, vllm_mode={cfg.vllm_mode!r} (or a "
                       "`generation_backend` of your own).")
@@ -536,8 +538,6 @@ def staleness_bound(cfg) -> int:
 
 def generation_backend_errors(cfg) -> list[str]:
     """The backend must be registered (by the time the config is built)."""
-    from ..generation.contract import registered_backends
-
     if cfg.generation_backend not in registered_backends():
         return [f"`generation_backend` must be one of the registered generation backends {registered_backends()}, "
                 f"got {cfg.generation_backend!r} (register yours with "

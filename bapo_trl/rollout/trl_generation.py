@@ -24,9 +24,9 @@ from .contract import (
 def source_argument_errors(args, kwargs: dict) -> list[str]:
     """GRPOTrainer arguments the default source cannot serve when a backend of the user's own generates (checked
     before anything is loaded); none with TRL's own generation."""
-    from ..generation.contract import BUILT_IN_BACKEND
+    from ..generation.contract import samples_for_every_source
 
-    if getattr(args, "generation_backend", BUILT_IN_BACKEND) == BUILT_IN_BACKEND:
+    if not samples_for_every_source(args.generation_backend):
         return []
     name, problems = f"`generation_backend={args.generation_backend!r}`", []
     if kwargs.get("rollout_func") is not None:

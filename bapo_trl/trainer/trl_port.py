@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..generation.contract import BUILT_IN_BACKEND, GenerationBackend, build_backend
+from ..generation.contract import GenerationBackend, build_backend, samples_for_every_source
 from ..generation.processes import broadcast_from_main
 from ..generation.trl_patches import serving_rollout
 from ..rollout.contract import ReadyCompletions, ScoreFn, right_pad
@@ -147,7 +147,7 @@ class TRLPort:
         """Whether every source samples through the generation backend: a backend of the user's own. The built-in
         ``"vllm"`` is TRL's vLLM backend, which TRL's generate call already uses (or transformers without vLLM): the
         synchronous sources keep that call, async generation samples through the contract."""
-        return self.settings.generation_backend != BUILT_IN_BACKEND
+        return samples_for_every_source(self.settings.generation_backend)
 
     def sample(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int | None = None) -> dict[str, list]:
         """The generation backend's completions (any thread): ``n`` of every prompt (token ids), at most
