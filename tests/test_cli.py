@@ -1,6 +1,7 @@
 """train_bapo.py turns bad input into one clear `error:` line (exit code 2), before any model is loaded."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -556,7 +557,7 @@ def test_deepspeed_is_told_the_cpu_where_no_accelerator_is_found():
     DS_ACCELERATOR, is left to DeepSpeed's detection."""
     from types import SimpleNamespace
 
-    from bapo_trl.cli.train import quiet_deepspeed_on_cpu
+    from bapo_trl.trainer.deepspeed_env import quiet_deepspeed_on_cpu
 
     def torch(cuda=False, xpu=False, mps=False):
         return SimpleNamespace(cuda=SimpleNamespace(is_available=lambda: cuda),
@@ -572,11 +573,24 @@ def test_deepspeed_is_told_the_cpu_where_no_accelerator_is_found():
     assert environ == {"DS_ACCELERATOR": "npu"}
 
 
-def test_a_run_prints_no_warning_of_the_projects_own_making(tmp_path):
+def test_a_run_prints_no_warning_of_the_projects_own_making(tmp_path, tiny_model_dir, test_cache):
     """The embedded job in a fresh process: no DeepSpeed accelerator warning and no deprecation warning of a setting
-    the project passes (transformers' `gradient_checkpointing` rename)."""
+    the project passes (transformers' `gradient_checkpointing` rename). A trainer built through the Python API, in a
+    fresh process too, prints no DeepSpeed accelerator warning either."""
     proc = subprocess.run([sys.executable, str(REPO / "train_bapo.py"), "--max_steps", "1", "--output_dir",
                            str(tmp_path / "out")], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Setting accelerator to CPU" not in proc.stderr + proc.stdout
     assert "`gradient_checkpointing` is deprecated" not in proc.stderr + proc.stdout
+    code = ("import sys\n"
+            "from bapo_trl import BAPOConfig, BAPOTrainer\n"
+            "from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward\n"
+            f"args = BAPOConfig(output_dir={str(tmp_path / 'api')!r}, max_steps=1, per_device_train_batch_size=4,\n"
+            "                  num_generations=4, max_completion_length=8, report_to=[], use_cpu=True, bf16=False)\n"
+            f"BAPOTrainer(model={str(tiny_model_dir)!r}, args=args, reward_funcs=reverse_reward,\n"
+            "            train_dataset=make_reverse_dataset(8))\n"
+            "assert 'deepspeed' in sys.modules  # TRL's trainer imported it: the check below means something\n")
+    api = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "BAPO_TRL_CACHE": str(test_cache), "HF_HUB_OFFLINE": "1"})
+    assert api.returncode == 0, api.stderr[-3000:]
+    assert "Setting accelerator to CPU" not in api.stderr + api.stdout

@@ -25,6 +25,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser
 from ..core.option_groups import GROUPS
 from ..trainer.bapo_config import BAPOConfig
 from ..trainer.checkpoints import checkpoint_folders
+from ..trainer.deepspeed_env import quiet_deepspeed_on_cpu
 from .flag_hints import unknown_flags
 
 _training_fields = {f.name for f in dataclasses.fields(BAPOConfig)}
@@ -531,16 +532,6 @@ def run_plan(args: BAPOConfig, script_args: BAPOScriptArguments | None = None, m
              ("window", f"the search path is {args.search_path_origin}"), ("writes to", _output_plan(args, peft))]
     width = max(len(label) for label, _ in rows) + 1
     return "\n".join(["[bapo_trl] this run:"] + [f"  {label + ':':<{width}} {text}" for label, text in rows])
-
-
-def quiet_deepspeed_on_cpu(torch, environ=os.environ) -> None:
-    """Tell DeepSpeed the accelerator is the CPU where it is (no CUDA, XPU or MPS device, and ``DS_ACCELERATOR``
-    unset): it then says nothing, instead of warning at its import, which TRL's trainer triggers, "Setting
-    accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it." on every CPU run."""
-    others = (torch.cuda.is_available(), hasattr(torch, "xpu") and torch.xpu.is_available(),
-              hasattr(torch.backends, "mps") and torch.backends.mps.is_available())
-    if not any(others):
-        environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args: ModelConfig):

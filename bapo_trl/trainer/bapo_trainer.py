@@ -28,6 +28,7 @@ from ..rollout.contract import parts, stamp_policy_version
 from ..rollout.registry import build_source, check_source_arguments
 from .bapo_config import BAPOConfig, trainer_config
 from .checkpoints import CheckpointMixin
+from .deepspeed_env import quiet_deepspeed_on_cpu
 from .input_checks import check_prompt_column
 from .loop_hooks import AtEachUpdate, EvaluationKeepsTrainingRandomState
 from .loss_hook import WindowChoice, install, log_search, optimised_tokens, restore, search_inputs
@@ -61,6 +62,7 @@ class BAPOTrainer(VLLMGenerationMixin, CheckpointMixin, ModelCardMixin, Evaluati
               "Optimization with Adaptive Clipping", "id": "2510.18927", "citation": PAPER_CITATION}
 
     def __init__(self, model, reward_funcs=None, args: BAPOConfig | None = None, **kwargs):
+        quiet_deepspeed_on_cpu(torch)  # before TRL's trainer imports DeepSpeed
         args = trainer_config(args, model)
         check_source_arguments(args, kwargs)  # at construction, before TRL loads anything
         for name in ("train_dataset", "eval_dataset"):
