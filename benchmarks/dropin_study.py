@@ -58,10 +58,11 @@ CONFIGS = {
 SCENARIOS = ("spg 8", "spg 32")
 #: The scenarios only BAPOTrainer runs (issue 64, item 2), each with the scenario its TRL(C) runs in: the same
 #: updates per generation batch on TRL's own trainer, without what BAPOTrainer adds (replay and partial rollout: one
-#: update per batch, on-policy; async: the same vLLM server, generation in step with training). A user reads what
-#: turning the scenario on costs or gains against what TRL gave them.
-BAPO_SCENARIOS = {"replay 0.5": "on-policy", "partial rollout": "on-policy", "async K=1": "server sync",
-                  "async K=2": "server sync"}
+#: update per batch, on-policy; async: four updates per batch, TRL's in-process generation, since TRL's server mode
+#: needs CUDA for its weight sync: the protocol's amendment). A user reads what turning the scenario on costs or
+#: gains against what TRL gave them.
+BAPO_SCENARIOS = {"replay 0.5": "on-policy", "partial rollout": "on-policy", "async K=1": "spg 4",
+                  "async K=2": "spg 4"}
 LEARNING_RATES = (1e-3, 2e-3)
 STEPS = 160
 DEV_SEEDS, CONFIRM_SEEDS = "100-109", "700-719"

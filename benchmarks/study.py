@@ -58,6 +58,7 @@ PARTIAL_BUDGET = 4
 #: BAPOTrainer.
 STALENESS = {
     "on-policy": dict(steps_per_generation=1),
+    "spg 4": dict(steps_per_generation=4),
     "spg 8": dict(steps_per_generation=8),
     "spg 16": dict(steps_per_generation=16),
     "spg 32": dict(steps_per_generation=32),
