@@ -216,9 +216,11 @@ def report(tasks: dict[str, list[dict]], resamples: int = 10000) -> str:
             rows, verdicts = table(chosen, resamples, scenarios=tuple(BAPO_SCENARIOS))
             if verdicts:
                 lines += ["Scenarios only BAPOTrainer runs, BAPO(C) there against TRL(C) without them (replay and "
-                          "partial rollout: TRL on-policy, one update per batch; async: TRL through the same vLLM "
-                          "server, in step). Not part of the claim: what turning the scenario on costs or gains.",
-                          ""]
+                          "partial rollout: TRL on-policy, one update per batch; async, whose batches come from a "
+                          "vLLM CPU server K batches ahead: TRL with the same four updates per batch and its own "
+                          "in-process generation, since its server mode needs CUDA; the protocol's amendment). Not "
+                          "part of the claim: what turning the scenario on costs or gains in reward at the same "
+                          "number of steps (async's gain is wall-clock time, not measured here).", ""]
                 if label == "confirmation" and not complete(chosen, tuple(BAPO_SCENARIOS)):
                     lines += ["**Incomplete: these runs are still going** (cells with fewer than the protocol's "
                               f"{len(parse_seeds(CONFIRM_SEEDS))} seeds, `n`, are not its reading yet; scenarios "
