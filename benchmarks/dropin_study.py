@@ -34,6 +34,7 @@ from evidence_study import TASK_NAMES, by_seed, interval, run_study
 from study import (
     DEFAULT_TASK,
     REPO,
+    STALENESS,
     TASKS,
     fmt_seeds,
     paired,
@@ -63,6 +64,10 @@ SCENARIOS = ("spg 8", "spg 32")
 #: gains against what TRL gave them.
 BAPO_SCENARIOS = {"replay 0.5": "on-policy", "partial rollout": "on-policy", "async K=1": "spg 4",
                   "async K=2": "spg 4"}
+#: What TRL itself requires of a config in a vLLM scenario (async): VESPO with vLLM refuses TRL's default
+#: ``vllm_importance_sampling_mode`` ("sequence_mask") and asks for a token-level one; "token_truncate" is the one
+#: TRL's documentation lists first, as the default (the protocol's amendment).
+VLLM_REQUIRES = {"VESPO": dict(vllm_importance_sampling_mode="token_truncate")}
 LEARNING_RATES = (1e-3, 2e-3)
 STEPS = 160
 DEV_SEEDS, CONFIRM_SEEDS = "100-109", "700-719"
@@ -87,8 +92,11 @@ def specs(configs, scenarios, seeds, lrs=LEARNING_RATES, steps=STEPS, task=DEFAU
                         if (name, where, lr, seed) in keys:
                             continue
                         keys.add((name, where, lr, seed))
+                        settings = dict(CONFIGS[config])
+                        if STALENESS[where].get("server"):
+                            settings.update(VLLM_REQUIRES.get(config, {}))
                         todo.append(dict(method=name, staleness=where, lr=lr, seed=seed, steps=steps,
-                                         trainer=trainer, settings=dict(CONFIGS[config]), trainer_kwargs={},
+                                         trainer=trainer, settings=settings, trainer_kwargs={},
                                          **({} if task == DEFAULT_TASK else {"task": task})))
     return todo
 

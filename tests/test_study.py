@@ -284,6 +284,10 @@ def test_the_drop_in_study_runs_each_config_as_is_on_both_trainers_and_checks_th
         assert rival in study.STALENESS and rival not in study.BAPO_ONLY, (scenario, rival)
         trl_runs = [s for s in dropin_study.specs(["SAPO"], [scenario], [100], (1e-3,)) if s["trainer"] == "trl"]
         assert [s["staleness"] for s in trl_runs] == [rival]
+    bapo_async, trl_rival = dropin_study.specs(["VESPO"], ["async K=1"], [100], (1e-3,))  # TRL's VESPO + vLLM rule
+    vespo = dropin_study.CONFIGS["VESPO"]
+    assert bapo_async["settings"] == dict(vespo, vllm_importance_sampling_mode="token_truncate")
+    assert trl_rival["settings"] == vespo  # no vLLM there: VESPO as documented
 
     def runs(config, cell, diffs):
         bapo, trl = dropin_study.methods(config)
