@@ -35,6 +35,8 @@ BAD = [
     (dict(bapo_variant="verl", delta=1.1, ratio_upper_max=2.0), "delta", ">= `ratio_upper_start`"),
     (dict(loss_type="sapo", ratio_upper_start=1.0), "ratio_upper_start", "> 1 with loss_type='sapo'"),
     (dict(loss_type="sapo", sapo_temperature_neg=-1.0), "sapo_temperature_neg", "> 0"),
+    # TRL's own refusal (its trainer, after the model loads), made at construction
+    (dict(loss_type="vespo", use_vllm=True), "vllm_importance_sampling_mode", "('token_truncate', 'token_mask')"),
     (dict(positive_contribution_target="0.5x"), "positive_contribution_target", "finite"),
     (dict(partial_rollout_budget=0), "partial_rollout_budget", "[1, max_completion_length)"),
     (dict(partial_rollout_budget=64, max_completion_length=32), "partial_rollout_budget", "[1, 32)"),
@@ -140,3 +142,11 @@ def test_the_documented_flags_of_gspo_balanced_give_its_fields():
     flags = block.replace("\\\n", " ").split()
     _, args, _ = parse_args(["--output_dir", "unused", *flags], cuda_available=False)
     assert {name: getattr(args, name) for name in gspo_balanced()} == pytest.approx(gspo_balanced())
+
+
+@pytest.mark.parametrize("fields", [dict(vllm_importance_sampling_mode="token_truncate"),
+                                    dict(vllm_importance_sampling_mode="token_mask"),
+                                    dict(vllm_importance_sampling_correction=False), dict(use_vllm=False)])
+def test_vespo_with_vllm_builds_where_trl_accepts_it(fields):
+    """The other side of TRL's VESPO refusal (in BAD): each setting TRL's trainer accepts builds."""
+    BAPOConfig(output_dir="unused", use_cpu=True, loss_type="vespo", **{"use_vllm": True, **fields})

@@ -84,6 +84,23 @@ def sapo_errors(args, name: str) -> list[str]:
     return errors
 
 
+#: The ``vllm_importance_sampling_mode`` values TRL's VESPO accepts with vLLM (token-level: VESPO folds the weights
+#: into its own sequence weight); TRL refuses the others in its trainer, after the model has loaded.
+VESPO_VLLM_MODES = ("token_truncate", "token_mask")
+
+
+def vespo_errors(args, name: str) -> list[str]:
+    """VESPO: the gates' checks, and TRL's refusal of a sequence-level vLLM correction, made at construction."""
+    errors = gate_errors(args, name)
+    if (args.use_vllm and args.vllm_importance_sampling_correction
+            and args.vllm_importance_sampling_mode not in VESPO_VLLM_MODES):
+        errors.append(f"`vllm_importance_sampling_mode` must be one of {VESPO_VLLM_MODES} with {name} and vLLM "
+                      f"(TRL's VESPO requires a token-level correction), got {args.vllm_importance_sampling_mode!r}: "
+                      "set vllm_importance_sampling_mode='token_truncate', or "
+                      "vllm_importance_sampling_correction=False.")
+    return errors
+
+
 gate_warnings = _unclipped_warnings
 
 

@@ -258,7 +258,7 @@ VESPO_GATE = LossType(
     contributions=vespo_contributions,
     reads=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
     is_weight_in_ratio=True,
-    config_errors=loss_checks.gate_errors,
+    config_errors=loss_checks.vespo_errors,
     config_warnings=loss_checks.vespo_warnings,
 )
 
