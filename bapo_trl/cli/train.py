@@ -25,7 +25,6 @@ from trl import ModelConfig, ScriptArguments, TrlParser
 from ..core.option_groups import GROUPS
 from ..trainer.bapo_config import BAPOConfig
 from ..trainer.checkpoints import checkpoint_folders
-from ..trainer.deepspeed_env import quiet_deepspeed_on_cpu
 from .flag_hints import unknown_flags
 
 _training_fields = {f.name for f in dataclasses.fields(BAPOConfig)}
@@ -545,7 +544,6 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
     from .progress import ConsoleProgress
 
     embedded = model_args.model_name_or_path is None
-    quiet_deepspeed_on_cpu(torch)
     threads = script_args.torch_threads or (1 if embedded else None)
     if threads:
         torch.set_num_threads(threads)

@@ -1,5 +1,5 @@
-"""DeepSpeed's accelerator on a CPU-only machine, told before TRL's trainer imports DeepSpeed (``BAPOTrainer`` and
-``bapo train`` both call it first)."""
+"""DeepSpeed's accelerator on a CPU-only machine, told before TRL's trainer imports DeepSpeed (``BAPOTrainer`` calls
+it first, so ``bapo train`` and the Python API both have it)."""
 
 from __future__ import annotations
 
