@@ -12,7 +12,17 @@ from support.launching import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import evidence_study  # noqa: E402
-from study import bootstrap_ci, false_verdict_rate, paired, parse_seeds, read_jsonl, seed_tag, verdict  # noqa: E402
+from study import (  # noqa: E402
+    BAPO_ONLY,
+    STALENESS,
+    bootstrap_ci,
+    false_verdict_rate,
+    paired,
+    parse_seeds,
+    read_jsonl,
+    seed_tag,
+    verdict,
+)
 
 
 def test_seed_ranges():
@@ -278,10 +288,8 @@ def test_the_drop_in_study_runs_each_config_as_is_on_both_trainers_and_checks_th
         assert (bapo["trainer"], trl["trainer"]) == ("bapo", "trl") and bapo["settings"] == trl["settings"]
         assert not set(bapo["settings"]) & set(RATIO_FIELDS)
         BAPOConfig(output_dir="unused", use_cpu=True, steps_per_generation=2, **bapo["settings"])  # a valid config
-    import study
-
     for scenario, rival in dropin_study.BAPO_SCENARIOS.items():  # TRL(C)'s rival scenario is one TRL's trainer runs
-        assert rival in study.STALENESS and rival not in study.BAPO_ONLY, (scenario, rival)
+        assert rival in STALENESS and rival not in BAPO_ONLY, (scenario, rival)
         trl_runs = [s for s in dropin_study.specs(["SAPO"], [scenario], [100], (1e-3,)) if s["trainer"] == "trl"]
         assert [s["staleness"] for s in trl_runs] == [rival]
     bapo_async, trl_rival = dropin_study.specs(["VESPO"], ["async K=1"], [100], (1e-3,))  # TRL's VESPO + vLLM rule
