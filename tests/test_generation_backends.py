@@ -167,3 +167,65 @@ def test_a_rollout_func_beside_a_backend_of_ones_own_is_refused_by_name_before_l
     with pytest.raises(ValueError, match="generation_backend='in_process_stand_in'.*rollout_func"):
         BAPOTrainer(model=str(tmp_path / "no-model"), reward_funcs=lambda completions, **_: [0.0] * len(completions),
                     args=args, rollout_func=lambda prompts, trainer: {})
+
+
+class PerturbedBackend(InProcessBackend):
+    """A sampler that differs from the trainer (as another kernel, precision or a broken push would): its copy of the
+    policy gets N(0, 0.05) noise on every weight at each push. Records the log-prob it gave every token it sampled,
+    by prefix (``sampled`` keeps the segments)."""
+
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        self.token_logps: dict = {}  # (prefix, segment) -> the sampler's log-probs of the segment
+
+    def send_weights(self, state):
+        generator = torch.Generator().manual_seed(1234 + self.pushes)
+        noisy = {k: v + 0.05 * torch.randn(v.shape, generator=generator) if v.is_floating_point() else v
+                 for k, v in state.items()}
+        super().send_weights(noisy)
+
+    def sample(self, prompts, n, max_tokens, seed=None):
+        out = super().sample(prompts, n, max_tokens, seed)
+        for i, (ids, lps) in enumerate(zip(out["completion_ids"], out["logps"])):
+            self.token_logps[(tuple(prompts[i // n]), tuple(ids))] = lps
+        return out
+
+
+register_backend("perturbed_stand_in", PerturbedBackend)
+
+
+def sampler_logps_of(backend: PerturbedBackend, prompt: tuple, completion: tuple) -> list[float]:
+    """The sampler's log-probs of ``completion``, segment by segment (partial rollout continues a prefix)."""
+    k, logps = 0, []
+    while k < len(completion):
+        options = [(seg, lps) for (prefix, seg), lps in backend.token_logps.items()
+                   if prefix == prompt + completion[:k] and seg and completion[k: k + len(seg)] == seg]
+        assert options, (prompt, completion, k)
+        seg, lps = max(options, key=lambda o: len(o[0]))
+        logps += lps
+        k += len(seg)
+    return logps
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_a_sampler_that_differs_from_the_trainer_is_the_behaviour_policy(source, tiny_model_dir, tmp_path):
+    """Sampler truth (issue 75, finding 1): with a backend whose sampler differs from the trainer (perturbed weights,
+    learning rate 0, so the policy never moves), every trained token's behaviour log-prob is the SAMPLER's, so BAPO's
+    ratio carries the gap (it was the trainer's own forward: ratio exactly 1, the gap invisible), and the gap is logged
+    under TRL's ``sampling/sampling_logp_difference/*`` names by the sources that can see it (the synchronous ones)."""
+    args = cpu_config(
+        tmp_path / "out", save_strategy="no", per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=6, logging_steps=1, seed=0, learning_rate=0.0, max_steps=2, disable_tqdm=True,
+        generation_backend="perturbed_stand_in", **SOURCES[source])
+    trainer = build(tiny_model_dir, args)
+    trainer.train()
+    backend = trainer.port.backend
+    assert isinstance(backend, PerturbedBackend) and trainer.trained
+    for row in trainer.trained:
+        sampler = sampler_logps_of(backend, row["prompt"], row["completion"])
+        assert row["old"] == pytest.approx(sampler, abs=1e-6), row
+    logged = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/mean" in h]
+    if not args.async_generation:
+        assert logged and all(h["sampling/sampling_logp_difference/mean"] > 0.05 for h in logged), logged
+        gaps = [h["sampling/sampling_logp_difference/max"] for h in logged]
+        assert max(gaps) > 0.1

@@ -100,9 +100,16 @@ REWARDS = (
     "bapo/generation_batches",
     "bapo/generation_batches_without_reward",
 )
+#: Logged once per generation batch where a generation backend of the user's own samples synchronously: TRL's names
+#: for the sampler's log-prob gap (TRL logs them for its vLLM only).
+SAMPLER = (
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+)
 #: Every metric name the method logs, by group (a research candidate in ``bapo_trl/experimental`` lists its own).
 REGISTRY = {"search": SEARCH, "entropy_clip": ENTROPY_CLIP, "replay": REPLAY, "partial": PARTIAL, "async": ASYNC,
-            "gates": GATES, "rewards": REWARDS}
+            "gates": GATES, "rewards": REWARDS,
+            "sampler": SAMPLER}
 
 #: valid, positive, negative, low-clipped, high-clipped (by the window), window-sensitive, positive and negative tokens
 #: without gradient, staleness sum, non-finite

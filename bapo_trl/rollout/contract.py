@@ -28,11 +28,13 @@ A new source is one file with a class that takes ``(port)`` and one line
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Protocol, runtime_checkable
 
 import torch
 
+from ..core.metrics import SAMPLER
 from .settings import SourceSettings
 
 #: TRL's ``_generate_and_score_completions`` (bound): dataset rows -> TRL's batch.
@@ -240,6 +242,18 @@ def continuation_logps(port: TrainerPort, prefixes: list[list[int]], segments: l
         attention[i, start - len(p) : start + len(s)] = 1
     logps = port.policy_logps(ids.to(port.device), attention.to(port.device), width, batch_size=len(prefixes))
     return [logps[i, : len(s)].tolist() for i, s in enumerate(segments)]
+
+
+def log_sampler_gap(port: TrainerPort, policy_logps: list[list[float]], sampler_logps: list[list[float]]) -> None:
+    """Log TRL's ``sampling/sampling_logp_difference/{mean,max}`` for completions a backend of the user's own sampled:
+    ``|log pi_policy - log pi_sampler|`` per token, over every process (collective: every process calls it). TRL logs
+    them only for its vLLM; with another sampler the gap is otherwise invisible, though BAPO's ratio carries it."""
+    gaps = [abs(a - b) for pol, smp in zip(policy_logps, sampler_logps) for a, b in zip(pol, smp)
+            if math.isfinite(a) and math.isfinite(b)]
+    total = port.sum_over_processes(torch.tensor([sum(gaps), len(gaps)], dtype=torch.float64, device=port.device))
+    largest = port.max_over_processes(torch.tensor(max(gaps, default=0.0), dtype=torch.float64, device=port.device))
+    mean = float(total[0] / total[1]) if float(total[1]) > 0 else 0.0
+    port.log_metrics(dict(zip(SAMPLER, (mean, float(largest)))))
 
 
 def right_pad(rows: list[list], width: int, fill, dtype: torch.dtype, device) -> torch.Tensor:

@@ -23,6 +23,7 @@ from .contract import (
     continuation_logps,
     image_column,
     is_iterable_dataset,
+    log_sampler_gap,
     stamp_token_versions,
 )
 from .pool import PartialRolloutPool
@@ -89,13 +90,17 @@ class PartialRollout(NothingInBackground):
             raise RuntimeError(f"partial rollout: a process has {int(fewest)} finished groups for a batch of "
                                f"{groups_needed} (this one: {len(ready)}); the finishing round left some unfinished.")
         completions = [c for g in ready for c in g.completions]
-        # The sampler's log-probs (vLLM's, for TRL's importance-sampling correction), else the policy's; the
-        # behaviour log-probs are each segment's policy's, so TRL's correction sees only sampler mismatch.
+        # The sampler's log-probs (vLLM's, for TRL's importance-sampling correction), else the policy's. The
+        # behaviour log-probs: with TRL's generation each segment's policy's, so TRL's correction sees only sampler
+        # mismatch; with a backend of the user's own (no TRL correction) the sampler's, so BAPO's ratio sees it.
+        sampling = [c.sampling_logps if len(c.sampling_logps) == len(c.token_ids) else c.logps for c in completions]
+        behaviour = [c.logps for c in completions]
+        if port.samples_through_backend:
+            log_sampler_gap(port, behaviour, sampling)
+            behaviour = sampling
         ready_completions = ReadyCompletions(
             prompt_ids=[c.prompt_ids for c in completions], completion_ids=[c.token_ids for c in completions],
-            sampling_logps=[c.sampling_logps if len(c.sampling_logps) == len(c.token_ids) else c.logps
-                            for c in completions],
-            behaviour_logps=[c.logps for c in completions])
+            sampling_logps=sampling, behaviour_logps=behaviour)
         output = port.score_completions(score, [row for g in ready for row in g.rows], ready_completions)
         output = stamp_token_versions(output, [c.versions for c in completions], step)
         sums, oldest = partial_sums(completions, carried, step)  # this process's, reduced over all of them here

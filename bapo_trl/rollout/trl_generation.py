@@ -2,8 +2,10 @@
 
 With a generation backend of the user's own (``generation_backend``, :mod:`bapo_trl.generation.contract`) the
 backend samples the completions, brought to the current weights first, and TRL scores them through its
-``rollout_func`` hook; their behaviour log-probs are the current policy's, from the trainer's forward (the log-probs
-TRL's own path scores the tokens with), and the backend's own go to TRL as the sampler's.
+``rollout_func`` hook; their behaviour log-probs are the backend's own (the sampler is the behaviour policy: another
+kernel, precision or a lagging push shows in BAPO's ratio, as TRL's importance-sampling correction shows it for its
+vLLM, which it applies to no other sampler), and the gap between them and the trainer's forward is logged as TRL logs
+it for vLLM (``sampling/sampling_logp_difference/*``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .contract import (
     TrainerPort,
     continuation_logps,
     image_column,
+    log_sampler_gap,
     stamp_policy_version,
 )
 
@@ -57,6 +60,7 @@ class TRLGeneration(NothingInBackground):
             return stamp_policy_version(score(inputs), port.global_step)
         prompt_ids, sampled = port.sample_rows([row["prompt"] for row in inputs])
         completion_ids = [list(ids) for ids in sampled["completion_ids"]]
-        ready = ReadyCompletions(prompt_ids, completion_ids, sampling_logps=[list(lp) for lp in sampled["logps"]],
-                                 behaviour_logps=continuation_logps(port, prompt_ids, completion_ids))
+        sampler = [list(lp) for lp in sampled["logps"]]
+        log_sampler_gap(port, continuation_logps(port, prompt_ids, completion_ids), sampler)
+        ready = ReadyCompletions(prompt_ids, completion_ids, sampling_logps=sampler, behaviour_logps=sampler)
         return stamp_policy_version(port.score_completions(score, inputs, ready), port.global_step)
