@@ -67,3 +67,43 @@ def test_fifty_merged_pushes_a_run_and_a_resume_leave_the_bf16_base_bit_exact(ti
         assert all(torch.equal(before[name], after[name]) for name in before)
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("abort", ["closed", "raised"])
+def test_a_merged_walk_cut_short_leaves_the_adapter_counted_once(tiny_model_dir, tmp_path, monkeypatch, abort):
+    """Issue 75, finding 2: TRL's merged walk closed after 3 tensors (``closed``: the push's generator closed, as an
+    interrupted push does; ``raised``: the consumer raises and drops it) leaves the model as it was: the bf16 base bit
+    exact, no layer flagged merged, the same logits; the next whole push sends the same merged weights as one made
+    before the abort (the adapter merged once, not saved into the "base" and added again)."""
+    monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
+    server = PolicyServer(tiny_model_dir)
+    try:
+        model = bf16_peft_model(tiny_model_dir)
+        args = cpu_config(tmp_path / "out", bf16=True, use_vllm=True, vllm_mode="server",
+                          vllm_server_base_url=server.url, vllm_server_timeout=30, vllm_lora_sync="merged",
+                          per_device_train_batch_size=8, num_generations=4, max_completion_length=6)
+        trainer = tiny_trainer(tiny_model_dir, args, model=model)
+        generation, ids = trainer.vllm_generation, torch.tensor([[6, 7, 14, 43, 9]])
+        before, logits = base_weights(trainer.model), trainer.model(input_ids=ids).logits.detach()
+        pushed = generation.gather_state()
+        walk = generation._iter_named_params()
+        if abort == "closed":
+            for _ in range(3):
+                next(walk)
+            walk.close()
+        else:
+            with pytest.raises(KeyboardInterrupt):
+                for index, _ in enumerate(walk):
+                    if index == 2:
+                        raise KeyboardInterrupt
+            del walk
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        assert not any(m.merged for m in trainer.model.modules() if isinstance(m, BaseTunerLayer))
+        after = base_weights(trainer.model)
+        assert all(torch.equal(before[name], after[name]) for name in before)
+        assert torch.equal(trainer.model(input_ids=ids).logits.detach(), logits)
+        again = generation.gather_state()
+        assert all(torch.equal(pushed[name], again[name]) for name in pushed)
+    finally:
+        server.close()

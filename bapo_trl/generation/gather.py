@@ -89,26 +89,38 @@ def exact_unmerge(model) -> Iterator[None]:
     """While it is open, a peft ``model``'s ``unmerge_adapter`` puts back, bit for bit, the base weights its
     ``merge_adapter`` merged into. Why: TRL's merged push merges the adapter in place and unmerges it after; in
     bfloat16 ``W + BA - BA`` is not ``W``, so every push moved the frozen base (huggingface/trl#6688). The weights are
-    copied to the CPU at the merge (the push reads the whole model then anyway), inside TRL's gather, so a ZeRO-3
-    shard gets the restored values when it is partitioned again."""
+    copied to the CPU at the merge (the push reads the whole model then anyway; the cost is one host copy of the
+    targeted base tensors on each process during a push), inside TRL's gather, so a ZeRO-3 shard gets the restored
+    values when it is partitioned again.
+
+    A walk closed between the merge and the unmerge (an exception or Ctrl-C while pushing, then training goes on with
+    the same object) leaves nothing merged: the context's exit puts the saved base back and clears peft's merged
+    flags. Without that the adapter stayed merged AND active (counted twice), and the next push saved the merged
+    weights as the base. A model found already merged at a merge (merged by other code) is unmerged first, as peft
+    unmerges."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     merge, unmerge = model.merge_adapter, model.unmerge_adapter
+    layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
 
     def merge_keeping_the_base(*args, **kwargs):
+        if any(layer.merged for layer in layers):
+            unmerge()  # merged elsewhere: peft's own unmerge first, so the saved base holds no adapter
         saved.clear()
-        for module in model.modules():
-            if isinstance(module, BaseTunerLayer):
-                base = module.get_base_layer()
-                saved.extend((p, p.data.to("cpu", copy=True)) for p in base.parameters(recurse=False))
+        for layer in layers:
+            saved.extend((p, p.data.to("cpu", copy=True)) for p in layer.get_base_layer().parameters(recurse=False))
         return merge(*args, **kwargs)
+
+    def restore_the_base() -> None:
+        for param, value in saved:
+            if param.data.shape == value.shape:  # a ZeRO-3 shard outside its gather kept its unmerged values
+                param.data.copy_(value)
+        saved.clear()
 
     def unmerge_restoring_the_base(*args, **kwargs):
         result = unmerge(*args, **kwargs)
-        for param, value in saved:
-            param.data.copy_(value)
-        saved.clear()
+        restore_the_base()
         return result
 
     model.merge_adapter, model.unmerge_adapter = merge_keeping_the_base, unmerge_restoring_the_base
@@ -116,3 +128,7 @@ def exact_unmerge(model) -> Iterator[None]:
         yield
     finally:
         del model.merge_adapter, model.unmerge_adapter  # the class's methods again
+        if saved:  # closed between the merge and the unmerge: the base as it was, nothing merged
+            restore_the_base()
+            for layer in layers:
+                layer.merged_adapters = []
