@@ -48,7 +48,7 @@ WARNINGS = [
     ("--positive_contribution_is_weighted", "only acts on TRL's vLLM importance-sampling weights"),
     ("--delta 2.0", "the upper search path ends at 2.0"),
     ("--loss_type sapo --delta 4.0", "`delta` (4.0) has no effect with loss_type='sapo'"),
-    ("--loss_type cispo --ratio_lower_max 0.8", "have no effect with loss_type='cispo'"),
+    ("--loss_type cispo --epsilon_high 5.0 --ratio_lower_max 0.8", "have no effect with loss_type='cispo'"),
     ("--loss_type vespo --positive_contribution_mode gradient", "the value and the gradient share are one"),
     ("--loss_type vespo --positive_contribution_is_weighted", "TRL folds the vLLM importance-sampling weights"),
     ("--ratio_lower_start 0.8 --ratio_lower_max 0.8 --ratio_upper_max 1.2 --target_entropy 1.0",

@@ -34,6 +34,8 @@ from support.clipping_batches import adversarial_batches, assert_same_choice, ra
 from support.trainers import make_trainer, stale_batch
 
 TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+#: CISPO needs its cap set above 1 (TRL reads an unset one as epsilon, 0.2); 1.2 gives the paper's c_high path.
+CAP = {"cispo": dict(epsilon_high=1.2)}
 VARIANTS = ("paper", "verl")
 
 
@@ -307,7 +309,8 @@ def test_delta_below_the_upper_start_is_refused():
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", TRL_LOSS_TYPES)
 def test_every_loss_type_and_level_is_accepted(loss_type, level):
-    config = BAPOConfig(output_dir="unused", use_cpu=True, loss_type=loss_type, importance_sampling_level=level)
+    config = BAPOConfig(output_dir="unused", use_cpu=True, loss_type=loss_type, importance_sampling_level=level,
+                        **CAP.get(loss_type, {}))
     assert config.loss_type == loss_type and config.importance_sampling_level == level
 
 
@@ -330,7 +333,7 @@ def test_what_bapo_cannot_honour_is_refused_with_what_to_do(overrides, fragments
 
 
 @pytest.mark.parametrize("overrides,fragment", [
-    (dict(loss_type="cispo", ratio_lower_max=0.8), "have no effect with loss_type='cispo'"),
+    (dict(loss_type="cispo", epsilon_high=5.0, ratio_lower_max=0.8), "have no effect with loss_type='cispo'"),
     (dict(loss_type="sapo", delta=4.0), "`delta` (4.0) has no effect with loss_type='sapo'"),
     (dict(loss_type="vespo", positive_contribution_mode="gradient"), "the value and the gradient share are one"),
     (dict(loss_type="vespo", positive_contribution_is_weighted=True), "folds the vLLM importance-sampling"),
@@ -346,7 +349,7 @@ def test_the_dual_clip_only_where_trl_reads_delta():
         assert BAPOConfig(output_dir="unused", use_cpu=True, bapo_variant=variant, loss_type="luspo").delta == 3.0
         for loss_type in ("cispo", "sapo", "vespo"):
             assert BAPOConfig(output_dir="unused", use_cpu=True, bapo_variant=variant,
-                              loss_type=loss_type).delta is None
+                              loss_type=loss_type, **CAP.get(loss_type, {})).delta is None
 
 
 def test_delta_reaches_the_search_settings_of_the_clipped_losses_only():
@@ -360,7 +363,7 @@ def test_delta_reaches_the_search_settings_of_the_clipped_losses_only():
     assert settings(delta=4.0).delta == 4.0 and settings(delta=4.0).ratio_upper_max == 3.0
     assert (settings(delta=2.03).delta, settings(delta=2.03).ratio_upper_max) == (2.03, 2.03)
     for loss_type in ("cispo", "sapo", "vespo"):  # TRL reads delta in the clipped losses only
-        assert settings(loss_type=loss_type, delta=4.0).delta is None
+        assert settings(loss_type=loss_type, delta=4.0, **CAP.get(loss_type, {})).delta is None
 
 
 GRADIENT_CASES = [  # (loss_type, importance_sampling_level, settings): TRL's two-sided clip on
@@ -450,7 +453,8 @@ VALUES = dict(
     vllm_structured_outputs_regex=("a+",), vllm_server_base_url=("http://localhost:8000",),
     vllm_server_host=("127.0.0.1",), vllm_max_model_length=(512,), delta=(4.0,), epsilon_high=(0.28,),
     importance_sampling_level=("sequence",), reward_weights=([1.0],),
-    multi_objective_aggregation=("normalize_then_sum",), scale_rewards=("batch",), loss_type=("cispo",),
+    multi_objective_aggregation=("normalize_then_sum",), scale_rewards=("batch",),
+    loss_type=("cispo", dict(epsilon_high=5.0)),
     max_tool_calling_iterations=(3,), vllm_importance_sampling_mode=("token_truncate",),
     vllm_importance_sampling_clip_min=(0.5,), vllm_importance_sampling_cap=(2.0,), off_policy_mask_threshold=(0.5,),
     num_completions_to_print=(2,), log_completions_hub_repo=("me/x", dict(log_completions=True)),
@@ -524,10 +528,12 @@ def test_every_grpo_option_is_accepted_or_refused_with_a_reason(tmp_path):
 # -- BAPOTrainer: TRL's loss at what the search reported --------------------------------------------------------------
 
 CASES = [  # (loss_type, importance_sampling_level, extra settings)
-    ("cispo", "token", {}), ("cispo", "sequence", {}), ("sapo", "token", {}), ("sapo", "sequence", {}),
+    # CISPO's cap is epsilon_high; 1.2 gives the paper's c_high path, 1.2..3.0
+    ("cispo", "token", dict(epsilon_high=1.2)), ("cispo", "sequence", dict(epsilon_high=1.2)),
+    ("sapo", "token", {}), ("sapo", "sequence", {}),
     ("vespo", "token", {}), ("luspo", "sequence", {}), ("luspo", "token", {}), ("grpo", "sequence", {}),
     ("grpo", "token", {}), ("dapo", "sequence", {}), ("bnpo", "sequence", {}), ("dapo", "token", dict(delta=2.0)),
-    ("sapo", "token", dict(bapo_variant="verl")), ("cispo", "token", dict(bapo_variant="verl")),
+    ("sapo", "token", dict(bapo_variant="verl")), ("cispo", "token", dict(bapo_variant="verl", epsilon_high=1.2)),
 ]
 
 
@@ -556,7 +562,7 @@ def test_loss_equals_trls_loss_at_the_reported_window(tiny_model_dir, tmp_path, 
         chosen = bapo.last_search.as_floats()
         moved += 0 < chosen["steps"]
         grpo = make_trainer(GRPOTrainer, GRPOConfig, tiny_model_dir, tmp_path / f"g{seed}",
-                            **{k: v for k, v in kw.items() if k not in ("bapo_variant", "delta")},
+                            **{k: v for k, v in kw.items() if k not in ("bapo_variant", "delta", "epsilon_high")},
                             delta=bapo.args.delta, **trl_settings(bapo, chosen))  # the dual clip: TRL's delta
         loss_g = grpo.compute_loss(grpo.model, dict(batch))
         assert torch.allclose(loss_b, loss_g, atol=1e-6), (seed, loss_b, loss_g, chosen)
@@ -594,7 +600,8 @@ def test_short_stale_run_moves_the_window_and_logs_finite_metrics(tiny_model_dir
         trainer = make_trainer(BAPOTrainer, BAPOConfig, tiny_model_dir, tmp_path, loss_type=loss_type,
                                importance_sampling_level=level, steps_per_generation=4, max_steps=4,
                                learning_rate=5e-3, temperature=1.0, disable_tqdm=True,
-                               positive_contribution_target=0.6, **WALK_EXTRA.get((loss_type, level), {}))
+                               positive_contribution_target=0.6, **CAP.get(loss_type, {}),
+                               **WALK_EXTRA.get((loss_type, level), {}))
     start = {name: getattr(trainer.args, name) for name in trainer.loss.reads}
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]

@@ -71,13 +71,54 @@ def test_the_path_starts_at_the_users_window(settings, expected):
 @pytest.mark.parametrize("settings,why", [
     (dict(loss_type="sapo"), "gate loss"),
     (dict(loss_type="vespo", epsilon=0.1), "gate loss"),
-    (dict(loss_type="cispo"), "cap loss"),  # TRL reads epsilon 0.2 as the cap: no window above 1 to start from
-    (dict(loss_type="grpo", importance_sampling_level="sequence"), "leaves no room"),  # 1 - 30 x 0.2 < 0
-], ids=["sapo", "vespo", "cispo_default", "sequence_epsilon_0.2"])
+    # 1 - 30 x 0.2 < 0: the sequence level's widening has no room, the token level's is the paper's
+    (dict(loss_type="grpo", importance_sampling_level="sequence"), "TRL's default window"),
+], ids=["sapo", "vespo", "sequence_epsilon_0.2"])
 def test_without_a_window_to_start_from_the_path_is_the_papers_and_says_why(settings, why):
     c = config(**settings)
     assert ratio_fields(c) == PAPER_PATH
     assert c.search_path_origin.startswith("the paper's path") and why in c.search_path_origin
+
+
+@pytest.mark.parametrize("settings,named", [
+    (dict(epsilon=-1), "`epsilon` must be a number > 0"),
+    (dict(epsilon=0.0), "`epsilon` must be a number > 0"),
+    (dict(epsilon_high=0.0), "`epsilon_high` must be a number > 0"),
+    (dict(epsilon=0.2, epsilon_high=-0.1, loss_type="grpo"), "`epsilon_high` must be a number > 0"),
+    (dict(loss_type="cispo"), "needs `epsilon_high` > 1.*TRL documents 5.0.*epsilon_high unset, read as epsilon=0.2"),
+    (dict(loss_type="cispo", epsilon_high=1.0), "needs `epsilon_high` > 1.*epsilon_high=1.0"),
+], ids=["epsilon_-1", "epsilon_0", "epsilon_high_0", "epsilon_high_negative", "cispo_unset", "cispo_1"])
+def test_a_window_that_is_no_window_is_refused_naming_the_field(settings, named):
+    """Issue 75, findings 3 and 5: every TRL field the rule reads is checked when the config is built. CISPO's unset
+    cap is TRL's epsilon 0.2, which would cap every on-policy weight at 0.2 (BAPO's path starts above 1: 5x TRL's
+    gradient); a negative or zero half-width was accepted and searched the paper's path."""
+    with pytest.raises(ValueError, match=named):
+        config(steps_per_generation=2, **settings)
+
+
+@pytest.mark.parametrize("settings,c_high,clamped", [
+    (dict(epsilon=0.5, epsilon_high=0.6), 1.6, True),  # exactly at the token boundary 1 - 2 x 0.5 = 0
+    (dict(epsilon=0.49, epsilon_high=0.6), 1.6, False),
+    (dict(epsilon=1 / 30, importance_sampling_level="sequence", loss_type="grpo"), 1 + 1 / 30, False),  # token W
+    (dict(epsilon=3.0), 4.0, True),  # TRL's lower bound below 0
+], ids=["token_0.5", "token_0.49", "sequence_1/30", "epsilon_3"])
+def test_a_window_the_rule_cannot_widen_below_keeps_the_users_c_high_and_warns(settings, c_high, clamped):
+    """Issue 75, finding 5: a window too wide to widen c_low below it (``1 - W epsilon <= 0``) kept the paper's path,
+    c_high from 1.2, narrower than TRL's own window; now c_high starts at the user's bound and only c_low's widest is
+    clamped, with a warning from Python (``bapo train`` prints the config's warnings). The boundary is exact:
+    ``epsilon = 0.5`` at token level clamps, 0.49 does not."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = BAPOConfig(output_dir="unused", use_cpu=True, steps_per_generation=2, **settings)
+    said = [str(w.message) for w in caught if "leaves no room to widen c_low" in str(w.message)]
+    assert c.ratio_upper_start == pytest.approx(c_high) and search_path(c.bapo_settings).high_grid[0] == pytest.approx(
+        c_high)
+    assert 0 < c.ratio_lower_start < c.ratio_lower_max < 1 and c.ratio_lower_step > 0
+    assert bool(said) == clamped and ("clamped" in c.search_path_origin) == clamped, (said, c.search_path_origin)
+    if clamped:
+        assert c.ratio_lower_start == pytest.approx(c.ratio_lower_max / 4)
+    else:
+        assert c.ratio_lower_start == pytest.approx(1 - 2 * settings["epsilon"])
 
 
 def test_ratio_fields_the_user_sets_override_the_rule():
@@ -103,9 +144,11 @@ def test_epsilon_is_no_longer_reported_ignored():
 def test_the_rule_is_the_formula_of_its_docstring():
     """c_high from 1 + h to 1 + U h in 37 points, c_low from 1 - W e to 1 - N e in 16 (token U, W, N = 10, 2, 0.5;
     sequence 100, 30, 1), checked against the formula on other windows than the ones pinned above."""
-    for level, (u, w, n) in {"token": (10, 2, 0.5), "sequence": (100, 30, 1)}.items():
+    for level, factors in {"token": (10, 2, 0.5), "sequence": (100, 30, 1)}.items():
         for e, h in [(0.05, 0.07), (1e-3, 2e-3), (0.01, None)]:
             high = e if h is None else h
+            # a sequence window with no room for 30 half-widths below it takes the token level's widening
+            u, w, n = (10, 2, 0.5) if level == "sequence" and 30 * e >= 1 else factors
             path = window_path(e, h, level)
             assert path["ratio_upper_start"] == pytest.approx(1 + high)
             assert path["ratio_upper_max"] == pytest.approx(1 + u * high)

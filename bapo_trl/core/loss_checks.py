@@ -18,8 +18,38 @@ def no_problems(args, name: str) -> list[str]:
     return []
 
 
+def capped_errors(args, name: str) -> list[str]:
+    """CISPO: TRL reads ``epsilon_high`` (or ``epsilon`` when it is unset) as the cap on the importance weight itself,
+    so a cap not above 1 clips every on-policy weight (1) down to it. BAPO's cap path starts above 1, so it could
+    not train TRL's gradient there: refused, naming TRL's documented value."""
+    cap = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    if is_real(cap) and cap > 1:
+        return []
+    read = f"epsilon_high={cap!r}" if args.epsilon_high is not None else f"epsilon_high unset, read as epsilon={cap!r}"
+    return [f"{name} needs `epsilon_high` > 1: TRL's CISPO caps the importance weight itself at epsilon_high (the "
+            f"ScaleRL paper's eps_max; TRL documents 5.0), and with {read} every on-policy weight (1) would be capped "
+            "below 1. Set epsilon_high, e.g. epsilon_high=5.0."]
+
+
+def window_errors(args, name: str) -> list[str]:
+    """The clipped losses: TRL's window ``[1 - epsilon, 1 + epsilon_high]``, which the search path starts at, must be
+    a window (TRL itself checks neither)."""
+    errors = []
+    if not (is_real(args.epsilon) and args.epsilon > 0):
+        errors.append(f"`epsilon` must be a number > 0 with {name} (the lower half-width of TRL's window "
+                      f"[1 - epsilon, 1 + epsilon_high], where BAPO's search starts), got {args.epsilon!r}.")
+    if args.epsilon_high is not None and not (is_real(args.epsilon_high) and args.epsilon_high > 0):
+        errors.append(f"`epsilon_high` must be a number > 0 with {name} (the upper half-width of TRL's window), or "
+                      f"unset to take epsilon's, got {args.epsilon_high!r}.")
+    return errors
+
+
 def clipped_errors(args, name: str) -> list[str]:
-    """The clipped losses: TRL's two-sided clip ``delta`` must leave the search's first ``c_high`` room to act."""
+    """The clipped losses: a window (:func:`window_errors`), and TRL's two-sided clip ``delta`` must leave the
+    search's first ``c_high`` room to act."""
+    errors = window_errors(args, name)
+    if errors:
+        return errors
     if args.delta is None or not _numbers_ok(args) or (is_real(args.delta) and args.delta >= args.ratio_upper_start):
         return []
     return [f"`delta` ({args.delta}) must be >= `ratio_upper_start` ({args.ratio_upper_start}) with BAPO: TRL caps "

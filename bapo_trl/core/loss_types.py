@@ -231,7 +231,7 @@ CAPPED_WEIGHT = LossType(
     path=cap_path,
     sensitive=cap_sensitive,
     contributions=cap_contributions,
-    config_errors=loss_checks.no_problems,
+    config_errors=loss_checks.capped_errors,
     config_warnings=loss_checks.capped_warnings,
 )
 SAPO_GATE = LossType(

@@ -64,18 +64,38 @@ PAPER_PATH = dict(ratio_lower_start=0.6, ratio_lower_max=0.9, ratio_lower_step=0
                   ratio_upper_start=1.2, ratio_upper_max=3.0, ratio_upper_step=0.05)
 
 
+#: Where a window is too wide to widen ``c_low`` below it (``1 - W e <= 0``): the widest ``c_low`` is a quarter of
+#: the narrowest, and the narrowest at least this (TRL's own lower bound ``1 - e`` is then at or below 0: it never
+#: clips from below, and a ``c_low`` this small almost never does).
+NARROWEST_FLOOR = 0.04
+
+
 def _clean(value: float) -> float:
     """Rounded to 12 significant digits, so ``1 + 10 x 0.2`` is the paper's 3.0, not 3.0000000000000004."""
     return float(f"{value:.12g}")
+
+
+def widening_for(epsilon: float, level: str) -> Widening:
+    """The level's widening, or the token level's where the level's cannot widen ``c_low`` below the window but the
+    token level's can (a sequence-level window as wide as TRL's default ``epsilon`` 0.2: the paper's path)."""
+    widen = WIDENING[level]
+    return widen if widen.lower_widest * epsilon < 1 or level == "token" else WIDENING["token"]
+
+
+def lower_is_clamped(epsilon: float, level: str | Widening = "token") -> bool:
+    """Whether the window leaves no room to widen ``c_low`` below it (``1 - W e <= 0``), so the rule clamps it."""
+    widen = widening_for(epsilon, level) if isinstance(level, str) else level
+    return widen.lower_widest * epsilon >= 1
 
 
 def window_path(epsilon: float, epsilon_high: float | None, level: str | Widening = "token") -> dict[str, float]:
     """The ``ratio_*`` fields of the search path around the window ``[1 - epsilon, 1 + epsilon_high]`` at
     ``level`` (``"token"`` or ``"sequence"``, or a :class:`Widening` of its own); see the module doc."""
     high = epsilon if epsilon_high is None else epsilon_high
-    widen = WIDENING[level] if isinstance(level, str) else level
-    upper_max, lower_start = 1 + widen.upper * high, 1 - widen.lower_widest * epsilon
-    lower_max = 1 - widen.lower_narrowest * epsilon
+    widen = widening_for(epsilon, level) if isinstance(level, str) else level
+    upper_max = 1 + widen.upper * high
+    lower_max = max(1 - widen.lower_narrowest * epsilon, NARROWEST_FLOOR)
+    lower_start = 1 - widen.lower_widest * epsilon if not lower_is_clamped(epsilon, widen) else lower_max / 4
     return {name: _clean(value) for name, value in dict(
         ratio_lower_start=lower_start, ratio_lower_max=lower_max,
         ratio_lower_step=(lower_max - lower_start) / (LOWER_POINTS - 1),
@@ -88,10 +108,11 @@ def derived_path(kind: str, epsilon, epsilon_high, level: str) -> tuple[dict[str
     prints it). ``kind``: the loss type row's (``clip``, ``cap``, ``gate``); ``epsilon_high`` None is ``epsilon``,
     as TRL reads it.
 
-    Around the user's window for the clipped losses; around CISPO's cap (``epsilon_high``, its excess over 1 widened
-    as a token-level ``c_high``; the ``c_low`` fields stay the paper's, unused by a cap); the paper's path for a gate
-    (sapo, vespo: their shapes are fields of their own), for a cap not above 1 (TRL's default ``epsilon`` 0.2 read
-    as a cap) and for a window whose widest ``c_low`` would not be above 0."""
+    Around the user's window for the clipped losses (its ``c_high`` always the user's; ``c_low``'s widest clamped
+    where the window leaves no room below it, :func:`lower_is_clamped`); around CISPO's cap (``epsilon_high``, its
+    excess over 1 widened as a token-level ``c_high``; the ``c_low`` fields stay the paper's, unused by a cap); the
+    paper's path for a gate (sapo, vespo: their shapes are fields of their own) and for a window ``BAPOConfig``
+    refuses (a cap not above 1, an ``epsilon`` or ``epsilon_high`` not above 0)."""
     high = epsilon if epsilon_high is None else epsilon_high
     if kind == "cap" and _is_number(high) and high > 1:
         path = window_path(PAPER_EPSILON, high - 1, "token")
@@ -99,15 +120,16 @@ def derived_path(kind: str, epsilon, epsilon_high, level: str) -> tuple[dict[str
                       f"{path['ratio_upper_max']}")
     if kind != "clip":
         return dict(PAPER_PATH), f"the paper's path ({kind} loss: no clipping window of yours to start from)"
-    if not (_is_number(epsilon) and _is_number(high) and 0 < high and 0 < WIDENING[level].lower_widest * epsilon < 1):
-        return dict(PAPER_PATH), (f"the paper's path (your window's epsilon={epsilon!r} leaves no room below it to "
-                                  "widen: set the ratio_* fields)")
+    if not (_is_number(epsilon) and _is_number(high) and 0 < high and 0 < epsilon):
+        return dict(PAPER_PATH), f"the paper's path (epsilon={epsilon!r}, epsilon_high={epsilon_high!r} is no window)"
     path = window_path(epsilon, epsilon_high, level)
     if path == PAPER_PATH:
         return path, "the paper's path, BAPO around TRL's default window [0.8, 1.2]"
+    clamped = (f" (your window leaves no room to widen c_low below it: its widest is clamped at "
+               f"{path['ratio_lower_start']})") if lower_is_clamped(epsilon, level) else ""
     return path, (f"around your window [{_clean(1 - epsilon)}, {_clean(1 + high)}] ({level} ratios): c_high "
                   f"{path['ratio_upper_start']}..{path['ratio_upper_max']}, c_low {path['ratio_lower_start']}.."
-                  f"{path['ratio_lower_max']}")
+                  f"{path['ratio_lower_max']}{clamped}")
 
 
 def _is_number(value) -> bool:

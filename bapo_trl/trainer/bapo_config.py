@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from ..core.clipping import MODES, VARIANTS, BAPOSettings, settings_errors
+from ..core.clipping import MODES, VARIANTS, BAPOSettings, is_real, settings_errors
 from ..core.loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SUPPORTED_LOSS_TYPES
-from ..core.window_rule import RATIO_FIELDS, WIDENING, derived_path
+from ..core.window_rule import RATIO_FIELDS, WIDENING, derived_path, lower_is_clamped
 from ..generation.adapter_sync import LORA_SYNC_MODES
 from ..generation.fleet import normalized_server_urls, server_urls
 from ..rollout.settings import RolloutSettings, field_default, rollout_errors
@@ -269,6 +269,13 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
                 rows.append(("warning", (
                     f"the search path has a single window {window}, so {', '.join(moved)} only matter(s) for a moving "
                     "search and has no effect: widen `ratio_upper_max` / `ratio_lower_max` or drop the setting.")))
+        level = self.importance_sampling_level if self.importance_sampling_level in WIDENING else "token"
+        if (self._loss.kind == "clip" and "ratio_lower_start" not in self.ratio_fields_set and is_real(self.epsilon)
+                and self.epsilon > 0 and lower_is_clamped(self.epsilon, level)):
+            rows.append(("warning", (
+                f"your window's epsilon={self.epsilon} leaves no room to widen c_low below it ({level} ratios), so "
+                f"c_low's search path is clamped to {self.ratio_lower_start}..{self.ratio_lower_max} (c_high keeps "
+                "your window's bound); set `ratio_lower_start` / `ratio_lower_max` to choose it.")))
         if self.positive_contribution_is_weighted and not (self.use_vllm and self.vllm_importance_sampling_correction):
             rows.append(("warning", (
                 "`positive_contribution_is_weighted` only acts on TRL's vLLM importance-sampling weights, and this "
