@@ -1018,6 +1018,9 @@ def test_partial_rollout_grows_completions_across_async_rounds(tiny_server, tiny
                                reward=completion_length)  # dense: every step moves the policy
     logs = [h for h in trainer.state.log_history if "partial/segments_per_completion" in h]
     assert len(logs) == 6 and max(h["partial/segments_per_completion"] for h in logs) > 1.5
+    # the push lag of every round's request (issue 75, finding 8: it was None at every step here)
+    assert all(isinstance(h.get("bapo/weight_sync_lag"), (int, float)) and h["bapo/weight_sync_lag"] >= 0
+               for h in logs), [h.get("bapo/weight_sync_lag") for h in logs]
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     checked, gap = set(), 0.0

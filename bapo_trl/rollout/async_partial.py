@@ -62,7 +62,7 @@ class AsyncPartialRollout(AsyncGeneration):
         batch, waited = self.producer.take(("round", self.handed))
         todo, caps = batch.work.context
         pool.apply(todo, caps, batch.completion_ids, batch.logps, batch.logps, batch.version)
-        seconds = batch.seconds
+        seconds, lag = batch.seconds, batch.weight_sync_lag
         short = self.groups_per_batch - pool.num_ready()
         oldest = [g for g in pool.groups if not g.finished][: max(short, 0)]
         todo = [c for g in oldest for c in g.completions if not c.finished]
@@ -74,12 +74,13 @@ class AsyncPartialRollout(AsyncGeneration):
             batch, extra_wait = self.producer.take(("finish", self.handed))
             pool.apply(todo, caps, batch.completion_ids, batch.logps, batch.logps, batch.version)
             waited, seconds = waited + extra_wait, seconds + batch.seconds
+            lag = max((x for x in (lag, batch.weight_sync_lag) if x is not None), default=None)  # the round's worst
         carried = pool.end_step()
         groups = pool.pop_ready(self.groups_per_batch)
         self._submit_round(self.handed + 1)  # generated while this batch trains
         completions = [c for g in groups for c in g.completions]
         versions = [list(c.versions) for c in completions]
-        metrics = self._batch_metrics(versions, seconds, waited, push_seconds)
+        metrics = self._batch_metrics(versions, seconds, waited, push_seconds, lag)
         metrics.update(partial_values(*partial_sums(completions, carried, self.port.global_step)))  # global batch
         return Handover(rows=[row for g in groups for row in g.rows], prompt_ids=[c.prompt_ids for c in completions],
                         completion_ids=[list(c.token_ids) for c in completions],
