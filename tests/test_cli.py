@@ -534,7 +534,49 @@ def test_a_folder_holding_another_runs_checkpoints_is_refused_unless_overwritten
     assert (out / "checkpoint-2" / "marker").exists()  # nothing touched
     run([*flags, "--overwrite_output_dir"], parser=make_parser())
     assert not (out / "checkpoint-2").exists()
-    run(flags, parser=make_parser())  # the embedded job saves no checkpoint: a second run is not refused
+    capsys.readouterr()
+    run(flags, parser=make_parser())  # the embedded job replaces its own finished run (no checkpoint), and says so
+    assert f"replaced the earlier run in {out}" in capsys.readouterr().out
+    entries = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sum("train_runtime" in e for e in entries) == 1  # one run's lines, not both runs'
+
+
+def test_a_finished_run_of_ones_own_is_refused_and_overwrite_with_resume_is_refused_before_anything_is_removed(
+        tmp_path, capsys):
+    """Issue 77 (3) and 75 (4): a user's run into a folder holding a finished run (model, metrics) is refused, naming
+    --overwrite_output_dir; --overwrite_output_dir with a resume from that folder (``latest``, or a checkpoint path in
+    it) is refused before anything is removed (it deleted every checkpoint, then failed: "no complete checkpoint")."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("metrics.jsonl", "model.safetensors", "config.json"):
+        (out / name).write_text("theirs")
+    own = ["--output_dir", str(out), "--model_name_or_path", str(tmp_path / "no-model"), "--reward_funcs", "reverse"]
+    with pytest.raises(SystemExit) as exit_info:
+        run(own, parser=make_parser())
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--output_dir {out} holds a finished run (" in err and "pass --overwrite_output_dir to replace it" in err
+    assert all(name in err for name in ("metrics.jsonl", "model.safetensors", "config.json"))
+    (out / "checkpoint-2").mkdir()
+    (out / "checkpoint-2" / "marker").write_text("theirs")
+    for resume in ("latest", str(out / "checkpoint-2")):
+        with pytest.raises(SystemExit) as exit_info:
+            run([*own, "--overwrite_output_dir", "--resume_from_checkpoint", resume], parser=make_parser())
+        assert exit_info.value.code == 2
+        assert "not both" in capsys.readouterr().err
+        assert (out / "checkpoint-2" / "marker").exists() and (out / "model.safetensors").exists()
+
+
+def test_a_resumed_run_logs_each_step_once_in_metrics_jsonl(tmp_path):
+    """Issue 75 (7): metrics.jsonl was opened for appending, so a resume logged the steps between its checkpoint and
+    the end (or crash) twice. A run of 4 steps checkpointed at 2, resumed from checkpoint-2: steps 1-4 once each."""
+    out = tmp_path / "out"
+    flags = ["--output_dir", str(out), "--max_steps", "4", "--num_train_prompts", "32", "--steps_per_generation", "1",
+             "--save_strategy", "steps", "--save_steps", "2", "--disable_tqdm", "true"]
+    run(flags, parser=make_parser())
+    run([*flags, "--resume_from_checkpoint", str(out / "checkpoint-2")], parser=make_parser())
+    entries = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in entries if "loss" in e] == [1, 2, 3, 4]
 
 
 def test_a_run_shows_a_progress_bar_and_writes_every_metric_to_a_file_not_the_console(tmp_path, capsys):

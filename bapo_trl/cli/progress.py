@@ -19,10 +19,32 @@ def _number(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
+def open_metrics(output_dir: str, step: int):
+    """:data:`METRICS_FILE` for appending this run's entries: a new run (step 0) starts it empty; a resume at ``step``
+    keeps the entries up to that step and drops the later ones, which the resumed run logs again (a run that
+    crashed after its last checkpoint had written them)."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, METRICS_FILE)
+    kept = []
+    if step > 0 and os.path.exists(path):
+        with open(path) as old:
+            for line in old:
+                try:
+                    entry = json.loads(line)
+                except ValueError:  # a line cut short by the crash
+                    continue
+                if isinstance(entry, dict) and isinstance(entry.get("step"), int) and entry["step"] <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+    file = open(path, "w")
+    file.writelines(kept)
+    file.flush()
+    return file
+
+
 class ConsoleProgress(TrainerCallback):
     """Main process only: a tqdm bar over the optimizer steps showing the last generation batch's reward, the window
-    the search chose and the loss; each log entry appended to :data:`METRICS_FILE`. With ``disable_tqdm`` the bar is
-    off and the file alone is written."""
+    the search chose and the loss; each log entry appended to :data:`METRICS_FILE` (:func:`open_metrics`). With
+    ``disable_tqdm`` the bar is off and the file alone is written."""
 
     def __init__(self):
         self.bar = None
@@ -41,8 +63,7 @@ class ConsoleProgress(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
-        os.makedirs(args.output_dir, exist_ok=True)
-        self.file = open(os.path.join(args.output_dir, METRICS_FILE), "a")
+        self.file = open_metrics(args.output_dir, state.global_step)
         if not args.disable_tqdm:
             from tqdm.auto import tqdm
 

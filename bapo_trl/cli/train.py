@@ -112,9 +112,10 @@ class BAPOScriptArguments(ScriptArguments):
     )
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "Train a new run into an --output_dir that holds another run's checkpoints: they are "
-                  "removed first. Without it such a folder is refused (--resume_from_checkpoint latest continues "
-                  "that run instead)."},
+        metadata={"help": "Train a new run into an --output_dir that holds another run (checkpoints, or a finished "
+                  "run's model and metrics): its files are removed first. Without it such a folder is refused "
+                  "(--resume_from_checkpoint latest continues that run instead); the embedded default replaces its "
+                  "own finished run and says so."},
     )
 
 
@@ -375,19 +376,77 @@ class SetupError(SystemExit):
         self.message = message
 
 
-def output_dir_problem(training_args: BAPOConfig, script_args: BAPOScriptArguments) -> str | None:
-    """Why a new run must not write into ``--output_dir``: it holds another run's checkpoints (this run's would mix
-    with them, and a later resume would take the newest, whichever run wrote it); None when it may."""
+#: What says a folder holds a run's output besides its ``checkpoint-N`` folders: any of these (``bapo train``'s
+#: metrics, a saved model or adapter, the config it saved, the dynamics log, the launch record).
+RUN_MARKERS = ("metrics.jsonl", "model.safetensors", "adapter_model.safetensors", "training_args.bin",
+               "bapo_log_history.json", "launch_info")
+
+
+def previous_run(output_dir: str) -> list[str]:
+    """What an earlier run left in ``output_dir``: its ``checkpoint-N`` folders and, where a run marker is there, every
+    file ``bapo train`` writes (``SAVED_FILES``); empty for a folder without a run (or none)."""
+    from ..trainer.summary import SAVED_FILES
+
+    if not os.path.isdir(output_dir):
+        return []
+    names = set(os.listdir(output_dir))
+    left = [name for name in SAVED_FILES if name in names] if names & set(RUN_MARKERS) else []
+    return checkpoint_folders(output_dir) + left
+
+
+def remove_previous_run(output_dir: str) -> None:
+    """Remove what :func:`previous_run` finds (main process), so nothing of the old run survives beside the new."""
+    import shutil
+
+    for name in previous_run(output_dir):
+        path = os.path.join(output_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def resumes_inside(training_args: BAPOConfig) -> bool:
+    """Whether ``--resume_from_checkpoint`` names a checkpoint of ``--output_dir`` (``latest``/``true``, or a path in
+    it)."""
+    resume = training_args.resume_from_checkpoint
+    if resume in (None, False):
+        return False
+    if resume is True or str(resume).lower() in ("latest", "true"):
+        return True
+    folder = os.path.realpath(training_args.output_dir)
+    return os.path.realpath(str(resume)).startswith(folder + os.sep)
+
+
+def output_dir_problem(training_args: BAPOConfig, script_args: BAPOScriptArguments, embedded: bool = False
+                       ) -> str | None:
+    """Why a run must not write into ``--output_dir``: it holds another run (checkpoints, or a finished run's model and
+    metrics), which this run would mix with or replace without a word; ``--overwrite_output_dir`` together with a
+    resume from that folder (it would delete the checkpoint it resumes from). None when it may. The embedded default
+    replaces its own finished run (no checkpoints), as its plan says (:func:`replaces_previous_run`)."""
+    if script_args.overwrite_output_dir and resumes_inside(training_args):
+        return (f"--overwrite_output_dir removes the run in --output_dir {training_args.output_dir}, including the "
+                f"checkpoint --resume_from_checkpoint {training_args.resume_from_checkpoint} continues from: pass "
+                "--resume_from_checkpoint to continue that run, or --overwrite_output_dir to train a new one, not "
+                "both.")
     if script_args.overwrite_output_dir or training_args.resume_from_checkpoint:
         return None
     found = checkpoint_folders(training_args.output_dir)
-    if not found:
-        return None
-    shown = ", ".join(found[-3:])
-    return (f"--output_dir {training_args.output_dir} holds another run's checkpoints ({shown}"
-            f"{', ...' if len(found) > 3 else ''}): pass --resume_from_checkpoint latest to continue that run, "
-            "--overwrite_output_dir to train a new one there (its checkpoints are removed first), or another "
-            "--output_dir.")
+    if found:
+        shown = ", ".join(found[-3:])
+        return (f"--output_dir {training_args.output_dir} holds another run's checkpoints ({shown}"
+                f"{', ...' if len(found) > 3 else ''}): pass --resume_from_checkpoint latest to continue that run, "
+                "--overwrite_output_dir to train a new one there (the old run's files are removed first), or another "
+                "--output_dir.")
+    left = previous_run(training_args.output_dir)
+    if left and not embedded:
+        return (f"--output_dir {training_args.output_dir} holds a finished run ({', '.join(left[:3])}"
+                f"{', ...' if len(left) > 3 else ''}): pass --overwrite_output_dir to replace it (its files are "
+                "removed first), or another --output_dir.")
+    return None
+
+
+def replaces_previous_run(training_args: BAPOConfig, script_args: BAPOScriptArguments) -> bool:
+    """Whether this run starts by removing an earlier run's files from ``--output_dir``: a new run (no resume) with
+    ``--overwrite_output_dir``, or the embedded default over its own finished run."""
+    return not training_args.resume_from_checkpoint and bool(previous_run(training_args.output_dir))
 
 
 def prepare(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args: ModelConfig):
@@ -398,7 +457,7 @@ def prepare(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_a
 
     embedded = model_args.model_name_or_path is None
     try:
-        taken = output_dir_problem(training_args, script_args)
+        taken = output_dir_problem(training_args, script_args, embedded)
         if taken:
             raise ValueError(taken)
         mistakes = launch_errors(training_args)
@@ -563,11 +622,11 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
         model_init_kwargs.update(training_args.model_init_kwargs or {})
         training_args.model_init_kwargs = {k: v for k, v in model_init_kwargs.items() if v is not None}
     peft_config = get_peft_config(model_args)
-    if script_args.overwrite_output_dir and os.environ.get("RANK", "0") == "0":
-        import shutil
-
-        for name in checkpoint_folders(training_args.output_dir):  # another run's: this one starts afresh
-            shutil.rmtree(os.path.join(training_args.output_dir, name))
+    if replaces_previous_run(training_args, script_args) and os.environ.get("RANK", "0") == "0":
+        left = previous_run(training_args.output_dir)
+        remove_previous_run(training_args.output_dir)  # another run's: nothing of it survives beside this one
+        print(f"[bapo_trl] replaced the earlier run in {os.path.abspath(training_args.output_dir)}: removed "
+              f"{', '.join(left)}", flush=True)
     if os.environ.get("RANK", "0") == "0":
         trained = f"LoRA r={model_args.lora_r}, alpha={model_args.lora_alpha}" if peft_config else "every weight"
         model = (f"the embedded tiny model (~90k parameters, built offline and cached; {trained}): {model_path}"
