@@ -92,9 +92,10 @@ def test_generation_kwargs_without_partial_rollout_are_left_to_trl():
 
 def test_defaults_follow_the_spec():
     c = BAPOConfig(output_dir="unused", use_cpu=True)
-    assert (c.positive_contribution_target, c.ratio_lower_start, c.ratio_lower_max, c.ratio_lower_step) == (
-        0.5, 0.6, 0.9, 0.02)
-    assert (c.ratio_upper_start, c.ratio_upper_max, c.ratio_upper_step) == (1.2, 3.0, 0.05)
+    path = c.search_path
+    assert (c.positive_contribution_target, path["ratio_lower_start"], path["ratio_lower_max"],
+            path["ratio_lower_step"]) == (0.5, 0.6, 0.9, 0.02)
+    assert (path["ratio_upper_start"], path["ratio_upper_max"], path["ratio_upper_step"]) == (1.2, 3.0, 0.05)
     assert (c.bapo_variant, c.positive_contribution_mode, c.loss_type) == ("paper", "value", "dapo")
 
 
@@ -118,7 +119,7 @@ def test_gspo_balanced_is_the_studied_path_around_trls_documented_gspo_window():
     settings = gspo_balanced()
     config = BAPOConfig(output_dir="unused", use_cpu=True, **settings)
     assert (config.loss_type, config.importance_sampling_level, config.beta) == ("grpo", "sequence", 0.0)
-    assert config.dual_clip and config.delta == 3.0
+    assert config.dual_clip and config.effective_delta == 3.0 and config.delta is None
     path = search_path(config.bapo_settings)
     assert len(path.high_grid) == 37 and len(path.low_grid) == 16
     assert path.high_grid[0] == pytest.approx(1.0004) and path.high_grid[-1] == pytest.approx(1.04)

@@ -53,7 +53,9 @@ def test_every_trl_loss_type_has_a_row():
 def bound_row(name, **values):
     defaults = dict(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
                     vespo_k_neg=3.0, vespo_lambda_neg=2.0, ratio_upper_start=1.2, ratio_lower_start=0.6)
-    return LOSS_TYPES[name].bind(SimpleNamespace(**{**defaults, **values}))
+    values = {**defaults, **values}
+    starts = {name: values.pop(name) for name in ("ratio_upper_start", "ratio_lower_start")}
+    return LOSS_TYPES[name].bind(SimpleNamespace(**values, search_path=starts))
 
 
 def fast_search(row, ratio, advantages, mask, reduce_fn=None, **kw):
@@ -284,7 +286,7 @@ def test_delta_below_the_upper_max_ends_the_upper_path(variant):
     with pytest.warns(UserWarning, match=r"`delta` \(2.03\) is below `ratio_upper_max` \(3.0\)"):
         config = BAPOConfig(output_dir="unused", use_cpu=True, delta=2.03, bapo_variant=variant,
                             steps_per_generation=2)
-    assert config.bapo_settings.ratio_upper_max == 2.03 and config.ratio_upper_max == 3.0
+    assert config.bapo_settings.ratio_upper_max == 2.03 and config.search_path["ratio_upper_max"] == 3.0
     path = search_path(config.bapo_settings)
     assert max(path.clip_high) <= 2.03
     assert path.clip_high[-1] == (2.03 if variant == "verl" else pytest.approx(2.0))
@@ -346,10 +348,11 @@ def test_useless_settings_of_a_loss_type_warn(overrides, fragment):
 
 def test_the_dual_clip_only_where_trl_reads_delta():
     for variant in ("paper", "verl"):
-        assert BAPOConfig(output_dir="unused", use_cpu=True, bapo_variant=variant, loss_type="luspo").delta == 3.0
+        assert BAPOConfig(output_dir="unused", use_cpu=True, bapo_variant=variant,
+                          loss_type="luspo").effective_delta == 3.0
         for loss_type in ("cispo", "sapo", "vespo"):
             assert BAPOConfig(output_dir="unused", use_cpu=True, bapo_variant=variant,
-                              loss_type=loss_type, **CAP.get(loss_type, {})).delta is None
+                              loss_type=loss_type, **CAP.get(loss_type, {})).effective_delta is None
 
 
 def test_delta_reaches_the_search_settings_of_the_clipped_losses_only():
@@ -384,7 +387,7 @@ def test_gradient_share_is_the_share_of_the_gradient_trls_loss_carries(tiny_mode
         warnings.simplefilter("ignore", UserWarning)
         bapo = make_trainer(BAPOTrainer, BAPOConfig, tiny_model_dir, tmp_path, loss_type=loss_type,
                             importance_sampling_level=level, positive_contribution_mode="gradient", **extra)
-    delta = bapo.args.delta
+    delta = bapo.args.effective_delta
     assert delta is not None and bapo.args.bapo_settings.delta == delta
     forwards = []
     policy_forward = bapo._get_per_token_logps_and_entropies
@@ -563,7 +566,8 @@ def test_loss_equals_trls_loss_at_the_reported_window(tiny_model_dir, tmp_path, 
         moved += 0 < chosen["steps"]
         grpo = make_trainer(GRPOTrainer, GRPOConfig, tiny_model_dir, tmp_path / f"g{seed}",
                             **{k: v for k, v in kw.items() if k not in ("bapo_variant", "delta", "epsilon_high")},
-                            delta=bapo.args.delta, **trl_settings(bapo, chosen))  # the dual clip: TRL's delta
+                            # the dual clip: TRL's delta
+                            delta=bapo.args.effective_delta, **trl_settings(bapo, chosen))
         loss_g = grpo.compute_loss(grpo.model, dict(batch))
         assert torch.allclose(loss_b, loss_g, atol=1e-6), (seed, loss_b, loss_g, chosen)
         assert {name: getattr(bapo.args, name) for name in bapo.loss.reads} == start  # the gate's start, restored

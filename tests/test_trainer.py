@@ -63,10 +63,12 @@ def test_the_dual_clip_caps_negative_tokens_by_default(tiny_model_dir, tmp_path)
     each is capped at delta |A| = 3 |A|; with ``dual_clip=False`` (TRL's one-sided clip) their loss grows with the
     ratio."""
     for variant in ("paper", "verl"):
-        assert BAPOConfig(output_dir="unused", use_cpu=True, bapo_variant=variant).delta == 3.0
-    assert BAPOConfig(output_dir="unused", use_cpu=True, dual_clip=False).delta is None
-    assert BAPOConfig(output_dir="unused", use_cpu=True, ratio_upper_max=4.0).delta == 4.0  # the path is never cut
-    assert BAPOConfig(output_dir="unused", use_cpu=True, dual_clip=False, delta=2.5).delta == 2.5  # delta set: kept
+        assert BAPOConfig(output_dir="unused", use_cpu=True, bapo_variant=variant).effective_delta == 3.0
+    assert BAPOConfig(output_dir="unused", use_cpu=True, dual_clip=False).effective_delta is None
+    # the path is never cut
+    assert BAPOConfig(output_dir="unused", use_cpu=True, ratio_upper_max=4.0).effective_delta == 4.0
+    # delta set: kept
+    assert BAPOConfig(output_dir="unused", use_cpu=True, dual_clip=False, delta=2.5).effective_delta == 2.5
     losses = {}
     for variant, dual_clip in (("paper", False), ("verl", True), ("paper", True)):
         trainer = make_trainer(BAPOTrainer, BAPOConfig, tiny_model_dir, tmp_path / f"{variant}{dual_clip}",

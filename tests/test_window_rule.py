@@ -23,7 +23,7 @@ def config(**settings) -> BAPOConfig:
 
 
 def ratio_fields(source) -> dict:
-    return {name: (source[name] if isinstance(source, dict) else getattr(source, name)) for name in RATIO_FIELDS}
+    return {name: (source[name] if isinstance(source, dict) else source.search_path[name]) for name in RATIO_FIELDS}
 
 
 def grids(settings: BAPOSettings, loss_type: str = "dapo"):
@@ -62,7 +62,7 @@ def test_gspo_as_trl_documents_it_searches_gspo_balanced():
 def test_the_path_starts_at_the_users_window(settings, expected):
     c = config(**settings)
     for name, value in expected.items():
-        assert getattr(c, name) == pytest.approx(value, rel=1e-12), name
+        assert c.search_path[name] == pytest.approx(value, rel=1e-12), name
     path = search_path(c.bapo_settings)
     assert path.high_grid[0] == pytest.approx(expected["ratio_upper_start"])  # the first candidate: the user's bound
     assert len(path.high_grid) == 37 and len(path.low_grid) == 16
@@ -111,14 +111,15 @@ def test_a_window_the_rule_cannot_widen_below_keeps_the_users_c_high_and_warns(s
         warnings.simplefilter("always")
         c = BAPOConfig(output_dir="unused", use_cpu=True, steps_per_generation=2, **settings)
     said = [str(w.message) for w in caught if "leaves no room to widen c_low" in str(w.message)]
-    assert c.ratio_upper_start == pytest.approx(c_high) and search_path(c.bapo_settings).high_grid[0] == pytest.approx(
-        c_high)
-    assert 0 < c.ratio_lower_start < c.ratio_lower_max < 1 and c.ratio_lower_step > 0
+    path = c.search_path
+    assert path["ratio_upper_start"] == pytest.approx(c_high)
+    assert search_path(c.bapo_settings).high_grid[0] == pytest.approx(c_high)
+    assert 0 < path["ratio_lower_start"] < path["ratio_lower_max"] < 1 and path["ratio_lower_step"] > 0
     assert bool(said) == clamped and ("clamped" in c.search_path_origin) == clamped, (said, c.search_path_origin)
     if clamped:
-        assert c.ratio_lower_start == pytest.approx(c.ratio_lower_max / 4)
+        assert path["ratio_lower_start"] == pytest.approx(path["ratio_lower_max"] / 4)
     else:
-        assert c.ratio_lower_start == pytest.approx(1 - 2 * settings["epsilon"])
+        assert path["ratio_lower_start"] == pytest.approx(1 - 2 * settings["epsilon"])
 
 
 def test_ratio_fields_the_user_sets_override_the_rule():
@@ -127,7 +128,8 @@ def test_ratio_fields_the_user_sets_override_the_rule():
     c = config(epsilon=0.1, **every)
     assert ratio_fields(c) == every and c.search_path_origin == "your ratio_* settings"
     one = config(**GSPO_DOCUMENTED, ratio_upper_max=1.1)
-    assert one.ratio_upper_max == 1.1 and one.ratio_upper_start == 1.0004 and one.ratio_lower_start == 0.991
+    assert (one.search_path["ratio_upper_max"], one.search_path["ratio_upper_start"],
+            one.search_path["ratio_lower_start"]) == (1.1, 1.0004, 0.991)
     assert one.ratio_fields_set == ("ratio_upper_max",)
     assert one.search_path_origin.endswith("; your ratio_upper_max overrides the rule")
     again = pickle.loads(pickle.dumps(one))  # as a checkpoint's training_args.bin keeps it
@@ -176,3 +178,38 @@ def test_the_rule_runs_once_at_config_time_and_never_during_training(tiny_model_
     trainer.train()
     assert len(calls) == 1 and trainer.last_search is not None  # the search ran at every update
     assert trainer._bapo_settings == config(**gspo_balanced()).bapo_settings
+
+
+def test_a_config_rebuilt_from_another_configs_values_derives_its_own_path(tmp_path):
+    """Issue 75, finding 6: the rule's values never pass for the user's. The ``ratio_*`` fields keep None where unset
+    and the dual clip's ``delta`` is kept apart (``effective_delta``), so ``dataclasses.replace``,
+    ``BAPOConfig(**to_dict())`` and a saved YAML read back by ``bapo train --config`` derive the path of THEIR
+    window (a sweep over ``epsilon`` searched the first value's path every time), and ``dual_clip=False`` on a rebuilt
+    config has no dual clip left over."""
+    import dataclasses
+
+    import yaml
+
+    from bapo_trl.cli.train import parse_args
+
+    first = config(steps_per_generation=2)
+    assert first.ratio_fields_set == () and all(getattr(first, name) is None for name in RATIO_FIELDS)
+    assert first.delta is None and first.effective_delta == 3.0
+    expected = window_path(0.1, None, "token")
+    # generation_batch_size: GRPOConfig writes its own derived value there (and refuses it beside
+    # steps_per_generation): TRL's config does not rebuild from its to_dict() either
+    values = {k: v for k, v in first.to_dict().items() if k in {f.name for f in dataclasses.fields(BAPOConfig)}
+              and k != "generation_batch_size"}
+    again = dict(generation_batch_size=None)  # TRL's GRPOConfig rebuilds only with one of its two batch fields
+    for rebuilt in (dataclasses.replace(first, epsilon=0.1, **again), BAPOConfig(**{**values, "epsilon": 0.1})):
+        assert ratio_fields(rebuilt) == expected and rebuilt.search_path_origin.startswith("around your window [0.9")
+        assert search_path(rebuilt.bapo_settings).high_grid[0] == pytest.approx(1.1)
+    assert dataclasses.replace(first, dual_clip=False, **again).effective_delta is None
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text(yaml.safe_dump({k: v for k, v in values.items() if k.startswith(("ratio_", "epsilon", "delta"))
+                                      or k in ("dual_clip", "steps_per_generation")}))
+    _, from_yaml, _ = parse_args(["--config", str(recipe), "--epsilon", "0.1", "--output_dir", str(tmp_path / "o")])
+    assert ratio_fields(from_yaml) == expected
+    moved = config(steps_per_generation=2)
+    moved.epsilon = 0.1  # set after construction: the path follows the window the config holds
+    assert ratio_fields(moved) == expected

@@ -1,7 +1,8 @@
 """What each loss type's row refuses or warns of in a config, as functions of the config's fields: a loss type's
 checks live with its row (:mod:`.loss_types`), so a new loss variant is one row, and the config switches on no loss
 type or kind. Each takes ``(args, name)``: the config (read by field name; no import of it here) and the
-``loss_type=...`` text the messages use; it returns messages (errors: ``list[str]``; warnings: ``list[str]``)."""
+``loss_type=...`` text the messages use (the search path's values are ``args.search_path``, the user's ``ratio_*``
+fields overlaid on the window rule's); it returns messages (errors: ``list[str]``; warnings: ``list[str]``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ LOWER_FIELDS = ("ratio_lower_start", "ratio_lower_max", "ratio_lower_step")
 
 
 def _numbers_ok(args) -> bool:
-    return all(is_real(getattr(args, n)) for n in ("ratio_upper_start", "ratio_upper_max", "ratio_lower_max"))
+    return all(is_real(args.search_path[n]) for n in ("ratio_upper_start", "ratio_upper_max", "ratio_lower_max"))
 
 
 def no_problems(args, name: str) -> list[str]:
@@ -50,21 +51,21 @@ def clipped_errors(args, name: str) -> list[str]:
     errors = window_errors(args, name)
     if errors:
         return errors
-    if args.delta is None or not _numbers_ok(args) or (is_real(args.delta) and args.delta >= args.ratio_upper_start):
+    start = args.search_path["ratio_upper_start"]
+    if args.delta is None or not _numbers_ok(args) or (is_real(args.delta) and args.delta >= start):
         return []
-    return [f"`delta` ({args.delta}) must be >= `ratio_upper_start` ({args.ratio_upper_start}) with BAPO: TRL caps "
-            "every ratio at delta, so no c_high of the search path could act. Raise `delta` or lower "
-            "`ratio_upper_start`."]
+    return [f"`delta` ({args.delta}) must be >= `ratio_upper_start` ({start}) with BAPO: TRL caps every ratio at "
+            "delta, so no c_high of the search path could act. Raise `delta` or lower `ratio_upper_start`."]
 
 
 def clipped_warnings(args, name: str) -> list[str]:
-    if args.delta is None or not args.delta < args.ratio_upper_max:
+    upper_max = args.search_path["ratio_upper_max"]
+    if args.delta is None or not args.delta < upper_max:
         return []
-    return [f"`delta` ({args.delta}) is below `ratio_upper_max` ({args.ratio_upper_max}): TRL's two-sided clip caps "
-            "every ratio at delta, so a c_high above it would change nothing; the upper search path ends at "
-            f"{min(args.ratio_upper_max, args.delta)} (paper: the last step <= delta; verl: delta itself). Raise "
-            "`delta` to >= `ratio_upper_max` for the full path, or set `ratio_upper_max` to delta to silence this "
-            "warning."]
+    return [f"`delta` ({args.delta}) is below `ratio_upper_max` ({upper_max}): TRL's two-sided clip caps every "
+            "ratio at delta, so a c_high above it would change nothing; the upper search path ends at "
+            f"{min(upper_max, args.delta)} (paper: the last step <= delta; verl: delta itself). Raise `delta` to >= "
+            "`ratio_upper_max` for the full path, or set `ratio_upper_max` to delta to silence this warning."]
 
 
 def _unclipped_warnings(args, name: str) -> list[str]:
@@ -94,13 +95,13 @@ def gate_errors(args, name: str) -> list[str]:
     """The soft gates: each sign's sharpness is read off its half-width relative to the start's."""
     if not _numbers_ok(args):
         return []
-    errors = []
-    if not args.ratio_upper_start > 1.0:
+    errors, start, lower_max = [], args.search_path["ratio_upper_start"], args.search_path["ratio_lower_max"]
+    if not start > 1.0:
         errors.append(f"`ratio_upper_start` must be > 1 with {name} (the positive gate's sharpness is "
-                      f"(ratio_upper_start - 1) / (c_high - 1)), got {args.ratio_upper_start}: use e.g. 1.2.")
-    if not args.ratio_lower_max < 1.0:
+                      f"(ratio_upper_start - 1) / (c_high - 1)), got {start}: use e.g. 1.2.")
+    if not lower_max < 1.0:
         errors.append(f"`ratio_lower_max` must be < 1 with {name} (the negative gate's sharpness is "
-                      f"(1 - ratio_lower_start) / (1 - c_low)), got {args.ratio_lower_max}: use e.g. 0.9.")
+                      f"(1 - ratio_lower_start) / (1 - c_low)), got {lower_max}: use e.g. 0.9.")
     return errors
 
 

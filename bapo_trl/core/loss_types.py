@@ -209,7 +209,8 @@ class LossType:
         """This row with the run's values of :attr:`reads` given to its functions (a row without any: itself)."""
         if not self.reads:
             return self
-        values = {name: getattr(args, name) for name in self.reads + ("ratio_upper_start", "ratio_lower_start")}
+        values = {name: getattr(args, name) for name in self.reads}
+        values |= {name: args.search_path[name] for name in ("ratio_upper_start", "ratio_lower_start")}
         return dataclasses.replace(self, to_trl=partial(self.to_trl, **values),
                                    grid_sums=partial(self.grid_sums, **values),
                                    contributions=partial(self.contributions, **values))

@@ -36,7 +36,8 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
     ``[c_low, c_high]`` chosen so that positive-advantage tokens hold at least ``positive_contribution_target`` of
     the loss. The search starts at the window you set and widens it only as far as the balance needs
     (:mod:`bapo_trl.core.window_rule`): the ``ratio_*`` fields you leave unset are derived from ``epsilon``,
-    ``epsilon_high`` and ``importance_sampling_level``. At TRL's defaults (``epsilon=0.2``, token ratios) that is
+    ``epsilon_high`` and ``importance_sampling_level`` (the fields keep what you set; the path the search runs on is
+    :attr:`search_path`). At TRL's defaults (``epsilon=0.2``, token ratios) that is
     the paper's path, ``c_high`` 1.2..3.0 and ``c_low`` 0.6..0.9; around GSPO's documented window (``3e-4``/``4e-4``
     on the sequence ratio) it is ``c_high`` 1.0004..1.04 and ``c_low`` 0.991..0.9997 (``gspo_balanced()``). A
     ``ratio_*`` field you set overrides the rule for that field.
@@ -209,8 +210,6 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         if errors:
             raise ValueError("Invalid BAPOConfig:\n  - " + "\n  - ".join(errors))
         self.vllm_server_base_url = normalized_server_urls(self.vllm_server_base_url)  # several: a list
-        if self.dual_clip and self.delta is None and self._loss.takes_delta:
-            self.delta = max(DUAL_CLIP, self.ratio_upper_max)
         super().__post_init__()
         errors = self.whole_group_errors()
         if errors:
@@ -225,22 +224,57 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
                 warnings.warn(f"BAPO: {message}", UserWarning, stacklevel=2)
 
     def _derive_search_path(self) -> None:
-        """The ``ratio_*`` fields left unset come from the user's window (:mod:`bapo_trl.core.window_rule`): once, at
-        construction (no per-step cost). :attr:`ratio_fields_set` keeps the ones the user set (they override the
-        rule); :attr:`search_path_origin` says where the path comes from, for the run's plan."""
-        if getattr(self, "ratio_fields_set", None) is None:  # a config built again from its own values keeps them
-            self.ratio_fields_set = tuple(name for name in RATIO_FIELDS if getattr(self, name) is not None)
-        level = self.importance_sampling_level if self.importance_sampling_level in WIDENING else "token"
-        path, origin = derived_path(self._loss.kind, self.epsilon, self.epsilon_high, level)
-        for name in RATIO_FIELDS:
-            if getattr(self, name) is None:
-                setattr(self, name, path[name])
-        mine = [name for name in RATIO_FIELDS if name in self.ratio_fields_set]
+        """The search path: the ``ratio_*`` fields you set, the window rule's values for the others
+        (:mod:`bapo_trl.core.window_rule`), once per window (no per-step cost). The fields keep what you set (None
+        where unset), so a config rebuilt from this one's values (``dataclasses.replace``, ``to_dict``, a saved
+        YAML, a sweep over ``epsilon``) derives its own path again instead of inheriting this one's;
+        :attr:`search_path_origin` says where the path comes from, for the run's plan."""
+        key = self._window_key()
+        path, origin = derived_path(self._loss.kind, self.epsilon, self.epsilon_high, key[3])
+        mine = self.ratio_fields_set
         if len(mine) == len(RATIO_FIELDS):
             origin = "your ratio_* settings"
         elif mine:
             origin += f"; your {', '.join(mine)} override{'s' if len(mine) == 1 else ''} the rule"
-        self.search_path_origin = origin
+        values = {name: getattr(self, name) if name in mine else path[name] for name in RATIO_FIELDS}
+        self.__dict__["_search_path"] = (key, values, origin)  # not a field: never saved as yours
+
+    def _window_key(self) -> tuple:
+        """What the search path is derived from: the loss kind, the window, its level and your ``ratio_*`` fields."""
+        level = self.importance_sampling_level if self.importance_sampling_level in WIDENING else "token"
+        return (self._loss.kind, self.epsilon, self.epsilon_high, level,
+                tuple(getattr(self, n) for n in RATIO_FIELDS))
+
+    def _search_path_now(self) -> tuple:
+        """``(key, values, origin)`` for the window the config holds now (derived again when it changed)."""
+        cached = self.__dict__.get("_search_path")
+        if cached is None or cached[0] != self._window_key():
+            self._derive_search_path()
+        return self.__dict__["_search_path"]
+
+    @property
+    def ratio_fields_set(self) -> tuple[str, ...]:
+        """The ``ratio_*`` fields you set (they override the window rule)."""
+        return tuple(name for name in RATIO_FIELDS if getattr(self, name) is not None)
+
+    @property
+    def search_path(self) -> dict[str, float]:
+        """The six ``ratio_*`` values the search runs on: yours where set, the window rule's elsewhere."""
+        return dict(self._search_path_now()[1])
+
+    @property
+    def search_path_origin(self) -> str:
+        """Where :attr:`search_path` comes from, in words (the run's plan prints it)."""
+        return self._search_path_now()[2]
+
+    @property
+    def effective_delta(self) -> float | None:
+        """TRL's two-sided clip as BAPO's loss applies it: your ``delta``; else, with ``dual_clip`` and a clipped loss,
+        the dual clip's ``max(3.0, ratio_upper_max)`` (installed in TRL's loss for each call, never written into
+        ``delta``, so a config rebuilt from this one's values with ``dual_clip=False`` has none); else None."""
+        if self.delta is not None or not (self.dual_clip and self._loss.takes_delta):
+            return self.delta
+        return max(DUAL_CLIP, self.search_path["ratio_upper_max"])
 
     def inert_settings(self) -> list[tuple[str, str]]:
         """``("error" | "warning", message)`` for every setting that can never act in this combination (the table
@@ -255,8 +289,9 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         rows = []
         path = self._loss.path(self.bapo_settings)
         window = f"[{path.clip_low[0]}, {path.clip_high[0]}]"
-        if (self.bapo_variant == "paper" and len(path.low_grid) == 1 and self.ratio_upper_max > self.ratio_upper_start
-                and not path.negatives_on_high):
+        ratio = self.search_path
+        if (self.bapo_variant == "paper" and len(path.low_grid) == 1
+                and ratio["ratio_upper_max"] > ratio["ratio_upper_start"] and not path.negatives_on_high):
             rows.append(("warning", (
                 "`ratio_lower_start` + `ratio_lower_step` exceeds `ratio_lower_max`, so the paper's search loop never "
                 f"runs and `c_high` stays at `ratio_upper_start`: the window is fixed at {window}; "
@@ -274,8 +309,8 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
                 and self.epsilon > 0 and lower_is_clamped(self.epsilon, level)):
             rows.append(("warning", (
                 f"your window's epsilon={self.epsilon} leaves no room to widen c_low below it ({level} ratios), so "
-                f"c_low's search path is clamped to {self.ratio_lower_start}..{self.ratio_lower_max} (c_high keeps "
-                "your window's bound); set `ratio_lower_start` / `ratio_lower_max` to choose it.")))
+                f"c_low's search path is clamped to {ratio['ratio_lower_start']}..{ratio['ratio_lower_max']} "
+                "(c_high keeps your window's bound); set `ratio_lower_start` / `ratio_lower_max` to choose it.")))
         if self.positive_contribution_is_weighted and not (self.use_vllm and self.vllm_importance_sampling_correction):
             rows.append(("warning", (
                 "`positive_contribution_is_weighted` only acts on TRL's vLLM importance-sampling weights, and this "
@@ -324,10 +359,10 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         if self.loss_type in SUPPORTED_LOSS_TYPES:
             errors += self._loss.config_errors(self, f"loss_type={self.loss_type!r}")  # the row's own checks
         if not (isinstance(self.max_log_ratio, (int, float)) and math.isfinite(self.max_log_ratio)) or (
-            not errors and self.max_log_ratio <= math.log(self.ratio_upper_max)
+            not errors and self.max_log_ratio <= math.log(self.search_path["ratio_upper_max"])
         ):
-            log_upper_max = (math.log(self.ratio_upper_max)
-                             if isinstance(self.ratio_upper_max, (int, float)) and self.ratio_upper_max > 0 else "n/a")
+            upper_max = self.search_path["ratio_upper_max"]
+            log_upper_max = math.log(upper_max) if isinstance(upper_max, (int, float)) and upper_max > 0 else "n/a"
             errors.append(
                 f"`max_log_ratio` must be a finite number > log(ratio_upper_max) = {log_upper_max}, "
                 f"got {self.max_log_ratio!r}."
@@ -354,7 +389,8 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
     def _settings_dict(self) -> dict:
         """The search settings as set; ``delta`` (TRL's field, checked in :meth:`bapo_errors`) joins in
         :attr:`bapo_settings`."""
-        return {name: getattr(self, name) for name in BAPOSettings.__dataclass_fields__ if name != "delta"}
+        return {**{name: getattr(self, name) for name in BAPOSettings.__dataclass_fields__ if name != "delta"},
+                **self.search_path}
 
     @property
     def bapo_settings(self) -> BAPOSettings:
@@ -363,9 +399,10 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         two-sided clip gives no gradient), and below ``ratio_upper_max`` the upper path ends at ``delta`` (TRL caps
         every ratio there). Other loss types ignore ``delta``, as TRL does."""
         settings = self._settings_dict()
-        if self._loss.takes_delta and self.delta is not None:
-            settings["delta"] = self.delta
-            settings["ratio_upper_max"] = min(self.ratio_upper_max, self.delta)
+        delta = self.effective_delta
+        if self._loss.takes_delta and delta is not None:
+            settings["delta"] = delta
+            settings["ratio_upper_max"] = min(settings["ratio_upper_max"], delta)
         return BAPOSettings(**settings)
 
 

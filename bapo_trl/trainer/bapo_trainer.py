@@ -154,6 +154,8 @@ class BAPOTrainer(VLLMGenerationMixin, CheckpointMixin, ModelCardMixin, Evaluati
         # Before TRL binds its loss mask: real tokens with non-finite inputs leave the loss (needs no new log-probs).
         self._nonfinite_inputs = mask_nonfinite_inputs(inputs, self.args.mask_nonfinite_tokens)
         self._bapo_pending, self._bapo_installed = inputs, {}
+        if self.args.effective_delta != self.args.delta:  # the dual clip: TRL's `delta` for this call only
+            self._bapo_installed["delta"], self.args.delta = self.args.delta, self.args.effective_delta
         try:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:

@@ -34,12 +34,15 @@ def target_from_card(text: str) -> float | None:
 
 def bapo_card_section(args: BAPOConfig, log_history: list[dict]) -> str:
     """Markdown: the BAPO settings of the run and the averages of its search, for the model card."""
+    path = args.search_path
     rows = [
         ("variant", args.bapo_variant),
         ("positive contribution (rho) measured as", args.positive_contribution_mode),
         (TARGET_ROW, args.positive_contribution_target),
-        ("c_low range / step", f"[{args.ratio_lower_start}, {args.ratio_lower_max}] / {args.ratio_lower_step}"),
-        ("c_high range / step", f"[{args.ratio_upper_start}, {args.ratio_upper_max}] / {args.ratio_upper_step}"),
+        ("c_low range / step",
+         f"[{path['ratio_lower_start']}, {path['ratio_lower_max']}] / {path['ratio_lower_step']}"),
+        ("c_high range / step",
+         f"[{path['ratio_upper_start']}, {path['ratio_upper_max']}] / {path['ratio_upper_step']}"),
         ("steps_per_generation / num_iterations", f"{args.steps_per_generation} / {args.num_iterations}"),
         ("loss_type", args.loss_type),
     ]

@@ -36,8 +36,8 @@ def gmpo_config_errors(args, name: str) -> list[str]:
 def gmpo_config_warnings(args, name: str) -> list[str]:
     """Fields GMPO's loss never reads, left at a value that would act in another loss (they change nothing here)."""
     rows = []
-    if args.delta is not None:
-        rows.append(f"`delta` ({args.delta}, the dual clip's) has no effect with {name}: GMPO's loss has no "
+    if args.effective_delta is not None:
+        rows.append(f"`delta` ({args.effective_delta}, the dual clip's) has no effect with {name}: GMPO's loss has no "
                     "two-sided clip, and its search path ignores it. Pass dual_clip=False (gmpo_balanced() does).")
     if args.positive_contribution_is_weighted:
         rows.append(f"`positive_contribution_is_weighted` has no effect with {name}: GMPO's loss does not "

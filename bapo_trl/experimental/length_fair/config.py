@@ -70,4 +70,4 @@ class LengthFairBAPOConfig(BAPOConfig):
         """The length-fair search's settings (``delta`` as :attr:`bapo_settings` takes it)."""
         return LengthFairSettings(**self._band_dict(), positive_contribution_target=self.positive_contribution_target,
                                   positive_contribution_mode=self.positive_contribution_mode,
-                                  delta=self.delta if self._loss.takes_delta else None)
+                                  delta=self.effective_delta if self._loss.takes_delta else None)
