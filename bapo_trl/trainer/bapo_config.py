@@ -34,13 +34,16 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
 
     At every loss computation BAPO replaces the fixed PPO window ``[1 - epsilon, 1 + epsilon_high]`` by a window
     ``[c_low, c_high]`` chosen so that positive-advantage tokens hold at least ``positive_contribution_target`` of
-    the loss. The search starts at the window you set and widens it only as far as the balance needs
-    (:mod:`bapo_trl.core.window_rule`): the ``ratio_*`` fields you leave unset are derived from ``epsilon``,
-    ``epsilon_high`` and ``importance_sampling_level`` (the fields keep what you set; the path the search runs on is
-    :attr:`search_path`). At TRL's defaults (``epsilon=0.2``, token ratios) that is
-    the paper's path, ``c_high`` 1.2..3.0 and ``c_low`` 0.6..0.9; around GSPO's documented window (``3e-4``/``4e-4``
-    on the sequence ratio) it is ``c_high`` 1.0004..1.04 and ``c_low`` 0.991..0.9997 (``gspo_balanced()``). A
-    ``ratio_*`` field you set overrides the rule for that field.
+    the loss. The search path is derived from the window you set (:mod:`bapo_trl.core.window_rule`): ``c_high``
+    starts at your bound and rises only as far as the balance needs; ``c_low`` starts wider than yours (2x the
+    half-width for token ratios, 30x for sequence ratios) and narrows. So on a stale batch where the search takes no
+    step, the window differs from yours below 1; on on-policy data every ratio is 1 and BAPO equals TRL. The
+    ``ratio_*`` fields you leave unset are derived from ``epsilon``, ``epsilon_high`` and
+    ``importance_sampling_level`` (the fields keep what you set; the path the search runs on is
+    :attr:`search_path`). At TRL's defaults (``epsilon=0.2``, token ratios) that is the paper's path, ``c_high``
+    1.2..3.0 and ``c_low`` 0.6..0.9; around GSPO's documented window (``3e-4``/``4e-4`` on the sequence ratio) it is
+    ``c_high`` 1.0004..1.04 and ``c_low`` 0.991..0.9997 (``gspo_balanced()``). A ``ratio_*`` field you set
+    overrides the rule for that field.
 
     Every TRL ``loss_type`` and both ``importance_sampling_level`` values are balanced (``docs/loss_types.md``): the
     clipped losses (dapo, bnpo, grpo, dr_grpo, luspo) through their window; ``cispo`` through its cap on the
