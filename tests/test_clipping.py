@@ -262,3 +262,28 @@ def test_shapes_are_checked():
         search_clip_bounds(torch.ones(2, 3), torch.ones(3), torch.ones(2, 3))
     with pytest.raises(ValueError, match="positive_contribution_target"):
         search_clip_bounds(torch.ones(2, 3), torch.ones(2), torch.ones(2, 3), positive_contribution_target=1.5)
+
+
+@pytest.mark.parametrize("search", ["fast", "loop"])
+@pytest.mark.parametrize("variant", ["paper", "verl"])
+def test_the_target_tolerance_is_the_documented_literal_on_a_hand_computed_batch(variant, search):
+    """Issue 75, finding 10: the plain loops import the fast path's tolerance, so a change of it (1e-9 -> 1e-3) left
+    every comparison of the two equal. Here the numbers are written out: every ratio is 1 (no bound clips), so the
+    share is 0.49975 / (0.49975 + 0.50025) = 0.49975 (verl: pos / neg = 0.999) at every point of the path. Against
+    the target 0.5 (verl: 1.0) with the documented tolerance 1e-9 that is NOT met: the search walks the whole path
+    (36 upper steps, then 15 lower) and ends unmet; a share of exactly 0.5 meets at the start (paper), but not for
+    the verl variant, whose ``pos / (neg + 1e-8)`` stays below 1 - 1e-9 (the official code's epsilon). A tolerance of
+    1e-3 would count 0.49975 as met and take no step; an epsilon of 0 would meet the exact balance."""
+    run = search_clip_bounds if search == "fast" else loop_search
+    ratio, mask = torch.ones(1, 2, dtype=torch.float64), torch.ones(1, 2)
+    short = torch.tensor([[0.49975, -0.50025]], dtype=torch.float64)
+    result = run(ratio, short, mask, bapo_variant=variant)
+    chosen = result.as_floats() if hasattr(result, "as_floats") else result
+    assert chosen["target_met"] == 0.0 and chosen["steps"] == 36 + 15, chosen
+    assert chosen["positive_contribution"] == pytest.approx(0.49975, abs=1e-12)
+    even = run(ratio, torch.tensor([[0.5, -0.5]], dtype=torch.float64), mask, bapo_variant=variant)
+    even = even.as_floats() if hasattr(even, "as_floats") else even
+    if variant == "paper":
+        assert even["target_met"] == 1.0 and even["steps"] == 0 and even["clip_high"] == pytest.approx(1.2)
+    else:  # the official code's pos / (neg + 1e-8) = 1 - 2e-8 < 1 - 1e-9: exact balance is not met there
+        assert even["target_met"] == 0.0 and even["steps"] == 15 + 36, even
