@@ -448,8 +448,8 @@ def test_a_data_parallel_server_anywhere_in_the_fleet_is_refused_naming_it(tmp_p
 
 
 def test_a_resumed_adapter_run_samples_from_the_trainers_policy_on_its_first_generation(tiny_model_dir, tmp_path):
-    """An adapter-push run resumed from its checkpoint by a new trainer, against the same server (which still holds
-    the first run's state): the resumed run's first push reloads the base and loads its adapter once, so the server
+    """An adapter-push run resumed from its checkpoint by a new trainer, against the same server, whose base weights
+    were changed meanwhile: the resumed run's first push reloads the base and loads its adapter once, so the server
     samples from the trainer's policy at once (TRL's sampler/trainer gap at float32 noise on the first generation
     after the resume; an adapter counted twice, e.g. merged into the base it pushes and loaded again, shows as a gap
     of the adapter's size)."""
@@ -458,6 +458,20 @@ def test_a_resumed_adapter_run_samples_from_the_trainers_policy_on_its_first_gen
         first = tiny_trainer(tiny_model_dir, server_config(server, tmp_path, learning_rate=2e-2, save_strategy="steps",
                                                            save_steps=2), model=peft_model(tiny_model_dir))
         first.train()
+        # the server's weights changed since the checkpoint (a server reused by another run, or restarted on other
+        # weights): the resumed run's first push must send the base again, not only its adapter (issue 75,
+        # finding 10: with the server still holding the same base, a first push that skipped it passed unseen)
+        from bapo_trl.generation.weight_sync import DiskWeightSync
+        from support.server_training import load_weights
+
+        generator = torch.Generator().manual_seed(11)
+        other = {k: v + 0.05 * torch.randn(v.shape, generator=generator)
+                 for k, v in load_weights(tiny_model_dir).items()}
+        sync = DiskWeightSync(server.url, timeout=60)
+        try:
+            sync.push(other)
+        finally:
+            sync.close()
         resumed = tiny_trainer(tiny_model_dir, server_config(server, tmp_path / "again", learning_rate=2e-2,
                                                              max_steps=6), model=peft_model(tiny_model_dir, seed=5))
         resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
