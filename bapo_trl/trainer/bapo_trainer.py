@@ -38,6 +38,11 @@ from .trl_port import TRLPort
 from .trl_seams import check_trl_seams
 from .vllm_backend import VLLMGenerationMixin  # TRL builds bapo_trl's vLLM backend (any device, LoRA, seeds)
 
+#: The target a micro-batch without old log-probs is searched with (TRL skipped them: the data is exactly on-policy,
+#: every ratio 1). No window changes the gradient there, but a gate's scale changes SAPO's loss value (its 4 / tau),
+#: so the path's start, the user's own window, is taken: TRL's loss and gradient exactly.
+ON_POLICY_TARGET = 1e-12
+
 check_trl_seams()  # a TRL that moved a private method we override fails here, loudly, not mid-training
 
 
@@ -192,6 +197,8 @@ class BAPOTrainer(VLLMGenerationMixin, CheckpointMixin, ModelCardMixin, Evaluati
         type's path, its sums reduced over all processes. A research candidate with another window overrides only
         this (:mod:`bapo_trl.experimental`)."""
         settings = self._bapo_settings
+        if inputs.get("old_per_token_logps") is None:  # exactly on-policy: every ratio 1, see ON_POLICY_TARGET
+            settings = dataclasses.replace(settings, positive_contribution_target=ON_POLICY_TARGET)
         path = self.loss.path(settings)
         result = search_clip_bounds(ratio, advantages, mask, config=settings, path=path,
                                     reduce_fn=self.port.sum_over_processes, sums_fn=self.loss.grid_sums)
