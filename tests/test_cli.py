@@ -624,6 +624,8 @@ def test_a_run_prints_no_warning_of_the_projects_own_making(tmp_path, tiny_model
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Setting accelerator to CPU" not in proc.stderr + proc.stdout
     assert "`gradient_checkpointing` is deprecated" not in proc.stderr + proc.stdout
+    assert "[bapo_trl] launch:" not in proc.stderr + proc.stdout  # the record is in launch_info/, not on the bar
+    assert (tmp_path / "out" / "launch_info" / "rank0.json").exists()
     code = ("import sys\n"
             "from bapo_trl import BAPOConfig, BAPOTrainer\n"
             "from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward\n"

@@ -166,7 +166,21 @@ def test_model_card_names_bapo_and_its_settings(tiny_model_dir, tmp_path):
     # nothing pushed (no hub_model_id): the quick start loads the saved folder, not model="None" (TRL's template)
     assert 'model="None"' not in card and f'model="{tmp_path}"' in card
     trainer.save_model(str(tmp_path / "elsewhere"))  # a model saved to another folder: its card loads that one
-    assert f'model="{tmp_path / "elsewhere"}"' in (tmp_path / "elsewhere" / "README.md").read_text()
+    elsewhere = (tmp_path / "elsewhere" / "README.md").read_text()
+    assert f'model="{tmp_path / "elsewhere"}"' in elsewhere
+    # the quick start asks a prompt of the task (plain text, as trained), not TRL's chat question, and answers
+    assert repr(trainer.train_dataset[0]["prompt"]) in elsewhere and "time machine" not in elsewhere
+    code = elsewhere.split("## Quick start")[1].split("```python\n")[1].split("```")[0]
+    import contextlib
+    import io
+    import warnings
+
+    printed = io.StringIO()
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(printed):
+        warnings.simplefilter("always")
+        exec(code, {})
+    assert printed.getvalue().strip(), code  # an answer, not the empty string of a chat question
+    assert not [w for w in caught if "length" in str(w.message).lower()], [str(w.message) for w in caught]
 
 
 def test_num_iterations_makes_the_second_pass_off_policy_and_bapo_acts(tiny_model_dir, tmp_path, monkeypatch):

@@ -2,7 +2,8 @@
 
 Several launch mistakes pass silently (two independent world-size-1 runs instead of one DDP run, FSDP quietly
 becoming DDP on CPU, ZeRO-3 not partitioning). ``train_bapo.py`` writes this record per rank to
-``<output_dir>/launch_info/rank<N>.json`` and prints rank 0's, so a user (and the tests) can check.
+``<output_dir>/launch_info/rank<N>.json``, so a user (and the tests) can check; the console keeps the progress bar
+(the saved listing at the end names the folder).
 """
 
 from __future__ import annotations
@@ -80,5 +81,3 @@ class LaunchInfoCallback(TrainerCallback):
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, f"rank{info['rank']}.json"), "w") as f:
             json.dump(info, f, indent=1)
-        if info["rank"] == 0:
-            print(f"[bapo_trl] launch: {json.dumps(info)}")

@@ -86,6 +86,24 @@ def quick_start_model(folder: str) -> str:
     return f'model="{os.path.abspath(folder)}"'
 
 
+def task_quick_start(text: str, prompt: str, max_new_tokens: int) -> str:
+    """TRL's card ``text`` with its quick start asking the model a prompt of the task it was trained on, as plain
+    text, greedily, within the run's completion length. TRL's asks a chat question: a model trained on plain-text
+    prompts (the embedded reversal model: ``"123>"`` gives ``"321"``) answers it with nothing, past its context."""
+    start = text.find("## Quick start")
+    begin = text.find("```python", start)
+    end = text.find("```", begin + len("```python"))
+    model = re.search(r'model="[^"]*"', text[begin:end]) if min(start, begin, end) >= 0 else None
+    if model is None:
+        return text
+    code = ("```python\nfrom transformers import pipeline\n\n"
+            f"generator = pipeline(\"text-generation\", {model.group(0)})\n"
+            f"output = generator({prompt!r}, max_new_tokens={max_new_tokens}, do_sample=False, "
+            "return_full_text=False)[0]\n"
+            "print(output[\"generated_text\"])\n")
+    return text[:begin] + code + text[end:]
+
+
 def name_base_model(text: str, base: str | None) -> str:
     """TRL's card ``text`` with the base model named where TRL names none: its card links a Hub id only, so for a model
     loaded from a local directory it writes "a fine-tuned version of [None]". The directory (``base``, the model
@@ -129,4 +147,16 @@ class ModelCardMixin:
         base = getattr(config, "name_or_path", None) or None
         with open(path, "w") as f:
             text = text.replace(NO_HUB_ID, quick_start_model(self.args.output_dir))  # not pushed: the saved folder
+            prompt = self._plain_text_prompt()
+            if prompt is not None:  # a model of plain-text prompts: the quick start asks one of its task's
+                text = task_quick_start(text, prompt, self.args.max_completion_length)
             f.write(name_base_model(text, base) + "\n" + bapo_card_section(self.args, self.state.log_history))
+
+    def _plain_text_prompt(self) -> str | None:
+        """The train set's first prompt when it is plain text (None for chat prompts, which TRL's card serves)."""
+        dataset = getattr(self, "train_dataset", None)
+        try:
+            prompt = dataset[0]["prompt"]
+        except (TypeError, KeyError, IndexError, NotImplementedError):
+            return None
+        return prompt if isinstance(prompt, str) else None

@@ -12,6 +12,7 @@ log-prob hook first).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Any
@@ -213,10 +214,9 @@ class TRLPort:
         checkpointing; the trainer's search is armed only inside its loss). ``inputs``: the batch the tokens come
         from; its image inputs (:func:`forward_inputs`) reach the forward as TRL's loss passes them, so a
         vision-language model scores the tokens it generated from the image, not from the text alone."""
-        from trl.models.utils import disable_gradient_checkpointing
-
         trainer = self._trainer
-        with disable_gradient_checkpointing(trainer.model, self.args.gradient_checkpointing_kwargs):
+        with checkpointing_off(trainer.model, getattr(self.args, "activation_checkpointing_kwargs",
+                                                      self.args.gradient_checkpointing_kwargs)):
             logps, _, _ = trainer._get_per_token_logps_and_entropies(
                 trainer.model, input_ids, attention_mask, logits_to_keep,
                 batch_size=batch_size or self.args.per_device_train_batch_size, **forward_inputs(inputs),
@@ -283,6 +283,22 @@ class TRLPort:
         metrics = self._trainer._metrics[mode]
         for name, value in values.items():
             metrics[name].append(value)
+
+
+@contextlib.contextmanager
+def checkpointing_off(model, kwargs: dict | None):
+    """Activation (gradient) checkpointing off for a no-grad forward, then back as it was: TRL's
+    ``disable_gradient_checkpointing`` with transformers' current names (``is_activation_checkpointing`` and its
+    pair; the ``gradient_checkpointing`` names warn of their removal), the old ones where a release lacks them."""
+    current = hasattr(type(model), "is_activation_checkpointing") or hasattr(model, "activation_checkpointing_enable")
+    was_on = model.is_activation_checkpointing if current else model.is_gradient_checkpointing
+    if was_on:
+        (model.activation_checkpointing_disable if current else model.gradient_checkpointing_disable)()
+    try:
+        yield
+    finally:
+        if was_on:
+            (model.activation_checkpointing_enable if current else model.gradient_checkpointing_enable)(kwargs)
 
 
 #: The parameters of TRL's policy forward (``GRPOTrainer._get_per_token_logps_and_entropies``) that are not a batch's

@@ -177,7 +177,6 @@ SEAMS: tuple[Seam, ...] = (
          looked_up_by=f"{CLIENT}.__init__"),
     Seam("trl.trainer.utils:RepeatSampler", "async generation draws its prompts as TRL's sampler does"),
     Seam("trl.trainer.utils:is_async_callable", "async reward functions keep their errors named"),
-    Seam("trl.models.utils:disable_gradient_checkpointing", "no-grad policy forwards outside the loss"),
 )
 
 #: TRL's experimental GMPO, which ``BAPOGMPOTrainer`` (bapo_trl/experimental/gmpo/trainer.py) puts BAPO in front
