@@ -638,3 +638,23 @@ def test_a_run_prints_no_warning_of_the_projects_own_making(tmp_path, tiny_model
                          env={**os.environ, "BAPO_TRL_CACHE": str(test_cache), "HF_HUB_OFFLINE": "1"})
     assert api.returncode == 0, api.stderr[-3000:]
     assert "Setting accelerator to CPU" not in api.stderr + api.stdout
+
+
+def test_the_help_and_the_plan_read_as_written(capsys):
+    """Issue 77 (9): ``--no_dual_clip`` says what it does (it repeated ``--dual_clip``'s help with "default: False"),
+    ``bapo models --help`` shows no reStructuredText markup, and the plan says "1 optimizer step"."""
+    import warnings
+
+    from bapo_trl.cli.models import main as models_main
+    from bapo_trl.cli.train import run_plan
+
+    help_text = make_parser().format_help(full=True)
+    entry = help_text.split("--no_dual_clip, --no-dual-clip")[1].split("\n  --")[0]
+    assert "Turn --dual_clip off (dual_clip=False)." in entry and "default" not in entry
+    with pytest.raises(SystemExit):
+        models_main(["--help"])
+    assert "``" not in capsys.readouterr().out
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, args, _ = parse_args(["--max_steps", "1"])
+    assert "1 optimizer step of" in run_plan(args)

@@ -17,7 +17,7 @@ from ..recipes import models
 def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.models") -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog=prog, description=models.__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, description=models.__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("name", nargs="?", help=f"registry name: {', '.join(models.NAMES)}")
     parser.add_argument("--cache_dir", default=None, help="default $BAPO_TRL_CACHE or ~/.cache/bapo_trl")
     parser.add_argument("--force", action="store_true", help="convert again even if cached")

@@ -174,6 +174,9 @@ def organize_help(parser: argparse.ArgumentParser) -> dict[str, argparse._Argume
     descriptions = {title: text for title, text, _ in BAPO_OPTION_GROUPS}
     order = [title for title, _, _ in BAPO_OPTION_GROUPS] + [OTHER_BAPO_GROUP, SCRIPT_GROUP, *TRL_GROUPS]
     groups = {title: argparse._ArgumentGroup(parser, title, descriptions.get(title)) for title in order}
+    for action in parser._optionals._group_actions:  # HfArgumentParser's --no_X repeats --X's help and a default
+        if isinstance(action, argparse._StoreFalseAction):
+            action.help, action.default = f"Turn --{action.dest} off ({action.dest}=False).", argparse.SUPPRESS
     kept = []
     for action in parser._optionals._group_actions:
         title = section_of.get(action.dest)
@@ -573,7 +576,7 @@ def run_plan(args: BAPOConfig, script_args: BAPOScriptArguments | None = None, m
     rewards, the steps, the staleness of the data (:func:`staleness_plan`) and where it writes."""
     world = getattr(args, "world_size", 1)
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
-    length = (f"{args.max_steps} optimizer steps" if args.max_steps > 0 else
+    length = (_count(args.max_steps, "optimizer step") if args.max_steps > 0 else
               f"{args.num_train_epochs:g} epoch(s) of the prompts")
     scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "float32"
