@@ -4,14 +4,16 @@
 # They work in a virtualenv and with a plain system Python (PYTHON=python3 if there is no `python`).
 PYTHON ?= $(shell command -v python >/dev/null 2>&1 && echo python || echo python3)
 PIP ?= $(PYTHON) -m pip
-# torch: installed ONLY where none is importable, then as torch==2.13.0: the CPU build where pip's find-links provide
-# it, as on the CI machines; elsewhere pass
-# TORCH_CPU="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
+# torch: installed ONLY where none is importable, then as torch==2.13.0, from where scripts/torch_index.py says: on
+# Linux without an NVIDIA driver PyTorch's CPU index is added (its 2.13.0+cpu wins the pin: ~190 MB instead of the
+# ~6 GB CUDA build PyPI serves), unless it cannot be reached (then pip's configured index, as on the CI machines,
+# whose find-links hold the CPU build); with a driver, or on macOS / Windows, PyPI's wheel. TORCH_INDEX="" skips it.
 # An installed torch (a CUDA build on a GPU machine) is never replaced or upgraded. On a GPU machine without torch,
-# install the CUDA build first and then run make, e.g. for CUDA 12.8:
+# install the CUDA build for your CUDA first and then run make, e.g. for CUDA 12.8:
 #   pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
 # DeepSpeed installs as pure Python without building ops.
 TORCH_CPU ?= torch==2.13.0
+TORCH_INDEX ?= $$($(PYTHON) scripts/torch_index.py)
 export DS_BUILD_OPS ?= 0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
@@ -26,7 +28,7 @@ install-test: install-torch
 
 # The guard: `import torch` first, the CPU build only if that fails (tests/test_release.py keeps it so).
 install-torch:
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_CPU)
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_CPU) $(TORCH_INDEX)
 
 train: install
 	$(PYTHON) train_bapo.py

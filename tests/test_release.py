@@ -153,3 +153,53 @@ def test_the_wheel_installs_and_runs_in_a_fresh_virtualenv(tmp_path):
     assert {"train", "serve", "evaluate", "plot", "models"} <= set(subcommands), usage
     for name in subcommands:
         assert "usage: bapo " + name in run(bapo, name, "--help"), name
+
+
+def _torch_index():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("torch_index", REPO / "scripts" / "torch_index.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("platform, driver, reachable, expected", [
+    ("linux", False, True, ["--extra-index-url", "https://download.pytorch.org/whl/cpu"]),
+    ("linux", False, False, []),  # an index that cannot be reached: pip's own configuration, no failure
+    ("linux", True, True, []),  # a driver: PyPI's CUDA build
+    ("darwin", False, True, []),  # PyPI's macOS wheel is the CPU build
+    ("win32", False, True, []),
+], ids=["cpu-linux", "cpu-linux-offline", "nvidia-driver", "macos", "windows"])
+def test_make_asks_for_pytorchs_cpu_build_only_on_linux_without_a_driver(platform, driver, reachable, expected):
+    """Issue 77 (1): against the public index, ``pip install torch==2.13.0`` on Linux is the CUDA build (~6 GB);
+    without an NVIDIA driver make adds PyTorch's CPU index (its ``+cpu`` local version wins the pin), unless it cannot
+    be reached. The decision logic, with the machine's facts stood in for (nothing is downloaded); the index is asked
+    only where it would be used."""
+    module = _torch_index()
+    asked = []
+    arguments, why = module.pip_arguments(platform, driver, lambda: asked.append(1) or reachable)
+    assert arguments == expected and why
+    assert bool(asked) == (platform == "linux" and not driver)
+
+
+def test_the_driver_and_the_index_are_detected_without_a_download(tmp_path):
+    module = _torch_index()
+    present = tmp_path / "version"
+    present.write_text("NVRM version: 550")
+    assert module.has_nvidia_driver(files=(str(present),), which=lambda _: None)
+    assert module.has_nvidia_driver(files=(), which=lambda name: "/usr/bin/nvidia-smi")
+    assert not module.has_nvidia_driver(files=(str(tmp_path / "none"),), which=lambda _: None)
+
+    def refused(url, timeout):
+        raise OSError("unreachable")
+
+    class Answer:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    assert not module.reachable(opener=refused)
+    assert module.reachable(opener=lambda url, timeout: Answer())
