@@ -658,3 +658,20 @@ def test_the_help_and_the_plan_read_as_written(capsys):
         warnings.simplefilter("ignore")
         _, args, _ = parse_args(["--max_steps", "1"])
     assert "1 optimizer step of" in run_plan(args)
+
+
+def test_the_shipped_chat_arithmetic_task_is_one_flag_with_its_own_reward(tmp_path, tiny_model_dir):
+    """Issue 77 (8): ``bapo train --model_name_or_path smollm2 --dataset_name chat_arithmetic`` is the README's SmolLM2
+    example as one command: the shipped task's chat prompts and answers (train and test splits), scored by its own
+    reward (``boxed_accuracy``) when no --reward_funcs is given; a reward of one's own still wins."""
+    from bapo_trl.cli.train import prepare
+
+    script_args, args, model_args = _parse(["--model_name_or_path", tiny_model_dir, "--dataset_name",
+                                            "chat_arithmetic", "--eval_strategy", "steps"], tmp_path)
+    rewards, train, evaluation = prepare(script_args, args, model_args)
+    assert [getattr(f, "__name__", f) for f in rewards] == ["boxed_accuracy"]
+    assert {"prompt", "answer"} <= set(train.column_names) and isinstance(train[0]["prompt"], list)
+    assert 0 < len(evaluation) < len(train)
+    script_args, args, model_args = _parse(["--model_name_or_path", tiny_model_dir, "--dataset_name",
+                                            "chat_arithmetic", "--reward_funcs", "reverse"], tmp_path / "own")
+    assert [getattr(f, "__name__", f) for f in prepare(script_args, args, model_args)[0]] == ["reverse_reward"]

@@ -150,6 +150,26 @@ def test_batches_without_any_reward_train_on_but_warn_and_are_counted(tiny_model
     assert run_problems(history, args) == []  # one batch had rewards
 
 
+def test_a_reward_that_gives_zero_to_every_completion_of_the_first_batches_is_named(tiny_model_dir, tmp_path):
+    """Issue 77 (8): a reward that never fits the data (a math reward on the reversal task) trained 706 s on reward 0
+    without a word. After the first 2 generation batches in which it gave exactly 0 to every completion, a warning
+    names it and the dataset; a reward that gives something somewhere is not named."""
+    def zero(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    def length(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    args = cpu_config(tmp_path, save_strategy="no", per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=6, max_steps=6, logging_steps=3, steps_per_generation=2)
+    trainer = tiny_trainer(tiny_model_dir, args, reward=[zero, length], prompts=16, model=tiny_model_dir)
+    with pytest.warns(UserWarning, match=r"reward function\(s\) 'zero' gave 0 to every completion of the first 2 "
+                                         r"generation batches, on the train_dataset \(Dataset, columns \[") as record:
+        trainer.train()
+    said = [str(w.message) for w in record if "gave 0 to every completion" in str(w.message)]
+    assert len(said) == 1 and "'length'" not in said[0] and "first prompt" in said[0], said
+
+
 def test_the_tally_goes_on_from_a_resumed_runs_log():
     from types import SimpleNamespace
 

@@ -5,6 +5,21 @@ from __future__ import annotations
 
 from ..recipes.datasets_io import FILE_FORMATS, load_split  # noqa: F401  (FILE_FORMATS: re-exported)
 
+#: Tasks the package ships, by the name ``--dataset_name`` takes, with the reward that scores them (the default
+#: ``--reward_funcs`` for them): the README's SmolLM2 example as one command.
+SHIPPED_TASKS = {"chat_arithmetic": ("bapo_trl.recipes.math_reasoning.chat_arithmetic:splits", "boxed_accuracy")}
+
+
+def shipped_task(name: str | None):
+    """``(splits function, reward name)`` of a shipped task named ``name`` (None for any other dataset name)."""
+    if name not in SHIPPED_TASKS:
+        return None
+    import importlib
+
+    target, reward = SHIPPED_TASKS[name]
+    module, function = target.split(":")
+    return getattr(importlib.import_module(module), function), reward
+
 
 def prepare_prompts(dataset, prompt_column: str = "prompt"):
     """Check the prompt column exists and name it ``prompt``; the error lists the columns there are (the trainer's
@@ -35,8 +50,18 @@ def load_prompts(script_args, training_args):
 
 
 def _prompts(script_args, split: str):
-    """One split: mapped by its math format when ``math_dataset_format`` is set, else by its prompt column."""
+    """One split: a shipped task's (:data:`SHIPPED_TASKS`), mapped by its math format when ``math_dataset_format`` is
+    set, else by its prompt column."""
     name, config = script_args.dataset_name, script_args.dataset_config
+    task = shipped_task(name)
+    if task is not None:
+        from datasets import Dataset
+
+        splits = task[0]()
+        if split not in splits:
+            raise ValueError(f"the shipped task {name!r} has the splits {sorted(splits)}, not {split!r} (from "
+                             "`dataset_train_split` / `dataset_test_split`).")
+        return Dataset.from_list(splits[split])
     math_format = getattr(script_args, "math_dataset_format", None)
     if not math_format:
         dataset = load_split(name, config, split, script_args.dataset_train_split)

@@ -66,7 +66,8 @@ class BAPOScriptArguments(ScriptArguments):
     Args:
         reward_funcs (`list[str]`, *optional*):
             Reward functions by registry name (see :data:`bapo_trl.cli.rewards.REWARD_FUNCS`) or dotted import path
-            (``my_pkg.rewards.my_reward``). Defaults to ``reverse`` with the embedded task.
+            (``my_pkg.rewards.my_reward``). Defaults to ``reverse`` with the embedded task, and to the shipped task's
+            own reward with ``--dataset_name chat_arithmetic`` (``boxed_accuracy``).
         reward_model_name_or_path (`str`, *optional*):
             A reward model (sequence classifier) to add to the reward functions.
         prompt_column (`str`, defaults to `"prompt"`):
@@ -89,7 +90,8 @@ class BAPOScriptArguments(ScriptArguments):
 
     reward_funcs: list[str] | None = field(
         default=None,
-        metadata={"help": "Reward functions: registry names or dotted import paths. Default: 'reverse' (toy task)."},
+        metadata={"help": "Reward functions: registry names or dotted import paths. Default: 'reverse' (toy task); "
+                  "'boxed_accuracy' with --dataset_name chat_arithmetic (the shipped chat arithmetic task)."},
     )
     reward_model_name_or_path: str | None = field(
         default=None, metadata={"help": "Optional reward model (sequence classification) added to the rewards."}
@@ -466,7 +468,11 @@ def prepare(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_a
         mistakes = launch_errors(training_args)
         if mistakes:
             raise ValueError(" ".join(mistakes))
-        reward_names = script_args.reward_funcs or (["reverse"] if embedded else None)
+        from .data import shipped_task
+
+        task = shipped_task(script_args.dataset_name)
+        reward_names = script_args.reward_funcs or (
+            [task[1]] if task is not None else ["reverse"] if embedded else None)
         if not reward_names and not script_args.reward_model_name_or_path:
             raise ValueError("no reward: pass --reward_funcs NAME [NAME ...] or --reward_model_name_or_path.")
         reward_funcs = resolve_reward_funcs(reward_names or [])

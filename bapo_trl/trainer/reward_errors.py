@@ -85,10 +85,17 @@ class RewardTally:
     summary reports and ``bapo train`` reads to exit non-zero when no batch had a reward.
     """
 
+    #: The first generation batches of a run after which a reward function that gave exactly 0 to every completion of
+    #: each of them is named in a warning: it most likely does not fit the dataset (a math reward on the embedded
+    #: reversal task trained 706 s on reward 0).
+    ZERO_BATCHES = 2
+
     def __init__(self, reward_func_names: list[str]):
         self.names = list(reward_func_names)
         self.scored = self.without_reward = 0
         self._started = False
+        self._zero_batches = dict.fromkeys(self.names, 0)
+        self._resumed = False  # a resumed run's first batches are not its first: no zero-reward check
 
     def counting(self, score: Callable, trainer) -> Callable:
         """``score`` (TRL's ``_generate_and_score_completions``, training only) counting each batch it scores: TRL's
@@ -98,6 +105,10 @@ class RewardTally:
             output = score(inputs)
             metrics = trainer._metrics["train"]
             self.observe(metrics["reward"][-1], trainer.state, trainer.accelerator.is_main_process)
+            if not self._resumed and self.scored <= self.ZERO_BATCHES:
+                self.observe_zeros({name: (metrics[f"rewards/{name}/mean"][-1], metrics[f"rewards/{name}/std"][-1])
+                                    for name in self.names if metrics.get(f"rewards/{name}/mean")},
+                                   trainer.train_dataset, trainer.accelerator.is_main_process)
             for name, value in zip(REWARDS, (self.scored, self.without_reward)):
                 metrics[name] = [float(value)]  # a total, not a mean: one value for TRL's log to average
             return output
@@ -110,6 +121,7 @@ class RewardTally:
             last = next((h for h in reversed(state.log_history) if REWARDS[0] in h), None)
             if last is not None:
                 self.scored, self.without_reward = int(last[REWARDS[0]]), int(last[REWARDS[1]])
+                self._resumed = True
         self.scored += 1
         if not math.isnan(batch_reward):
             return
@@ -121,3 +133,29 @@ class RewardTally:
                 "advantages are all 0, so it trains nothing (TRL goes on; None means 'does not apply'). Such batches "
                 "are counted in the run summary, and `bapo train` exits non-zero when no batch had a reward.",
                 UserWarning, stacklevel=2)
+
+    def observe_zeros(self, per_function: dict[str, tuple[float, float]], dataset, warn: bool = True) -> None:
+        """Count, per reward function, the first batches in which it gave exactly 0 to every completion (mean and
+        spread 0); after :attr:`ZERO_BATCHES` of them, warn naming it and the dataset."""
+        for name, (mean, spread) in per_function.items():
+            self._zero_batches[name] += int(mean == 0 and spread == 0)
+        if self.scored != self.ZERO_BATCHES or not warn:
+            return
+        silent = [name for name, count in self._zero_batches.items() if count == self.ZERO_BATCHES]
+        if silent:
+            warnings.warn(
+                f"BAPO: reward function(s) {', '.join(map(repr, silent))} gave 0 to every completion of the first "
+                f"{self.ZERO_BATCHES} generation batches, on {describe_dataset(dataset)}: check that the reward fits "
+                "this dataset (a math reward on the embedded reversal task, say, never rewards anything), or that its "
+                "column (e.g. `answer`) is there. The run goes on.", UserWarning, stacklevel=2)
+
+
+def describe_dataset(dataset) -> str:
+    """The train set in a few words for a message: its columns and first prompt."""
+    columns = getattr(dataset, "column_names", None)
+    try:
+        prompt = dataset[0]["prompt"]
+    except (TypeError, KeyError, IndexError, NotImplementedError):
+        prompt = None
+    shown = f", first prompt {prompt!r:.80}" if prompt is not None else ""
+    return f"the train_dataset ({type(dataset).__name__}, columns {columns}{shown})"
