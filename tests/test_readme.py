@@ -333,3 +333,17 @@ def test_the_documentation_site_builds_strictly(tmp_path):
     raw = {str(page.relative_to(tmp_path / "site")): found for page in sorted((tmp_path / "site").rglob("*.html"))
            if (found := raw_markup(page.read_text()))}
     assert raw == {}, raw
+
+
+def test_the_suites_time_is_written_in_one_place_and_linked_from_the_others():
+    """Issue 77 (6): the suite's time was given three ways (README ~35-40 min, docs/install.md ~30, CONTRIBUTING 30.1).
+    It is written only in docs/data/ci_durations.md (generated from a CI log); each other place links it."""
+    import re
+
+    pages = {"README.md": "docs/data/ci_durations.md", "docs/install.md": "data/ci_durations.md",
+             "CONTRIBUTING.md": "docs/data/ci_durations.md"}
+    for page, link in pages.items():
+        text = (REPO / page).read_text()
+        assert link in text, page
+        test_lines = [line for line in text.splitlines() if re.search(r"make test|test suite|fast tier", line)]
+        assert not [line for line in test_lines if re.search(r"\d\s*(min|minutes)\b", line)], (page, test_lines)
