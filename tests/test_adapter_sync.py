@@ -188,6 +188,12 @@ def test_the_serve_command_readies_the_server_for_adapters():
     for bad in ("0", "513", "x"):
         with pytest.raises(SystemExit):
             make_parser().parse_args(["m", "--lora-rank", bad])
+    # TRL's AsyncGRPOTrainer sends an adapter per push while older requests run: it needs --max-loras (issue 76)
+    cmd, _ = build_command("m", "127.0.0.1", 8000, "cpu", "python", None, [], lora=16, max_loras=4)
+    assert cmd[-5:] == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "4"]
+    assert make_parser().parse_args(["m", "--lora-rank", "8", "--max_loras", "4"]).max_loras == 4
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["m", "--lora-rank", "8", "--max-loras", "0"])
 
 
 def test_vllm_lora_sync_accepts_its_two_values_only():

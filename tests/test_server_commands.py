@@ -228,6 +228,15 @@ def _dry_run(capsys, tmp_path, *argv: str) -> str:
     return capsys.readouterr().out
 
 
+def test_max_loras_without_lora_is_refused_by_name(capsys, tmp_path):
+    from bapo_trl.cli import serve
+
+    with pytest.raises(SystemExit) as exit_info:
+        serve.main(["org/model", "--dry-run", "--max-loras", "4", "--backend", "cpu", "--venv", str(tmp_path / "v")],
+                   prog="bapo serve")
+    assert exit_info.value.code == 2 and "--max-loras needs --lora-rank R" in capsys.readouterr().err
+
+
 def test_serve_takes_the_model_as_trls_model_flag_or_positionally(capsys, tmp_path, monkeypatch):
     """`bapo serve --model M` (TRL's `trl vllm-serve --model M`) is `bapo serve M`; each flag is accepted with
     underscores too (`--dry_run`, `--lora_rank`, `--api_key`, `--allow_remote_dev_endpoints`), as TRL's parser
@@ -263,7 +272,7 @@ def test_every_serve_flag_has_both_spellings():
 
     flags = [a.option_strings for a in serve.make_parser()._actions if a.option_strings]
     separated = [f for f in flags if any(c in f[0][2:] for c in "-_")]
-    assert len(separated) == 4, separated
+    assert len(separated) == 5, separated
     assert all(f == both_spellings(f[0]) for f in separated), separated
 
 

@@ -1,6 +1,6 @@
 """Start a vLLM server with the flags BAPO/TRL training needs, on a GPU machine or a CPU-only one.
 
-    bapo serve MODEL [--port 8000] [--host 127.0.0.1] [--lora-rank R] [-- EXTRA VLLM FLAGS]
+    bapo serve MODEL [--port 8000] [--host 127.0.0.1] [--lora-rank R [--max-loras N]] [-- EXTRA VLLM FLAGS]
     bapo serve --model MODEL ...          (TRL's spelling: ``trl vllm-serve --model MODEL``)
 
 (or ``python -m bapo_trl.cli.serve ...``, the same command.) Each flag is also accepted with underscores
@@ -15,7 +15,8 @@ Why a wrapper: the two worlds need different commands.
 
 ``--lora-rank R`` readies the server for a LoRA run's adapter push (``vllm_lora_sync="adapter"``, the default for
 peft models): ``--enable-lora --max-lora-rank R`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (the load and unload
-endpoints; like the dev endpoints they sit behind the same loopback and API-key rules).
+endpoints; like the dev endpoints they sit behind the same loopback and API-key rules). ``--max-loras N`` lets it
+hold N adapters at once (TRL's ``AsyncGRPOTrainer`` needs its ``max_staleness + 2``).
 
 The process replaces itself with the server (``exec``), so its pid and process group are the server's.
 ``--dry-run`` prints the command instead. Only the standard library is imported here.
@@ -145,9 +146,19 @@ def lora_rank(value: str) -> int:
     return next(r for r in LORA_RANKS if r >= rank)
 
 
+def positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
+    return number
+
+
 def build_command(model: str, host: str, port: int, backend: str, python: str, dtype: str | None,
                   extra: list[str], api_key: str | None = None,
-                  lora: int | None = None) -> tuple[list[str], dict[str, str]]:
+                  lora: int | None = None, max_loras: int | None = None) -> tuple[list[str], dict[str, str]]:
     """The server's argv and the environment variables to add (with a key: ``VLLM_API_KEY`` and the middleware
     that requires it on every path but ``/health``; with ``lora``, a max rank: LoRA and its run-time loading)."""
     path = os.pathsep.join(p for p in (WORKER_DIR, os.environ.get("PYTHONPATH", "")) if p)
@@ -155,6 +166,7 @@ def build_command(model: str, host: str, port: int, backend: str, python: str, d
     more_env = {API_KEY_ENV: api_key, "PYTHONPATH": path} if api_key else {}
     if lora:
         more_flags += ["--enable-lora", "--max-lora-rank", str(lora)]
+        more_flags += ["--max-loras", str(max_loras)] if max_loras else []
         more_env[RUNTIME_LORA_ENV] = "1"
     more_env[KEEP_ALIVE_ENV] = os.environ.get(KEEP_ALIVE_ENV, KEEP_ALIVE_SECONDS)
     if backend == "gpu":
@@ -215,6 +227,10 @@ def make_parser(prog: str = "python -m bapo_trl.cli.serve") -> argparse.Argument
                         help="serve a LoRA run's adapter pushes (vllm_lora_sync='adapter', the default for peft "
                              "models): --enable-lora, --max-lora-rank R (rounded up to one of "
                              f"{', '.join(map(str, LORA_RANKS))}) and run-time adapter loading")
+    parser.add_argument(*both_spellings("--max-loras"), type=positive_int, default=None, metavar="N",
+                        help="with --lora-rank: adapters the server holds at once (vLLM's --max-loras, default 1); "
+                             "TRL's AsyncGRPOTrainer sends a new adapter per push while older requests still run "
+                             "and needs at least its max_staleness + 2")
     parser.add_argument(*both_spellings("--dry-run"), action="store_true", help="print the command and exit")
     return parser
 
@@ -227,6 +243,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.serv
     args = parser.parse_args(argv)
     api_key, extra = api_key_from(extra, args.api_key)
     refusal = exposure_error(args.host, args.allow_remote_dev_endpoints, api_key)
+    if args.max_loras and not args.lora_rank:
+        refusal = "--max-loras needs --lora-rank R (the server serves adapters only with LoRA enabled)"
     if refusal:
         parser.exit(2, f"{prog}: error: {refusal}\n")
     venv = args.venv or default_venv()
@@ -249,7 +267,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.serv
     except ModelSetupError as err:
         raise SystemExit(f"error: {err}") from err
     cmd, env = build_command(args.model, args.host, args.port, backend, python, args.dtype, extra, api_key,
-                             lora=args.lora_rank)
+                             lora=args.lora_rank, max_loras=args.max_loras)
     if args.dry_run:  # the key itself is not printed
         print(" ".join(f"{k}={'<hidden>' if k == API_KEY_ENV else shlex.quote(v)}" for k, v in env.items()),
               shlex.join(cmd))
