@@ -1,0 +1,216 @@
+"""TRL's own ``AsyncGRPOTrainer`` (``trl.experimental.async_grpo``) on this project's CPU machines, against ``bapo
+serve``'s vLLM CPU server: the anchor beside which BAPO's async generation is measured (issue 76). A TRL user who goes
+async reaches for it first; it drops samples older than ``max_staleness`` weight versions and clips with a fixed
+window.
+
+    python benchmarks/trl_async_anchor.py --quick            # starts a server, trains 8 steps, prints the log
+    python benchmarks/trl_async_anchor.py --steps 160 --max-staleness 4 --out runs/anchor
+
+Everything it needs on a CPU machine is :data:`GLUE` below: one patch per TRL line it works around, each checked
+against TRL's source before it is applied (a TRL that changed the line fails here, naming it, instead of training
+something else). Its weight sync is the package's :class:`bapo_trl.generation.disk_transfer.DiskWeightTransfer`
+(TRL's default is NCCL, which needs CUDA).
+
+The task is the embedded reversal task as chat prompts (the tiny model's template renders a user turn around the
+digits), scored by the task's own reward on the assistant text; the model, its tokenizer and the server are the ones
+BAPO's async generation uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+
+# -- the CPU glue -----------------------------------------------------------------------------------------------------
+
+def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+                     causal=True, window_size=(-1, -1), softcap=None, **_):
+    """flash-attention's ``flash_attn_varlen_func`` on the CPU, one segment at a time with torch's SDPA: ``query``
+    ``(total_q, heads, d)``, ``key``/``value`` ``(total_k, kv_heads, d)``; causal aligned to the bottom right (the
+    segment's last query sees its whole key range), as flash-attention aligns it when ``q`` is shorter than ``k``."""
+    if softcap or tuple(window_size) != (-1, -1):
+        raise NotImplementedError("the CPU tree attention has no softcap or sliding window")
+    out = torch.empty_like(query)
+    groups = query.size(1) // key.size(1)
+    for i in range(len(cu_seqlens_q) - 1):
+        q0, q1, k0, k1 = (int(x) for x in (cu_seqlens_q[i], cu_seqlens_q[i + 1], cu_seqlens_k[i], cu_seqlens_k[i + 1]))
+        q = query[q0:q1].transpose(0, 1)
+        k = key[k0:k1].transpose(0, 1).repeat_interleave(groups, 0)
+        v = value[k0:k1].transpose(0, 1).repeat_interleave(groups, 0)
+        mask = None
+        if causal:
+            lq, lk = q1 - q0, k1 - k0
+            mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
+        out[q0:q1] = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                       scale=softmax_scale).transpose(0, 1)
+    return out
+
+
+class CPUFlashAttention:
+    """What ``packing._flash_attn()`` returns on CUDA (a Hub kernel), for the CPU."""
+
+    flash_attn_varlen_func = staticmethod(varlen_attention)
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One CPU workaround: the TRL function whose source must hold ``line`` (else TRL changed and the patch may be
+    wrong or useless: an error naming both), and what replaces what."""
+
+    name: str
+    where: str  # "module:attribute" whose source holds the line
+    line: str
+    apply: Callable[[], None]
+
+    def check(self) -> None:
+        import importlib
+
+        module, _, attribute = self.where.partition(":")
+        target = importlib.import_module(module)
+        for part in filter(None, attribute.split(".")):
+            target = getattr(target, part)
+        if self.line not in inspect.getsource(target):
+            raise RuntimeError(f"CPU glue {self.name!r}: {self.where} no longer contains {self.line!r}; TRL changed "
+                               "there, so this workaround must be looked at again (benchmarks/trl_async_anchor.py).")
+
+
+def _no_cuda_device_name() -> None:
+    if not torch.cuda.is_available():
+        torch.cuda.get_device_name = lambda *args, **kwargs: "cpu"
+
+
+def _rollout_worker_without_vllm() -> None:
+    from trl.experimental.async_grpo import async_rollout_worker
+
+    async_rollout_worker.is_vllm_available = lambda *args, **kwargs: True
+
+
+def _cpu_tree_attention() -> None:
+    from trl.experimental.async_grpo import packing
+
+    packing._flash_attn = lambda: CPUFlashAttention
+
+
+#: Each CPU workaround with the TRL line it works around (TRL 1.16).
+GLUE = (
+    Patch("FLOPs estimate asks CUDA for the device name", "trl.trainer.utils", "torch.cuda.get_device_name",
+          _no_cuda_device_name),
+    Patch("the rollout worker refuses to start without vllm importable (it only speaks HTTP, over aiohttp)",
+          "trl.experimental.async_grpo.async_rollout_worker:AsyncRolloutWorker.__init__",
+          "if not is_vllm_available():", _rollout_worker_without_vllm),
+    Patch("tree packing's attention loads a CUDA flash-attention kernel from the Hub",
+          "trl.experimental.async_grpo.packing:tree_attention", "_flash_attn().flash_attn_varlen_func",
+          _cpu_tree_attention),
+)
+
+
+def apply_glue() -> None:
+    for patch in GLUE:
+        patch.check()
+    for patch in GLUE:
+        patch.apply()
+
+
+#: How transformers' ``parse_response`` reads the tiny model's answers (its chat template: ChatML around the turn).
+TINY_RESPONSE_TEMPLATE = {"defaults": {"role": "assistant"}, "start_anchor": "<|im_start|>assistant\n",
+                          "fields": {"content": {"close_pattern": r"(<eos>|<\|im_end\|>)\s*", "content": "text"}}}
+
+
+def chat_reversal(count: int, seed: int):
+    """The embedded reversal task's prompts as one user turn each (the async trainer renders chats only)."""
+    from datasets import Dataset
+
+    from bapo_trl.recipes.toy import make_reverse_dataset
+
+    rows = make_reverse_dataset(count, seed=seed)
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": row["prompt"]}], "answer": row["answer"]}
+                              for row in rows])
+
+
+def reversal_reward(completions, answer, **kwargs) -> list[float]:
+    """The task's reward on the assistant text: 1.0 for exactly the reversed digits."""
+    from bapo_trl.recipes.toy.task import _text
+
+    return [float(_text(c).strip() == expected) for c, expected in zip(completions, answer)]
+
+
+def train(model_dir: str, url: str, out: Path, steps: int, max_staleness: int, seed: int, batch: int,
+          generations: int, length: int, learning_rate: float, epsilon: float, epsilon_high: float | None):
+    """One AsyncGRPOTrainer run; returns the trainer (its ``state.log_history``)."""
+    apply_glue()
+    from transformers import AutoTokenizer
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    from bapo_trl.generation.disk_transfer import DiskWeightTransfer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.response_template = TINY_RESPONSE_TEMPLATE
+    args = AsyncGRPOConfig(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=batch, num_generations=generations,
+        max_completion_length=length, learning_rate=learning_rate, temperature=1.0, epsilon=epsilon,
+        epsilon_high=epsilon_high, max_staleness=max_staleness, vllm_server_base_url=url, logging_steps=1,
+        report_to="none", use_cpu=True, bf16=False, seed=seed, save_strategy="no", disable_tqdm=True,
+        lr_scheduler_type="constant")
+    trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=reversal_reward, args=args,
+                               train_dataset=chat_reversal(4096, seed), processing_class=tokenizer,
+                               weight_transfer=DiskWeightTransfer(url, timeout=120))
+    trainer.train()
+    return trainer
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="8 steps, then print the log (CI's slow tier)")
+    parser.add_argument("--steps", type=int, default=160)
+    parser.add_argument("--max-staleness", type=int, default=4, help="TRL's default: 4")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--length", type=int, default=12)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--epsilon", type=float, default=0.2)
+    parser.add_argument("--epsilon-high", type=float, default=None)
+    parser.add_argument("--url", default=None, help="a running server (default: start one)")
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "trl-async-anchor")
+    args = parser.parse_args(argv)
+    from bapo_trl.recipes.toy import build_tiny_model
+
+    model_dir = build_tiny_model()
+    args.out.mkdir(parents=True, exist_ok=True)
+    server = None
+    if args.url is None:
+        from server_bench import Server
+
+        server = Server(model_dir, args.out / "server.log", core=0)
+    steps = 8 if args.quick else args.steps
+    try:
+        start = time.perf_counter()
+        trainer = train(model_dir, args.url or server.url, args.out / "run", steps, args.max_staleness, args.seed,
+                        args.batch, args.generations, args.length, args.learning_rate, args.epsilon,
+                        args.epsilon_high)
+        seconds = time.perf_counter() - start
+    finally:
+        if server is not None:
+            server.stop()
+    history = trainer.state.log_history
+    rewards = [h["reward"] for h in history if "reward" in h]
+    summary = {"steps": trainer.state.global_step, "seconds": round(seconds, 1), "rewards": rewards,
+               "log": [h for h in history if "loss" in h]}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
