@@ -491,6 +491,8 @@ def loss_methods() -> dict[str, dict]:
     for loss, settings in LOSSES.items():
         out[f"TRL {loss}"] = dict(trainer="trl", settings=dict(settings))
         bapo = {k: v for k, v in settings.items() if not k.startswith("epsilon")}  # BAPO chooses the window itself
+        if bapo.get("loss_type") == "cispo":  # BAPOConfig needs a cap above 1: 1.2 gives the paper's cap path, as run
+            bapo["epsilon_high"] = 1.2
         out[f"BAPO {loss}"] = dict(trainer="bapo", settings={**bapo, **BAPO_EXTRA})
     return out
 
