@@ -510,17 +510,12 @@ def prepare(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_a
     return reward_funcs, train_dataset, eval_dataset
 
 
-#: The start of BAPOConfig's warning for on-policy data, which :func:`run_plan`'s block says instead in
-#: ``bapo train``.
-ON_POLICY_WARNING = "BAPO: the data is exactly on-policy"
-
-
 def staleness_plan(args: BAPOConfig) -> str:
     """What the run does with the data: on-policy (every ratio 1, so BAPO acts as GRPO) or stale, and from what."""
     upg = args.updates_per_generation
     sources = [name for name, on in (("replay", args.replay_enabled), ("async generation", args.async_generation),
                                      ("partial rollout", args.partial_rollout_enabled)) if on]
-    if upg <= 1 and not sources:
+    if args.exactly_on_policy:
         return ("on-policy data (steps_per_generation x num_iterations = "
                 f"{args.steps_per_generation} x {args.num_iterations} <= gradient_accumulation_steps = "
                 f"{args.gradient_accumulation_steps}; no replay, partial rollout or async generation): every ratio is "
@@ -677,7 +672,9 @@ def run(argv: list[str] | None = None, parser: TrlParser | None = None):
 
     parser = parser or make_parser()
     with warnings.catch_warnings():  # main's plan line says it, once
-        warnings.filterwarnings("ignore", message=ON_POLICY_WARNING, category=UserWarning)
+        from ..rollout.settings import OnPolicyWarning
+
+        warnings.filterwarnings("ignore", category=OnPolicyWarning)  # the plan's staleness line says it
         args = parse_args(argv, parser=parser)
     try:
         trainer = main(*args)

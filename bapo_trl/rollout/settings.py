@@ -45,6 +45,11 @@ def changed(config, name: str) -> bool:
     return value != default or type(value) is not type(default)
 
 
+class OnPolicyWarning(UserWarning):
+    """The config's warning that the data is exactly on-policy (:attr:`RolloutSettings.exactly_on_policy`): its own
+    category, so ``bapo train``, whose plan says the same, filters it by kind rather than by its text."""
+
+
 @dataclass
 class RolloutSettings:
     r"""
@@ -213,6 +218,14 @@ class RolloutSettings:
         return max(1, -(-micro_steps // self.gradient_accumulation_steps))
 
     @property
+    def exactly_on_policy(self) -> bool:
+        """Every ratio is 1: each generation batch trains one update and no source brings older tokens (replay,
+        partial rollout, async generation), so the bound search can never change the loss. One verdict, which the
+        config's warning and ``bapo train``'s plan both read."""
+        return self.updates_per_generation <= 1 and not (
+            self.replay_enabled or self.partial_rollout_enabled or self.async_generation)
+
+    @property
     def groups_per_batch(self) -> int:
         """Prompt groups in each process's generation batch."""
         return self.per_device_train_batch_size * self.steps_per_generation // self.num_generations
@@ -232,8 +245,8 @@ class RolloutSettings:
         return []
 
     def inert_rollout_settings(self) -> list[tuple[str, str]]:
-        """``("error" | "warning", message)`` for every rollout setting that can never act in this combination (rows
-        of the table "Settings that would do nothing", docs/configuration.md)."""
+        """``("error" | "warning" | "on-policy", message)`` for every rollout setting that can never act in this
+        combination (rows of the table "Settings that would do nothing", docs/configuration.md)."""
         rows = []
         upg = self.updates_per_generation
         if self.replay_enabled:
@@ -271,9 +284,8 @@ class RolloutSettings:
                     f"`replay_buffer_size` ({self.replay_buffer_size}) holds fewer groups than one batch replays "
                     f"({self.replayed_groups_per_batch} = replay_ratio x groups per batch): `replay_ratio` is never "
                     "reached.")))
-        on_policy = upg <= 1 and not (self.replay_enabled or self.partial_rollout_enabled or self.async_generation)
-        if on_policy:
-            rows.append(("warning", (
+        if self.exactly_on_policy:
+            rows.append(("on-policy", (
                 f"the data is exactly on-policy (steps_per_generation x num_iterations = {self.steps_per_generation} "
                 f"x {self.num_iterations} <= gradient_accumulation_steps = {self.gradient_accumulation_steps}, "
                 "no replay, no partial rollout): every ratio is 1 and the bound search can never change the loss "

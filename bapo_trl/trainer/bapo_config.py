@@ -14,7 +14,7 @@ from ..core.loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SUPPORTED_
 from ..core.window_rule import RATIO_FIELDS, WIDENING, derived_path, lower_is_clamped
 from ..generation.adapter_sync import LORA_SYNC_MODES
 from ..generation.fleet import normalized_server_urls, server_urls
-from ..rollout.settings import RolloutSettings, field_default, rollout_errors
+from ..rollout.settings import OnPolicyWarning, RolloutSettings, field_default, rollout_errors
 
 #: The official code caps the loss of negative-advantage tokens at ``3.0 * |A|`` (dual clip); in TRL that is the
 #: two-sided clipping ``delta``, identical as long as ``c_high <= delta``. BAPOConfig applies it by default
@@ -223,8 +223,9 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         if errors:
             raise ValueError("Invalid BAPOConfig:\n  - " + "\n  - ".join(errors))
         for kind, message in inert:
-            if kind == "warning":
-                warnings.warn(f"BAPO: {message}", UserWarning, stacklevel=2)
+            if kind in ("warning", "on-policy"):
+                warnings.warn(f"BAPO: {message}", OnPolicyWarning if kind == "on-policy" else UserWarning,
+                              stacklevel=2)
 
     def _derive_search_path(self) -> None:
         """The search path: the ``ratio_*`` fields you set, the window rule's values for the others
@@ -280,8 +281,8 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         return max(DUAL_CLIP, self.search_path["ratio_upper_max"])
 
     def inert_settings(self) -> list[tuple[str, str]]:
-        """``("error" | "warning", message)`` for every setting that can never act in this combination (the table
-        "Settings that would do nothing" of docs/configuration.md): the rollout settings' rows
+        """``("error" | "warning" | "on-policy", message)`` for every setting that can never act in this combination
+        (the table "Settings that would do nothing" of docs/configuration.md): the rollout settings' rows
         (:meth:`~bapo_trl.rollout.settings.RolloutSettings.inert_rollout_settings`), then the search's. Errors: a
         feature the user turned on would never act. Warnings: the run is legitimate but a setting is useless in it.
         Every row compares a setting with its field's declared default."""
