@@ -12,3 +12,19 @@ knows none of them: a candidate overrides one documented hook of ``BAPOTrainer``
 None beat the method's own settings in the studies (docs/results.md): they are here to be reproduced and built on,
 not recommended. Their APIs may change without a deprecation period.
 """
+
+import os
+import warnings
+
+
+class BAPOExperimentalWarning(UserWarning):
+    """Importing :mod:`bapo_trl.experimental` (as TRL's ``trl.experimental`` warns with its own category)."""
+
+
+#: Set to silence the warning below (as TRL's ``TRL_EXPERIMENTAL_SILENCE``).
+SILENCE_ENV = "BAPO_TRL_EXPERIMENTAL_SILENCE"
+
+if not os.environ.get(SILENCE_ENV):
+    warnings.warn("You are importing from 'bapo_trl.experimental': research candidates that did not beat the method. "
+                  "Their APIs may change or be removed without notice. Silence this warning by setting environment "
+                  f"variable {SILENCE_ENV}=1.", BAPOExperimentalWarning, stacklevel=2)
