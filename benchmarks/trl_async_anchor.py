@@ -11,8 +11,8 @@ against TRL's source before it is applied (a TRL that changed the line fails her
 something else). Its weight sync is the package's :class:`bapo_trl.generation.disk_transfer.DiskWeightTransfer`
 (TRL's default is NCCL, which needs CUDA).
 
-The task is the embedded reversal task as chat prompts (the tiny model's template renders a user turn around the
-digits), scored by the task's own reward on the assistant text; the model, its tokenizer and the server are the ones
+The task is the embedded reversal task as one-turn chats rendered to the bare prompt (:data:`BARE_CHAT_TEMPLATE`: the
+same token ids BAPO trains on), scored by the task's own reward; the model, its tokenizer and the server are the ones
 BAPO's async generation uses.
 """
 
@@ -123,9 +123,12 @@ def apply_glue() -> None:
         patch.apply()
 
 
-#: How transformers' ``parse_response`` reads the tiny model's answers (its chat template: ChatML around the turn).
-TINY_RESPONSE_TEMPLATE = {"defaults": {"role": "assistant"}, "start_anchor": "<|im_start|>assistant\n",
-                          "fields": {"content": {"close_pattern": r"(<eos>|<\|im_end\|>)\s*", "content": "text"}}}
+#: The async trainer renders every prompt through the chat template: this one renders a user turn as its bare text, so
+#: the token ids are exactly the plain prompts BAPO's runs train on ("123>"), which the tiny model was warm-started on.
+BARE_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+#: How transformers' ``parse_response`` (the worker's) reads an answer after a bare prompt: text up to EOS.
+BARE_RESPONSE_TEMPLATE = {"defaults": {"role": "assistant"},
+                          "fields": {"content": {"close_pattern": r"(<eos>)\s*", "content": "text"}}}
 
 
 def chat_reversal(count: int, seed: int):
@@ -139,13 +142,6 @@ def chat_reversal(count: int, seed: int):
                               for row in rows])
 
 
-def reversal_reward(completions, answer, **kwargs) -> list[float]:
-    """The task's reward on the assistant text: 1.0 for exactly the reversed digits."""
-    from bapo_trl.recipes.toy.task import _text
-
-    return [float(_text(c).strip() == expected) for c, expected in zip(completions, answer)]
-
-
 def train(model_dir: str, url: str, out: Path, steps: int, max_staleness: int, seed: int, batch: int,
           generations: int, length: int, learning_rate: float, epsilon: float, epsilon_high: float | None):
     """One AsyncGRPOTrainer run; returns the trainer (its ``state.log_history``)."""
@@ -154,16 +150,17 @@ def train(model_dir: str, url: str, out: Path, steps: int, max_staleness: int, s
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
     from bapo_trl.generation.disk_transfer import DiskWeightTransfer
+    from bapo_trl.recipes.toy import reverse_reward  # the same reward as BAPO's runs (EOS checked on the ids)
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.response_template = TINY_RESPONSE_TEMPLATE
+    tokenizer.chat_template, tokenizer.response_template = BARE_CHAT_TEMPLATE, BARE_RESPONSE_TEMPLATE
     args = AsyncGRPOConfig(
         output_dir=str(out), max_steps=steps, per_device_train_batch_size=batch, num_generations=generations,
         max_completion_length=length, learning_rate=learning_rate, temperature=1.0, epsilon=epsilon,
         epsilon_high=epsilon_high, max_staleness=max_staleness, vllm_server_base_url=url, logging_steps=1,
         report_to="none", use_cpu=True, bf16=False, seed=seed, save_strategy="no", disable_tqdm=True,
         lr_scheduler_type="constant")
-    trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=reversal_reward, args=args,
+    trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=reverse_reward, args=args,
                                train_dataset=chat_reversal(4096, seed), processing_class=tokenizer,
                                weight_transfer=DiskWeightTransfer(url, timeout=120))
     trainer.train()

