@@ -490,3 +490,66 @@ def test_a_resumed_adapter_run_samples_from_the_trainers_policy_on_its_first_gen
                                       peft_model(tiny_model_dir, seed=5)(input_ids=ids).logits)
     finally:
         server.close()
+
+
+class PushFault(RuntimeError):
+    """The fault injected into one step of a weight push."""
+
+
+#: The steps of a weight push where state is written, by push kind: (the object, its method) made to raise once.
+FAULT_POINTS = {
+    "full, writing the weights": (False, "bapo_trl.generation.weight_sync:DiskWeightSync._write"),
+    "full, the server's reload": (False, "bapo_trl.generation.weight_sync:DiskWeightSync._load"),
+    "adapter, writing the files": (True, "bapo_trl.generation.adapter_sync:AdapterSync._write_payload"),
+    "adapter, the server's load": (True, "bapo_trl.generation.adapter_sync:AdapterSync._load"),
+    "adapter, switching names after every server loaded": (
+        True, "bapo_trl.generation.adapter_sync:AdapterSync._after_load"),
+}
+
+
+@pytest.mark.parametrize("point", list(FAULT_POINTS))
+def test_a_push_that_fails_at_any_step_leaves_a_trainer_that_trains_on_exactly_its_policy(point, tiny_model_dir,
+                                                                                         tmp_path, monkeypatch):
+    """Issue 75, faults at every boundary: an exception at one step of the first weight push (full or adapter;
+    writing, the server's load, the bookkeeping after it) ends ``train()`` with it; ``train()`` again on the SAME
+    trainer (a retry, a notebook re-run) then samples from exactly the trainer's policy at every generation (TRL's
+    sampler/trainer gap at float32 noise): no half-pushed state is taken for a pushed one, no adapter counted
+    twice."""
+    import importlib
+
+    peft, target = FAULT_POINTS[point]
+    module, _, attribute = target.partition(":")
+    owner_name, method = attribute.split(".")
+    owner = getattr(importlib.import_module(module), owner_name)
+    original, calls = getattr(owner, method), []
+
+    def fails_once(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise PushFault(f"injected into {point}")
+        return original(self, *args, **kwargs)
+
+    from bapo_trl.generation.weight_sync import DiskWeightSync
+    from support.server_training import load_weights
+
+    monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
+    server = PolicyServer(tiny_model_dir, lora=True)
+    try:
+        # the server starts on other weights: only a push that really lands makes its samples the trainer's
+        generator = torch.Generator().manual_seed(3)
+        sync = DiskWeightSync(server.url, timeout=30)
+        sync.push({k: v + 0.05 * torch.randn(v.shape, generator=generator)
+                   for k, v in load_weights(tiny_model_dir).items()})
+        sync.close()
+        model = peft_model(tiny_model_dir) if peft else AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        trainer = tiny_trainer(tiny_model_dir, server_config(server, tmp_path, max_steps=4), model=model)
+        monkeypatch.setattr(owner, method, fails_once)
+        with pytest.raises(Exception) as error:
+            trainer.train()
+        assert "injected into" in str(error.value) or isinstance(error.value.__cause__, PushFault), error.value
+        trainer.train()
+        diffs = [h["sampling/sampling_logp_difference/mean"] for h in trainer.state.log_history
+                 if "sampling/sampling_logp_difference/mean" in h]
+        assert len(calls) >= 2 and diffs and max(diffs) < 1e-4, (point, diffs)
+    finally:
+        server.close()
