@@ -229,3 +229,61 @@ def test_a_sampler_that_differs_from_the_trainer_is_the_behaviour_policy(source,
         assert logged and all(h["sampling/sampling_logp_difference/mean"] > 0.05 for h in logged), logged
         gaps = [h["sampling/sampling_logp_difference/max"] for h in logged]
         assert max(gaps) > 0.1
+
+
+def trainer_logps(model, prompt: tuple, completion: tuple, temperature: float) -> list[float]:
+    """The policy's log-probs of ``completion`` after ``prompt``, temperature-scaled as TRL's forward scales them."""
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+
+#: The sources of the built-in vLLM backend, through the stand-in server: (settings, whether TRL's vLLM
+#: importance-sampling correction carries the sampler's gap; else BAPO's ratio does, the sampler being the behaviour).
+VLLM_SOURCES = {
+    "TRL's default (synchronous)": (dict(steps_per_generation=2), True),
+    "partial rollout": (dict(steps_per_generation=2, partial_rollout_budget=3), True),
+    "async generation, K=1": (dict(steps_per_generation=2, async_generation=True, max_staleness=1), False),
+}
+
+
+@pytest.mark.parametrize("source", list(VLLM_SOURCES))
+def test_a_vllm_sampler_that_differs_from_the_trainer_is_corrected_or_is_the_behaviour(source, tiny_model_dir,
+                                                                                      tmp_path, monkeypatch):
+    """Sampler truth with TRL's own vLLM backend (the stand-in server with its policy perturbed, as another kernel or
+    quantisation would; learning rate 0, so the trainer's policy never moves): where TRL computes its importance-
+    sampling correction (the synchronous sources) the behaviour log-probs are the trainer's own and TRL's weights
+    carry the gap (logged: ``sampling/importance_sampling_ratio/*`` away from 1, ``sampling/sampling_logp_difference``
+    above 0); under async generation the behaviour log-probs are the sampler's, so BAPO's ratio carries it."""
+    from transformers import AutoModelForCausalLM
+
+    from support.policy_server import PolicyServer
+
+    settings, corrected = VLLM_SOURCES[source]
+    monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
+    server = PolicyServer(tiny_model_dir, perturb=1.5)
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        args = cpu_config(
+            tmp_path / "out", save_strategy="no", per_device_train_batch_size=8, num_generations=4,
+            max_completion_length=6, logging_steps=1, seed=0, learning_rate=0.0, max_steps=2, disable_tqdm=True,
+            use_vllm=True, vllm_mode="server", vllm_server_host=host, vllm_server_port=int(port),
+            vllm_server_timeout=30, **settings)
+        trainer = build(tiny_model_dir, args)
+        trainer.train()
+    finally:
+        server.close()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    gaps = [abs(a - b) for row in trainer.trained if row["completion"]
+            for a, b in zip(row["old"], trainer_logps(model, row["prompt"], row["completion"], args.temperature))]
+    history = trainer.state.log_history
+    weights = [h["sampling/importance_sampling_ratio/mean"] for h in history
+               if "sampling/importance_sampling_ratio/mean" in h]
+    if corrected:
+        assert max(gaps) < 1e-4, max(gaps)  # the behaviour is the trainer's own policy ...
+        assert weights and max(abs(w - 1) for w in weights) > 0.01, weights  # ... and TRL's weights carry the gap
+        assert max(h["sampling/sampling_logp_difference/mean"] for h in history
+                   if "sampling/sampling_logp_difference/mean" in h) > 0.05
+    else:
+        assert sum(gaps) / len(gaps) > 0.05, sum(gaps) / len(gaps)  # the behaviour is the sampler: BAPO's ratio
