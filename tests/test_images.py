@@ -61,6 +61,22 @@ def test_a_source_that_drops_images_refuses_an_image_dataset_by_name(tiny_model_
     assert source in str(error.value) and f"`{column}` column" in str(error.value)
 
 
+def test_replay_refuses_an_image_iterable_dataset_of_unknown_features_at_construction(tiny_model_dir, tmp_path):
+    """Issue 75 (11): a 🤗 IterableDataset built from a generator has no known columns; replay read none, accepted it
+    and stopped at its first batch. Its first row now says, and the trainer is refused before anything is loaded (a
+    model path that does not exist: no model is built)."""
+    def rows():
+        for _ in range(8):
+            yield {"prompt": "12 ->", "answer": "21", "image": [[0.0]]}
+
+    dataset = datasets.IterableDataset.from_generator(rows)
+    assert dataset.column_names is None  # unknown features: the case this covers
+    args = cpu_config(tmp_path, per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
+                      max_steps=1, replay_buffer_size=8, replay_ratio=0.5)
+    with pytest.raises(ValueError, match="replay .* `image` column"):
+        BAPOTrainer(model=str(tmp_path / "no-model"), reward_funcs=reverse_reward, args=args, train_dataset=dataset)
+
+
 # -- a real vision-language class (tests/support/tiny_vlm.py: LLaVA built from configs) through TRL's own generation --
 
 def keep_batches(trainer, compute_loss, model, inputs, *args, **kwargs):

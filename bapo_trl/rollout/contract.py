@@ -276,6 +276,13 @@ IMAGE_COLUMNS = ("image", "images")
 def image_column(dataset) -> str | None:
     """The ``dataset``'s image column (None without one): a source that generates or stores token batches without
     the images (replay, partial rollout, async generation) refuses such a dataset by name instead of training a
-    vision-language model on text-only log-probs."""
-    columns = getattr(dataset, "column_names", None) or []
-    return next((name for name in IMAGE_COLUMNS if name in columns), None)
+    vision-language model on text-only log-probs. A 🤗 ``IterableDataset`` whose features are unknown (built from a
+    generator) is read from its first row, so the refusal comes at construction, not at the first batch."""
+    columns = getattr(dataset, "column_names", None)
+    if columns is None and dataset is not None:
+        import datasets
+
+        if isinstance(dataset, datasets.IterableDataset):  # unknown features: its first row says (re-iterable)
+            first = next(iter(dataset.take(1)), None)
+            columns = list(first) if isinstance(first, dict) else []
+    return next((name for name in IMAGE_COLUMNS if name in (columns or [])), None)
