@@ -3,7 +3,6 @@ compared with the output shown under it), and every command of a bash block in R
 documentation pages (docs/*.md) is parsed by the parser that would run it; so are the benchmark commands written
 inline. The site itself: every page is reachable from mkdocs.yml, and `mkdocs build --strict` passes (slow tier)."""
 
-import importlib.util
 import json
 import os
 import re
@@ -15,7 +14,7 @@ import sys
 import pytest
 import yaml
 
-from support.launching import REPO
+from support.launching import REPO, script_module
 from support.readme_blocks import PYTHON_BLOCKS, README, REAL_MODEL_BLOCK, shown_output
 
 SEARCH_BLOCK = next(i for i, block in enumerate(PYTHON_BLOCKS) if "search_clip_bounds(" in block)
@@ -273,13 +272,6 @@ def test_the_raw_markup_check_finds_what_an_unrendered_trl_docstring_leaves():
     assert raw_markup("<p>within [<code>target_min</code>, <code>target_max</code>]</p><pre>`x`</pre>") == []
 
 
-def _docs_hooks():
-    spec = importlib.util.spec_from_file_location("bapo_docs_hooks", REPO / "scripts" / "mkdocs_hooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("annotation, cleaned", [
     ("`float`, *optional*, defaults to `0.5`", "float"),
     ("`int` or `None`, *optional*, defaults to `None`", "int | None"),
@@ -289,13 +281,13 @@ def _docs_hooks():
     ("list[str] | None", "list[str] | None"),
 ])
 def test_trl_style_parameter_annotations_become_types(annotation, cleaned):
-    assert _docs_hooks().clean_annotation(annotation) == cleaned
+    assert script_module("mkdocs_hooks").clean_annotation(annotation) == cleaned
 
 
 def test_trl_style_docstrings_are_rewritten_for_the_google_parser():
     """Parameter lines, Hugging Face links and Sphinx roles of BAPOConfig's docstring, as griffe (mkdocstrings'
     loader, which the hook imports) loads it."""
-    hooks = _docs_hooks()
+    hooks = script_module("mkdocs_hooks")
     griffe = hooks.griffe
     package = griffe.load("bapo_trl", search_paths=[str(REPO)], extensions=griffe.load_extensions(
         hooks.TRLDocstrings))

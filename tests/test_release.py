@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import bapo_trl
-from support.launching import REPO
+from support.launching import REPO, script_module
 
 MAKE_TARGETS = ("install", "install-test", "train", "test", "test-fast")
 
@@ -155,15 +155,6 @@ def test_the_wheel_installs_and_runs_in_a_fresh_virtualenv(tmp_path):
         assert "usage: bapo " + name in run(bapo, name, "--help"), name
 
 
-def _torch_index():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("torch_index", REPO / "scripts" / "torch_index.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("platform, driver, reachable, expected", [
     ("linux", False, True, ["--extra-index-url", "https://download.pytorch.org/whl/cpu"]),
     ("linux", False, False, []),  # an index that cannot be reached: pip's own configuration, no failure
@@ -176,7 +167,7 @@ def test_make_asks_for_pytorchs_cpu_build_only_on_linux_without_a_driver(platfor
     without an NVIDIA driver make adds PyTorch's CPU index (its ``+cpu`` local version wins the pin), unless it cannot
     be reached. The decision logic, with the machine's facts stood in for (nothing is downloaded); the index is asked
     only where it would be used."""
-    module = _torch_index()
+    module = script_module("torch_index")
     asked = []
     arguments, why = module.pip_arguments(platform, driver, lambda: asked.append(1) or reachable)
     assert arguments == expected and why
@@ -184,7 +175,7 @@ def test_make_asks_for_pytorchs_cpu_build_only_on_linux_without_a_driver(platfor
 
 
 def test_the_driver_and_the_index_are_detected_without_a_download(tmp_path):
-    module = _torch_index()
+    module = script_module("torch_index")
     present = tmp_path / "version"
     present.write_text("NVRM version: 550")
     assert module.has_nvidia_driver(files=(str(present),), which=lambda _: None)

@@ -12,6 +12,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def script_module(name: str):
+    """``scripts/<name>.py`` imported as a module (the scripts folder is no package), for its pure functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bapo_script_{name}", REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_quick(script: str, *args: str) -> str:
     """``benchmarks/<script> --quick *args`` in a process of its own; its last line (the machine-readable summary)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
