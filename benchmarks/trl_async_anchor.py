@@ -135,21 +135,23 @@ BARE_RESPONSE_TEMPLATE = {"defaults": {"role": "assistant"},
                           "fields": {"content": {"close_pattern": r"(<eos>)\s*", "content": "text"}}}
 
 
-def chat_reversal(count: int, seed: int):
+def chat_reversal(count: int, seed: int, digits: tuple[int, int] = (3, 3)):
     """The embedded reversal task's prompts as one user turn each (the async trainer renders chats only)."""
     from datasets import Dataset
 
     from bapo_trl.recipes.toy import make_reverse_dataset
 
-    rows = make_reverse_dataset(count, seed=seed)
+    rows = make_reverse_dataset(count, seed=seed, digits=digits)
     return Dataset.from_list([{"prompt": [{"role": "user", "content": row["prompt"]}], "answer": row["answer"]}
                               for row in rows])
 
 
-def train(model_dir: str, url: str, out: Path, steps: int, max_staleness: int, seed: int, batch: int,
-          generations: int, length: int, learning_rate: float, epsilon: float, epsilon_high: float | None):
-    """One AsyncGRPOTrainer run; returns the trainer (its ``state.log_history``). One torch thread, as BAPO's runs on
-    this machine take (``bapo train``'s embedded default; the server holds the other core)."""
+def async_trainer(model_dir: str, url: str, out: Path, steps: int, max_staleness: int, seed: int, batch: int,
+                  generations: int, length: int, learning_rate: float, epsilon: float, epsilon_high: float | None,
+                  digits: tuple[int, int] = (3, 3), callbacks: list | None = None):
+    """One AsyncGRPOTrainer, built as its users build it (the glue applied first): TRL's defaults but for what the
+    study fixes for every trainer (batch, generations, length, learning rate, constant schedule, the window).
+    One torch thread, as BAPO's runs beside a server take (the server holds the other core)."""
     torch.set_num_threads(1)
     apply_glue()
     from transformers import AutoTokenizer
@@ -166,9 +168,16 @@ def train(model_dir: str, url: str, out: Path, steps: int, max_staleness: int, s
         epsilon_high=epsilon_high, max_staleness=max_staleness, vllm_server_base_url=url, logging_steps=1,
         report_to="none", use_cpu=True, bf16=False, seed=seed, save_strategy="no", disable_tqdm=True,
         lr_scheduler_type="constant")
-    trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=reverse_reward, args=args,
-                               train_dataset=chat_reversal(4096, seed), processing_class=tokenizer,
-                               weight_transfer=DiskWeightTransfer(url, timeout=120))
+    return AsyncGRPOTrainer(model=model_dir, reward_funcs=reverse_reward, args=args,
+                            train_dataset=chat_reversal(4096, seed, digits), processing_class=tokenizer,
+                            weight_transfer=DiskWeightTransfer(url, timeout=120), callbacks=callbacks)
+
+
+def train(model_dir: str, url: str, out: Path, steps: int, max_staleness: int, seed: int, batch: int,
+          generations: int, length: int, learning_rate: float, epsilon: float, epsilon_high: float | None):
+    """One AsyncGRPOTrainer run; returns the trainer (its ``state.log_history``)."""
+    trainer = async_trainer(model_dir, url, out, steps, max_staleness, seed, batch, generations, length,
+                            learning_rate, epsilon, epsilon_high)
     trainer.train()
     return trainer
 

@@ -28,7 +28,8 @@ SHARED_MODULES = {"server_bench", "study", "m2po"}
 #: The scripts that run other scripts' measurements: the GPU check times bound_search's search and step_overhead's
 #: steps on a GPU, in one command; the drop-in study runs the evidence study's cells (its runner, runs file and pairs)
 #: with methods of its own. They drive those benchmarks; they do not borrow helpers.
-DRIVERS = {"gpu_check": {"bound_search", "step_overhead"}, "dropin_study": {"evidence_study"}}
+DRIVERS = {"gpu_check": {"bound_search", "step_overhead"}, "dropin_study": {"evidence_study"},
+           "async_anchor_study": {"trl_async_anchor"}}
 #: ``import x`` / ``from x import`` at the start of a line of a string: the code a script runs in a child process.
 IMPORT_LINE = re.compile(r"^\s*(?:import|from)\s+(\w+)", re.MULTILINE)
 
