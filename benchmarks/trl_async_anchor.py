@@ -148,9 +148,11 @@ def chat_reversal(count: int, seed: int, digits: tuple[int, int] = (3, 3)):
 
 def async_trainer(model_dir: str, url: str, out: Path, steps: int, max_staleness: int, seed: int, batch: int,
                   generations: int, length: int, learning_rate: float, epsilon: float, epsilon_high: float | None,
-                  digits: tuple[int, int] = (3, 3), callbacks: list | None = None):
+                  digits: tuple[int, int] = (3, 3), callbacks: list | None = None, token_budget: int | None = None):
     """One AsyncGRPOTrainer, built as its users build it (the glue applied first): TRL's defaults but for what the
     study fixes for every trainer (batch, generations, length, learning rate, constant schedule, the window).
+    ``token_budget``: TRL's default (None) packs each step's row up to the server's ``max_model_len`` tokens (15-16
+    samples of the tiny model's task); 0 trains exactly ``batch`` samples a step, as the other trainers do.
     One torch thread, as BAPO's runs beside a server take (the server holds the other core)."""
     torch.set_num_threads(1)
     apply_glue()
@@ -167,7 +169,7 @@ def async_trainer(model_dir: str, url: str, out: Path, steps: int, max_staleness
         max_completion_length=length, learning_rate=learning_rate, temperature=1.0, epsilon=epsilon,
         epsilon_high=epsilon_high, max_staleness=max_staleness, vllm_server_base_url=url, logging_steps=1,
         report_to="none", use_cpu=True, bf16=False, seed=seed, save_strategy="no", disable_tqdm=True,
-        lr_scheduler_type="constant")
+        lr_scheduler_type="constant", token_budget=token_budget)
     return AsyncGRPOTrainer(model=model_dir, reward_funcs=reverse_reward, args=args,
                             train_dataset=chat_reversal(4096, seed, digits), processing_class=tokenizer,
                             weight_transfer=DiskWeightTransfer(url, timeout=120), callbacks=callbacks)
