@@ -10,6 +10,7 @@ the file to go on), so a machine that must do something else for a while does no
 
     python benchmarks/async_anchor_study.py run --seeds 100-104              # development seeds, both tasks/configs
     python benchmarks/async_anchor_study.py run --seeds 100-100 --tasks reverse3 --configs "TRL defaults" --quick
+    python benchmarks/async_anchor_study.py report --seeds 100-104 --write docs/data/async_anchor_dev.md
 
 The report reads a run's reward at equal wall-clock (B1 = the seconds TRL sync takes for 160 steps on that seed,
 and B1/2), per sample consumed (trained or dropped) and as the time to a target reward, each paired by seed with a
@@ -33,7 +34,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from study import TASKS, TRAINING, append_jsonl, commit, parse_seeds, read_jsonl  # noqa: E402
+from study import (  # noqa: E402
+    TASKS,
+    TRAINING,
+    append_jsonl,
+    bootstrap_ci,
+    commit,
+    fmt_seeds,
+    parse_seeds,
+    read_jsonl,
+)
 
 #: The trainers (protocol's table). ``server``: generation in the vLLM server; ``threads``: torch threads (a trainer
 #: without the server gets the machine's two cores, as its users' would; one beside a server gets one core, the
@@ -158,6 +168,191 @@ def train_one(spec: dict, url: str | None, steps: int, cap: float) -> dict:
                 threads=threads, steps=trainer.state.global_step)
 
 
+# -- the readings -----------------------------------------------------------------------------------------------------
+
+def rewards_by_step(run: dict) -> list[tuple[float, float, float]]:
+    """``(seconds, samples consumed, reward)`` of every logged step, in order. Consumed: trained, or dropped as too
+    stale (TRL's async trainer counts its drops, ``sample/dropped_stale_total``); a sync trainer trains 32 a step."""
+    rows, consumed = [], 0.0
+    for h in run["history"]:
+        if "reward" not in h:
+            continue
+        consumed += h.get("batch/samples_per_step", TRAINING["per_device_train_batch_size"])
+        consumed += h.get("sample/dropped_stale_total", 0.0)
+        rows.append((run["step_seconds"][h["step"] - 1], consumed, h["reward"]))
+    return rows
+
+
+def reward_at(run: dict, limit: float, axis: int = 0) -> float:
+    """The reward (mean of the last :data:`WINDOW` logged batches) of the steps ended by ``limit`` seconds
+    (``axis`` 0) or samples consumed (``axis`` 1); the first logged batch's reward when none had ended (the policy it
+    started with)."""
+    rows = rewards_by_step(run)
+    seen = [r[2] for r in rows if r[axis] <= limit]
+    return statistics.mean(seen[-WINDOW:]) if seen else rows[0][2]
+
+
+def seconds_to_target(run: dict, target: float) -> float | None:
+    """The training clock when the running mean of :data:`WINDOW` batches first reaches ``target``; None: never."""
+    rows = rewards_by_step(run)
+    for j in range(WINDOW - 1, len(rows)):
+        if statistics.mean(r[2] for r in rows[j - WINDOW + 1: j + 1]) >= target:
+            return rows[j][0]
+    return None
+
+
+def budget_b1(runs: list[dict], config: str, task: str, seed: int) -> float | None:
+    """B1: TRL sync's seconds for its first :data:`BUDGET_STEPS` steps on that seed."""
+    for run in runs:
+        if run_key(run) == ("TRL sync", config, task, seed) and len(run["step_seconds"]) >= BUDGET_STEPS:
+            return run["step_seconds"][BUDGET_STEPS - 1]
+    return None
+
+
+#: The readings: name -> what is read of one run, given its block's B1 (None: not readable).
+READINGS = {
+    "reward at B1/2": lambda run, b1: reward_at(run, b1 / 2) if b1 else None,
+    "reward at B1": lambda run, b1: reward_at(run, b1) if b1 else None,
+    "reward at 30 s": lambda run, b1: reward_at(run, SECONDS_CAP),
+    "reward at 5120 samples": lambda run, b1: reward_at(run, BUDGET_STEPS * TRAINING["per_device_train_batch_size"],
+                                                        axis=1),
+}
+#: The paired comparisons (protocol's claims first): (trainer, reference).
+PAIRS = (("BAPO async K=1", "TRL sync"), ("BAPO async K=1", "TRL async"), ("BAPO async K=1", "TRL async matched"),
+         ("BAPO async K=1", "BAPO sync server"), ("BAPO async K=2", "BAPO async K=1"), ("BAPO sync", "TRL sync"),
+         ("TRL async", "TRL sync"))
+
+
+def readings(runs: list[dict]) -> dict:
+    """``{(config, task): {reading: {trainer: {seed: value}}}}``, the time to target too (censored at the cap)."""
+    table: dict = {}
+    for run in runs:
+        config, task, seed = run["config"], run["task"], run["seed"]
+        b1 = budget_b1(runs, config, task, seed)
+        block = table.setdefault((config, task), {})
+        for name, read in READINGS.items():
+            value = read(run, b1)
+            if value is not None:
+                block.setdefault(name, {}).setdefault(run["trainer"], {})[seed] = value
+        reached = seconds_to_target(run, TARGET[task])
+        block.setdefault("seconds to target", {}).setdefault(run["trainer"], {})[seed] = \
+            reached if reached is not None else SECONDS_CAP
+    return table
+
+
+def paired_cell(values: dict, trainer: str, reference: str, digits: int = 2) -> str:
+    seeds = sorted(set(values.get(trainer, {})) & set(values.get(reference, {})))
+    if not seeds:
+        return "n/a"
+    diffs = [values[trainer][s] - values[reference][s] for s in seeds]
+    low, high = bootstrap_ci(diffs)
+    text = f"{statistics.mean(diffs):+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]"
+    return f"**{text}**" if low > 0 or high < 0 else text
+
+
+def run_facts(runs: list[dict]) -> list[str]:
+    """Per trainer (all blocks): steps in 30 s, samples dropped, largest staleness, CPU-seconds of trainer + server,
+    seconds to target reached / never."""
+    lines = ["| trainer | steps in 30 s | s a step | dropped (of consumed) | staleness max | trainer CPU-s | "
+             "server CPU-s | reached target |", "|---|---|---|---|---|---|---|---|"]
+    for trainer in TRAINERS:
+        mine = [r for r in runs if r["trainer"] == trainer]
+        if not mine:
+            continue
+        steps = [r["steps"] for r in mine]
+        dropped = [sum(h.get("sample/dropped_stale_total", 0.0) for h in r["history"]) for r in mine]
+        consumed = [rewards_by_step(r)[-1][1] for r in mine]
+        stale = max(max((h.get("sample/staleness_max", h.get("bapo/staleness_max", 0.0)) for h in r["history"]),
+                        default=0.0) for r in mine)
+        reached = sum(seconds_to_target(r, TARGET[r["task"]]) is not None for r in mine)
+        lines.append(f"| {trainer} | {statistics.median(steps):.0f} [{min(steps)}, {max(steps)}] | "
+                     f"{statistics.median(r['step_seconds'][-1] / r['steps'] for r in mine):.3f} | "
+                     f"{statistics.mean(d / c for d, c in zip(dropped, consumed)):.0%} | {stale:.0f} | "
+                     f"{statistics.median(r['trainer_cpu_seconds'] for r in mine):.0f} | "
+                     f"{statistics.median(r['server_cpu_seconds'] for r in mine):.0f} | {reached} of {len(mine)} |")
+    return lines
+
+
+def overlap_bound(runs: list[dict]) -> list[str]:
+    """K=1 and K=2 beside the ideal overlap: per step, the server's generation g (``async/generate_seconds``) and the
+    trainer's own work t (step time less ``async/wait_seconds``); synchronous on the server costs about g + t, full
+    overlap max(g, t)."""
+    lines = []
+    for trainer in ("BAPO async K=1", "BAPO async K=2"):
+        mine = [r for r in runs if r["trainer"] == trainer]
+        if not mine:
+            continue
+        g = statistics.median(statistics.mean(h["async/generate_seconds"] for h in r["history"]
+                                              if "async/generate_seconds" in h) for r in mine)
+        step = statistics.median(r["step_seconds"][-1] / r["steps"] for r in mine)
+        wait = statistics.median(statistics.mean(h.get("async/wait_seconds", 0.0) for h in r["history"]) for r in mine)
+        t = step - wait
+        lines.append(f"- {trainer}: {step:.3f} s a step (median over runs); the server generates a batch in "
+                     f"g = {g:.3f} s, the trainer works t = {t:.3f} s of each step and waits {wait:.3f} s: full "
+                     f"overlap would give max(g, t) = {max(g, t):.3f} s a step.")
+    server = [r for r in runs if r["trainer"] == "BAPO sync server"]
+    if server:
+        lines.append(f"- BAPO sync server: {statistics.median(r['step_seconds'][-1] / r['steps'] for r in server):.3f}"
+                     " s a step (generation and training one after the other).")
+    return lines
+
+
+def report_text(runs: list[dict], seeds: list[int] | None = None) -> str:
+    if seeds is not None:
+        runs = [r for r in runs if r["seed"] in seeds]
+    table = readings(runs)
+    seen = sorted({r["seed"] for r in runs})
+    parts = [f"# BAPO's async beside TRL's AsyncGRPOTrainer: seeds {fmt_seeds(seen)} ({len(runs)} runs)", "",
+             "Paired by seed: mean difference (first trainer - second) with its 95% bootstrap interval; **bold**: the "
+             "interval excludes 0. Rewards: mean of the last 10 logged batches; B1: TRL sync's seconds for 160 "
+             f"steps on that seed. Seconds to target: running mean of 10 batches reaching {TARGET} (the cap, "
+             f"{SECONDS_CAP:.0f} s, where never: a lower bound). Protocol: `docs/data/async_anchor_protocol.md`.", ""]
+    for (config, task), block in sorted(table.items()):
+        b1 = [budget_b1(runs, config, task, s) for s in seen]
+        b1 = [b for b in b1 if b]
+        parts += [f"## {task}, {config}" + (f" (B1 {statistics.median(b1):.1f} s, median)" if b1 else ""), "",
+                  "| comparison | " + " | ".join([*READINGS, "seconds to target"]) + " |",
+                  "|---|" + "---|" * (len(READINGS) + 1)]
+        for trainer, reference in PAIRS:
+            cells = [paired_cell(block.get(name, {}), trainer, reference) for name in READINGS]
+            cells.append(paired_cell(block.get("seconds to target", {}), trainer, reference, 1))
+            parts.append(f"| {trainer} - {reference} | " + " | ".join(cells) + " |")
+        parts += ["", "| trainer | " + " | ".join([*READINGS, "seconds to target"]) + " |",
+                  "|---|" + "---|" * (len(READINGS) + 1)]
+        for trainer in TRAINERS:
+            cells = []
+            for name in [*READINGS, "seconds to target"]:
+                values = list(block.get(name, {}).get(trainer, {}).values())
+                cells.append(f"{statistics.mean(values):.2f}" if values else "n/a")
+            parts.append(f"| {trainer} | " + " | ".join(cells) + " |")
+        block_runs = [r for r in runs if (r["config"], r["task"]) == (config, task)]
+        parts += ["", *run_facts(block_runs), "", *overlap_bound(block_runs), ""]
+    return "\n".join(parts)
+
+
+def figure(runs: list[dict], path: Path) -> None:
+    """Reward (mean over seeds of the running mean of 10 batches) against seconds, one panel per (task, config)."""
+    import numpy as np
+    from study import pyplot, save_png
+
+    plt = pyplot()
+    blocks = sorted({(r["task"], r["config"]) for r in runs})
+    fig, axes = plt.subplots(1, len(blocks), figsize=(4.2 * len(blocks), 3.4), squeeze=False)
+    grid = np.linspace(0, SECONDS_CAP, 121)
+    for ax, (task, config) in zip(axes[0], blocks):
+        for trainer in ("TRL sync", "BAPO sync", "BAPO sync server", "BAPO async K=1", "BAPO async K=2", "TRL async"):
+            curves = [[reward_at(r, t) for t in grid] for r in runs
+                      if (r["task"], r["config"], r["trainer"]) == (task, config, trainer)]
+            if curves:
+                style = "-" if "async" in trainer else "--"
+                ax.plot(grid, np.mean(curves, axis=0), style, label=trainer)
+        ax.set_title(f"{task}, {config}", fontsize=9)
+        ax.set_xlabel("seconds of training (2 CPU cores)")
+        ax.set_ylabel("reward (10-batch mean)")
+    axes[0][0].legend(fontsize=7)
+    save_png(fig, str(path))
+
+
 # -- the study (parent) -----------------------------------------------------------------------------------------------
 
 def server_cpu_seconds(pid: int) -> float:
@@ -175,16 +370,35 @@ def server_cpu_seconds(pid: int) -> float:
     return total
 
 
-def run_in_child(spec: dict, url: str | None, steps: int, cap: float, log: Path) -> dict:
+def run_in_child(spec: dict, url: str | None, steps: int, cap: float, log: Path) -> tuple[dict, float]:
+    """One run in a child process; also returns the child's CPU-seconds (its whole process, startup included)."""
+    import resource
+
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "run.json"
         cmd = [sys.executable, str(Path(__file__)), "one", "--spec", json.dumps(spec), "--steps", str(steps),
                "--cap", str(cap), "--result", str(result)] + (["--url", url] if url else [])
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         with open(log, "ab") as f:
             done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if done.returncode != 0:
             raise RuntimeError(f"run {spec} failed (rc {done.returncode}); its output is in {log}")
-        return json.loads(result.read_text())
+        child = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        return json.loads(result.read_text()), child
+
+
+def machine_busy_seconds() -> float:
+    """CPU-seconds every process on the machine has spent (all cores), from /proc/stat."""
+    import psutil
+
+    times = psutil.cpu_times()
+    return sum(getattr(times, field, 0.0) for field in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+
+#: A run during which other processes took more CPU than this (seconds, or this share of its wall-clock) is run again:
+#: a trainer measured beside someone else's work would be compared with one that had the machine.
+FOREIGN_LIMIT, FOREIGN_SHARE, TRIES = 5.0, 0.05, 3
 
 
 def wait_while_paused(pause: Path) -> None:
@@ -216,13 +430,20 @@ def study(todo: list[dict], results: Path, steps: int, cap: float) -> None:
                 server = Server(task_model(spec["task"]), log.with_suffix(".server.log"))
                 served = block
             url = server.url if server is not None and served == block else None
-            server_cpu = server_cpu_seconds(server.proc.pid) if url else 0.0
-            load = os.getloadavg()[0]
-            started = time.time()
-            run = run_in_child(spec, url if TRAINERS[spec["trainer"]]["server"] else None, steps, cap, log)
-            run.update(wall_seconds=time.time() - started, load_before=load, commit=commit(),
-                       server_cpu_seconds=(server_cpu_seconds(server.proc.pid) - server_cpu) if url else 0.0,
-                       date=time.strftime("%Y-%m-%dT%H:%M:%S"))
+            for attempt in range(1, TRIES + 1):
+                server_cpu = server_cpu_seconds(server.proc.pid) if url else 0.0
+                busy, load, started = machine_busy_seconds(), os.getloadavg()[0], time.time()
+                run, child_cpu = run_in_child(spec, url if TRAINERS[spec["trainer"]]["server"] else None, steps,
+                                              cap, log)
+                wall = time.time() - started
+                served_cpu = (server_cpu_seconds(server.proc.pid) - server_cpu) if url else 0.0
+                foreign = machine_busy_seconds() - busy - child_cpu - served_cpu
+                if foreign <= max(FOREIGN_LIMIT, FOREIGN_SHARE * wall):
+                    break
+                print(f"  other processes took {foreign:.1f} CPU-s during the run: running it again "
+                      f"({attempt} of {TRIES})", flush=True)
+            run.update(wall_seconds=wall, load_before=load, commit=commit(), server_cpu_seconds=served_cpu,
+                       foreign_cpu_seconds=foreign, attempts=attempt, date=time.strftime("%Y-%m-%dT%H:%M:%S"))
             append_jsonl(str(results), run)
             rewards = [h["reward"] for h in run["history"] if "reward" in h]
             print(f"[{i + 1}/{len(todo)}] seed {spec['seed']} {spec['task']} {spec['config']} {spec['trainer']}: "
@@ -244,6 +465,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--quick", action="store_true", help=f"{QUICK['steps']} steps or {QUICK['cap']:.0f} s, "
                      "whichever comes first")
     run.add_argument("--results", type=Path, default=None, help="default: docs/data/async_anchor_runs.jsonl")
+    report = sub.add_parser("report", help="the readings of a results file (markdown on stdout)")
+    report.add_argument("--results", type=Path, default=REPO / "docs" / "data" / "async_anchor_runs.jsonl")
+    report.add_argument("--seeds", default=None, help="only these seeds (A-B)")
+    report.add_argument("--write", type=Path, default=None, help="also write the report here, its figure beside it")
     one = sub.add_parser("one", help="(internal) one run in this process")
     one.add_argument("--spec", required=True)
     one.add_argument("--url", default=None)
@@ -254,6 +479,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "one":
         result = train_one(json.loads(args.spec), args.url, args.steps, args.cap)
         args.result.write_text(json.dumps(result))
+        return 0
+    if args.command == "report":
+        runs = read_jsonl(str(args.results))
+        text = report_text(runs, parse_seeds(args.seeds, count=False) if args.seeds else None)
+        print(text)
+        if args.write:
+            args.write.write_text(text + "\n")
+            figure([r for r in runs if args.seeds is None or r["seed"] in parse_seeds(args.seeds, count=False)],
+                   args.write.with_suffix(".png"))
         return 0
     names = dict(tasks=args.tasks.split(","), configs=args.configs.split(","), trainers=args.trainers.split(","))
     for field, known in (("tasks", TASKS), ("configs", CONFIGS), ("trainers", TRAINERS)):
