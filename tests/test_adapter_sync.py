@@ -507,15 +507,13 @@ FAULT_POINTS = {
 }
 
 
-@pytest.mark.parametrize("point", list(FAULT_POINTS))
-def test_a_push_that_fails_at_any_step_leaves_a_trainer_that_trains_on_exactly_its_policy(point, tiny_model_dir,
-                                                                                         tmp_path, monkeypatch):
-    """Issue 75, faults at every boundary: an exception at one step of the first weight push (full or adapter;
-    writing, the server's load, the bookkeeping after it) ends ``train()`` with it; ``train()`` again on the SAME
-    trainer (a retry, a notebook re-run) then samples from exactly the trainer's policy at every generation (TRL's
-    sampler/trainer gap at float32 noise): no half-pushed state is taken for a pushed one, no adapter counted
-    twice."""
+def train_twice_after_a_fault(point: str, url: str, tiny_model_dir, tmp_path, monkeypatch) -> list[float]:
+    """Start the server on other weights, have the first push fail at ``point`` (``train()`` ends with it), then
+    ``train()`` again on the same trainer; returns TRL's sampler/trainer gap of every generation of the second call."""
     import importlib
+
+    from bapo_trl.generation.weight_sync import DiskWeightSync
+    from support.server_training import load_weights
 
     peft, target = FAULT_POINTS[point]
     module, _, attribute = target.partition(":")
@@ -529,27 +527,53 @@ def test_a_push_that_fails_at_any_step_leaves_a_trainer_that_trains_on_exactly_i
             raise PushFault(f"injected into {point}")
         return original(self, *args, **kwargs)
 
-    from bapo_trl.generation.weight_sync import DiskWeightSync
-    from support.server_training import load_weights
-
     monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
+    # the server starts on other weights: only a push that really lands makes its samples the trainer's
+    generator = torch.Generator().manual_seed(3)
+    sync = DiskWeightSync(url, timeout=60)
+    sync.push({k: v + 0.05 * torch.randn(v.shape, generator=generator)
+               for k, v in load_weights(tiny_model_dir).items()})
+    sync.close()
+    model = peft_model(tiny_model_dir) if peft else AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    host_port = type("Server", (), {"url": url})
+    trainer = tiny_trainer(tiny_model_dir, server_config(host_port, tmp_path, max_steps=4), model=model)
+    monkeypatch.setattr(owner, method, fails_once)
+    with pytest.raises(Exception) as error:
+        trainer.train()
+    assert "injected into" in str(error.value) or isinstance(error.value.__cause__, PushFault), error.value
+    first_call_lines = len(trainer.state.log_history)
+    trainer.train()
+    monkeypatch.undo()
+    assert len(calls) >= 2, point
+    return [h["sampling/sampling_logp_difference/mean"] for h in trainer.state.log_history[first_call_lines:]
+            if "sampling/sampling_logp_difference/mean" in h]
+
+
+@pytest.mark.parametrize("point", list(FAULT_POINTS))
+def test_a_push_that_fails_at_any_step_leaves_a_trainer_that_trains_on_exactly_its_policy(point, tiny_model_dir,
+                                                                                         tmp_path, monkeypatch):
+    """Issue 75, faults at every boundary: an exception at one step of the first weight push (full or adapter;
+    writing, the server's load, the bookkeeping after it) ends ``train()`` with it; ``train()`` again on the SAME
+    trainer (a retry, a notebook re-run) then samples from exactly the trainer's policy at every generation (TRL's
+    sampler/trainer gap at float32 noise): no half-pushed state is taken for a pushed one, no adapter counted
+    twice."""
     server = PolicyServer(tiny_model_dir, lora=True)
     try:
-        # the server starts on other weights: only a push that really lands makes its samples the trainer's
-        generator = torch.Generator().manual_seed(3)
-        sync = DiskWeightSync(server.url, timeout=30)
-        sync.push({k: v + 0.05 * torch.randn(v.shape, generator=generator)
-                   for k, v in load_weights(tiny_model_dir).items()})
-        sync.close()
-        model = peft_model(tiny_model_dir) if peft else AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-        trainer = tiny_trainer(tiny_model_dir, server_config(server, tmp_path, max_steps=4), model=model)
-        monkeypatch.setattr(owner, method, fails_once)
-        with pytest.raises(Exception) as error:
-            trainer.train()
-        assert "injected into" in str(error.value) or isinstance(error.value.__cause__, PushFault), error.value
-        trainer.train()
-        diffs = [h["sampling/sampling_logp_difference/mean"] for h in trainer.state.log_history
-                 if "sampling/sampling_logp_difference/mean" in h]
-        assert len(calls) >= 2 and diffs and max(diffs) < 1e-4, (point, diffs)
+        diffs = train_twice_after_a_fault(point, server.url, tiny_model_dir, tmp_path, monkeypatch)
+        assert diffs and max(diffs) < 1e-4, (point, diffs)
     finally:
         server.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["full, the server's reload", "adapter, the server's load",
+                                   "adapter, switching names after every server loaded"])
+def test_on_the_real_vllm_server_a_push_that_failed_leaves_a_trainer_in_sync(point, start_server, tiny_model_dir,
+                                                                            tmp_path, monkeypatch):
+    """The same faults against the real vLLM CPU server (its reload, its adapter load, the names switched after it):
+    the retried ``train()`` samples from the trainer's policy (the gap at the real server's in-sync bound)."""
+    from support.server_training import IN_SYNC
+
+    server = start_server(tiny_model_dir, lora_rank=8)
+    diffs = train_twice_after_a_fault(point, server.url, tiny_model_dir, tmp_path, monkeypatch)
+    assert diffs and max(diffs) < IN_SYNC, (point, diffs)

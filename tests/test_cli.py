@@ -675,3 +675,80 @@ def test_the_shipped_chat_arithmetic_task_is_one_flag_with_its_own_reward(tmp_pa
     script_args, args, model_args = _parse(["--model_name_or_path", tiny_model_dir, "--dataset_name",
                                             "chat_arithmetic", "--reward_funcs", "reverse"], tmp_path / "own")
     assert [getattr(f, "__name__", f) for f in prepare(script_args, args, model_args)[0]] == ["reverse_reward"]
+
+
+def old_run(folder) -> set[str]:
+    """A finished run's folder as ``bapo train`` leaves it (two checkpoints, the model, its card, the metrics)."""
+    for checkpoint in ("checkpoint-2", "checkpoint-4"):
+        (folder / checkpoint).mkdir(parents=True)
+        for name in ("model.safetensors", "trainer_state.json", "rng_state.pth"):
+            (folder / checkpoint / name).write_text("old")
+    names = ("metrics.jsonl", "model.safetensors", "config.json", "README.md", "dynamics.png", "training_args.bin",
+             "bapo_log_history.json", "tokenizer.json", "trainer_state.json")
+    for name in names:
+        (folder / name).write_text("old")
+    return {"checkpoint-2", "checkpoint-4", *names}
+
+
+@pytest.mark.parametrize("stop_at", range(11))
+def test_a_removal_of_the_previous_run_stopped_at_any_step_leaves_a_folder_still_seen_as_that_run(
+        tmp_path, monkeypatch, stop_at):
+    """Issue 75 (faults at ``bapo train``'s start): ``--overwrite_output_dir`` removes the old run's files one by one;
+    an error (or Ctrl-C) at any of them leaves a folder whose every remaining old file is still found as the old
+    run's, so a plain ``bapo train`` there is still refused and the next overwrite removes the rest: nothing of the
+    old run can survive beside a new one. Seen failing with the run markers removed first (a stop after them left
+    ``README.md`` and ``dynamics.png`` unseen)."""
+    import shutil
+
+    from bapo_trl.cli import train
+
+    out = tmp_path / "out"
+    expected = old_run(out)
+    assert set(train.previous_run(str(out))) == expected
+    calls = {"n": 0}
+    real_remove, real_rmtree = os.remove, shutil.rmtree
+
+    def failing(real):
+        def remove(path, *args, **kwargs):
+            if calls["n"] == stop_at:
+                raise KeyboardInterrupt(f"stopped at removal {stop_at}")
+            calls["n"] += 1
+            return real(path, *args, **kwargs)
+        return remove
+
+    monkeypatch.setattr(os, "remove", failing(real_remove))
+    monkeypatch.setattr(shutil, "rmtree", failing(real_rmtree))
+    with pytest.raises(KeyboardInterrupt):
+        train.remove_previous_run(str(out))
+    monkeypatch.undo()
+    left = set(os.listdir(out))
+    assert left and set(train.previous_run(str(out))) == left, (stop_at, left)
+    train.remove_previous_run(str(out))
+    assert not os.listdir(out)
+
+
+def test_a_new_run_after_an_interrupted_overwrite_is_one_whole_run(tmp_path, monkeypatch, capsys):
+    """End to end: ``bapo train --overwrite_output_dir`` stopped while removing the old run, then run again, leaves one
+    run's files: every file is the new run's and metrics.jsonl holds its steps once."""
+    out = tmp_path / "out"
+    old_run(out)
+    flags = ["--output_dir", str(out), "--max_steps", "2", "--num_train_prompts", "16", "--steps_per_generation", "1",
+             "--disable_tqdm", "true", "--overwrite_output_dir"]
+    real_remove = os.remove
+
+    def stop_at_the_third_file(path, *args, **kwargs):
+        if stop_at_the_third_file.calls == 2:
+            raise KeyboardInterrupt("Ctrl-C while removing the old run")
+        stop_at_the_third_file.calls += 1
+        return real_remove(path, *args, **kwargs)
+
+    stop_at_the_third_file.calls = 0
+    monkeypatch.setattr(os, "remove", stop_at_the_third_file)
+    with pytest.raises(KeyboardInterrupt):
+        run(flags, parser=make_parser())
+    monkeypatch.undo()
+    run(flags, parser=make_parser())
+    assert all((out / name).read_bytes() != b"old" for name in os.listdir(out) if (out / name).is_file())
+    assert not any(name.startswith("checkpoint-") for name in os.listdir(out))
+    entries = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in entries if "loss" in e] == [1, 2]

@@ -400,10 +400,13 @@ def previous_run(output_dir: str) -> list[str]:
 
 
 def remove_previous_run(output_dir: str) -> None:
-    """Remove what :func:`previous_run` finds (main process), so nothing of the old run survives beside the new."""
+    """Remove what :func:`previous_run` finds (main process), so nothing of the old run survives beside the new. The
+    run markers go last: a removal stopped part-way (an error, Ctrl-C) leaves a folder that is still seen as holding
+    that run, so the next ``bapo train`` refuses it or removes the rest, never trains beside a remnant of it."""
     import shutil
 
-    for name in previous_run(output_dir):
+    found = previous_run(output_dir)
+    for name in sorted(found, key=lambda n: n in RUN_MARKERS):
         path = os.path.join(output_dir, name)
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
