@@ -104,6 +104,8 @@ SOURCES = {
     "TRL's default (synchronous)": dict(steps_per_generation=2),
     "partial rollout": dict(steps_per_generation=2, partial_rollout_budget=3),
     "async generation, K=1": dict(steps_per_generation=2, async_generation=True, max_staleness=1),
+    "async generation, K=2": dict(steps_per_generation=2, async_generation=True, max_staleness=2),
+    "replay": dict(steps_per_generation=1, replay_buffer_size=16, replay_ratio=0.5, replay_max_staleness=4),
 }
 
 
@@ -245,6 +247,10 @@ VLLM_SOURCES = {
     "TRL's default (synchronous)": (dict(steps_per_generation=2), True),
     "partial rollout": (dict(steps_per_generation=2, partial_rollout_budget=3), True),
     "async generation, K=1": (dict(steps_per_generation=2, async_generation=True, max_staleness=1), False),
+    "async generation, K=2": (dict(steps_per_generation=2, async_generation=True, max_staleness=2), False),
+    "async generation, in-flight updates": (dict(steps_per_generation=2, async_generation=True, max_staleness=1,
+                                                 inflight_update_tokens=3), False),
+    "replay": (dict(steps_per_generation=1, replay_buffer_size=16, replay_ratio=0.5, replay_max_staleness=4), True),
 }
 
 
@@ -287,3 +293,64 @@ def test_a_vllm_sampler_that_differs_from_the_trainer_is_corrected_or_is_the_beh
                    if "sampling/sampling_logp_difference/mean" in h) > 0.05
     else:
         assert sum(gaps) / len(gaps) > 0.05, sum(gaps) / len(gaps)  # the behaviour is the sampler: BAPO's ratio
+
+
+#: LoRA rows of sampler truth: how the adapter reaches the server (``vllm_lora_sync``) x a synchronous, a replay and
+#: an async source.
+LORA_SOURCES = ("TRL's default (synchronous)", "replay", "async generation, K=1")
+
+
+@pytest.mark.parametrize("mode", ["adapter", "merged"])
+@pytest.mark.parametrize("source", LORA_SOURCES)
+def test_with_lora_the_behaviour_is_the_sampler_of_base_plus_adapter_or_trls_correction_carries_it(
+        source, mode, tiny_model_dir, tmp_path, monkeypatch):
+    """Sampler truth through peft, each way the adapter reaches the server: the stand-in server samples from ITS policy
+    (the pushed base plus the pushed adapter, perturbed); a synchronous source's behaviour is the trainer's own
+    policy (base + adapter) with TRL's correction carrying the gap, an async one's is exactly the sampler's policy
+    of base + adapter (recomputed here with the perturbation): an adapter missing on the server, or counted twice,
+    fails it (seen failing with the pushed adapter's B zeroed)."""
+    from peft import LoraConfig
+
+    from support.policy_server import PolicyServer
+
+    settings, corrected = VLLM_SOURCES[source]
+    monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
+    server = PolicyServer(tiny_model_dir, perturb=1.5, lora=True)
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        args = cpu_config(
+            tmp_path / "out", save_strategy="no", per_device_train_batch_size=8, num_generations=4,
+            max_completion_length=6, logging_steps=1, seed=0, learning_rate=0.0, max_steps=2, disable_tqdm=True,
+            use_vllm=True, vllm_mode="server", vllm_server_host=host, vllm_server_port=int(port),
+            vllm_server_timeout=30, vllm_lora_sync=mode, **settings)
+        trainer = build(tiny_model_dir, args, peft=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        generator = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for name, parameter in trainer.model.named_parameters():
+                if "lora_B" in name:  # the adapter moves the policy
+                    parameter.copy_(0.3 * torch.randn(parameter.shape, generator=generator))
+        trainer.train()
+        perturbation = server.perturbation
+    finally:
+        server.close()
+    policy = trainer.model.eval()
+    rows = [row for row in trainer.trained if row["completion"]]
+    own = [abs(a - b) for row in rows
+           for a, b in zip(row["old"], trainer_logps(policy, row["prompt"], row["completion"], args.temperature))]
+    if corrected:
+        assert max(own) < 1e-4, max(own)  # the behaviour is the trainer's own policy, adapter included
+        assert max(h["sampling/sampling_logp_difference/mean"] for h in trainer.state.log_history
+                   if "sampling/sampling_logp_difference/mean" in h) > 0.05
+    else:
+        sampler = [abs(a - b) for row in rows for a, b in zip(row["old"], perturbed_logps(
+            policy, row["prompt"], row["completion"], args.temperature, perturbation))]
+        assert max(sampler) < 1e-4, max(sampler)  # exactly the server's policy: base + adapter, perturbed
+        assert sum(own) / len(own) > 0.05
+
+
+def perturbed_logps(model, prompt: tuple, completion: tuple, temperature: float, perturbation) -> list[float]:
+    """The stand-in server's log-probs: the policy's logits shifted by its perturbation, then temperature-scaled."""
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = (model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() + perturbation) / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
