@@ -287,3 +287,28 @@ def test_the_target_tolerance_is_the_documented_literal_on_a_hand_computed_batch
         assert even["target_met"] == 1.0 and even["steps"] == 0 and even["clip_high"] == pytest.approx(1.2)
     else:  # the official code's pos / (neg + 1e-8) = 1 - 2e-8 < 1 - 1e-9: exact balance is not met there
         assert even["target_met"] == 0.0 and even["steps"] == 15 + 36, even
+
+
+@pytest.mark.parametrize("window", [(0.8, 1.0), (1.0, 1.2), (0.8, 1.2), (1.0, 1.0)])
+def test_a_ratio_exactly_on_a_bound_counts_as_trls_loss_gives_it_its_gradient(window):
+    """Issue 75 (11): on-policy tokens (ratio exactly 1.0) and tokens exactly on a bound get TRL's full gradient (the
+    clipped and the unclipped branch are equal there and both carry it; torch splits the tie between them), so the
+    gradient share counts them. The truth is autograd through TRL's token loss ``-min(r A, clip(r) A)``, with the path
+    pinned to one window; seen failing with the old rule (a positive on ``c_high`` or a negative on ``c_low`` left
+    out)."""
+    c_low, c_high = window
+    ratio = torch.tensor([[1.0, c_high, c_low, 1.1, 0.9, 2.0], [1.0, c_low, c_high, 0.7, 1.3, 0.95]],
+                         dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([1.0, -0.5], dtype=torch.float64)
+    a = adv[:, None]
+    loss = -torch.min(ratio * a, ratio.clamp(c_low, c_high) * a).sum()
+    loss.backward()
+    weight = ratio.detach() * ratio.grad.abs()  # r |A| on the tokens that carry a gradient, 0 elsewhere
+    expected = float(weight[0].sum() / weight.sum())
+    pinned = dict(ratio_lower_start=c_low, ratio_lower_max=c_low, ratio_upper_start=c_high, ratio_upper_max=c_high,
+                  positive_contribution_mode="gradient")
+    fast = search_clip_bounds(ratio.detach(), adv, torch.ones(2, 6), **pinned).as_floats()
+    assert (fast["clip_low"], fast["clip_high"]) == window
+    assert fast["gradient_share"] == pytest.approx(expected, rel=1e-12)
+    pos, neg = contributions(ratio.detach().flatten(), a.expand(2, 6).flatten(), c_low, c_high, "gradient")
+    assert float(pos / (pos + neg)) == pytest.approx(expected, rel=1e-12)

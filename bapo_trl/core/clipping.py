@@ -273,14 +273,16 @@ def _side_table(grid: tuple[float, ...], step: float, positive: bool, offset: in
     Points ``0 .. n-2`` of a grid lie on the lattice ``start + k * step`` (built with that very expression, so the
     lattice recomputed on device is bit-identical); the last point (``max``, off the lattice in the ``verl`` path
     when the range is not a whole number of steps) is compared on its own. ``nudge`` turns ``c <= r`` into
-    ``c < r`` for negatives: ``r * (1 - 2**-53)`` is the double just below a positive ``r``. ``beyond``
-    (``delta``, else inf): a token with ``r > beyond`` (after the nudge) goes one bin past the last.
+    ``c < r`` for positives: ``r * (1 - 2**-53)`` is the double just below a positive ``r``. So a ratio exactly on a
+    bound counts where TRL's loss puts it: inside the window, with its full gradient (torch's ``min``/``max`` split
+    the gradient at a tie between two branches that both carry it). ``beyond`` (``delta``, else inf; the double
+    above it): a negative with ``r > delta`` goes one bin past the last (at ``delta`` it keeps its gradient).
     """
     n = len(grid)
     assert all(grid[0] + k * step == grid[k] for k in range(n - 1)), "grid points 0 .. n-2 must be on the lattice"
     last = grid[-1] if n > 1 else math.inf
-    nudge = 1.0 if positive else 1.0 - 2.0**-53
-    beyond = math.inf if delta is None else float(delta)
+    nudge = 1.0 - 2.0**-53 if positive else 1.0
+    beyond = math.inf if delta is None else math.nextafter(float(delta), math.inf)
     return [grid[0], 1.0 / step, step, float(max(n - 2, 0)), last, nudge, float(offset), beyond]
 
 
@@ -293,7 +295,7 @@ def _negative_grid(path: SearchPath) -> tuple[float, ...]:
 def _device_table(path: SearchPath, device: torch.device) -> torch.Tensor:
     """``(2, 8)`` rows ``(negative side, positive side)`` of :func:`_side_table`, on ``device``, made once:
     negatives bin against the ``c_low`` grid (the ``c_high`` grid for a cap path, with the positives' rule
-    ``#{c <= r}``) after the ``H + 1`` positive bins; with ``path.delta``, negatives above it in one more bin."""
+    ``#{c < r}``) after the ``H + 1`` positive bins; with ``path.delta``, negatives above it in one more bin."""
     high = _side_table(path.high_grid, path.high_step, positive=True, offset=0)
     if path.negatives_on_high:
         low = _side_table(path.high_grid, path.high_step, positive=True, offset=len(path.high_grid) + 1)
@@ -311,9 +313,10 @@ def _at_or_above(r: torch.Tensor, c: torch.Tensor, out: torch.Tensor) -> torch.T
 
 def _histogram(r: torch.Tensor, side: torch.Tensor, weight: torch.Tensor, path: SearchPath) -> torch.Tensor:
     """``(2, H + 1 + L + 1)`` sums of ``weight`` and ``r * weight`` per bin: bin ``j <= H`` holds positives with
-    ``#{c_high <= r} = j``, bin ``H + 1 + j`` negatives with ``#{c_low < r} = j`` (on a cap path: ``L = H`` and
-    ``#{c_high <= r} = j``). With ``path.delta`` one more bin, ``H + 1 + L + 1``, holds the negatives with
-    ``r > delta`` (above every ``c_low``: ``delta >= 1``). ``r`` (float64, finite) is overwritten.
+    ``#{c_high < r} = j``, bin ``H + 1 + j`` negatives with ``#{c_low <= r} = j`` (on a cap path: ``L = H`` and
+    ``#{c_high < r} = j``): a ratio on a bound is inside the window, as TRL's loss gives it its gradient. With
+    ``path.delta`` one more bin, ``H + 1 + L + 1``, holds the negatives with ``r > delta`` (above every ``c_low``:
+    ``delta >= 1``). ``r`` (float64, finite) is overwritten.
 
     Replaces a binary search per token (``torch.bucketize``, formerly the slowest step) by arithmetic: round ``r``
     to the nearest lattice point ``k`` (its neighbours then lie on known sides), compare exactly with that one grid
@@ -322,7 +325,7 @@ def _histogram(r: torch.Tensor, side: torch.Tensor, weight: torch.Tensor, path: 
     table = _device_table(path, r.device)
     start, inv_step, step, k_max, last, nudge, offset, beyond = torch.where(
         side[..., None], table[1], table[0]).unbind(-1)
-    r.mul_(nudge)  # moves negatives' ratios by one ulp (relative 1e-16), which no sum can notice
+    r.mul_(nudge)  # moves positives' ratios by one ulp (relative 1e-16), which no sum can notice
     k = (r - start).mul_(inv_step).round_().clamp_min_(0.0).clamp_max_(k_max)
     scratch = torch.mul(k, step).add_(start)  # exactly grid[k]: the same float expression the grid was built with
     k.add_(_at_or_above(r, scratch, out=scratch))
@@ -386,8 +389,8 @@ def grid_sums(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     ``H = len(high_grid)``, ``L = len(low_grid)``.
     """
     r, a, weight, counts = prepared(ratio, advantages, mask)
-    # Positives: value min(r, c_high) * A; they keep a gradient while r < c_high (weight r * A).
-    # Negatives: value max(r, c_low) * |A|; they keep a gradient while c_low < r (<= delta, TRL's two-sided clip,
+    # Positives: value min(r, c_high) * A; they keep a gradient while r <= c_high (weight r * A).
+    # Negatives: value max(r, c_low) * |A|; they keep a gradient while c_low <= r (<= delta, TRL's two-sided clip,
     # when set: above it the loss is -delta * A, a constant) (weight r * |A|).
     sums = _histogram(r, a > 0, weight, path)
     H = len(path.high_grid)

@@ -45,9 +45,10 @@ def contributions(r, a, c_low, c_high, mode, delta=None):
         pos = (torch.minimum(r, torch.tensor(c_high, dtype=r.dtype)) * a)[a > 0].sum()
         neg = (torch.maximum(r, torch.tensor(c_low, dtype=r.dtype)) * a.abs())[a < 0].sum()
     else:
-        pos = (r * a)[(a > 0) & (r < c_high)].sum()
+        # a ratio on a bound keeps its gradient in TRL's loss (both branches of the tie carry it)
+        pos = (r * a)[(a > 0) & (r <= c_high)].sum()
         below_delta = torch.ones_like(r, dtype=torch.bool) if delta is None else r <= delta
-        neg = (r * a.abs())[(a < 0) & (r > c_low) & below_delta].sum()
+        neg = (r * a.abs())[(a < 0) & (r >= c_low) & below_delta].sum()
     return pos, neg
 
 
