@@ -339,3 +339,54 @@ def test_the_suites_time_is_written_in_one_place_and_linked_from_the_others():
         assert link in text, page
         test_lines = [line for line in text.splitlines() if re.search(r"make test|test suite|fast tier", line)]
         assert not [line for line in test_lines if re.search(r"\d\s*(min|minutes)\b", line)], (page, test_lines)
+
+
+#: A user's script, saved where the README's layout puts them: the clone's root, beside ``.venv``.
+SCRIPT_BESIDE_THE_VENV = """
+import os, sys
+import bapo_trl
+from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
+
+assert os.path.dirname(bapo_trl.__file__) == os.path.join(os.getcwd(), "bapo_trl"), bapo_trl.__file__
+args = BAPOConfig(output_dir="out", max_steps=1, per_device_train_batch_size=8, num_generations=4,
+                  max_completion_length=4, use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True)
+BAPOTrainer(model=sys.argv[1], reward_funcs=reverse_reward, args=args, train_dataset=make_reverse_dataset(16)).train()
+print("trained")
+"""
+
+
+def clone_of_the_working_tree(folder):
+    """What ``git clone`` puts in ``folder`` that an import can see: the package (copied from the working tree, so the
+    test reads the code under test)."""
+    folder.mkdir(parents=True)
+    shutil.copytree(REPO / "bapo_trl", folder / "bapo_trl", ignore=shutil.ignore_patterns("__pycache__"))
+    return folder
+
+
+def test_the_readme_layout_imports_and_trains_a_script_saved_beside_the_venv(tmp_path, tiny_model_dir):
+    """Issue 77 (2): the README's block clones into ``bapo-trl`` with the venv inside; a script saved there, beside
+    ``.venv``, imports the package and trains (one step of the embedded task)."""
+    assert "git clone <url of this repository> bapo-trl && cd bapo-trl" in README
+    assert "python3 -m venv .venv" in README
+    clone = clone_of_the_working_tree(tmp_path / "bapo-trl")
+    (clone / ".venv").mkdir()
+    (clone / "train.py").write_text(SCRIPT_BESIDE_THE_VENV)
+    done = subprocess.run([sys.executable, "train.py", tiny_model_dir], cwd=clone, capture_output=True, text=True,
+                          timeout=300, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0 and done.stdout.strip().endswith("trained"), done.stderr[-3000:]
+
+
+def test_the_install_page_quotes_the_error_a_clone_named_like_the_package_gives_and_the_way_out(tmp_path):
+    """Issue 77 (2): where the shadowing can still happen (a clone named ``bapo_trl``, a script in the folder that
+    holds it; Python's own error, which the package cannot reword since it is not the package Python loads), the
+    install page quotes the error exactly as Python prints it today, and says what to do."""
+    clone_of_the_working_tree(tmp_path / "bapo_trl" / "bapo_trl")
+    done = subprocess.run([sys.executable, "-c", "from bapo_trl import BAPOConfig"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1 and "(unknown location)" in last, done.stderr
+    page = (REPO / "docs" / "install.md").read_text()
+    section = page.split("## If `from bapo_trl import BAPOConfig` fails")[1].split("\n## ")[0]
+    assert f"```text\n{last}\n```" in section and "mv bapo_trl bapo-trl" in section
