@@ -5,8 +5,7 @@ The public API is what this module exports (``__all__``):
 * the method: ``BAPOConfig`` / ``BAPOTrainer`` subclass TRL's ``GRPOConfig`` / ``GRPOTrainer``; ``search_clip_bounds``
   is the bound search as a pure function (``BAPOSettings``, ``SearchResult``); ``gspo_balanced`` is a named setting
   (BAPO's balance of GSPO's sequence-level ratio around TRL's documented window; ``BAPOConfig(**gspo_balanced())``);
-* research candidates that did not win live in :mod:`bapo_trl.experimental` (the 0.1 names ``gspo_length_fair``,
-  ``gmpo_balanced`` and ``BAPOGMPOTrainer`` still answer here, with a deprecation warning);
+* research candidates that did not win live in :mod:`bapo_trl.experimental`;
 * a run's results: ``PlotDynamicsCallback`` (the dynamics PNG at the end of training), ``plot_dynamics`` (the same
   figure from log histories or run directories, several overlaid), ``format_summary`` (the text summary ``bapo train``
   prints) and ``generation_rows`` (its rows: one per generation batch);
@@ -19,7 +18,6 @@ Every name is imported lazily, on first use: the math stays importable without l
 neither (``bapo plot``, ``bapo --help``) does not load torch.
 """
 
-from . import _compat
 from .core.lazy import lazy_names
 
 __version__ = "0.1.0"
@@ -45,14 +43,5 @@ _EXPORTS = {
     "boxed_accuracy": "bapo_trl.recipes.math_reasoning.rewards",
 }
 
-#: 0.1 names of research candidates, now in bapo_trl.experimental: each use warns (until bapo_trl 0.2)
-_MOVED = {
-    "gspo_length_fair": "bapo_trl.experimental.length_fair.presets:gspo_length_fair",
-    "gmpo_balanced": "bapo_trl.experimental.gmpo.presets:gmpo_balanced",
-    "BAPOGMPOTrainer": "bapo_trl.experimental.gmpo.trainer:BAPOGMPOTrainer",
-}
-
 __all__ = sorted(_EXPORTS) + ["__version__"]
-__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, _MOVED)
-
-_compat.install()  # the 0.1 import paths (bapo_trl.clipping, bapo_trl.config, ...): see _compat.py
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)

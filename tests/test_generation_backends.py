@@ -135,26 +135,6 @@ def test_every_source_trains_through_a_registered_backend(source, tiny_model_dir
     assert check_behaviour_logps(trainer.trained, snapshots.policies, tiny_model_dir, args.temperature, 1e-4) > 0
 
 
-def test_a_backend_written_for_0_1_still_samples_with_a_deprecation_warning(tiny_model_dir, tmp_path):
-    """0.1's contract named the sampling method ``generate``: such a backend is still called, with a warning that
-    names the new name."""
-    from bapo_trl.generation.contract import build_backend
-
-    class OldBackend:  # the 0.1 contract's names (only `generate` matters here)
-        def __init__(self, trainer):
-            self.inner = InProcessBackend(trainer)
-
-        def generate(self, prompts, n, max_tokens, seed=None):
-            return self.inner.sample(prompts, n, max_tokens, seed)
-
-    trainer = build(tiny_model_dir, cpu_config(tmp_path / "out", save_strategy="no", per_device_train_batch_size=8,
-                                               num_generations=4, max_completion_length=6))
-    register_backend("old_stand_in", OldBackend)
-    with pytest.warns(DeprecationWarning, match="rename it to `sample`"):
-        backend = build_backend("old_stand_in", trainer)
-    assert len(backend.sample([[6, 7, 14, 43]], 2, 3)["completion_ids"]) == 2
-
-
 def test_an_unregistered_backend_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="generation_backend.*registered"):
         BAPOConfig(output_dir="unused", use_cpu=True, generation_backend="sglang")

@@ -1,8 +1,9 @@
 """Layers, read from the folders: core < generation < rollout sources < trainer < research candidates < recipes <
 command line.
 
-A module's layer is the folder of ``bapo_trl/`` it is in; the package face (``bapo_trl/__init__.py`` and the table of
-0.1 import paths, ``_compat.py``) sits above them all, and any other module outside the folders fails. An import
+A module's layer is the folder of ``bapo_trl/`` it is in; the package face (``bapo_trl/__init__.py`` and
+``config.py``, the path old runs' ``training_args.bin`` pickle ``BAPOConfig`` under) sits above them all, and any
+other module outside the folders fails. An import
 (anywhere in the module: top level, inside a function, under ``TYPE_CHECKING``) of a module of a HIGHER layer fails
 the test; same-layer imports are allowed, as long as no chain of imports runs in a circle. Why: a lower layer that
 knows an upper one (the rollout sources calling back into the trainer, the config loading a rollout source) is how
@@ -29,7 +30,7 @@ NAMES = {**dict(enumerate(("core", "generation", "rollout sources", "trainer", "
                             "command line"))),
          FACE: "package face"}
 #: The modules outside the folders: the package face.
-EXACT = {"bapo_trl": FACE, "bapo_trl._compat": FACE}
+EXACT = {"bapo_trl": FACE, "bapo_trl.config": FACE}
 
 
 def module_name(path: Path) -> str:

@@ -8,12 +8,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from ..core.lazy import lazy_names
-from ..trainer.dynamics import DPI, LOG_HISTORY_NAME, load_run, plot_dynamics  # noqa: F401 (0.1 names of this module)
-
-#: The library names this module held before the command was split from them (deprecated here).
-_MOVED = {"PlotDynamicsCallback": "bapo_trl.trainer.callbacks", "write_log_history": "bapo_trl.trainer.callbacks"}
-__getattr__, __dir__ = lazy_names(__name__, {}, _MOVED)
+from ..trainer.dynamics import DPI, LOG_HISTORY_NAME, load_run, plot_dynamics  # noqa: F401
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m bapo_trl.cli.plot") -> int:

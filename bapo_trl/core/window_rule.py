@@ -4,7 +4,7 @@ needs.
 Why a rule: a TRL user who swaps ``GRPOConfig`` for ``BAPOConfig`` keeps their ``epsilon``/``epsilon_high`` and
 ``importance_sampling_level``. The paper's path is this rule at TRL's default window (``epsilon=0.2``, token ratios:
 ``c_high`` 1.2..3.0, ``c_low`` 0.6..0.9); GSPO's documented window (``3e-4``/``4e-4`` on a sequence's mean
-log-ratio, which moves far less than a token's) gets the path issue 53's studies chose for it
+log-ratio, which moves far less than a token's) gets the path the candidate studies chose for it
 (``gspo_balanced()``), instead of the paper's, which is hundreds of times wider there and lost to GSPO itself on
 fresh seeds (docs/results.md).
 
@@ -37,12 +37,12 @@ class Widening:
 
 
 def sequence_widening(scale: float) -> Widening:
-    """The sequence-level widening at ``scale`` (issue 53's "GSPO-scale x<scale>" candidates): c_high to
+    """The sequence-level widening at ``scale`` (the candidate study's "GSPO-scale x<scale>" rows): c_high to
     ``1 + 10 scale h``, c_low from ``1 - 3 scale e`` to ``1 - e``."""
     return Widening(upper=10.0 * scale, lower_widest=3.0 * scale, lower_narrowest=1.0)
 
 
-#: The scale issue 53's development runs chose among 1, 2, 4, 10 and 25 ("BAPO GSPO-scale x10", seeds 100-109),
+#: The scale the candidate study's dev runs chose among 1, 2, 4, 10 and 25 ("BAPO GSPO-scale x10", seeds 100-109),
 #: confirmed on seeds 300-319 and 400-419 (docs/results.md).
 SEQUENCE_SCALE = 10.0
 #: Per ratio level. Token: the paper's path read at TRL's default ``epsilon = 0.2`` (3.0 = 1 + 10 x 0.2, 0.6 = 1 - 2

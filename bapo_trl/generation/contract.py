@@ -14,7 +14,6 @@ trainer, the port and the sources stay as they are.
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -84,10 +83,4 @@ def build_backend(name: str, trainer) -> GenerationBackend:
     if isinstance(entry, str):
         module, _, attr = entry.partition(":")
         entry = getattr(importlib.import_module(module), attr)
-    backend = entry(trainer)
-    if not hasattr(backend, "sample") and hasattr(backend, "generate"):  # a backend written for 0.1
-        warnings.warn(f"generation backend {name!r} ({type(backend).__name__}) implements `generate`, the 0.1 name of "
-                      "GenerationBackend.sample; rename it to `sample` (0.2 will not call `generate`).",
-                      DeprecationWarning, stacklevel=2)
-        backend.sample = backend.generate
-    return backend
+    return entry(trainer)

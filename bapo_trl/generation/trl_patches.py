@@ -8,8 +8,9 @@ and ``restore``: ``epsilon_low``/``epsilon_high`` or a gate's fields; the dual c
 Why there are patches at all (TRL 1.16): ``GRPOTrainer.__init__`` builds its vLLM backend by name
 (``VLLMGeneration(...)``), and that backend builds its server client (``VLLMClient(...)``) and its colocated engine
 (``LLM(...)``) by name, with no argument or hook to build another; TRL's client refuses to start unless ``import vllm``
-works, although its generation is plain HTTP. TRL decided not to add a backend abstraction (its maintainers' comment
-on huggingface/trl#5195, 2026-07, per issue 65's account; the issue was closed then), so these patches are permanent:
+works, although its generation is plain HTTP. TRL has no backend layer to plug into: the proposal of one,
+huggingface/trl#5193 (part of #5119), is still open, and the pull requests that built it (#5244, then #5256) were
+closed without merging. So these patches are permanent:
 each stays one small function here, each patched TRL name is a seam (:mod:`bapo_trl.trainer.trl_seams`: the name must
 exist, and the TRL code it serves must still look it up by that name, checked when the trainer is imported), and
 ``docs/distributed.md`` ("What TRL would need to drop the patches") says which three changes to TRL would retire the

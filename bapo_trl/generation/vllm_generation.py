@@ -27,7 +27,6 @@ from functools import partial
 import requests
 from trl.generation.vllm_generation import VLLMGeneration, is_peft_model
 
-from ..core.lazy import lazy_names
 from .adapter_sync import LORA_RANKS, AdapterPush, AdapterSync, adapter_refusal, write_adapter
 from .fleet import ServerFleet, one_client, server_urls
 from .gather import adapter_shapes, exact_unmerge, gathered_adapter, gathered_base
@@ -48,8 +47,7 @@ from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError
 class BAPOVLLMGeneration(VLLMGeneration):
     """TRL's vLLM backend, built by TRL in place of its own (:func:`.trl_patches.building_generation`): TRL's code
     wherever TRL's path works; on a non-CUDA device in server mode, HTTP and weights through disk; see the module doc
-    for the rest (LoRA, colocate, seeds). ``CPUServerVLLMGeneration`` in 0.1 (that name imports until 0.2, with a
-    ``DeprecationWarning``)."""
+    for the rest (LoRA, colocate, seeds)."""
 
     disk_sync: DiskWeightSync | None = None
     #: What training does with the sampler's log-probs (:func:`bapo_trl.rollout.settings.sampler_logprobs_use`); None:
@@ -417,8 +415,3 @@ def refresh_output_layers(worker) -> int:
 
     return BAPOWorkerExtension.bapo_refresh_output_layers(worker)
 
-
-#: The 0.1 name, kept until 0.2 (it serves CUDA, colocate mode, LoRA and seeds too, not only a CPU server).
-#: ``VLLMServerBackend`` (0.1's bapo_trl.generation.vllm_server): the facade over this backend, now the backend itself.
-__getattr__, __dir__ = lazy_names(__name__, {}, {"CPUServerVLLMGeneration": f"{__name__}:BAPOVLLMGeneration",
-                                                 "VLLMServerBackend": f"{__name__}:trainer_vllm_backend"})

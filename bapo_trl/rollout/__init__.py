@@ -33,9 +33,5 @@ _EXPORTS = {
     "register_source": "registry",
     "registered_sources": "registry",
 }
-#: Names this package exported in 0.1 that only the trainer and the tests use: still importable here until 0.2, with
-#: a DeprecationWarning naming their module.
-_INTERNAL = {"PartialRolloutPool": "pool", "ReplayQueue": "replay_queue", "TRLPort": "bapo_trl.trainer.trl_port",
-             "build_source": "registry", "check_source_arguments": "registry"}
 __all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, _INTERNAL)
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)

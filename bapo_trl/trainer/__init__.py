@@ -15,9 +15,5 @@ Names load lazily: importing the config does not import the trainer (nor TRL's t
 from ..core.lazy import lazy_names
 
 _EXPORTS = {"BAPOConfig": "bapo_config", "BAPOTrainer": "bapo_trainer"}
-#: Names of the 0.1 module ``bapo_trl.trainer`` that live elsewhere now (deprecated here); the metric names are the
-#: groups of :mod:`bapo_trl.core.metrics`.
-_MOVED = {"BAPO_METRICS": "bapo_trl.core.metrics:UPDATE", "REPLAY_METRICS": "bapo_trl.core.metrics:REPLAY",
-          "AtEachUpdate": "loop_hooks", "training_random_state_kept": "loop_hooks"}
 __all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, _MOVED)
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)

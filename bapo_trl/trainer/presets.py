@@ -24,7 +24,7 @@ def gspo_balanced(scale: float = SEQUENCE_SCALE) -> dict:
     The default ``scale=10``: ``c_high`` from 1.0004 up to 1.04, ``c_low`` from 0.991 up to 0.9997, which is the path
     ``BAPOConfig`` derives from GSPO's documented window by itself (:mod:`bapo_trl.core.window_rule`).
 
-    ``scale=10`` is the setting issue 53's study chose ("BAPO GSPO-scale x10" in docs/results.md: of the scales 1, 2,
+    ``scale=10`` is the setting the study chose ("BAPO GSPO-scale x10" in docs/results.md: of the scales 1, 2,
     4, 10 and 25 it had the largest paired difference against the documented GSPO on the development seeds)."""
     if not (isinstance(scale, (int, float)) and scale >= 1):
         raise ValueError(f"gspo_balanced: `scale` must be a number >= 1, got {scale!r}")

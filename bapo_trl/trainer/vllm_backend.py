@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 
-from ..core.lazy import lazy_names
 from ..generation.trl_patches import building_generation
 from ..generation.vllm_generation import BAPOVLLMGeneration
 from ..rollout.settings import sampler_logprobs_use
@@ -16,8 +15,7 @@ from ..rollout.settings import sampler_logprobs_use
 class VLLMGenerationMixin:
     """Put before ``GRPOTrainer`` in the bases: with vLLM (server or colocate mode, any device), TRL builds
     :class:`~bapo_trl.generation.vllm_generation.BAPOVLLMGeneration`, which defers to TRL's own backend wherever
-    TRL's path works; the pushes it measures join the training logs. ``CPUServerSyncMixin`` in 0.1 (that name
-    imports until 0.2, with a ``DeprecationWarning``)."""
+    TRL's path works; the pushes it measures join the training logs."""
 
     def __init__(self, model, reward_funcs, args=None, **kwargs):
         if args is not None and getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) in (
@@ -56,6 +54,3 @@ class VLLMGenerationMixin:
             backend._pushes[:0] = pushes  # kept for the next training log
         super().log(logs, *args, **kwargs)
 
-
-#: The 0.1 name, kept until 0.2 (the mixin serves CUDA, colocate mode, LoRA and seeds too, not only a CPU server).
-__getattr__, __dir__ = lazy_names(__name__, {}, {"CPUServerSyncMixin": f"{__name__}:VLLMGenerationMixin"})

@@ -277,27 +277,20 @@ def test_a_bad_length_fair_setting_is_refused_by_name(settings, says, tmp_path):
     assert says in str(error.value)
 
 
-def test_the_old_fields_are_refused_and_the_old_paths_warn(tmp_path):
-    """0.1's BAPOConfig(sequence_window=...) is an unknown argument now (the command line's flag too); the old
-    import paths answer with a deprecation warning and the very same objects."""
-    import warnings
-
+def test_the_old_fields_are_refused_and_the_old_paths_are_gone(tmp_path):
+    """BAPOConfig(sequence_window=...) of the development versions is an unknown argument (the command line's flag
+    too); the candidate's old paths are gone, not aliased (issue 78: nothing deprecated before the first release)."""
+    import bapo_trl
     from bapo_trl.cli.train import make_parser, run
-    from bapo_trl.experimental.length_fair import presets
     from support.harness import cpu_config
 
     with pytest.raises(TypeError, match="sequence_window"):
         cpu_config(tmp_path, sequence_window="length_fair")
     with pytest.raises(SystemExit):
         run(["--sequence_window", "length_fair", "--output_dir", str(tmp_path), "--use_cpu"], parser=make_parser())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        import bapo_trl
-        from bapo_trl.core import length_fair as old
-
-        assert old.length_fair_search is length_fair_search and bapo_trl.gspo_length_fair is presets.gspo_length_fair
-    assert sum("moved to bapo_trl.experimental" in str(w.message) for w in caught) == 2, [str(w.message) for w in
-                                                                                         caught]
+    with pytest.raises(ImportError):
+        from bapo_trl.core import length_fair  # noqa: F401
+    assert not hasattr(bapo_trl, "gspo_length_fair")
 
 
 def test_settings_the_chosen_window_never_reads_warn(tmp_path):

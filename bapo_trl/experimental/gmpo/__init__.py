@@ -1,4 +1,4 @@
-"""BAPO's search in front of TRL's experimental GMPO loss (issue 53's third candidate; it did not beat the method,
+"""BAPO's search in front of TRL's experimental GMPO loss (the study's third candidate; it did not beat the method,
 docs/results.md).
 
 ``BAPOGMPOTrainer(model, rewards, args=BAPOConfig(output_dir, **gmpo_balanced()))``.

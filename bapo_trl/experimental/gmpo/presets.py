@@ -13,7 +13,7 @@ def gmpo_balanced() -> dict:
     """BAPO's window on GMPO's geometric mean (for ``BAPOGMPOTrainer``): the search starts at TRL's documented GMPO
     window and widens it as BAPO's default path does, ``c_high`` from ``exp(0.4)`` (1.49) to 3.0 in 37 points and
     ``c_low`` from ``exp(-0.4)`` (0.67) up to 0.9 in 16; token-level ratios (GMPO's own), no dual clip (GMPO's loss
-    has no two-sided clip). Issue 53's GMPO candidate (docs/results.md)."""
+    has no two-sided clip). The candidate study's GMPO candidate (docs/results.md)."""
     high, low = math.exp(GMPO_DOCUMENTED["epsilon_high"]), math.exp(-GMPO_DOCUMENTED["epsilon"])
     return dict(importance_sampling_level="token", dual_clip=False,
                 ratio_upper_start=high, ratio_upper_max=3.0, ratio_upper_step=(3.0 - high) / 36,

@@ -1,4 +1,4 @@
-"""The length-fair window (issue 53's second-round candidate; it did not beat ``gspo_balanced()``, docs/results.md):
+"""The length-fair window (the study's second-round candidate; it did not beat ``gspo_balanced()``, docs/results.md):
 GSPO's sequence ratio clipped per sequence in a band as wide as the noise of its own mean.
 
 ``LengthFairBAPOTrainer(model, rewards, args=LengthFairBAPOConfig(output_dir, **gspo_length_fair()))``.

@@ -16,5 +16,5 @@ GSPO_BAND = dict(band_upper_start=0.002, band_upper_max=0.2, band_upper_step=0.0
 def gspo_length_fair() -> dict:
     """GSPO's sequence-level ratio (loss ``grpo``, ``beta=0``) for :class:`~.config.LengthFairBAPOConfig`:
     ``LengthFairBAPOConfig(output_dir=..., **gspo_length_fair())`` runs the studies' "BAPO length-fair narrow"
-    (issue 53's second-round candidate; its band is the config's default, :data:`GSPO_BAND`)."""
+    (the candidate study's second-round candidate; its band is the config's default, :data:`GSPO_BAND`)."""
     return {name: GSPO_DOCUMENTED[name] for name in ("loss_type", "importance_sampling_level", "beta")}

@@ -1,4 +1,4 @@
-"""Length-fair sequence-level balance (issue 53's candidate, :class:`~.trainer.LengthFairBAPOTrainer`): GSPO's
+"""Length-fair sequence-level balance (the candidate study's, :class:`~.trainer.LengthFairBAPOTrainer`): GSPO's
 sequence ratio clipped in a band as wide as the noise of the sequence's own mean, BAPO's search choosing the band's
 width per sign.
 
