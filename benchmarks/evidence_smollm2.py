@@ -32,9 +32,9 @@ Held-out set (``tests/data/chat_arithmetic_heldout96.jsonl``, written by ``--wri
 tests/test_smollm2.py): the shipped chat arithmetic task's generator
 (``bapo_trl.recipes.math_reasoning.chat_arithmetic``, its prompt, id and answer format) covers operands 1..12 and ships
 all 220 of those problems as 48 test + 172 training, so 96 held-out problems cannot all come from that range. The set
-is the 48 shipped test problems, then 48 problems of the same form with an operand of 13 or 14 (``a + b``, and ``a -
-b`` with ``a >= b``: 79 such problems, in a fixed shuffle, seed 0, the first 48): none is in the training split. The
-report gives avg@8 over all 96 and over each half (in range / operands 13-14).
+is the 48 shipped test problems, then 48 problems of the same form with an operand of 13 or 14 (``a + b``, and
+``a - b`` with ``a >= b``: 79 such problems, in a fixed shuffle, seed 0, the first 48): none is in the training split.
+The report gives avg@8 over all 96 and over each half (in range / operands 13-14).
 
 Evaluation: 8 samples per problem, 16 new tokens, temperature 1.0, seed 0, the model in float32, scored with the
 training reward (``boxed_accuracy``); avg@8 and pass@8 as ``bapo_trl.cli.evaluate`` computes them (its
