@@ -40,10 +40,18 @@ train: install
 # shared between tests, timing bounds).
 FAST_WORKERS ?= 2
 
+# Each tier writes a JUnit file; the last line holds the run to the suite's time budget on its own clock (fast tier 5
+# min, all tiers 35: scripts/durations_table.py); DURATIONS_CHECK= skips it.
+JUNIT_DIR ?= build/test-junit
+DURATIONS_CHECK ?= $(PYTHON) scripts/durations_table.py --check $(JUNIT_DIR)/fast.xml $(JUNIT_DIR)/slow-side.xml \
+	$(JUNIT_DIR)/slow-serial.xml
+
 test: install-test
-	$(PYTHON) -m pytest -m "not slow" -q -n $(FAST_WORKERS) --durations=0
-	$(PYTHON) -m pytest -m "slow and side_by_side" -q -n $(FAST_WORKERS) --durations=0
-	$(PYTHON) -m pytest -m "slow and not side_by_side" -q --durations=0
+	$(PYTHON) -m pytest -m "not slow" -q -n $(FAST_WORKERS) --durations=0 --junitxml=$(JUNIT_DIR)/fast.xml
+	$(PYTHON) -m pytest -m "slow and side_by_side" -q -n $(FAST_WORKERS) --durations=0 \
+		--junitxml=$(JUNIT_DIR)/slow-side.xml
+	$(PYTHON) -m pytest -m "slow and not side_by_side" -q --durations=0 --junitxml=$(JUNIT_DIR)/slow-serial.xml
+	$(DURATIONS_CHECK)
 
 test-fast: install-test
 	$(PYTHON) -m pytest -m "not slow" -q -n $(FAST_WORKERS) --durations=20

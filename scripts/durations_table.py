@@ -8,6 +8,10 @@ The log holds three pytest runs (fast tier, slow side by side, slow one at a tim
 ("slowest durations") and a closing line ("N passed ... in S s"). Per tier: its wall time, its test count and the
 summed test time (setup, call and teardown: the machine time, more than the wall time on 2 workers); then the
 slowest tests of each tier, and every test file's summed time.
+
+``--check JUNIT [JUNIT ...]`` holds a run to the suite's time budget (:data:`BUDGET_MINUTES`: the fast tier 5
+minutes, every tier together 35) on the run's own clock, the JUnit files ``make test`` writes per tier; it exits 1
+naming what is over. ``make test`` ends with it (``DURATIONS_CHECK=`` skips it).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import sys
 from collections import defaultdict
 
 TIERS = ("fast", "slow, side by side", "slow, one at a time")
+#: The suite's time budget (minutes, wall): the fast tier, and every tier together.
+BUDGET_MINUTES = {"fast": 5.0, "all": 35.0}
 DURATION = re.compile(r"^\s*([\d.]+)s\s+(setup|call|teardown)\s+(\S+)")
 CLOSING = re.compile(r"^=*\s*(?:(\d+) failed, )?(\d+) passed.*? in ([\d.]+)s")
 
@@ -64,11 +70,43 @@ def table(runs: list[dict], top: int = 15) -> str:
     return "\n".join(out) + "\n"
 
 
+def junit_wall_seconds(path: str) -> float:
+    """The wall time of one pytest run from its JUnit file (``--junitxml``): its test suites' ``time``."""
+    import xml.etree.ElementTree as ElementTree
+
+    root = ElementTree.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    return sum(float(suite.get("time", 0.0)) for suite in suites)
+
+
+def over_budget(tier_seconds: list[float]) -> list[str]:
+    """What of a run (its tiers' wall seconds, fast tier first) is over :data:`BUDGET_MINUTES`; empty when nothing."""
+    problems = []
+    fast, total = tier_seconds[0] / 60, sum(tier_seconds) / 60
+    if fast > BUDGET_MINUTES["fast"]:
+        problems.append(f"the fast tier took {fast:.1f} min, over its budget of {BUDGET_MINUTES['fast']:.0f} min")
+    if total > BUDGET_MINUTES["all"]:
+        problems.append(f"the whole suite took {total:.1f} min, over its budget of {BUDGET_MINUTES['all']:.0f} min")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("log", help="a .ci/run or make test log")
+    parser.add_argument("log", nargs="+", help="a .ci/run or make test log (with --check: each tier's JUnit file)")
     parser.add_argument("--top", type=int, default=15, help="slowest tests listed per tier (default 15)")
+    parser.add_argument("--check", action="store_true", help="hold the tiers' JUnit files to the time budget")
     args = parser.parse_args(argv)
+    if args.check:
+        seconds = [junit_wall_seconds(path) for path in args.log]
+        problems = over_budget(seconds)
+        for problem in problems:
+            print(f"durations check: {problem} (scripts/durations_table.py; CONTRIBUTING: which test proves what)",
+                  file=sys.stderr)
+        if not problems:
+            print(f"durations check: fast tier {seconds[0] / 60:.1f} min, all {sum(seconds) / 60:.1f} min: within "
+                  f"{BUDGET_MINUTES['fast']:.0f} / {BUDGET_MINUTES['all']:.0f} min")
+        return 1 if problems else 0
+    args.log = args.log[0]
     with open(args.log, errors="replace") as f:
         runs = parse(f.readlines())
     if not runs:
