@@ -152,8 +152,19 @@ def test_the_band_is_as_wide_as_the_noise_of_the_sequences_mean():
     assert c_low[:, 0].log().tolist() == pytest.approx((-2 * b).tolist())
 
 
+def test_the_search_settings_default_to_the_band_the_studies_kept_as_the_config_does():
+    """One source for the defaults (issue 78): the search's settings are the config's, GSPO_BAND and TRL's GSPO window
+    as the band floor."""
+    from bapo_trl.experimental.length_fair import LengthFairBAPOConfig
+
+    config = LengthFairBAPOConfig(output_dir="unused", use_cpu=True, importance_sampling_level="sequence")
+    settings = LengthFairSettings()
+    for name in [*GSPO_BAND, "band_floor"]:
+        assert getattr(settings, name) == getattr(config, name), name
+
+
 def test_the_path_widens_the_positives_first_then_narrows_the_negatives():
-    path = length_fair_path(LengthFairSettings())
+    path = length_fair_path(LengthFairSettings(**WIDE))
     assert path.clip_high[:13] == [1.0 + 0.25 * k for k in range(13)] and path.clip_low[:13] == [4.0] * 13
     assert path.clip_low[13:] == [4.0 - 0.25 * k for k in range(1, 13)] and set(path.clip_high[13:]) == {4.0}
     assert len(path) == 25
@@ -162,7 +173,7 @@ def test_the_path_widens_the_positives_first_then_narrows_the_negatives():
 def test_a_batch_of_only_negatives_runs_to_the_end_and_an_empty_one_meets_the_target():
     log_ratio, _, mask = batch(5, spread=0.5, drift=0.5)
     mask[:] = 1
-    got = length_fair_search(log_ratio, -torch.ones(12, dtype=torch.float64), mask).as_floats()
+    got = length_fair_search(log_ratio, -torch.ones(12, dtype=torch.float64), mask, **WIDE).as_floats()
     assert got["steps"] == 24 and not got["target_met"] and (got["clip_low"], got["clip_high"]) == (1.0, 4.0)
     empty = length_fair_search(log_ratio, torch.ones(12, dtype=torch.float64), torch.zeros_like(mask)).as_floats()
     assert empty["steps"] == 0 and empty["target_met"] and math.isnan(empty["positive_contribution"])
@@ -180,7 +191,7 @@ def test_a_batch_of_only_negatives_runs_to_the_end_and_an_empty_one_meets_the_ta
 ])
 def test_a_bad_setting_is_refused_by_name(field, value, says):
     with pytest.raises(ValueError) as error:
-        LengthFairSettings(**{field: value})
+        LengthFairSettings(**{**WIDE, field: value})
     assert says in str(error.value)
 
 
@@ -234,7 +245,7 @@ def test_trls_loss_clips_each_sequence_in_the_window_the_plain_loop_chooses(tiny
     for logps, old, mask, advantages, eps_low, eps_high, chosen in calls:
         log_ratio = logps - old
         weighted = advantages[:, None] / mask.sum(-1, keepdim=True).clamp(min=1.0)
-        loop = length_fair_loop_search(log_ratio, weighted, mask, positive_contribution_mode=mode, delta=3.0)
+        loop = length_fair_loop_search(log_ratio, weighted, mask, positive_contribution_mode=mode, delta=3.0, **WIDE)
         assert (chosen["clip_low"], chosen["clip_high"], chosen["steps"]) == pytest.approx(
             (loop["clip_low"], loop["clip_high"], loop["steps"]))
         assert eps_low.shape == eps_high.shape == (8, 1)

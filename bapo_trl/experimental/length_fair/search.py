@@ -30,6 +30,8 @@ from typing import Callable
 import torch
 
 from ...core.clipping import MODES, SearchPath, SearchResult, _device_grids, _grid, choose_bounds, is_real
+from ...trainer.presets import GSPO_DOCUMENTED
+from .presets import GSPO_BAND
 
 
 @dataclass(frozen=True)
@@ -37,13 +39,13 @@ class LengthFairSettings:
     """The search settings of the length-fair balance; every bad value raises ``ValueError`` naming the field."""
 
     positive_contribution_target: float = 0.5
-    band_upper_start: float = 1.0
-    band_upper_max: float = 4.0
-    band_upper_step: float = 0.25
-    band_lower_start: float = 4.0
-    band_lower_min: float = 1.0
-    band_lower_step: float = 0.25
-    band_floor: float = 3e-4
+    band_upper_start: float = GSPO_BAND["band_upper_start"]  # the band the studies kept, as the config's defaults
+    band_upper_max: float = GSPO_BAND["band_upper_max"]
+    band_upper_step: float = GSPO_BAND["band_upper_step"]
+    band_lower_start: float = GSPO_BAND["band_lower_start"]
+    band_lower_min: float = GSPO_BAND["band_lower_min"]
+    band_lower_step: float = GSPO_BAND["band_lower_step"]
+    band_floor: float = GSPO_DOCUMENTED["epsilon"]  # TRL's GSPO window, as the config's default
     positive_contribution_mode: str = "value"
     delta: float | None = None
 
