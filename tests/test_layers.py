@@ -230,3 +230,10 @@ def test_an_import_of_a_test_module_is_caught():
         "tests/dist_scripts/y.py:1: imports the test module test_f",
         "tests/dist_scripts/y.py:3: imports the test module test_g",
     ]
+
+
+def test_the_trainer_module_keeps_the_trainer_under_200_lines():
+    """Issue 78 (4): ``BAPOTrainer``'s module holds its two overrides and the run's lifecycle; what grows goes to a
+    module of its own (the loss hook's helpers, the card's metadata, the checkpoints)."""
+    lines = len((PACKAGE / "trainer" / "bapo_trainer.py").read_text().splitlines())
+    assert lines < 200, f"bapo_trl/trainer/bapo_trainer.py has {lines} lines"

@@ -31,17 +31,12 @@ from .checkpoints import CheckpointMixin
 from .deepspeed_env import quiet_deepspeed_on_cpu
 from .input_checks import check_prompt_column
 from .loop_hooks import AtEachUpdate, EvaluationKeepsTrainingRandomState
-from .loss_hook import WindowChoice, install, log_search, optimised_tokens, restore, search_inputs
-from .model_card import PAPER_CITATION, ModelCardMixin
+from .loss_hook import WindowChoice, install, log_search, optimised_tokens, restore, search_inputs, search_settings
+from .model_card import PAPER, ModelCardMixin
 from .reward_errors import RewardTally, name_errors
 from .trl_port import TRLPort
 from .trl_seams import check_trl_seams
 from .vllm_backend import VLLMGenerationMixin  # TRL builds bapo_trl's vLLM backend (any device, LoRA, seeds)
-
-#: The target a micro-batch without old log-probs is searched with (TRL skipped them: the data is exactly on-policy,
-#: every ratio 1). No window changes the gradient there, but a gate's scale changes SAPO's loss value (its 4 / tau),
-#: so the path's start, the user's own window, is taken: TRL's loss and gradient exactly.
-ON_POLICY_TARGET = 1e-12
 
 check_trl_seams()  # a TRL that moved a private method we override fails here, loudly, not mid-training
 
@@ -63,8 +58,7 @@ class BAPOTrainer(VLLMGenerationMixin, CheckpointMixin, ModelCardMixin, Evaluati
     _name = "BAPO"
     #: Hook: the loss row a subclass balances whatever the config's ``loss_type``; None: the ``loss_type``'s row.
     loss_row: LossType | None = None
-    _paper = {"title": "BAPO: Stabilizing Off-Policy Reinforcement Learning for LLMs via Balanced Policy "
-              "Optimization with Adaptive Clipping", "id": "2510.18927", "citation": PAPER_CITATION}
+    _paper = PAPER
 
     def __init__(self, model, reward_funcs=None, args: BAPOConfig | None = None, **kwargs):
         quiet_deepspeed_on_cpu(torch)  # before TRL's trainer imports DeepSpeed
@@ -104,17 +98,14 @@ class BAPOTrainer(VLLMGenerationMixin, CheckpointMixin, ModelCardMixin, Evaluati
         behaves as on a new trainer; whatever the run started (background generation, the generation backend, weight
         pushes) ends with it, also on an error."""
         resume = self._checkpoint_to_resume(resume_from_checkpoint)
-        self._begin_run()
+        self._runs += 1
+        if self._runs > 1:
+            self._new_run_state()
         try:
             return super().train(resume_from_checkpoint=resume, trial=trial,
                                  ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         finally:
             self._end_of_training()
-
-    def _begin_run(self) -> None:
-        self._runs += 1
-        if self._runs > 1:
-            self._new_run_state()
 
     @property
     def _bapo_settings(self):
@@ -196,9 +187,7 @@ class BAPOTrainer(VLLMGenerationMixin, CheckpointMixin, ModelCardMixin, Evaluati
         """Hook: the window one micro-batch gets, with what its metrics need. The method: BAPO's search over the loss
         type's path, its sums reduced over all processes. A research candidate with another window overrides only
         this (:mod:`bapo_trl.experimental`)."""
-        settings = self._bapo_settings
-        if inputs.get("old_per_token_logps") is None:  # exactly on-policy: every ratio 1, see ON_POLICY_TARGET
-            settings = dataclasses.replace(settings, positive_contribution_target=ON_POLICY_TARGET)
+        settings = search_settings(self._bapo_settings, inputs)
         path = self.loss.path(settings)
         result = search_clip_bounds(ratio, advantages, mask, config=settings, path=path,
                                     reduce_fn=self.port.sum_over_processes, sums_fn=self.loss.grid_sums)

@@ -6,6 +6,7 @@ loss call when it is a config field).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, NamedTuple
 
 import torch
@@ -25,6 +26,20 @@ class WindowChoice(NamedTuple):
     path: SearchPath
     bounds: tuple
     values: Callable[[metrics.MicroBatch], tuple[dict, tuple]] = metrics.update_values
+
+
+#: The target a micro-batch without old log-probs is searched with (TRL skipped them: the data is exactly on-policy,
+#: every ratio 1). No window changes the gradient there, but a gate's scale changes SAPO's loss value (its 4 / tau),
+#: so the path's start, the user's own window, is taken: TRL's loss and gradient exactly.
+ON_POLICY_TARGET = 1e-12
+
+
+def search_settings(settings, inputs: dict):
+    """The search's settings for one micro-batch: the run's, or with :data:`ON_POLICY_TARGET` where it is exactly
+    on-policy."""
+    if inputs.get("old_per_token_logps") is None:
+        return dataclasses.replace(settings, positive_contribution_target=ON_POLICY_TARGET)
+    return settings
 
 
 def optimised_tokens(trainer, mask: torch.Tensor, logps: torch.Tensor, entropies: torch.Tensor | None,

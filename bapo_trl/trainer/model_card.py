@@ -25,6 +25,9 @@ PAPER_CITATION = (
     "    eprint       = {arXiv:2510.18927}\n"
     "}"
 )
+#: The paper TRL's model card cites (its ``_paper`` attribute, set on :class:`~.bapo_trainer.BAPOTrainer`).
+PAPER = {"title": "BAPO: Stabilizing Off-Policy Reinforcement Learning for LLMs via Balanced Policy Optimization with "
+         "Adaptive Clipping", "id": "2510.18927", "citation": PAPER_CITATION}
 
 def target_from_card(text: str) -> float | None:
     """rho0 from the text of a model card this module wrote (None when the card has no BAPO section)."""
