@@ -231,3 +231,42 @@ def test_without_a_snapshot_of_these_versions_the_command_parses_as_before_and_c
     assert train_front.answer(["--max_stpes", "1"], "bapo train") == 2
     assert train_front.answer(["--max_steps", "1"], "bapo train") is None  # a known flag: the run goes on
     assert train_front.answer(["--config", "r.yaml", "--help"], "bapo train") is None  # a recipe's defaults
+
+
+def test_the_help_snapshot_is_keyed_on_the_option_declarations_not_on_whole_files(tmp_path):
+    """Issue 78 (4): the shipped ``bapo train --help`` snapshot stays valid through an edit of a docstring, a comment
+    or a function body in the files that declare the options (it was rewritten in 8 commits in one day); a field's
+    help, default or type, a group, or an ``add_argument`` call changes its key."""
+    import shutil
+    from pathlib import Path
+
+    from bapo_trl.cli.train_front import OPTION_SOURCES, options_digest
+
+    package = Path(train_cli.__file__).resolve().parents[1]
+    copy = tmp_path / "bapo_trl"
+    for name in OPTION_SOURCES:
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(package / name, copy / name)
+    original = options_digest(copy)
+    assert original == options_digest(package)
+
+    def edited(name: str, old: str, new: str) -> str:
+        text = (package / name).read_text()
+        assert old in text, (name, old)
+        (copy / name).write_text(text.replace(old, new, 1))
+        try:
+            return options_digest(copy)
+        finally:
+            shutil.copy(package / name, copy / name)
+
+    kept = [("trainer/bapo_config.py", '"""', '"""A docstring edited. '),
+            ("cli/train.py", "\ndef ", "\n# a comment\ndef "),
+            ("cli/train.py", "    embedded = model_args.model_name_or_path is None",
+             "    embedded = (model_args.model_name_or_path is None)  # a body edited")]
+    for name, old, new in kept:
+        assert edited(name, old, new) == original, (name, old)
+    changed = [("rollout/settings.py", 'metadata={"help": "', 'metadata={"help": "Edited. '),
+               ("trainer/bapo_config.py", "dual_clip: bool = field(\n        default=True",
+                "dual_clip: bool = field(\n        default=False")]
+    for name, old, new in changed:
+        assert edited(name, old, new) != original, (name, old)

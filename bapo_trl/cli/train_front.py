@@ -4,7 +4,7 @@ Why: ``bapo train``'s options are the fields of ``BAPOConfig``, TRL's ``GRPOConf
 ``TrainingArguments``, and reading them imports torch and TRL (4 s on an idle 2-core machine, up to 2 minutes on a
 busy one) before ``--help`` or a typo's error could be printed. So the help texts and the list of known flags are
 kept as a snapshot (:func:`snapshot`), valid for the exact versions of Python, TRL, transformers and bapo_trl it was
-taken with and the exact files that declare the options (:data:`OPTION_SOURCES`): shipped in the package
+taken with and the declarations of the options (:func:`options_digest`): shipped in the package
 (``train_options.json``; ``python -m bapo_trl.cli.train_front --write`` refreshes it, and a test fails until it
 matches the parser) and written to the cache (``$BAPO_TRL_CACHE/cli``) by the first run under anything else. With no
 snapshot of the running versions, everything goes to :mod:`.train`, as before.
@@ -29,18 +29,40 @@ HELP, HELP_ALL = ("-h", "--help"), ("--help-all", "--help_all")
 
 
 #: The package's files that declare ``bapo train``'s options, their help and groups: a snapshot is valid for their
-#: exact contents (an edited field in a development checkout must not be answered from an older snapshot).
+#: declarations (an edited field in a development checkout must not be answered from an older snapshot).
 OPTION_SOURCES = ("trainer/bapo_config.py", "rollout/settings.py", "core/option_groups.py", "cli/train.py")
+
+
+def declarations(source: str) -> list[str]:
+    """What in one option source can change an option: the fields of its classes (name, type, default, help), its
+    module-level constants (the groups, the embedded settings) and every ``add_argument`` call, as source text.
+    Docstrings, comments and the bodies of functions are left out, so editing them keeps the snapshot (the test that
+    holds the snapshot to the parser still catches a change of how the help is laid out)."""
+    import ast
+
+    tree = ast.parse(source)
+    found = [ast.unparse(node) for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            found += [ast.unparse(item) for item in node.body if isinstance(item, (ast.Assign, ast.AnnAssign))]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+            found.append(ast.unparse(node))
+    return found
+
+
+def options_digest(package: Path) -> str:
+    """The digest of :data:`OPTION_SOURCES`' :func:`declarations` under ``package`` (the folder of ``bapo_trl``)."""
+    texts = ["\n".join(declarations((package / name).read_text())) for name in OPTION_SOURCES]
+    return hashlib.sha256("\n\f".join(texts).encode()).hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=1)
 def versions() -> dict[str, str]:
     """What the option texts depend on: Python (argparse's layout), TRL, transformers, bapo_trl and the digest of
-    :data:`OPTION_SOURCES`."""
+    the options' declarations (:func:`options_digest`)."""
     from .. import __version__
 
-    package = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256(b"".join((package / name).read_bytes() for name in OPTION_SOURCES)).hexdigest()[:16]
+    digest = options_digest(Path(__file__).resolve().parents[1])
     return {"python": "%d.%d" % sys.version_info[:2], "trl": metadata.version("trl"),
             "transformers": metadata.version("transformers"), "bapo_trl": __version__, "options_source": digest}
 
