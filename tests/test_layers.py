@@ -237,3 +237,23 @@ def test_the_trainer_module_keeps_the_trainer_under_200_lines():
     module of its own (the loss hook's helpers, the card's metadata, the checkpoints)."""
     lines = len((PACKAGE / "trainer" / "bapo_trainer.py").read_text().splitlines())
     assert lines < 200, f"bapo_trl/trainer/bapo_trainer.py has {lines} lines"
+
+
+#: The research candidates' names (bapo_trl.experimental): none appears in the method's package outside their folder.
+CANDIDATE_NAMES = ("gmpo", "length_fair", "length-fair", "lengthfair", "decoupled")
+#: The one file outside the folders that names a candidate, by the project's rule that every private TRL name the
+#: package touches is listed in trainer/trl_seams.py (GMPO's seams are TRL's experimental GMPO's private methods).
+NAMES_EVERY_TRL_SEAM = "bapo_trl/trainer/trl_seams.py"
+
+
+def test_a_candidate_is_its_folder_the_method_names_none_of_them():
+    """Issue 78 (3): "a candidate is one folder and zero edits elsewhere" (docs/experimental.md): no module of the
+    method names a candidate (a docstring included), so adding or deleting one touches its folder only."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        if relative.startswith("bapo_trl/experimental/") or relative == NAMES_EVERY_TRL_SEAM:
+            continue
+        text = path.read_text().lower()
+        found += [f"{relative}: {name}" for name in CANDIDATE_NAMES if name in text]
+    assert not found, found

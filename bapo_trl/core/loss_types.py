@@ -25,6 +25,13 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 # -- ratios: what the loss's clip (or gate) acts on, broadcast to the tokens ------------------------------------------
 
+def token_log_ratio(logps: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """``(B, T)`` detached ``log pi_theta - log pi_old`` per token; zeros when TRL skipped the old log-probs (the data
+    is on-policy, every ratio exactly 1)."""
+    old = inputs.get("old_per_token_logps")
+    return logps.detach() - old if old is not None else torch.zeros_like(logps)
+
+
 def trl_ratios(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, inputs: dict) -> torch.Tensor:
     """``(B, T)`` ratios as TRL's ``_compute_loss`` forms ``coef_1``: per token ``exp(log r)``, or per sequence
     (GSPO) ``exp(sum_t m log r / max(sum_t m, 1))`` over the loss mask, broadcast to the sequence's tokens."""
@@ -178,8 +185,8 @@ class LossType:
             path's starts ``ratio_upper_start``, ``ratio_lower_start``): :meth:`bind` gives them the run's values.
         is_weight_in_ratio: TRL already folds its vLLM importance-sampling weights into the ratio (VESPO), so the
             search must not multiply the advantages by them again.
-        uses_is_weights: the loss multiplies by TRL's vLLM importance-sampling weights at all (GMPO's does not, so
-            its share does not either).
+        uses_is_weights: the loss multiplies by TRL's vLLM importance-sampling weights at all (a research
+            candidate's may not, so its share does not either).
         config_errors, config_warnings: ``(args, name)`` -> what this loss refuses, or warns of, in a config
             (:mod:`.loss_checks`): the config switches on no loss type.
     """

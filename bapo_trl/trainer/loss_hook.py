@@ -13,7 +13,7 @@ import torch
 
 from ..core import metrics
 from ..core.clipping import SearchPath, SearchResult
-from ..core.loss_types import LossType
+from ..core.loss_types import LossType, token_log_ratio
 from ..core.numerics import loss_mask
 
 
@@ -55,13 +55,6 @@ def optimised_tokens(trainer, mask: torch.Tensor, logps: torch.Tensor, entropies
             advantages[:, None] if advantages.dim() == 1 else advantages, logps,
             inputs.get("sampling_per_token_logps", behaviour), mask, trainer.off_policy_mask_threshold)
     return mask
-
-
-def token_log_ratio(logps: torch.Tensor, inputs: dict) -> torch.Tensor:
-    """``(B, T)`` detached ``log pi_theta - log pi_old`` per token; zeros when TRL skipped the old log-probs (the data
-    is on-policy, every ratio exactly 1)."""
-    old = inputs.get("old_per_token_logps")
-    return logps.detach() - old if old is not None else torch.zeros_like(logps)
 
 
 def search_inputs(loss: LossType, logps: torch.Tensor, inputs: dict, level: str,

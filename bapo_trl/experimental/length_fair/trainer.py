@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 from functools import partial
 
+from ...core.loss_types import token_log_ratio
 from ...core.numerics import loss_mask
 from ...trainer.bapo_config import run_name
 from ...trainer.bapo_trainer import BAPOTrainer
-from ...trainer.loss_hook import WindowChoice, token_log_ratio
+from ...trainer.loss_hook import WindowChoice
 from .config import LengthFairBAPOConfig
 from .metrics import length_fair_values
 from .presets import gspo_length_fair
