@@ -281,7 +281,7 @@ def test_age_buckets_count_tokens_by_their_own_version_when_replayed_rows_are_mi
     the replay split (per completion) must not replace the per-token ages."""
     from bapo_trl.core.clipping import BAPOSettings, search_clip_bounds, search_path
     from bapo_trl.core.loss_types import CLIPPED_SURROGATE
-    from bapo_trl.core.metrics import MicroBatch, update_values
+    from bapo_trl.core.metrics import SearchRecord, update_values
 
     ratio = torch.ones(2, 4)
     advantages = torch.tensor([1.0, -1.0])
@@ -289,9 +289,10 @@ def test_age_buckets_count_tokens_by_their_own_version_when_replayed_rows_are_mi
     inputs = {"token_policy_version": torch.tensor([[10, 10, 9, 9], [8, 8, 8, 8]]),
               "policy_version": torch.tensor([9, 8]), "replayed": torch.tensor([False, True])}
     result = search_clip_bounds(ratio, advantages, mask)
-    values, _ = update_values(MicroBatch(result, search_path(BAPOSettings()), CLIPPED_SURROGATE, ratio, advantages,
-                                         mask, inputs, torch.zeros(2, 4), None, 10, torch.tensor(0.0), 0.5,
-                                         lambda t: t, lambda t: t, by_age=True))
+    values, _ = update_values(SearchRecord(
+        result=result, path=search_path(BAPOSettings()), loss=CLIPPED_SURROGATE, ratio=ratio, advantages=advantages,
+        mask=mask, inputs=inputs, logps=torch.zeros(2, 4), entropies=None, step=10, nonfinite_inputs=torch.tensor(0.0),
+        target=0.5, sum_over_processes=lambda t: t, max_over_processes=lambda t: t, by_age=True))
     assert values["bapo/token_fraction/age_0"] == pytest.approx(2 / 8)  # per token: two at age 0 ...
     assert values["bapo/token_fraction/age_1"] == pytest.approx(2 / 8)  # ... two at age 1
     assert values["bapo/token_fraction/age_2"] == pytest.approx(4 / 8)

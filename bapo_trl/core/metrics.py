@@ -106,10 +106,15 @@ SAMPLER = (
     "sampling/sampling_logp_difference/mean",
     "sampling/sampling_logp_difference/max",
 )
+#: Logged with the training logs while a vLLM server is pushed weights through the disk: per push, averaged over the
+#: pushes since the last log (``trainer/vllm_backend.py``).
+WEIGHT_SYNC = (
+    "weight_sync/pushed_bytes",
+    "weight_sync/seconds",
+)
 #: Every metric name the method logs, by group (a research candidate in ``bapo_trl/experimental`` lists its own).
 REGISTRY = {"search": SEARCH, "entropy_clip": ENTROPY_CLIP, "replay": REPLAY, "partial": PARTIAL, "async": ASYNC,
-            "gates": GATES, "rewards": REWARDS,
-            "sampler": SAMPLER}
+            "gates": GATES, "rewards": REWARDS, "sampler": SAMPLER, "weight_sync": WEIGHT_SYNC}
 
 #: valid, positive, negative, low-clipped, high-clipped (by the window), window-sensitive, positive and negative tokens
 #: without gradient, staleness sum, non-finite
@@ -352,9 +357,10 @@ def gate_values(loss: LossType, clip_low: float, clip_high: float) -> dict[str, 
             if name.startswith("args.")}
 
 
-@dataclasses.dataclass
-class MicroBatch:
-    """What one loss call's search saw and chose, as the metrics need it: ``result`` and ``path`` the search's,
+@dataclasses.dataclass(kw_only=True)
+class SearchRecord:
+    """What one loss call's search saw and chose, as the metrics need it (built by keyword; not TRL's micro-batch,
+    which is ``inputs``): ``result`` and ``path`` the search's,
     ``loss`` the loss type's row, ``ratio``/``advantages``/``mask`` what it balanced, ``inputs`` TRL's micro-batch,
     ``logps``/``entropies`` the policy forward's, ``step`` the optimizer step, ``nonfinite_inputs`` the tokens dropped
     before the forward, ``target`` rho0, the two reductions over processes, and ``by_age`` (report the share by token
@@ -377,7 +383,7 @@ class MicroBatch:
     by_age: bool
 
 
-def update_values(batch: MicroBatch) -> tuple[dict[str, float], tuple[float, float]]:
+def update_values(batch: SearchRecord) -> tuple[dict[str, float], tuple[float, float]]:
     """Every value a micro-batch logs (search, Entropy-Clip; fresh vs replayed tokens when the batch holds replayed
     rows; the share by token age when ``by_age``), with the fewest collectives: one sum and one max per group.
     Returns the values and ``(entropy sum, tokens)`` over all processes (0, 0 when the entropy is unknown). Clipped
@@ -394,7 +400,7 @@ def update_values(batch: MicroBatch) -> tuple[dict[str, float], tuple[float, flo
     return values, entropy
 
 
-def origin_and_age_values(batch: MicroBatch, staleness: torch.Tensor | None) -> dict[str, float]:
+def origin_and_age_values(batch: SearchRecord, staleness: torch.Tensor | None) -> dict[str, float]:
     """The share of fresh vs replayed tokens (when the batch holds replayed rows) and by token age (when
     ``batch.by_age``), at the window ``batch.result`` holds (one sum and one max per group)."""
     b, values = batch, {}

@@ -25,7 +25,7 @@ class WindowChoice(NamedTuple):
     result: SearchResult
     path: SearchPath
     bounds: tuple
-    values: Callable[[metrics.MicroBatch], tuple[dict, tuple]] = metrics.update_values
+    values: Callable[[metrics.SearchRecord], tuple[dict, tuple]] = metrics.update_values
 
 
 #: The target a micro-batch without old log-probs is searched with (TRL skipped them: the data is exactly on-policy,
@@ -98,10 +98,11 @@ def log_search(trainer, choice: WindowChoice, ratio, advantages, mask, inputs, l
     """The micro-batch's metrics (``choice.values``: :func:`bapo_trl.core.metrics.update_values` for the method);
     its entropy joins the closed-loop target's update, if on."""
     mode = "train" if trainer.model.training else "eval"
-    values, entropy = choice.values(metrics.MicroBatch(
-        choice.result, choice.path, trainer.loss, ratio, advantages, mask, inputs, logps, entropies,
-        trainer.state.global_step, trainer._nonfinite_inputs, trainer._bapo_settings.positive_contribution_target,
-        trainer.port.sum_over_processes, trainer.port.max_over_processes,
+    values, entropy = choice.values(metrics.SearchRecord(
+        result=choice.result, path=choice.path, loss=trainer.loss, ratio=ratio, advantages=advantages, mask=mask,
+        inputs=inputs, logps=logps, entropies=entropies, step=trainer.state.global_step,
+        nonfinite_inputs=trainer._nonfinite_inputs, target=trainer._bapo_settings.positive_contribution_target,
+        sum_over_processes=trainer.port.sum_over_processes, max_over_processes=trainer.port.max_over_processes,
         by_age=trainer.rollout_source.metrics_by_age and mode == "train"))
     trainer.port.log_metrics(values, mode)
     if trainer.target_controller is not None and mode == "train":

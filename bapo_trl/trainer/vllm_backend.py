@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 
+from ..core.metrics import WEIGHT_SYNC
 from ..generation.trl_patches import building_generation
 from ..generation.vllm_generation import BAPOVLLMGeneration
 from ..rollout.settings import sampler_logprobs_use
@@ -48,8 +49,9 @@ class VLLMGenerationMixin:
         backend = getattr(self, "vllm_generation", None)
         pushes = backend.take_pushes() if isinstance(backend, BAPOVLLMGeneration) else []
         if pushes and "loss" in logs:  # a training log (an evaluation's keeps its own keys)
-            logs["weight_sync/pushed_bytes"] = sum(b for b, _ in pushes) / len(pushes)
-            logs["weight_sync/seconds"] = sum(s for _, s in pushes) / len(pushes)
+            pushed_bytes, seconds = WEIGHT_SYNC  # the registry's names
+            logs[pushed_bytes] = sum(b for b, _ in pushes) / len(pushes)
+            logs[seconds] = sum(s for _, s in pushes) / len(pushes)
         elif pushes:
             backend._pushes[:0] = pushes  # kept for the next training log
         super().log(logs, *args, **kwargs)

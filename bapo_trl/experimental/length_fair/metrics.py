@@ -7,7 +7,14 @@ import dataclasses
 
 import torch
 
-from ...core.metrics import MicroBatch, gate_values, origin_and_age_values, search_sums, search_values, token_staleness
+from ...core.metrics import (
+    SearchRecord,
+    gate_values,
+    origin_and_age_values,
+    search_sums,
+    search_values,
+    token_staleness,
+)
 from .search import SequenceWindow
 
 #: Logged per update by :class:`~.trainer.LengthFairBAPOTrainer`: the chosen band widths (standard errors).
@@ -17,7 +24,7 @@ METRICS = (
 )
 
 
-def length_fair_values(batch: MicroBatch, window: SequenceWindow) -> tuple[dict[str, float], tuple[float, float]]:
+def length_fair_values(batch: SearchRecord, window: SequenceWindow) -> tuple[dict[str, float], tuple[float, float]]:
     """:func:`bapo_trl.core.metrics.update_values` for the length-fair search (``batch.result`` holds the widths
     ``k_low``/``k_high`` and ``batch.path`` is theirs): clip flags and shares use every sequence's own window; the
     widths are logged as ``bapo/band_lower`` / ``bapo/band_upper`` and ``bapo/clip_low``/``bapo/clip_high`` are the
