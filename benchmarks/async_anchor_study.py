@@ -401,6 +401,11 @@ def machine_busy_seconds() -> float:
 FOREIGN_LIMIT, FOREIGN_SHARE, TRIES = 5.0, 0.05, 3
 
 
+def clean(foreign: float, wall: float) -> bool:
+    """Whether a run had the machine to itself (the server and the trainer aside): :data:`FOREIGN_LIMIT`."""
+    return foreign <= max(FOREIGN_LIMIT, FOREIGN_SHARE * wall)
+
+
 def wait_while_paused(pause: Path) -> None:
     announced = False
     while pause.exists():
@@ -431,6 +436,7 @@ def study(todo: list[dict], results: Path, steps: int, cap: float) -> None:
                 served = block
             url = server.url if server is not None and served == block else None
             for attempt in range(1, TRIES + 1):
+                wait_while_paused(pause)
                 server_cpu = server_cpu_seconds(server.proc.pid) if url else 0.0
                 busy, load, started = machine_busy_seconds(), os.getloadavg()[0], time.time()
                 run, child_cpu = run_in_child(spec, url if TRAINERS[spec["trainer"]]["server"] else None, steps,
@@ -438,10 +444,13 @@ def study(todo: list[dict], results: Path, steps: int, cap: float) -> None:
                 wall = time.time() - started
                 served_cpu = (server_cpu_seconds(server.proc.pid) - server_cpu) if url else 0.0
                 foreign = machine_busy_seconds() - busy - child_cpu - served_cpu
-                if foreign <= max(FOREIGN_LIMIT, FOREIGN_SHARE * wall):
+                if clean(foreign, wall):
                     break
                 print(f"  other processes took {foreign:.1f} CPU-s during the run: running it again "
                       f"({attempt} of {TRIES})", flush=True)
+            if not clean(foreign, wall):
+                print(f"  left for a later invocation: {TRIES} tries shared the machine", flush=True)
+                continue
             run.update(wall_seconds=wall, load_before=load, commit=commit(), server_cpu_seconds=served_cpu,
                        foreign_cpu_seconds=foreign, attempts=attempt, date=time.strftime("%Y-%m-%dT%H:%M:%S"))
             append_jsonl(str(results), run)
@@ -481,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
         args.result.write_text(json.dumps(result))
         return 0
     if args.command == "report":
-        runs = read_jsonl(str(args.results))
+        runs = [r for r in read_jsonl(str(args.results))  # runs that shared the machine are left out
+                if clean(r.get("foreign_cpu_seconds", 0.0), r["wall_seconds"])]
         text = report_text(runs, parse_seeds(args.seeds, count=False) if args.seeds else None)
         print(text)
         if args.write:
