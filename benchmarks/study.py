@@ -24,8 +24,8 @@ import time
 # plain numbers: no torch, no TRL
 from bapo_trl.experimental.gmpo.presets import GMPO_DOCUMENTED, gmpo_balanced
 from bapo_trl.experimental.length_fair.presets import gspo_length_fair
+from bapo_trl.reporting.summary import moved  # one definition of "the bounds moved"
 from bapo_trl.trainer.presets import GSPO_DOCUMENTED, gspo_balanced
-from bapo_trl.trainer.summary import moved  # one definition of "the bounds moved"
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLLAPSE = 0.1  # final reward below this: the run collapsed

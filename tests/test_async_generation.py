@@ -970,7 +970,7 @@ def test_zero3_two_processes_async_from_train_bapo(tiny_server, tiny_model_dir, 
 
 @pytest.mark.slow
 def test_dynamics_plot_draws_the_async_panels_from_a_real_async_run(async_k1):
-    from bapo_trl.trainer.dynamics import plot_dynamics
+    from bapo_trl.reporting.dynamics import plot_dynamics
 
     trainer, _, _ = async_k1
     history = trainer.state.log_history

@@ -282,7 +282,7 @@ def test_a_model_of_your_own_trains_without_cpu_flags_and_the_summary_says_searc
 
 
 def test_the_summary_says_search_never_active_instead_of_nan_bounds():
-    from bapo_trl.trainer.summary import format_summary
+    from bapo_trl.reporting.summary import format_summary
 
     inactive = {"bapo/search_active": 0.0, "bapo/clip_low": 0.6, "bapo/clip_high": 1.2, "bapo/search_steps": 0.0,
                 "bapo/positive_contribution": 0.5, "bapo/positive_contribution_before": 0.5, "entropy": 1.0}
@@ -303,7 +303,7 @@ def test_the_summary_says_search_never_active_instead_of_nan_bounds():
 def test_the_summary_heading_says_which_generation_batches_its_rows_are():
     """Every batch when they fit; when thinned, how many of how many, which, and the rows are those (the heading said
     "one row per generation batch" over every other one)."""
-    from bapo_trl.trainer.summary import format_summary
+    from bapo_trl.reporting.summary import format_summary
 
     def history(batches):
         return [{"loss": 0.1, "step": 2 * b + s + 1, "entropy": 1.0, **({"reward": b / 100} if s == 0 else {})}
@@ -326,7 +326,7 @@ def test_the_summary_heading_says_which_generation_batches_its_rows_are():
 def test_the_summary_gives_the_start_the_best_batch_and_the_end():
     """A run that peaked mid-way and fell back: the trend line says so (its first version said 0.569 -> 0.820 over
     a run that peaked at 0.957 and ended near 0.7)."""
-    from bapo_trl.trainer.summary import format_summary
+    from bapo_trl.reporting.summary import format_summary
 
     rewards = [0.2, 0.4, 0.95, 0.9, 0.7, 0.6, 0.65, 0.6]
     history = [{"loss": 0.1, "step": 2 * b + s + 1, "entropy": 1.0, **({"reward": r} if s == 0 else {})}
@@ -338,7 +338,7 @@ def test_the_summary_gives_the_start_the_best_batch_and_the_end():
 
 
 def test_the_saved_listing_names_each_entry_and_says_what_it_is(tmp_path):
-    from bapo_trl.trainer.summary import format_saved
+    from bapo_trl.reporting.summary import format_saved
 
     missing = tmp_path / "missing"
     assert format_saved(str(missing)) == f"[bapo_trl] nothing was saved: {missing} does not exist."

@@ -1,5 +1,5 @@
-"""Layers, read from the folders: core < generation < rollout sources < trainer < research candidates < recipes <
-command line.
+"""Layers, read from the folders: core < generation < rollout sources < trainer < reporting < research candidates <
+recipes < command line.
 
 A module's layer is the folder of ``bapo_trl/`` it is in; the package face (``bapo_trl/__init__.py`` and
 ``config.py``, the path old runs' ``training_args.bin`` pickle ``BAPOConfig`` under) sits above them all, and any
@@ -24,10 +24,10 @@ PACKAGE = ROOT / "bapo_trl"
 TESTS = ROOT / "tests"
 
 #: The layers, lowest first: one folder of bapo_trl/ each.
-LAYERS = ("core", "generation", "rollout", "trainer", "experimental", "recipes", "cli")
+LAYERS = ("core", "generation", "rollout", "trainer", "reporting", "experimental", "recipes", "cli")
 FACE = len(LAYERS)
-NAMES = {**dict(enumerate(("core", "generation", "rollout sources", "trainer", "research candidates", "recipes",
-                            "command line"))),
+NAMES = {**dict(enumerate(("core", "generation", "rollout sources", "trainer", "reporting", "research candidates",
+                            "recipes", "command line"))),
          FACE: "package face"}
 #: The modules outside the folders: the package face.
 EXACT = {"bapo_trl": FACE, "bapo_trl.config": FACE}
@@ -109,7 +109,7 @@ def test_an_upward_import_is_caught():
 def test_a_module_without_a_layer_is_reported():
     problems = upward_imports({PACKAGE / "brand_new.py": "import os\n"})
     assert problems == ["bapo_trl.brand_new has no layer: move it into the folder of its layer, "
-                        "one of core, generation, rollout, trainer, experimental, recipes, cli"]
+                        "one of core, generation, rollout, trainer, reporting, experimental, recipes, cli"]
 
 
 def test_importing_the_config_or_the_rollout_package_loads_no_source(fresh_imports):
@@ -257,3 +257,11 @@ def test_a_candidate_is_its_folder_the_method_names_none_of_them():
         text = path.read_text().lower()
         found += [f"{relative}: {name}" for name in CANDIDATE_NAMES if name in text]
     assert not found, found
+
+
+def test_the_generation_folder_keeps_its_modules_under_380_lines():
+    """Issue 78 (4): a generation module that grows past 380 lines splits by what it does (the vLLM backend's LoRA
+    push left ``vllm_generation.py`` for ``lora_push.py``)."""
+    long = {path.name: n for path in sorted((PACKAGE / "generation").glob("*.py"))
+            if (n := len(path.read_text().splitlines())) > 380}
+    assert not long, long

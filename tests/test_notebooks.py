@@ -73,8 +73,9 @@ def test_the_check_catches_an_internal_import():
         return {"cells": [{"cell_type": "code", "source": list(lines)}]}
 
     assert non_public_uses(notebook("from bapo_trl import BAPOTrainer, format_summary\n"))[1] == []
-    assert non_public_uses(notebook("from bapo_trl.trainer.summary import format_summary\n"))[1] == [
-        "imports the internal module bapo_trl.trainer.summary", "reaches into bapo_trl's modules (bapo_trl.<module>)"]
+    assert non_public_uses(notebook("from bapo_trl.reporting.summary import format_summary\n"))[1] == [
+        "imports the internal module bapo_trl.reporting.summary",
+        "reaches into bapo_trl's modules (bapo_trl.<module>)"]
     assert non_public_uses(notebook("from bapo_trl import config\n"))[1] == ["config is not in bapo_trl.__all__"]
     assert non_public_uses(notebook("import bapo_trl\n", "bapo_trl.recipes.toy.build_tiny_model()\n"))[1] == [
         "reaches into bapo_trl's modules (bapo_trl.<module>)"]

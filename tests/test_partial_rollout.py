@@ -137,7 +137,7 @@ def test_completions_span_several_steps_and_training_is_finite(partial_run):
 
 
 def test_dynamics_plot_shows_the_partial_rollout_panel(partial_run):
-    from bapo_trl.trainer.dynamics import plot_dynamics
+    from bapo_trl.reporting.dynamics import plot_dynamics
 
     trainer, _ = partial_run
     fig = plot_dynamics(trainer.state.log_history)

@@ -8,8 +8,8 @@ import sys
 import matplotlib.image
 import pytest
 
-from bapo_trl.trainer.callbacks import PlotDynamicsCallback
-from bapo_trl.trainer.dynamics import DPI, LOG_HISTORY_NAME, load_run, plot_dynamics
+from bapo_trl.reporting.callbacks import PlotDynamicsCallback
+from bapo_trl.reporting.dynamics import DPI, LOG_HISTORY_NAME, load_run, plot_dynamics
 
 CORE = ["reward", "entropy", "clip_bounds", "positive_share", "clip_fractions", "entropy_clip", "staleness"]
 

@@ -123,7 +123,7 @@ def test_a_reward_that_returns_none_instead_of_a_list_is_named(reward, name, tin
 def test_batches_without_any_reward_train_on_but_warn_and_are_counted(tiny_model_dir, tmp_path):
     """Every reward None for every completion of a batch: TRL trains on (its own test expects it), so the first such
     batch warns naming the reward functions, and the totals are logged for the run summary (issue 52)."""
-    from bapo_trl.trainer.summary import format_summary, run_problems
+    from bapo_trl.reporting.summary import format_summary, run_problems
 
     calls = []
 

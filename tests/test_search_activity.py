@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from bapo_trl.reporting.summary import format_summary
 from bapo_trl.trainer.model_card import bapo_card_section, target_from_card
-from bapo_trl.trainer.summary import format_summary
 from support.harness import cpu_config, tiny_trainer
 
 #: A run whose every stale update moves some ratio past a path bound (without the dual clip, which slows the policy:

@@ -1,5 +1,5 @@
 """``bapo plot RUN_DIR [RUN_DIR ...] -o dynamics.png [--labels a b] [--target 0.5]`` (or ``python -m
-bapo_trl.cli.plot``, the same command): parses and calls :func:`bapo_trl.trainer.dynamics.plot_dynamics`, which draws
+bapo_trl.cli.plot``, the same command): parses and calls :func:`bapo_trl.reporting.dynamics.plot_dynamics`, which draws
 the figure (see there for what is read and drawn)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from ..trainer.dynamics import DPI, LOG_HISTORY_NAME, load_run, plot_dynamics  # noqa: F401
+from ..reporting.dynamics import DPI, LOG_HISTORY_NAME, load_run, plot_dynamics  # noqa: F401
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m bapo_trl.cli.plot") -> int:

@@ -390,7 +390,7 @@ RUN_MARKERS = ("metrics.jsonl", "model.safetensors", "adapter_model.safetensors"
 def previous_run(output_dir: str) -> list[str]:
     """What an earlier run left in ``output_dir``: its ``checkpoint-N`` folders and, where a run marker is there, every
     file ``bapo train`` writes (``SAVED_FILES``); empty for a folder without a run (or none)."""
-    from ..trainer.summary import SAVED_FILES
+    from ..reporting.summary import SAVED_FILES
 
     if not os.path.isdir(output_dir):
         return []
@@ -603,9 +603,9 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
     import torch
     from trl import get_peft_config, get_quantization_config
 
+    from ..reporting.callbacks import PlotDynamicsCallback
+    from ..reporting.summary import format_saved, format_summary
     from ..trainer.bapo_trainer import BAPOTrainer
-    from ..trainer.callbacks import PlotDynamicsCallback
-    from ..trainer.summary import format_saved, format_summary
     from .launch_info import LaunchInfoCallback
     from .progress import ConsoleProgress
 
@@ -668,10 +668,10 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
 
 def run(argv: list[str] | None = None, parser: TrlParser | None = None):
     """Parse and train; setup errors print one ``error:`` line on stderr and exit with code 2. A run in which no
-    generation batch had a reward (:func:`~bapo_trl.trainer.summary.run_problems`) says why in ``error:`` lines and
+    generation batch had a reward (:func:`~bapo_trl.reporting.summary.run_problems`) says why in ``error:`` lines and
     exits with code 1. A job of several processes on CPU ends through
     :func:`exit_past_gloo_teardown` (:func:`exits_past_gloo_teardown` says when)."""
-    from ..trainer.summary import run_problems
+    from ..reporting.summary import run_problems
 
     parser = parser or make_parser()
     with warnings.catch_warnings():  # main's plan line says it, once

@@ -18,18 +18,15 @@ swap of a TRL name): it defers to TRL's code wherever TRL's path works, and take
 
 from __future__ import annotations
 
-import os
-import shutil
-import time
 from collections.abc import Callable
 from functools import partial
 
 import requests
 from trl.generation.vllm_generation import VLLMGeneration, is_peft_model
 
-from .adapter_sync import LORA_RANKS, AdapterPush, AdapterSync, adapter_refusal, write_adapter
-from .fleet import ServerFleet, one_client, server_urls
-from .gather import adapter_shapes, exact_unmerge, gathered_adapter, gathered_base
+from .adapter_sync import LORA_RANKS
+from .fleet import one_client, server_urls
+from .gather import adapter_shapes, exact_unmerge
 from .http_client import (
     HTTPVLLMClient,
     KeyedVLLMClient,
@@ -37,14 +34,14 @@ from .http_client import (
     VLLMServerUnreachable,
     check_logprobs_mode,
 )
+from .lora_push import LoRAPushMixin
 from .processes import broadcast_from_main, raise_everywhere
 from .seeding import mixed_seed, seed_salt
 from .trl_patches import building_engine, building_server_client, seeded_engine
-from .weight_files import directory_bytes, write_weights
 from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError
 
 
-class BAPOVLLMGeneration(VLLMGeneration):
+class BAPOVLLMGeneration(LoRAPushMixin, VLLMGeneration):
     """TRL's vLLM backend, built by TRL in place of its own (:func:`.trl_patches.building_generation`): TRL's code
     wherever TRL's path works; on a non-CUDA device in server mode, HTTP and weights through disk; see the module doc
     for the rest (LoRA, colocate, seeds)."""
@@ -276,119 +273,12 @@ class BAPOVLLMGeneration(VLLMGeneration):
         """The requests client stays (the next run's first request reuses its connections); the weight directories
         go with the trainer's end of run (:meth:`bapo_trl.trainer.vllm_backend.VLLMGenerationMixin`)."""
 
-    # -- LoRA: the adapter alone ------------------------------------------------------------------------------------
-
-    def _adapter_config(self) -> dict:
-        """The active adapter's ``adapter_config.json``; a peft config vLLM cannot serve is refused here, and FSDP1
-        (its flat shards: only FSDP2's per-parameter shards are gathered for the adapter)."""
-        peft_config = self.model.peft_config[self.model.active_adapter]
-        refusal = adapter_refusal(peft_config)
-        if self._dist.fsdp_version == 1:
-            refusal = ("it is sharded by FSDP1, whose flattened shards the adapter push does not gather (FSDP2 and "
-                       "DeepSpeed ZeRO-3 are supported: fsdp_version: 2)")
-        if refusal:
-            raise ValueError(f"vllm_lora_sync='adapter' cannot push this adapter: {refusal}. Set "
-                             "vllm_lora_sync='merged' to push merged full weights instead (TRL's way).")
-        # An init that rewrites the base weights (PiSSA, OLoRA, CorDA, LoftQ) is served as plain LoRA: the first push
-        # carries the trainer's base weights, rewritten ones included, so the served base already holds them.
-        return {**peft_config.to_dict(), "inference_mode": True, "init_lora_weights": True}
-
-    def _adapter_sync(self, urls: list[str], tied: bool) -> AdapterSync:
-        """Main process: the adapter push's client."""
-        config = self._adapter_config()
-
-        fleet = self.vllm_client
-        clients = fleet.clients if isinstance(fleet, ServerFleet) else [fleet]
-
-        def switch(name: str) -> None:  # every request names the adapter loaded last
-            for client in clients:
-                client.model = name
-
-        sync = AdapterSync(urls, config, switch, timeout=self.server_timeout, refresh_output_layers=tied)
-        for client in clients:  # a restarted server answers that the adapter does not exist: load it again
-            client.restore_adapter = sync.restore
-        return sync
-
-    def gather_adapter(self) -> AdapterPush | dict:
-        """The adapter as peft saves it, CPU copies on the main process (empty elsewhere); on the pushes before the
-        servers have loaded this trainer's base weights once, those too. Every process calls it (the gathers are
-        collective under ZeRO-3, over the adapter's parameters only)."""
-        main = self.accelerator.is_main_process
-        need_base = broadcast_from_main(bool(main and not self.disk_sync.base_pushed),
-                                        self.accelerator.num_processes)
-        state = self._gathered_adapter()
-        base = self._gather_base() if need_base else None
-        return AdapterPush(state, base) if main else {}
-
-    def _gathered_adapter(self, every_process: bool = False) -> dict:
-        """The active adapter under peft's saved names, CPU copies on the main process (``every_process``: on each;
-        empty elsewhere). Every process calls it (:func:`.gather.gathered_adapter`)."""
-        return gathered_adapter(self.model, self._dist, self.accelerator.is_main_process or every_process)
-
-    def _load_colocated_adapter(self) -> None:
-        """Every process (each has its own engine): gather the adapter (collective under ZeRO-3), write it, have the
-        engine load it under a fresh id and generate with it from now on, then drop the one it replaces. The first
-        time, the engine's base weights are reloaded from the trainer's (the engine was built from the checkpoint's
-        path, the trainer's model may have been changed in memory)."""
-        from vllm.lora.request import LoRARequest
-
-        start, llm = time.perf_counter(), self.llm
-        state = self._gathered_adapter(every_process=True)
-        rank = self.accelerator.process_index
-        written = 0
-        if getattr(llm, "lora_request", None) is None:  # the base weights, once
-            base = write_weights(self._gather_base(every_process=True), None, f"bapo-vllm-colocate-base-rank{rank}-",
-                                 handed_over=True)
-            try:
-                written += directory_bytes(base)
-                llm.collective_rpc("reload_weights", kwargs={"weights_path": base})
-                llm.collective_rpc(refresh_output_layers)
-            finally:
-                shutil.rmtree(base, ignore_errors=True)
-        directory = write_adapter(state, self._adapter_config(), None, f"bapo-lora-colocate-rank{rank}-")
-        written += directory_bytes(directory)
-        old = llm.lora_request
-        request = LoRARequest(os.path.basename(directory), (old.lora_int_id + 1) if old else 1, directory)
-        try:
-            llm.llm_engine.add_lora(request)
-        except BaseException:
-            shutil.rmtree(directory, ignore_errors=True)
-            raise
-        llm.lora_request = request  # every generate call from now on
-        if old is not None:
-            llm.llm_engine.remove_lora(old.lora_int_id)
-            shutil.rmtree(old.lora_path, ignore_errors=True)
-        llm.reset_prefix_cache()
-        self._pushes.append((written, time.perf_counter() - start))
-
-    def _gather_base(self, every_process: bool = False) -> dict:
-        """The base model's weights under vLLM's names, CPU copies on the main process (``every_process``: on each).
-        Every process calls it (:func:`.gather.gathered_base`)."""
-        return gathered_base(self.model, self._dist, partial(self._fix_param_name_to_vllm,
-                                                             extra_prefixes=["modules_to_save.default."]),
-                             self.accelerator.is_main_process or every_process)
-
     def take_pushes(self) -> list[tuple[int, float]]:
         """``(bytes, seconds)`` of every push since the last call (main process; logged by the trainer)."""
         pushes, self._pushes = self._pushes, []
         if self.disk_sync is not None:
             pushes += self.disk_sync.take_pushes()
         return pushes
-
-    def _reload_colocated(self) -> None:
-        """Every process: gather the weights (collective under ZeRO-3), write them, and have this process's engine
-        reload them (``reload_weights``, which re-packs the layers), refresh a tied head, reset the prefix cache."""
-        start = time.perf_counter()
-        directory = write_weights(self._iter_named_params(), None,
-                                  f"bapo-vllm-colocate-rank{self.accelerator.process_index}-")
-        written = directory_bytes(directory)
-        try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": directory})
-            self.llm.collective_rpc(refresh_output_layers)
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
-        self.llm.reset_prefix_cache()
-        self._pushes.append((written, time.perf_counter() - start))
 
     def _raise_everywhere(self, error: Exception | None) -> None:
         """An error on the main process is raised on every process, so no rank waits forever in a collective."""
@@ -407,11 +297,3 @@ def trainer_vllm_backend(trainer) -> BAPOVLLMGeneration:
         raise ValueError("generation_backend='vllm' generates in the vLLM server(s) the trainer was built with: set "
                          "use_vllm=True, vllm_mode='server' (or name a generation backend of your own).")
     return backend
-
-
-def refresh_output_layers(worker) -> int:
-    """Run inside a vLLM worker (``LLM.collective_rpc``): the worker extension's refresh of tied vocabulary layers."""
-    from .vllm_worker.bapo_vllm_worker import BAPOWorkerExtension
-
-    return BAPOWorkerExtension.bapo_refresh_output_layers(worker)
-

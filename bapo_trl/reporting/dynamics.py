@@ -139,7 +139,7 @@ def _target_from_model_card(folder: str) -> float | None:
     ``trainer_state.json`` does not hold the training arguments, and ``training_args.bin`` is a pickle that a
     plotting tool should not unpickle.
     """
-    from .model_card import target_from_card
+    from ..trainer.model_card import target_from_card
 
     for candidate in (folder, os.path.dirname(folder)):
         card = os.path.join(candidate, "README.md")

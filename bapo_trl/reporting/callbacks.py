@@ -9,7 +9,7 @@ import warnings
 
 from transformers import TrainerCallback
 
-from .checkpoints import write_atomically
+from ..trainer.checkpoints import write_atomically
 from .dynamics import LOG_HISTORY_NAME, plot_dynamics
 
 
