@@ -390,3 +390,11 @@ def test_the_install_page_quotes_the_error_a_clone_named_like_the_package_gives_
     page = (REPO / "docs" / "install.md").read_text()
     section = page.split("## If `from bapo_trl import BAPOConfig` fails")[1].split("\n## ")[0]
     assert f"```text\n{last}\n```" in section and "mv bapo_trl bapo-trl" in section
+
+
+def test_the_docs_home_page_has_an_example_and_a_figure_of_its_own():
+    """Issue 77 (9): the site's first page shows the swap in code, a command, and a figure that exists."""
+    page = (REPO / "docs" / "index.md").read_text()
+    assert "```python\nfrom bapo_trl import BAPOConfig, BAPOTrainer" in page and "`bapo train " in page
+    figures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)
+    assert figures and all((REPO / "docs" / figure).is_file() for figure in figures), figures
