@@ -10,7 +10,9 @@ the file to go on), so a machine that must do something else for a while does no
 
     python benchmarks/async_anchor_study.py run --seeds 100-104              # development seeds, both tasks/configs
     python benchmarks/async_anchor_study.py run --seeds 100-100 --tasks reverse3 --configs "TRL defaults" --quick
-    python benchmarks/async_anchor_study.py report --seeds 100-104 --write docs/data/async_anchor_dev.md
+    python benchmarks/async_anchor_study.py report --results docs/data/async_anchor_runs.jsonl \
+        --compact docs/data/async_anchor_runs.jsonl.gz --seeds 100-104 --write docs/data/async_anchor_dev.md
+    python benchmarks/async_anchor_study.py report --readme     # the README's table, from the committed runs
 
 The report reads a run's reward at equal wall-clock (B1 = the seconds TRL sync takes for 160 steps on that seed,
 and B1/2), per sample consumed (trained or dropped) and as the time to a target reward, each paired by seed with a
@@ -170,17 +172,38 @@ def train_one(spec: dict, url: str | None, steps: int, cap: float) -> dict:
 
 # -- the readings -----------------------------------------------------------------------------------------------------
 
-def rewards_by_step(run: dict) -> list[tuple[float, float, float]]:
-    """``(seconds, samples consumed, reward)`` of every logged step, in order. Consumed: trained, or dropped as too
-    stale (TRL's async trainer counts its drops, ``sample/dropped_stale_total``); a sync trainer trains 32 a step."""
-    rows, consumed = [], 0.0
+#: What a compact record keeps per run (besides its spec and :func:`compact`'s own fields).
+RUN_FIELDS = ("setup_seconds", "trainer_cpu_seconds", "threads", "steps", "wall_seconds", "load_before", "commit",
+              "server_cpu_seconds", "foreign_cpu_seconds", "attempts", "date")
+
+
+def compact(run: dict) -> dict:
+    """A run as the report reads it and ``docs/data`` keeps it: per logged step ``[seconds, samples consumed,
+    reward]`` (consumed: trained, or dropped as too stale, which TRL's async trainer counts in
+    ``sample/dropped_stale_total``; a trainer of ours trains 32 a step and drops none), the drops, the largest
+    staleness, and the per-step means of the async producer's timings. A compact record is returned as it is."""
+    if "rows" in run:
+        return run
+    rows, consumed, dropped = [], 0.0, 0.0
     for h in run["history"]:
         if "reward" not in h:
             continue
+        dropped += h.get("sample/dropped_stale_total", 0.0)
         consumed += h.get("batch/samples_per_step", TRAINING["per_device_train_batch_size"])
         consumed += h.get("sample/dropped_stale_total", 0.0)
-        rows.append((run["step_seconds"][h["step"] - 1], consumed, h["reward"]))
-    return rows
+        rows.append([round(run["step_seconds"][h["step"] - 1], 4), consumed, round(h["reward"], 5)])
+    history = run["history"]
+    means = {key: statistics.mean(h[key] for h in history if key in h)
+             for key in ("async/generate_seconds", "async/wait_seconds") if any(key in h for h in history)}
+    stale = max((h.get("sample/staleness_max", h.get("bapo/staleness_max", 0.0)) for h in history), default=0.0)
+    return {**{k: run[k] for k in ("trainer", "config", "task", "seed")}, **{k: run.get(k) for k in RUN_FIELDS},
+            "rows": rows, "seconds": run["step_seconds"][-1], "dropped": dropped, "staleness_max": stale,
+            "means": means}
+
+
+def rewards_by_step(run: dict) -> list[list[float]]:
+    """``[seconds, samples consumed, reward]`` of every logged step, in order (:func:`compact`)."""
+    return compact(run)["rows"]
 
 
 def reward_at(run: dict, limit: float, axis: int = 0) -> float:
@@ -204,8 +227,9 @@ def seconds_to_target(run: dict, target: float) -> float | None:
 def budget_b1(runs: list[dict], config: str, task: str, seed: int) -> float | None:
     """B1: TRL sync's seconds for its first :data:`BUDGET_STEPS` steps on that seed."""
     for run in runs:
-        if run_key(run) == ("TRL sync", config, task, seed) and len(run["step_seconds"]) >= BUDGET_STEPS:
-            return run["step_seconds"][BUDGET_STEPS - 1]
+        rows = rewards_by_step(run) if run_key(run) == ("TRL sync", config, task, seed) else []
+        if len(rows) >= BUDGET_STEPS:
+            return rows[BUDGET_STEPS - 1][0]
     return None
 
 
@@ -256,18 +280,15 @@ def run_facts(runs: list[dict]) -> list[str]:
     lines = ["| trainer | steps in 30 s | s a step | dropped (of consumed) | staleness max | trainer CPU-s | "
              "server CPU-s | reached target |", "|---|---|---|---|---|---|---|---|"]
     for trainer in TRAINERS:
-        mine = [r for r in runs if r["trainer"] == trainer]
+        mine = [compact(r) for r in runs if r["trainer"] == trainer]
         if not mine:
             continue
         steps = [r["steps"] for r in mine]
-        dropped = [sum(h.get("sample/dropped_stale_total", 0.0) for h in r["history"]) for r in mine]
-        consumed = [rewards_by_step(r)[-1][1] for r in mine]
-        stale = max(max((h.get("sample/staleness_max", h.get("bapo/staleness_max", 0.0)) for h in r["history"]),
-                        default=0.0) for r in mine)
         reached = sum(seconds_to_target(r, TARGET[r["task"]]) is not None for r in mine)
         lines.append(f"| {trainer} | {statistics.median(steps):.0f} [{min(steps)}, {max(steps)}] | "
-                     f"{statistics.median(r['step_seconds'][-1] / r['steps'] for r in mine):.3f} | "
-                     f"{statistics.mean(d / c for d, c in zip(dropped, consumed)):.0%} | {stale:.0f} | "
+                     f"{statistics.median(r['seconds'] / r['steps'] for r in mine):.3f} | "
+                     f"{statistics.mean(r['dropped'] / r['rows'][-1][1] for r in mine):.0%} | "
+                     f"{max(r['staleness_max'] for r in mine):.0f} | "
                      f"{statistics.median(r['trainer_cpu_seconds'] for r in mine):.0f} | "
                      f"{statistics.median(r['server_cpu_seconds'] for r in mine):.0f} | {reached} of {len(mine)} |")
     return lines
@@ -279,20 +300,19 @@ def overlap_bound(runs: list[dict]) -> list[str]:
     overlap max(g, t)."""
     lines = []
     for trainer in ("BAPO async K=1", "BAPO async K=2"):
-        mine = [r for r in runs if r["trainer"] == trainer]
+        mine = [compact(r) for r in runs if r["trainer"] == trainer]
         if not mine:
             continue
-        g = statistics.median(statistics.mean(h["async/generate_seconds"] for h in r["history"]
-                                              if "async/generate_seconds" in h) for r in mine)
-        step = statistics.median(r["step_seconds"][-1] / r["steps"] for r in mine)
-        wait = statistics.median(statistics.mean(h.get("async/wait_seconds", 0.0) for h in r["history"]) for r in mine)
+        g = statistics.median(r["means"]["async/generate_seconds"] for r in mine)
+        step = statistics.median(r["seconds"] / r["steps"] for r in mine)
+        wait = statistics.median(r["means"].get("async/wait_seconds", 0.0) for r in mine)
         t = step - wait
         lines.append(f"- {trainer}: {step:.3f} s a step (median over runs); the server generates a batch in "
                      f"g = {g:.3f} s, the trainer works t = {t:.3f} s of each step and waits {wait:.3f} s: full "
                      f"overlap would give max(g, t) = {max(g, t):.3f} s a step.")
-    server = [r for r in runs if r["trainer"] == "BAPO sync server"]
+    server = [compact(r) for r in runs if r["trainer"] == "BAPO sync server"]
     if server:
-        lines.append(f"- BAPO sync server: {statistics.median(r['step_seconds'][-1] / r['steps'] for r in server):.3f}"
+        lines.append(f"- BAPO sync server: {statistics.median(r['seconds'] / r['steps'] for r in server):.3f}"
                      " s a step (generation and training one after the other).")
     return lines
 
@@ -328,6 +348,32 @@ def report_text(runs: list[dict], seeds: list[int] | None = None) -> str:
         block_runs = [r for r in runs if (r["config"], r["task"]) == (config, task)]
         parts += ["", *run_facts(block_runs), "", *overlap_bound(block_runs), ""]
     return "\n".join(parts)
+
+
+#: The README's comparisons (columns) and readings (rows per task), TRL's defaults.
+README_PAIRS = (("BAPO async K=1", "TRL sync"), ("BAPO async K=1", "BAPO sync"), ("BAPO async K=1", "TRL async"))
+README_READINGS = ("reward at B1", "reward at 30 s", "seconds to target")
+TASK_NAMES = {"reverse3": "3 digits", "reverse2-8": "2-8 digits"}
+#: The results the README quotes: the development seeds (the confirmation seeds replace them once they have run).
+README_SEEDS = "100-104"
+
+
+def readme_table(runs: list[dict], seeds: list[int], config: str = "TRL defaults") -> list[str]:
+    """The README's table: per task and reading, the paired difference (first trainer - second) over ``seeds`` with
+    its 95% interval, bold where it excludes 0 (tests/test_readme.py holds the README to these lines)."""
+    runs = [r for r in runs if r["seed"] in seeds and clean(r.get("foreign_cpu_seconds", 0.0), r["wall_seconds"])]
+    table = readings(runs)
+    lines = ["| task, reading | " + " | ".join(f"{a} - {b}" for a, b in README_PAIRS) + " |",
+             "|---" * (len(README_PAIRS) + 1) + "|"]
+    for task in TASKS:
+        block = table.get((config, task))
+        if block is None:
+            continue
+        for name in README_READINGS:
+            digits = 1 if name == "seconds to target" else 2
+            cells = [paired_cell(block.get(name, {}), a, b, digits) for a, b in README_PAIRS]
+            lines.append(f"| {TASK_NAMES[task]}, {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def figure(runs: list[dict], path: Path) -> None:
@@ -475,9 +521,12 @@ def main(argv: list[str] | None = None) -> int:
                      "whichever comes first")
     run.add_argument("--results", type=Path, default=None, help="default: docs/data/async_anchor_runs.jsonl")
     report = sub.add_parser("report", help="the readings of a results file (markdown on stdout)")
-    report.add_argument("--results", type=Path, default=REPO / "docs" / "data" / "async_anchor_runs.jsonl")
+    report.add_argument("--results", type=Path, default=REPO / "docs" / "data" / "async_anchor_runs.jsonl.gz")
     report.add_argument("--seeds", default=None, help="only these seeds (A-B)")
     report.add_argument("--write", type=Path, default=None, help="also write the report here, its figure beside it")
+    report.add_argument("--readme", action="store_true", help="print the README's table (README_SEEDS) instead")
+    report.add_argument("--compact", type=Path, default=None, help="also write the runs, compact, to this .jsonl.gz "
+                        "(what docs/data keeps)")
     one = sub.add_parser("one", help="(internal) one run in this process")
     one.add_argument("--spec", required=True)
     one.add_argument("--url", default=None)
@@ -490,8 +539,16 @@ def main(argv: list[str] | None = None) -> int:
         args.result.write_text(json.dumps(result))
         return 0
     if args.command == "report":
-        runs = [r for r in read_jsonl(str(args.results))  # runs that shared the machine are left out
+        runs = [compact(r) for r in read_jsonl(str(args.results))  # runs that shared the machine are left out
                 if clean(r.get("foreign_cpu_seconds", 0.0), r["wall_seconds"])]
+        if args.compact:
+            import gzip
+
+            with gzip.open(args.compact, "wt") as f:
+                f.writelines(json.dumps(run) + "\n" for run in runs)
+        if args.readme:
+            print("\n".join(readme_table(runs, parse_seeds(args.seeds or README_SEEDS, count=False))))
+            return 0
         text = report_text(runs, parse_seeds(args.seeds, count=False) if args.seeds else None)
         print(text)
         if args.write:
