@@ -16,6 +16,7 @@ each C BAPO(C) beats TRL(C) in at least one cell. Development seeds 100-109; con
     python benchmarks/dropin_study.py --seeds 100-109 --task reverse2-8     # development, 2-8 digits
     python benchmarks/dropin_study.py --seeds 700-719 --scenarios "replay 0.5,partial rollout"  # BAPO-only ones
     python benchmarks/dropin_study.py --report                              # report of both tasks' runs files
+    python benchmarks/dropin_study.py --replicate                           # the beats again, seeds 1000-1019
     python benchmarks/dropin_study.py --readme                              # the README's table
     python benchmarks/dropin_study.py --quick                               # two short runs and the report (CI)
 
@@ -71,6 +72,9 @@ VLLM_REQUIRES = {"VESPO": dict(vllm_importance_sampling_mode="token_truncate")}
 LEARNING_RATES = (1e-3, 2e-3)
 STEPS = 160
 DEV_SEEDS, CONFIRM_SEEDS = "100-109", "700-719"
+#: The second fresh set (issue 77, item 7): every cell that beats on CONFIRM_SEEDS runs again here (``--replicate``),
+#: and the README says which replicated. Never looked at before those runs.
+REPLICATION_SEEDS = "1000-1019"
 
 
 def methods(config: str) -> tuple[str, str]:
@@ -165,30 +169,64 @@ SHORT = {"TRL defaults": "TRL's defaults", "dapo clip-higher": "clip-higher", "G
          "CISPO (documented)": "CISPO", "SAPO": "SAPO", "VESPO": "VESPO"}
 
 
+def cell_verdicts(runs: list[dict], seeds: str, resamples: int = 10000) -> dict:
+    """``{(scenario, lr, config): paired comparison with its verdict}`` over ``seeds`` (the README's cells)."""
+    chosen = set(parse_seeds(seeds, count=False))
+    runs = [r for r in runs if r["seed"] in chosen]
+    out = {}
+    for scenario in SCENARIOS:
+        for lr in LEARNING_RATES:
+            values = by_seed(runs, (scenario, lr), "reward_final")
+            for config in CONFIGS:
+                c = paired(values, *methods(config), resamples)
+                out[(scenario, lr, config)] = {**c, "word": verdict(c["low"], c["high"]) if c["n"] >= 2 else None}
+    return out
+
+
+def replication_specs(tasks: dict[str, list[dict]], resamples: int = 10000) -> list[dict]:
+    """The runs that repeat every cell beating on :data:`CONFIRM_SEEDS` on :data:`REPLICATION_SEEDS` (both
+    trainers)."""
+    todo = []
+    for task, runs in tasks.items():
+        for (scenario, lr, config), c in cell_verdicts(runs, CONFIRM_SEEDS, resamples).items():
+            if c["word"] == "beats":
+                todo += specs([config], [scenario], parse_seeds(REPLICATION_SEEDS, count=False), (lr,), task=task)
+    return todo
+
+
 def readme_table(tasks: dict[str, list[dict]], resamples: int = 10000) -> list[str]:
     """The README's table: a row per cell of both tasks, a column per config, BAPO(C) - TRL(C) on the confirmation
-    seeds to two decimals ([interval]; bold where BAPO(C) beats, "loses" written out), then the claim per config.
-    tests/test_readme.py checks the README holds exactly these lines."""
-    confirm = set(parse_seeds(CONFIRM_SEEDS))
+    seeds to three decimals ([interval]; bold where BAPO(C) beats, "loses" written out). A cell that beats there ran
+    again on :data:`REPLICATION_SEEDS`: ``again:`` and that set's verdict follow it (``again: pending`` until those
+    runs are in). Then the claim per config on each set. tests/test_readme.py checks the README holds these lines."""
     lines = ["| task, staleness, lr | " + " | ".join(SHORT[c] for c in CONFIGS) + " |", "|---" * (len(CONFIGS) + 1)
              + "|"]
     words: dict[str, list[str]] = {c: [] for c in CONFIGS}
+    again: dict[str, list[str]] = {c: [] for c in CONFIGS}
     for task, runs in tasks.items():
-        runs = [r for r in runs if r["seed"] in confirm]
+        first = cell_verdicts(runs, CONFIRM_SEEDS, resamples)
+        second = cell_verdicts(runs, REPLICATION_SEEDS, resamples)
         for scenario in SCENARIOS:
             for lr in LEARNING_RATES:
-                values = by_seed(runs, (scenario, lr), "reward_final")
                 row = []
                 for config in CONFIGS:
-                    c = paired(values, *methods(config), resamples)
-                    word = verdict(c["low"], c["high"])
+                    c = first[(scenario, lr, config)]
+                    word = c["word"]
                     words[config].append(word)
-                    text = f"{c['diff']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]"
-                    row.append(f"**{text}**" if word == "beats" else f"loses {text}" if word == "loses" else text)
+                    text = f"{c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]"
+                    cell = f"**{text}**" if word == "beats" else f"loses {text}" if word == "loses" else text
+                    if word == "beats":
+                        repeat = second[(scenario, lr, config)]["word"] or "pending"
+                        again[config].append(repeat)
+                        cell += f" again: {repeat}"
+                    row.append(cell)
                 label = f"{TASK_NAMES.get(task, task)}, {scenario.split()[1]}, {lr:g}"
                 lines.append(f"| {label} | " + " | ".join(row) + " |")
     held = ["holds" if "beats" in w and "loses" not in w else "**fails**" for w in words.values()]
-    lines.append("| the claim: never loses, beats once | " + " | ".join(held) + " |")
+    lines.append(f"| the claim on seeds {CONFIRM_SEEDS}: never loses, beats once | " + " | ".join(held) + " |")
+    replicated = [f"{a.count('beats')} of {len(a)} beats" if a and "pending" not in a else "pending" if a else "-"
+                  for a in again.values()]
+    lines.append(f"| its beats again on seeds {REPLICATION_SEEDS} | " + " | ".join(replicated) + " |")
     return lines
 
 
@@ -262,6 +300,8 @@ def main(argv=None) -> int:
     parser.add_argument("--report-out", default=os.path.join(REPO, "docs", "data", "dropin_study.md"))
     parser.add_argument("--quick", action="store_true", help="two short runs and the report, in a temp dir (CI)")
     parser.add_argument("--readme", action="store_true", help="only print the README's table (confirmation seeds)")
+    parser.add_argument("--replicate", action="store_true", help="run every cell that beats on the confirmation "
+                        f"seeds again on seeds {REPLICATION_SEEDS} (resumable)")
     parser.add_argument("--resamples", type=int, default=10000)
     args = parser.parse_args(argv)
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
@@ -276,6 +316,15 @@ def main(argv=None) -> int:
         print(text)
         return 0
     if args.readme:
+        print("\n".join(readme_table(both_tasks(), args.resamples)))
+        return 0
+    if args.replicate:
+        todo = replication_specs(both_tasks(), args.resamples)
+        for task in TASKS:
+            mine = [spec for spec in todo if task_of(spec) == task]
+            if mine:
+                task_model(task)
+                run_study(mine, default_results(task))
         print("\n".join(readme_table(both_tasks(), args.resamples)))
         return 0
     if not args.report:
