@@ -318,3 +318,30 @@ def test_the_drop_in_study_runs_each_config_as_is_on_both_trainers_and_checks_th
     assert claim[0].startswith("- TRL defaults: holds") and claim[1].startswith("- SAPO: FAILS")
     assert claim[2].startswith("- VESPO: FAILS (1 beats, 1 loses")
     assert rows[0].startswith("| config | staleness 8, lr 0.001 | staleness 32, lr 0.001 |")
+
+
+def test_the_drop_in_readme_table_runs_each_beat_again_on_the_second_fresh_set_and_says_how_it_stood():
+    """Issue 77 (7): every cell that beats on the confirmation seeds (and only those) runs again on the second fresh
+    set; the README's cell says ``again: <verdict>`` (``pending`` before those runs), with three decimals."""
+    import dropin_study
+
+    confirm = dropin_study.parse_seeds(dropin_study.CONFIRM_SEEDS, count=False)
+    second = dropin_study.parse_seeds(dropin_study.REPLICATION_SEEDS, count=False)
+    assert not set(confirm) & set(second)
+
+    def pair(config, scenario, lr, seeds, gain):
+        bapo, trl = dropin_study.methods(config)
+        return [dict(method=m, staleness=scenario, lr=lr, seed=s, steps=160,
+                     reward_final=0.5 + (gain + 0.001 * (s % 3 - 1)) * (m == bapo))
+                for s in seeds for m in (bapo, trl)]
+
+    runs = pair("TRL defaults", "spg 32", 1e-3, confirm, 0.1) + pair("SAPO", "spg 8", 2e-3, confirm, 0.0)
+    todo = dropin_study.replication_specs({"reverse3": runs})
+    assert {(s["method"], s["staleness"], s["lr"]) for s in todo} == {
+        ("BAPO(TRL defaults)", "spg 32", 1e-3), ("TRL(TRL defaults)", "spg 32", 1e-3)}
+    assert sorted({s["seed"] for s in todo}) == second
+    table = "\n".join(dropin_study.readme_table({"reverse3": runs}, resamples=200))
+    assert "**+0.100 [" in table and "again: pending" in table
+    runs += pair("TRL defaults", "spg 32", 1e-3, second, 0.0)  # the second set ties it
+    table = "\n".join(dropin_study.readme_table({"reverse3": runs}, resamples=200))
+    assert "again: ties" in table and "| its beats again on seeds 1000-1019 | 0 of 1 beats |" in table
