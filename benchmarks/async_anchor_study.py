@@ -172,6 +172,9 @@ def train_one(spec: dict, url: str | None, steps: int, cap: float) -> dict:
 
 # -- the readings -----------------------------------------------------------------------------------------------------
 
+#: The async producer's timings a compact record keeps (per-step means): the server's generation of a batch, the
+#: trainer's wait for it, the weight push (write) and the server's load of it.
+ASYNC_TIMINGS = ("async/generate_seconds", "async/wait_seconds", "async/push_seconds", "async/load_seconds")
 #: What a compact record keeps per run (besides its spec and :func:`compact`'s own fields).
 RUN_FIELDS = ("setup_seconds", "trainer_cpu_seconds", "threads", "steps", "wall_seconds", "load_before", "commit",
               "server_cpu_seconds", "foreign_cpu_seconds", "attempts", "date")
@@ -194,7 +197,7 @@ def compact(run: dict) -> dict:
         rows.append([round(run["step_seconds"][h["step"] - 1], 4), consumed, round(h["reward"], 5)])
     history = run["history"]
     means = {key: statistics.mean(h[key] for h in history if key in h)
-             for key in ("async/generate_seconds", "async/wait_seconds") if any(key in h for h in history)}
+             for key in ASYNC_TIMINGS if any(key in h for h in history)}
     stale = max((h.get("sample/staleness_max", h.get("bapo/staleness_max", 0.0)) for h in history), default=0.0)
     return {**{k: run[k] for k in ("trainer", "config", "task", "seed")}, **{k: run.get(k) for k in RUN_FIELDS},
             "rows": rows, "seconds": run["step_seconds"][-1], "dropped": dropped, "staleness_max": stale,
@@ -307,9 +310,12 @@ def overlap_bound(runs: list[dict]) -> list[str]:
         step = statistics.median(r["seconds"] / r["steps"] for r in mine)
         wait = statistics.median(r["means"].get("async/wait_seconds", 0.0) for r in mine)
         t = step - wait
+        push = statistics.median(r["means"].get("async/push_seconds", 0.0) for r in mine)
+        load = statistics.median(r["means"].get("async/load_seconds", 0.0) for r in mine)
         lines.append(f"- {trainer}: {step:.3f} s a step (median over runs); the server generates a batch in "
-                     f"g = {g:.3f} s, the trainer works t = {t:.3f} s of each step and waits {wait:.3f} s: full "
-                     f"overlap would give max(g, t) = {max(g, t):.3f} s a step.")
+                     f"g = {g:.3f} s, the trainer works t = {t:.3f} s of each step and waits {wait:.3f} s (a push "
+                     f"takes {push:.3f} s to hand over, the server {load:.3f} s to load it): full overlap would give "
+                     f"max(g, t) = {max(g, t):.3f} s a step.")
     server = [compact(r) for r in runs if r["trainer"] == "BAPO sync server"]
     if server:
         lines.append(f"- BAPO sync server: {statistics.median(r['seconds'] / r['steps'] for r in server):.3f}"
