@@ -358,7 +358,7 @@ def report_text(runs: list[dict], seeds: list[int] | None = None) -> str:
 
 #: The README's comparisons (columns) and readings (rows per task), TRL's defaults.
 README_PAIRS = (("BAPO async K=1", "TRL sync"), ("BAPO async K=1", "BAPO sync"), ("BAPO async K=1", "TRL async"))
-README_READINGS = ("reward at B1", "reward at 30 s", "seconds to target")
+README_READINGS = ("reward at B1", "reward at 30 s", "reward at 5120 samples", "seconds to target")
 TASK_NAMES = {"reverse3": "3 digits", "reverse2-8": "2-8 digits"}
 #: The results the README quotes: the development seeds (the confirmation seeds replace them once they have run).
 README_SEEDS = "100-104"
@@ -402,6 +402,7 @@ def figure(runs: list[dict], path: Path) -> None:
         ax.set_xlabel("seconds of training (2 CPU cores)")
         ax.set_ylabel("reward (10-batch mean)")
     axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
     save_png(fig, str(path))
 
 

@@ -398,3 +398,15 @@ def test_the_docs_home_page_has_an_example_and_a_figure_of_its_own():
     assert "```python\nfrom bapo_trl import BAPOConfig, BAPOTrainer" in page and "`bapo train " in page
     figures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)
     assert figures and all((REPO / "docs" / figure).is_file() for figure in figures), figures
+
+
+def test_the_readme_async_table_is_what_the_study_computes_from_its_committed_runs():
+    """Issue 76: the README's async table is exactly ``benchmarks/async_anchor_study.py report --readme`` on the
+    committed runs (docs/data/async_anchor_runs.jsonl.gz), as docs/async.md shows it too."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import async_anchor_study as study
+
+    runs = [study.compact(r) for r in study.read_jsonl(str(REPO / "docs" / "data" / "async_anchor_runs.jsonl.gz"))]
+    lines = "\n".join(study.readme_table(runs, study.parse_seeds(study.README_SEEDS, count=False)))
+    assert lines in README
+    assert lines in (REPO / "docs" / "async.md").read_text()
