@@ -10,7 +10,7 @@ the file to go on), so a machine that must do something else for a while does no
 
     python benchmarks/async_anchor_study.py run --seeds 100-104              # development seeds, both tasks/configs
     python benchmarks/async_anchor_study.py run --seeds 100-100 --tasks reverse3 --configs "TRL defaults" --quick
-    python benchmarks/async_anchor_study.py report --results docs/data/async_anchor_runs.jsonl \
+    python benchmarks/async_anchor_study.py report --results docs/data/async_anchor_runs.jsonl.gz NEW.jsonl \
         --compact docs/data/async_anchor_runs.jsonl.gz --seeds 100-104 --write docs/data/async_anchor_dev.md
     python benchmarks/async_anchor_study.py report --readme     # the README's table, from the committed runs
 
@@ -76,6 +76,8 @@ TARGET = {"reverse3": 0.5, "reverse2-8": 0.2}
 KEPT_PREFIXES = ("reward", "loss", "sample/", "batch/samples", "async/", "bapo/staleness", "bapo/weight_sync_lag",
                  "perf/step_s", "perf/rollout_wait_s", "bapo/clip_low", "bapo/clip_high")
 QUICK = dict(steps=8, cap=10.0)
+#: The runs committed so far (compact): a new invocation skips them, and the report reads them with new raw files.
+COMMITTED = REPO / "docs" / "data" / "async_anchor_runs.jsonl.gz"
 
 
 def run_key(run: dict) -> tuple:
@@ -472,9 +474,10 @@ def study(todo: list[dict], results: Path, steps: int, cap: float) -> None:
     from server_bench import Server
     from study import task_model
 
-    done = {run_key(r) for r in read_jsonl(str(results))}
+    done = {run_key(r) for r in [*read_jsonl(str(results)), *read_jsonl(str(COMMITTED))]}  # committed ones too
     todo = [spec for spec in todo if run_key(spec) not in done]
     print(f"{len(done)} runs in {results}; {len(todo)} to run", flush=True)
+    results.parent.mkdir(parents=True, exist_ok=True)
     log = results.with_suffix(".log")
     pause = Path(str(results) + ".pause")
     server, served = None, None
@@ -526,9 +529,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated trainer names")
     run.add_argument("--quick", action="store_true", help=f"{QUICK['steps']} steps or {QUICK['cap']:.0f} s, "
                      "whichever comes first")
-    run.add_argument("--results", type=Path, default=None, help="default: docs/data/async_anchor_runs.jsonl")
+    run.add_argument("--results", type=Path, default=None, help="the raw runs file (default: "
+                     "outputs/async_anchor/runs.jsonl; runs already committed are skipped)")
     report = sub.add_parser("report", help="the readings of a results file (markdown on stdout)")
-    report.add_argument("--results", type=Path, default=REPO / "docs" / "data" / "async_anchor_runs.jsonl.gz")
+    report.add_argument("--results", type=Path, nargs="+", default=[COMMITTED],
+                        help="runs files, raw or compact (default: the committed runs)")
     report.add_argument("--seeds", default=None, help="only these seeds (A-B)")
     report.add_argument("--write", type=Path, default=None, help="also write the report here, its figure beside it")
     report.add_argument("--readme", action="store_true", help="print the README's table (README_SEEDS) instead")
@@ -546,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
         args.result.write_text(json.dumps(result))
         return 0
     if args.command == "report":
-        runs = [compact(r) for r in read_jsonl(str(args.results))  # runs that shared the machine are left out
+        found = {run_key(r): r for path in args.results for r in read_jsonl(str(path))}  # a later file's run wins
+        runs = [compact(r) for r in found.values()  # runs that shared the machine are left out
                 if clean(r.get("foreign_cpu_seconds", 0.0), r["wall_seconds"])]
         if args.compact:
             import gzip
@@ -568,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [n for n in names[field] if n not in known]
         if unknown:
             parser.error(f"--{field}: unknown {unknown}; expected some of {list(known)}")
-    results = args.results or REPO / "docs" / "data" / "async_anchor_runs.jsonl"
+    results = args.results or REPO / "outputs" / "async_anchor" / "runs.jsonl"  # raw; report --compact commits them
     steps, cap = (QUICK["steps"], QUICK["cap"]) if args.quick else (BUDGET_STEPS, SECONDS_CAP)
     study(plan(parse_seeds(args.seeds, count=False), **names), results, steps, cap)
     return 0
