@@ -275,9 +275,9 @@ def test_a_vllm_sampler_that_differs_from_the_trainer_is_corrected_or_is_the_beh
         assert sum(gaps) / len(gaps) > 0.05, sum(gaps) / len(gaps)  # the behaviour is the sampler: BAPO's ratio
 
 
-#: LoRA rows of sampler truth: how the adapter reaches the server (``vllm_lora_sync``) x a synchronous, a replay and
-#: an async source.
-LORA_SOURCES = ("TRL's default (synchronous)", "replay", "async generation, K=1")
+#: LoRA rows of sampler truth: how the adapter reaches the server (``vllm_lora_sync``) x every source of the built-in
+#: vLLM backend.
+LORA_SOURCES = tuple(VLLM_SOURCES)
 
 
 @pytest.mark.parametrize("mode", ["adapter", "merged"])
