@@ -221,6 +221,16 @@ def trainer_logps(model, prompt: tuple, completion: tuple, temperature: float) -
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
 
 
+def frozen_policy_config(server, tmp_path, **settings):
+    """A config generating in ``server`` for two steps at learning rate 0 (the trainer's policy never moves)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    return cpu_config(
+        tmp_path / "out", save_strategy="no", per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=6, logging_steps=1, seed=0, learning_rate=0.0, max_steps=2, disable_tqdm=True,
+        use_vllm=True, vllm_mode="server", vllm_server_host=host, vllm_server_port=int(port),
+        vllm_server_timeout=30, **settings)
+
+
 #: The sources of the built-in vLLM backend, through the stand-in server: (settings, whether TRL's vLLM
 #: importance-sampling correction carries the sampler's gap; else BAPO's ratio does, the sampler being the behaviour).
 VLLM_SOURCES = {
@@ -250,12 +260,7 @@ def test_a_vllm_sampler_that_differs_from_the_trainer_is_corrected_or_is_the_beh
     monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
     server = PolicyServer(tiny_model_dir, perturb=1.5)
     try:
-        host, port = server.url.removeprefix("http://").split(":")
-        args = cpu_config(
-            tmp_path / "out", save_strategy="no", per_device_train_batch_size=8, num_generations=4,
-            max_completion_length=6, logging_steps=1, seed=0, learning_rate=0.0, max_steps=2, disable_tqdm=True,
-            use_vllm=True, vllm_mode="server", vllm_server_host=host, vllm_server_port=int(port),
-            vllm_server_timeout=30, **settings)
+        args = frozen_policy_config(server, tmp_path, **settings)
         trainer = build(tiny_model_dir, args)
         trainer.train()
     finally:
@@ -297,12 +302,7 @@ def test_with_lora_the_behaviour_is_the_sampler_of_base_plus_adapter_or_trls_cor
     monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
     server = PolicyServer(tiny_model_dir, perturb=1.5, lora=True)
     try:
-        host, port = server.url.removeprefix("http://").split(":")
-        args = cpu_config(
-            tmp_path / "out", save_strategy="no", per_device_train_batch_size=8, num_generations=4,
-            max_completion_length=6, logging_steps=1, seed=0, learning_rate=0.0, max_steps=2, disable_tqdm=True,
-            use_vllm=True, vllm_mode="server", vllm_server_host=host, vllm_server_port=int(port),
-            vllm_server_timeout=30, vllm_lora_sync=mode, **settings)
+        args = frozen_policy_config(server, tmp_path, vllm_lora_sync=mode, **settings)
         trainer = build(tiny_model_dir, args, peft=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
         generator = torch.Generator().manual_seed(5)
         with torch.no_grad():
