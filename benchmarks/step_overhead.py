@@ -59,7 +59,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from bapo_trl import BAPOConfig, BAPOTrainer, gspo_balanced  # noqa: E402
 from bapo_trl.core.window_rule import PAPER_PATH  # noqa: E402
 from bapo_trl.experimental.decoupled import DecoupledBAPOConfig, DecoupledBAPOTrainer  # noqa: E402
-from bapo_trl.experimental.gmpo import BAPOGMPOTrainer, gmpo_balanced  # noqa: E402
+from bapo_trl.experimental.gmpo import BAPOGMPOTrainer, GMPOBAPOConfig, gmpo_balanced  # noqa: E402
 from bapo_trl.experimental.length_fair import LengthFairBAPOConfig, LengthFairBAPOTrainer, gspo_length_fair  # noqa: E402,E501
 from bapo_trl.recipes.toy import build_tiny_model, make_reverse_dataset, reverse_reward  # noqa: E402
 
@@ -74,7 +74,7 @@ VARIANTS = {"gspo-scale-x10": gspo_balanced,
             "gmpo": gmpo_balanced}  # its third: BAPO on TRL's GMPO loss
 #: Kinds and variants that run on a config and trainer of their own (the rest on BAPOConfig / BAPOTrainer).
 CLASSES = {"decoupled": (DecoupledBAPOConfig, DecoupledBAPOTrainer),
-           "length-fair": (LengthFairBAPOConfig, LengthFairBAPOTrainer), "gmpo": (BAPOConfig, BAPOGMPOTrainer)}
+           "length-fair": (LengthFairBAPOConfig, LengthFairBAPOTrainer), "gmpo": (GMPOBAPOConfig, BAPOGMPOTrainer)}
 #: BAPOTrainer methods timed from inside (what BAPO adds to a GRPO step, free of background noise).
 LABELS = {"_adapt_clip_window": "search + metrics", "mix": "replay mixing"}
 

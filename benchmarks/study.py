@@ -168,9 +168,9 @@ def trainer_classes(kind: str):
 
         return GMPOConfig, gmpo.GMPOTrainer
     if kind == "bapo-gmpo":
-        from bapo_trl.experimental.gmpo import BAPOGMPOTrainer
+        from bapo_trl.experimental.gmpo import BAPOGMPOTrainer, GMPOBAPOConfig
 
-        return BAPOConfig, BAPOGMPOTrainer
+        return GMPOBAPOConfig, BAPOGMPOTrainer
     if kind == "bapo-decoupled":
         from bapo_trl.experimental.decoupled import DecoupledBAPOConfig, DecoupledBAPOTrainer
 

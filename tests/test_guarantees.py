@@ -34,7 +34,6 @@ import pytest
 from bapo_trl import BAPOConfig
 from bapo_trl.rollout.settings import staleness_bound
 from support.guarantee_rows import (
-    DECOUPLED,
     FAST,
     HELD_PUSH,
     LORA,
@@ -64,15 +63,13 @@ from support.policy_server import PolicyServer
 #: stand-in in test_adapter_sync.py).
 SLOW_ROWS = {"async_inflight", "async_k2_two_servers", "async_k2", "async_partial", "replay_async", "async_k2_lazy",
              "async_partial_held_push", "async_k2_eval", "async_sync3_eval", "async_partial_lora",
-             "async_inflight_lora", "async_k2_two_servers_lora", "async_k1_lora", "partial_decoupled",
-             "async_inflight_decoupled", "async_k2_two_servers_decoupled", "async_k1_lora_decoupled",
-             "async_k1_decoupled", "async_sync3", "replay_saves_async"}
+             "async_inflight_lora", "async_k2_two_servers_lora", "async_k1_lora", "async_sync3", "replay_saves_async"}
 #: Rows run at the fast setting only, on the stand-in: weight_sync_steps and the held push change when and how the
 #: trainer pushes, not what a server or a setting does; evaluation with TRL's own generation changes only the random
 #: state (the async evaluating row runs at every setting). 7 steps at u = 2 updates per batch reach staleness 4, past
 #: the bound with W = 1 (3). The LoRA rows change what is pushed, not what a setting does (the plain rows run every
 #: setting); their async K=1 row was seen to pass at every setting once (2026-11, 4 settings, 29 s).
-ONE_SETTING = {"async_sync3", "async_sync3_eval", "trl_eval"} | HELD_PUSH | LORA | DECOUPLED
+ONE_SETTING = {"async_sync3", "async_sync3_eval", "trl_eval"} | HELD_PUSH | LORA
 #: (steps_per_generation, num_iterations, gradient_accumulation_steps), pairwise over {1, 4} x {1, 2} x {1, 2}
 SETTINGS = [(1, 1, 1), (1, 2, 2), (4, 1, 2), (4, 2, 1)]
 

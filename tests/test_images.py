@@ -1,8 +1,8 @@
 """Image batches (a vision-language model's ``pixel_values``, ``num_images``, ...) through every rollout source: each
 either trains with the image inputs passed to every forward exactly as TRL's loss passes them (TRL's generation, the
-default source with stale steps, the decoupled correction's proximal forward), or refuses an image dataset at
-construction, naming itself and the column (replay, partial rollout, async generation: they keep token batches
-without the images). The model is a real vision-language class, LLaVA, built from configs
+default source with stale steps; a research candidate's own forward is tested in tests/experimental), or refuses an
+image dataset at construction, naming itself and the column (replay, partial rollout, async generation: they keep
+token batches without the images). The model is a real vision-language class, LLaVA, built from configs
 (``tests/support/tiny_vlm.py``).
 
 Not covered here: Qwen-style ``image_grid_thw`` batches (Qwen2-VL's processor needs torchvision, which the test
@@ -16,12 +16,11 @@ import re
 
 import datasets
 import pytest
-import torch
 
-from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl import BAPOTrainer
 from bapo_trl.recipes.toy import reverse_reward
 from bapo_trl.trainer.trl_port import forward_inputs, multimodal_keys
-from support.harness import Probe, cpu_config
+from support.harness import cpu_config
 
 ASYNC = dict(async_generation=True, use_vllm=True, vllm_mode="server")
 
@@ -79,57 +78,15 @@ def test_replay_refuses_an_image_iterable_dataset_of_unknown_features_at_constru
 
 # -- a real vision-language class (tests/support/tiny_vlm.py: LLaVA built from configs) through TRL's own generation --
 
-def keep_batches(trainer, compute_loss, model, inputs, *args, **kwargs):
-    trainer.batches.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
-    return compute_loss(model, inputs, *args, **kwargs)
-
-
 @pytest.mark.parametrize("settings", [
     dict(steps_per_generation=1),
     dict(steps_per_generation=2),
     dict(steps_per_generation=1, num_iterations=2),
-    dict(steps_per_generation=2, decoupled=True),
-    dict(steps_per_generation=2, num_iterations=2, decoupled=True),
-], ids=["on_policy", "steps_per_generation_2", "num_iterations_2", "decoupled", "decoupled_num_iterations_2"])
+], ids=["on_policy", "steps_per_generation_2", "num_iterations_2"])
 def test_a_vision_language_model_trains_with_ratios_of_one_when_the_policy_stands_still(tmp_path, settings):
     """LLaVA on image prompts, learning rate 0 (the policy never moves): every micro-batch's reference log-probs
-    (TRL's, or the decoupled proximal ones) are the policy's own WITH the batch's images, so every ratio and every
-    decoupled weight is exactly 1 (within float noise); the stored behaviour log-probs agree too. ``decoupled``: on
-    DecoupledBAPOTrainer (bapo_trl.experimental)."""
-    from transformers import AutoProcessor
+    (TRL's) are the policy's own WITH the batch's images, so every ratio is exactly 1 (within float noise)."""
+    from support.tiny_vlm import train_with_the_policy_still
 
-    from bapo_trl.experimental.decoupled import DecoupledBAPOConfig, DecoupledBAPOTrainer
-    from bapo_trl.experimental.decoupled.trainer import BEHAVIOUR
-    from support.harness import probe_of
-    from support.tiny_vlm import build_tiny_vlm, image_reward, make_image_dataset
-
-    model_dir = build_tiny_vlm(str(tmp_path / "vlm"))
-    settings = dict(settings)
-    decoupled = settings.pop("decoupled", False)
-    args = cpu_config(tmp_path / "out", per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-                      max_steps=4, learning_rate=0.0, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                      config_cls=DecoupledBAPOConfig if decoupled else BAPOConfig, **settings)
-    cls = probe_of(DecoupledBAPOTrainer) if decoupled else Probe
-    trainer = cls(model=model_dir, reward_funcs=image_reward, args=args, train_dataset=make_image_dataset(16),
-                    processing_class=AutoProcessor.from_pretrained(model_dir), around={"compute_loss": keep_batches},
-                    record=("batches",))
-    trainer.train()
-    model = trainer.model.eval()  # the policy of every step (learning rate 0), with TRL's fused log-prob head
-    reference = 0
-    for inputs in trainer.batches:
-        assert inputs["pixel_values"].size(0) == sum(inputs["num_images"]) > 0
-        if inputs.get("old_per_token_logps") is None:
-            continue  # on-policy: TRL's loss uses its own log-probs as the reference (ratio 1 by construction)
-        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-        mask = inputs["completion_mask"].bool()
-        with torch.no_grad():
-            policy, _, _ = trainer._get_per_token_logps_and_entropies(
-                model, ids, attention, inputs["completion_ids"].size(1), **forward_inputs(inputs))
-        torch.testing.assert_close(inputs["old_per_token_logps"][mask], policy[mask], rtol=0, atol=1e-5)
-        if BEHAVIOUR in inputs:
-            torch.testing.assert_close(inputs[BEHAVIOUR][mask], policy[mask], rtol=0, atol=1e-5)
-        reference += 1
-    assert reference > 0 or settings == dict(steps_per_generation=1)
-    weights = [h["decoupled/capped_fraction"] for h in trainer.state.log_history if "decoupled/ess" in h]
-    assert (len(weights) > 0) == decoupled and not any(weights)
+    _, checked = train_with_the_policy_still(tmp_path, settings)
+    assert checked > 0 or settings == dict(steps_per_generation=1)

@@ -259,6 +259,25 @@ def test_a_candidate_is_its_folder_the_method_names_none_of_them():
     assert not found, found
 
 
+#: Tests outside tests/experimental that name candidates: the tests of the lab's scripts, which run the studies'
+#: candidates beside the method (benchmarks/, scripts/gpu_check.py), and this file, which lists their names.
+LAB_TESTS = {"tests/test_study.py", "tests/test_benchmarks.py", "tests/test_gpu_check.py", "tests/test_layers.py"}
+
+
+def test_the_methods_tests_name_no_candidate():
+    """A candidate's tests are in tests/experimental: the method's tests and their shared machinery (tests/support:
+    the guarantee rows take a candidate's classes and checks as arguments) name none, so deleting a candidate's
+    folder and its tests leaves the method's suite whole."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        if relative.startswith("tests/experimental/") or relative in LAB_TESTS:
+            continue
+        text = path.read_text().lower()
+        found += [f"{relative}: {name}" for name in CANDIDATE_NAMES if name in text]
+    assert not found, found
+
+
 def test_the_generation_folder_keeps_its_modules_under_380_lines():
     """Issue 78 (4): a generation module that grows past 380 lines splits by what it does (the vLLM backend's LoRA
     push left ``vllm_generation.py`` for ``lora_push.py``)."""

@@ -12,6 +12,7 @@ import site
 import stat
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -97,19 +98,25 @@ def _quick_start() -> str:
 @pytest.mark.slow
 @pytest.mark.side_by_side  # about one core (BAPO_TEST_CPU_LOG), no shared server, no timing bound
 def test_the_wheel_installs_and_runs_in_a_fresh_virtualenv(tmp_path):
-    """``python -m build --wheel`` from the tracked files; ``pip install --no-deps`` of that wheel into a new
-    virtualenv; then, from a directory outside the repository, the README's quick start and every ``bapo``
-    subcommand's ``--help`` run against the installed package (not the repository's source).
+    """``python -m build`` from the tracked files (the sdist, then the wheel built FROM the sdist, so the sdist is
+    complete); ``pip install --no-deps`` of that wheel into a new virtualenv; then, from a directory outside the
+    repository, the README's quick start and every ``bapo`` subcommand's ``--help`` run against the installed package
+    (not the repository's source).
 
     The new virtualenv reaches the dependencies (torch, TRL, ...) through a path file listing this interpreter's
     site-packages: a path listed there is put on ``sys.path`` but its own ``.pth`` files are not run, so this
     environment's editable install of bapo_trl (a ``.pth`` finder) is not seen."""
     source = _tracked_tree(tmp_path / "source")
     dist = tmp_path / "dist"
-    build = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist),
-                            str(source)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    build = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(source)],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, (build.stdout + build.stderr)[-4000:]
-    (wheel,) = dist.glob("bapo_trl-*.whl")
+    (wheel,), (sdist,) = dist.glob("bapo_trl-*.whl"), dist.glob("bapo_trl-*.tar.gz")
+    assert sdist.name == f"bapo_trl-{bapo_trl.__version__}.tar.gz"
+    with tarfile.open(sdist) as archive:
+        shipped = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    assert {"LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml", "setup.cfg", "bapo_trl/__init__.py",
+            "bapo_trl/cli/train_options.json"} <= shipped, sorted(shipped)[:40]
     assert wheel.name.startswith(f"bapo_trl-{bapo_trl.__version__}-")
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()

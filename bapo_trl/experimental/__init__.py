@@ -2,7 +2,7 @@
 tests (``tests/experimental/``) and its docs page (``docs/experimental.md``). The method (``core/``, ``trainer/``)
 knows none of them: a candidate overrides one documented hook of ``BAPOTrainer``
 (``_choose_window``: the window a micro-batch gets; ``_training_batch``: a generation batch as it starts training;
-``loss_row``: the loss whose share is balanced).
+and its config's ``loss_row``: the loss whose share is balanced).
 
 * :mod:`.length_fair`: a window per sequence, scaled to the noise of its mean log-ratio;
 * :mod:`.decoupled`: AReaL's decoupled off-policy correction (clip against the proximal policy, weight by

@@ -1,9 +1,10 @@
 """Every TRL module global bapo_trl replaces, in one file, and the attributes of TRL objects swapped for one of TRL's
 calls: each a small function here, each swapped for the call it serves. Not here: the values BAPO sets on its own
-trainer or config for one call of TRL's code, beside that call: the window in TRL's loss (``trainer/loss_hook.install``
-and ``restore``: ``epsilon_low``/``epsilon_high`` or a gate's fields; the dual clip's ``args.delta`` in
-``BAPOTrainer.compute_loss``), and a generation's token cap (``TRLPort.continue_completions``: the generation config's
-``max_new_tokens``, the vLLM backend's ``max_completion_length``), each put back when the call returns.
+trainer or config for one call of TRL's code, beside that call: the window in TRL's loss
+(``LossHookMixin._install_window`` and ``restore``: ``epsilon_low``/``epsilon_high`` or a gate's fields; the dual
+clip's ``args.delta`` in ``BAPOTrainer.compute_loss``), and a generation's token cap (``TRLPort.continue_completions``:
+the generation config's ``max_new_tokens``, the vLLM backend's ``max_completion_length``), each put back when the
+call returns.
 
 Why there are patches at all (TRL 1.16): ``GRPOTrainer.__init__`` builds its vLLM backend by name
 (``VLLMGeneration(...)``), and that backend builds its server client (``VLLMClient(...)``) and its colocated engine

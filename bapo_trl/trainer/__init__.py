@@ -2,7 +2,7 @@
 (``BAPOTrainer(GRPOTrainer)``: the loss hook and the dispatcher), with the glue that works on the trainer object:
 
 * ``loss_hook.py``: between TRL's policy forward and its clip: the tokens TRL's loss keeps, the ratios and weights the
-  search balances, installing and restoring the window;
+  search balances, installing and restoring the window, the micro-batch's metrics (``LossHookMixin``);
 * ``checkpoints.py``: complete-or-ignored checkpoints with the per-process rollout state;
 * ``model_card.py``: TRL's model card with a BAPO section; ``reward_errors.py``: reward functions named in their
   errors; ``vllm_backend.py``: TRL's vLLM backend swapped for bapo_trl's (CPU machines, LoRA, seeds);

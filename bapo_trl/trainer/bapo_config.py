@@ -211,17 +211,17 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         # Validate BAPO's own fields first: a bad value must fail before TrainingArguments sets up devices.
         errors = self.bapo_errors()
         if errors:
-            raise ValueError("Invalid BAPOConfig:\n  - " + "\n  - ".join(errors))
+            raise ValueError(f"Invalid {type(self).__name__}:\n  - " + "\n  - ".join(errors))
         self.vllm_server_base_url = normalized_server_urls(self.vllm_server_base_url)  # several: a list
         super().__post_init__()
         errors = self.whole_group_errors()
         if errors:
-            raise ValueError("Invalid BAPOConfig:\n  - " + "\n  - ".join(errors))
+            raise ValueError(f"Invalid {type(self).__name__}:\n  - " + "\n  - ".join(errors))
         # Settings that are valid one by one but under which something the user turned on can never act.
         inert = self.inert_settings()
         errors = [message for kind, message in inert if kind == "error"]
         if errors:
-            raise ValueError("Invalid BAPOConfig:\n  - " + "\n  - ".join(errors))
+            raise ValueError(f"Invalid {type(self).__name__}:\n  - " + "\n  - ".join(errors))
         for kind, message in inert:
             if kind in ("warning", "on-policy"):
                 warnings.warn(f"BAPO: {message}", OnPolicyWarning if kind == "on-policy" else UserWarning,
@@ -234,7 +234,7 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         YAML, a sweep over ``epsilon``) derives its own path again instead of inheriting this one's;
         :attr:`search_path_origin` says where the path comes from, for the run's plan."""
         key = self._window_key()
-        path, origin = derived_path(self._loss.kind, self.epsilon, self.epsilon_high, key[3])
+        path, origin = derived_path(self.loss_row.kind, self.epsilon, self.epsilon_high, key[3])
         mine = self.ratio_fields_set
         if len(mine) == len(RATIO_FIELDS):
             origin = "your ratio_* settings"
@@ -246,7 +246,7 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
     def _window_key(self) -> tuple:
         """What the search path is derived from: the loss kind, the window, its level and your ``ratio_*`` fields."""
         level = self.importance_sampling_level if self.importance_sampling_level in WIDENING else "token"
-        return (self._loss.kind, self.epsilon, self.epsilon_high, level,
+        return (self.loss_row.kind, self.epsilon, self.epsilon_high, level,
                 tuple(getattr(self, n) for n in RATIO_FIELDS))
 
     def _search_path_now(self) -> tuple:
@@ -276,7 +276,7 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         """TRL's two-sided clip as BAPO's loss applies it: your ``delta``; else, with ``dual_clip`` and a clipped loss,
         the dual clip's ``max(3.0, ratio_upper_max)`` (installed in TRL's loss for each call, never written into
         ``delta``, so a config rebuilt from this one's values with ``dual_clip=False`` has none); else None."""
-        if self.delta is not None or not (self.dual_clip and self._loss.takes_delta):
+        if self.delta is not None or not (self.dual_clip and self.loss_row.takes_delta):
             return self.delta
         return max(DUAL_CLIP, self.search_path["ratio_upper_max"])
 
@@ -291,7 +291,7 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
     def _window_rows(self) -> list[tuple[str, str]]:
         """Inert-setting rows of the search path (a research window with a path of its own replaces them)."""
         rows = []
-        path = self._loss.path(self.bapo_settings)
+        path = self.loss_row.path(self.bapo_settings)
         window = f"[{path.clip_low[0]}, {path.clip_high[0]}]"
         ratio = self.search_path
         if (self.bapo_variant == "paper" and len(path.low_grid) == 1
@@ -309,7 +309,7 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
                     f"the search path has a single window {window}, so {', '.join(moved)} only matter(s) for a moving "
                     "search and has no effect: widen `ratio_upper_max` / `ratio_lower_max` or drop the setting.")))
         level = self.importance_sampling_level if self.importance_sampling_level in WIDENING else "token"
-        if (self._loss.kind == "clip" and "ratio_lower_start" not in self.ratio_fields_set and is_real(self.epsilon)
+        if (self.loss_row.kind == "clip" and "ratio_lower_start" not in self.ratio_fields_set and is_real(self.epsilon)
                 and self.epsilon > 0 and lower_is_clamped(self.epsilon, level)):
             rows.append(("warning", (
                 f"your window's epsilon={self.epsilon} leaves no room to widen c_low below it ({level} ratios), so "
@@ -333,14 +333,20 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         return []
 
     @property
-    def _loss(self):
-        """The loss type's row (:mod:`bapo_trl.core.loss_types`); the clipped surrogate's for an unknown one
-        (refused)."""
+    def loss_row(self):
+        """The loss type's row (:mod:`bapo_trl.core.loss_types`), whose share the trainer balances; the clipped
+        surrogate's for an unknown one (refused). A research config whose trainer runs another loss returns its row."""
         return LOSS_TYPES.get(self.loss_type, LOSS_TYPES["dapo"])
 
     def _loss_type_rows(self) -> list[tuple[str, str]]:
         """Inert-setting rows of the loss type: its row's ``config_warnings`` (:mod:`bapo_trl.core.loss_checks`)."""
-        return [("warning", text) for text in self._loss.config_warnings(self, f"loss_type={self.loss_type!r}")]
+        return [("warning", text) for text in self.loss_row.config_warnings(self, self._loss_name)]
+
+    @property
+    def _loss_name(self) -> str:
+        """How the loss's checks name it in a message: the config's ``loss_type`` (a research config whose trainer
+        chooses the loss names that trainer)."""
+        return f"loss_type={self.loss_type!r}"
 
     def bapo_errors(self) -> list[str]:
         """Every problem with the BAPO fields and their combination with the GRPO fields."""
@@ -361,7 +367,7 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
             errors.append("`use_liger_kernel` must be False with BAPO (the Liger GRPO loss has a fixed window), got "
                           "True: set use_liger_kernel=False.")
         if self.loss_type in SUPPORTED_LOSS_TYPES:
-            errors += self._loss.config_errors(self, f"loss_type={self.loss_type!r}")  # the row's own checks
+            errors += self.loss_row.config_errors(self, self._loss_name)  # the row's own checks
         if not (isinstance(self.max_log_ratio, (int, float)) and math.isfinite(self.max_log_ratio)) or (
             not errors and self.max_log_ratio <= math.log(self.search_path["ratio_upper_max"])
         ):
@@ -404,7 +410,7 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         every ratio there). Other loss types ignore ``delta``, as TRL does."""
         settings = self._settings_dict()
         delta = self.effective_delta
-        if self._loss.takes_delta and delta is not None:
+        if self.loss_row.takes_delta and delta is not None:
             settings["delta"] = delta
             settings["ratio_upper_max"] = min(settings["ratio_upper_max"], delta)
         return BAPOSettings(**settings)

@@ -21,7 +21,6 @@ import torch
 from trl import GRPOTrainer
 
 from ..core.clipping import SearchResult, search_clip_bounds
-from ..core.loss_types import LOSS_TYPES, LossType
 from ..core.numerics import loss_mask, mask_nonfinite_inputs, sanitize_after_forward
 from ..core.target_controller import TargetController
 from ..rollout.contract import parts, stamp_policy_version
@@ -31,7 +30,7 @@ from .checkpoints import CheckpointMixin
 from .deepspeed_env import quiet_deepspeed_on_cpu
 from .input_checks import check_prompt_column
 from .loop_hooks import AtEachUpdate, EvaluationKeepsTrainingRandomState
-from .loss_hook import WindowChoice, install, log_search, optimised_tokens, restore, search_inputs, search_settings
+from .loss_hook import LossHookMixin, WindowChoice, restore, search_inputs, search_settings
 from .model_card import PAPER, ModelCardMixin
 from .reward_errors import RewardTally, name_errors
 from .trl_port import TRLPort
@@ -42,12 +41,12 @@ check_trl_seams()  # a TRL that moved a private method we override fails here, l
 
 
 class BAPOTrainer(VLLMGenerationMixin, CheckpointMixin, ModelCardMixin, EvaluationKeepsTrainingRandomState,
-                  GRPOTrainer):
+                  LossHookMixin, GRPOTrainer):
     """GRPO with BAPO's adaptive clipping window (Xi et al., 2025).
 
     Mixins, each beside the code it uses: TRL's vLLM backend swapped for bapo_trl's (``vllm_backend.py``), checkpoints
     (``checkpoints.py``), TRL's model card with a BAPO section (``model_card.py``), evaluation that leaves training's
-    random state as it found it (``loop_hooks.py``).
+    random state as it found it (``loop_hooks.py``), the loss hook's steps on the trainer itself (``loss_hook.py``).
 
     Takes exactly :class:`trl.GRPOTrainer`'s arguments, with ``args`` a :class:`BAPOConfig`. On on-policy
     micro-batches the ratio is exactly 1 and BAPO changes nothing; it acts on stale data
@@ -56,8 +55,6 @@ class BAPOTrainer(VLLMGenerationMixin, CheckpointMixin, ModelCardMixin, Evaluati
 
     _tag_names = ["trl", "grpo", "bapo"]
     _name = "BAPO"
-    #: Hook: the loss row a subclass balances whatever the config's ``loss_type``; None: the ``loss_type``'s row.
-    loss_row: LossType | None = None
     _paper = PAPER
 
     def __init__(self, model, reward_funcs=None, args: BAPOConfig | None = None, **kwargs):
@@ -68,8 +65,7 @@ class BAPOTrainer(VLLMGenerationMixin, CheckpointMixin, ModelCardMixin, Evaluati
             check_prompt_column(kwargs.get(name), f"`{name}`")
         self._bapo_pending: dict[str, Any] | None = None
         self.port = TRLPort(self)  # the rollout sources' only way into TRL (its log-prob answers are needed below)
-        row = self.loss_row or LOSS_TYPES[args.loss_type]  # the row of this loss (type), with the run's gate shapes
-        self.loss = row.bind(args)
+        self.loss = args.loss_row.bind(args)  # the row of the config's loss (type), with the run's gate shapes
         self.last_search: SearchResult | None = None
         super().__init__(model, reward_funcs, args=args, **kwargs)
         # A reward function that raises is named in the error (TRL keeps the callables in this list).
@@ -174,13 +170,13 @@ class BAPOTrainer(VLLMGenerationMixin, CheckpointMixin, ModelCardMixin, Evaluati
         """Run the search on this micro-batch (sums reduced over all processes) and install what it chose."""
         self._nonfinite_inputs = self._nonfinite_inputs + sanitize_after_forward(
             inputs, per_token_logps, self.args.max_log_ratio)
-        mask = optimised_tokens(self, loss_mask(inputs), per_token_logps, entropies, inputs)
+        mask = self._optimised_tokens(loss_mask(inputs), per_token_logps, entropies, inputs)
         ratio, advantages = search_inputs(self.loss, per_token_logps, inputs, self.args.importance_sampling_level,
                                           self.args.positive_contribution_is_weighted)
         choice = self._choose_window(per_token_logps, inputs, mask, ratio, advantages)
-        install(self, self.loss.to_trl(*choice.bounds), per_token_logps.dtype, saved=self._bapo_installed)
+        self._install_window(self.loss.to_trl(*choice.bounds), per_token_logps.dtype, self._bapo_installed)
         self.last_search = choice.result
-        log_search(self, choice, ratio, advantages, mask, inputs, per_token_logps, entropies)
+        self._log_search(choice, ratio, advantages, mask, inputs, per_token_logps, entropies)
 
     def _choose_window(self, logps: torch.Tensor, inputs: dict[str, Any], mask: torch.Tensor, ratio: torch.Tensor,
                        advantages: torch.Tensor) -> WindowChoice:

@@ -1,7 +1,7 @@
-"""What ``BAPOTrainer``'s loss hook does between TRL's policy forward and TRL's clip, as functions of the trainer's
-state: the tokens TRL's loss keeps, the ratios and advantages the search balances (the loss type's row,
-:mod:`bapo_trl.core.loss_types`), and installing what the search chose where TRL's loss reads it (restored after the
-loss call when it is a config field).
+"""What ``BAPOTrainer``'s loss hook does between TRL's policy forward and TRL's clip: the ratios and advantages the
+search balances (the loss type's row, :mod:`bapo_trl.core.loss_types`), as pure functions of what they take; and, as
+methods of the trainer (:class:`LossHookMixin`), the tokens TRL's loss keeps, installing what the search chose where
+TRL's loss reads it (restored after the loss call when it is a config field), and the micro-batch's metrics.
 """
 
 from __future__ import annotations
@@ -42,21 +42,6 @@ def search_settings(settings, inputs: dict):
     return settings
 
 
-def optimised_tokens(trainer, mask: torch.Tensor, logps: torch.Tensor, entropies: torch.Tensor | None,
-                     inputs: dict) -> torch.Tensor:
-    """The tokens TRL's loss keeps after the clip (its high-entropy and off-policy sequence masks, computed as TRL
-    computes them): the search balances the loss that is optimised, not one with tokens TRL then drops."""
-    if trainer.top_entropy_quantile < 1.0:
-        mask = mask * trainer.get_high_entropy_mask(entropies, mask, 1 - trainer.top_entropy_quantile)
-    if trainer.off_policy_mask_threshold is not None:
-        behaviour = inputs.get("old_per_token_logps", logps.detach())
-        advantages = inputs["advantages"]
-        mask = mask * trainer.get_off_policy_mask(
-            advantages[:, None] if advantages.dim() == 1 else advantages, logps,
-            inputs.get("sampling_per_token_logps", behaviour), mask, trainer.off_policy_mask_threshold)
-    return mask
-
-
 def search_inputs(loss: LossType, logps: torch.Tensor, inputs: dict, level: str,
                   is_weighted: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ratio, advantages)`` the search balances for one micro-batch: the ratios TRL's loss clips (``(B, T)``) and
@@ -74,19 +59,6 @@ def search_inputs(loss: LossType, logps: torch.Tensor, inputs: dict, level: str,
     return ratio, advantages
 
 
-def install(trainer, values: dict, dtype: torch.dtype, saved: dict | None = None) -> dict:
-    """Set what :attr:`LossType.to_trl` returned on the trainer (``"args.<field>"`` on its config); the config fields'
-    values from before the loss call are kept in ``saved`` (returned), for :func:`restore` once the call is over."""
-    saved = {} if saved is None else saved
-    for name, value in values.items():
-        target = trainer
-        if name.startswith("args."):
-            target, name = trainer.args, name[len("args."):]
-            saved.setdefault(name, getattr(target, name))
-        setattr(target, name, value.to(dtype))
-    return saved
-
-
 def restore(args, saved: dict) -> None:
     """Put back the config fields :func:`install` changed (they are the gate's START for the next search, and the
     config is saved with checkpoints)."""
@@ -94,18 +66,46 @@ def restore(args, saved: dict) -> None:
         setattr(args, name, value)
 
 
-def log_search(trainer, choice: WindowChoice, ratio, advantages, mask, inputs, logps, entropies=None) -> None:
-    """The micro-batch's metrics (``choice.values``: :func:`bapo_trl.core.metrics.update_values` for the method);
-    its entropy joins the closed-loop target's update, if on."""
-    mode = "train" if trainer.model.training else "eval"
-    values, entropy = choice.values(metrics.SearchRecord(
-        result=choice.result, path=choice.path, loss=trainer.loss, ratio=ratio, advantages=advantages, mask=mask,
-        inputs=inputs, logps=logps, entropies=entropies, step=trainer.state.global_step,
-        nonfinite_inputs=trainer._nonfinite_inputs, target=trainer._bapo_settings.positive_contribution_target,
-        sum_over_processes=trainer.port.sum_over_processes, max_over_processes=trainer.port.max_over_processes,
-        by_age=trainer.rollout_source.metrics_by_age and mode == "train"))
-    trainer.port.log_metrics(values, mode)
-    if trainer.target_controller is not None and mode == "train":
-        if entropies is None:
-            raise RuntimeError("target_entropy needs the policy entropy, but TRL's loss forward returned none.")
-        trainer.target_controller.observe(*entropy)  # the target moves once the update is over
+class LossHookMixin:
+    """``BAPOTrainer``'s loss-hook steps that act on the trainer itself (TRL's masks, where TRL's loss reads the
+    window, the trainer's metrics)."""
+
+    def _optimised_tokens(self, mask: torch.Tensor, logps: torch.Tensor, entropies: torch.Tensor | None,
+                          inputs: dict) -> torch.Tensor:
+        """The tokens TRL's loss keeps after the clip (its high-entropy and off-policy sequence masks, computed as TRL
+        computes them): the search balances the loss that is optimised, not one with tokens TRL then drops."""
+        if self.top_entropy_quantile < 1.0:
+            mask = mask * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+        if self.off_policy_mask_threshold is not None:
+            behaviour = inputs.get("old_per_token_logps", logps.detach())
+            advantages = inputs["advantages"]
+            mask = mask * self.get_off_policy_mask(
+                advantages[:, None] if advantages.dim() == 1 else advantages, logps,
+                inputs.get("sampling_per_token_logps", behaviour), mask, self.off_policy_mask_threshold)
+        return mask
+
+    def _install_window(self, values: dict, dtype: torch.dtype, saved: dict) -> None:
+        """Set what :attr:`LossType.to_trl` returned on the trainer (``"args.<field>"`` on its config); the config
+        fields' values from before the loss call are kept in ``saved``, for :func:`restore` once the call is over."""
+        for name, value in values.items():
+            target = self
+            if name.startswith("args."):
+                target, name = self.args, name[len("args."):]
+                saved.setdefault(name, getattr(target, name))
+            setattr(target, name, value.to(dtype))
+
+    def _log_search(self, choice: WindowChoice, ratio, advantages, mask, inputs, logps, entropies=None) -> None:
+        """The micro-batch's metrics (``choice.values``: :func:`bapo_trl.core.metrics.update_values` for the method);
+        its entropy joins the closed-loop target's update, if on."""
+        mode = "train" if self.model.training else "eval"
+        values, entropy = choice.values(metrics.SearchRecord(
+            result=choice.result, path=choice.path, loss=self.loss, ratio=ratio, advantages=advantages, mask=mask,
+            inputs=inputs, logps=logps, entropies=entropies, step=self.state.global_step,
+            nonfinite_inputs=self._nonfinite_inputs, target=self._bapo_settings.positive_contribution_target,
+            sum_over_processes=self.port.sum_over_processes, max_over_processes=self.port.max_over_processes,
+            by_age=self.rollout_source.metrics_by_age and mode == "train"))
+        self.port.log_metrics(values, mode)
+        if self.target_controller is not None and mode == "train":
+            if entropies is None:
+                raise RuntimeError("target_entropy needs the policy entropy, but TRL's loss forward returned none.")
+            self.target_controller.observe(*entropy)  # the target moves once the update is over

@@ -1,7 +1,7 @@
 """The decoupled off-policy correction (``bapo_trl.experimental.decoupled``): its weights and metrics against plain
 float64 loops on random inputs, and, through a trainer, what reaches TRL's loss (the proximal log-probs as the clip's
 reference, the behaviour ones kept, each token's advantage times its weight) and what a resume restores. The
-guarantees matrix (tests/test_guarantees.py) runs every rollout source with it."""
+guarantee rows run every rollout source with it (test_decoupled_guarantees.py)."""
 
 from __future__ import annotations
 
@@ -226,3 +226,20 @@ def test_the_behaviour_policy_is_the_samplers_and_trls_weight_steps_aside(tiny_m
                                                            "token_truncate", 3.0), dtype=torch.float32)
         group = batch["advantages"][rows][:, None]
         torch.testing.assert_close(inputs["advantages"] * mask, group * weights * mask, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("settings", [dict(steps_per_generation=2), dict(steps_per_generation=2, num_iterations=2)],
+                         ids=["steps_per_generation_2", "num_iterations_2"])
+def test_image_batches_reach_the_proximal_forward(tmp_path, settings):
+    """LLaVA on image prompts at learning rate 0 (tests/support/tiny_vlm.py): the proximal log-probs (the clip's
+    reference) and the stored behaviour ones are the policy's own WITH the batch's images, so every decoupled weight
+    is exactly 1 (within float noise)."""
+    from bapo_trl.experimental.decoupled.trainer import BEHAVIOUR
+    from support.tiny_vlm import train_with_the_policy_still
+
+    trainer, checked = train_with_the_policy_still(tmp_path, settings, classes=(DecoupledBAPOConfig,
+                                                                                DecoupledBAPOTrainer),
+                                                   also=(BEHAVIOUR,))
+    assert checked > 0
+    weights = [h["decoupled/capped_fraction"] for h in trainer.state.log_history if "decoupled/ess" in h]
+    assert weights and not any(weights)

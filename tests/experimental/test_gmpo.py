@@ -267,9 +267,11 @@ def test_trls_gmpo_loss_clips_with_the_window_the_plain_loop_chooses(tiny_model_
         calls.append(((logps.detach().double() - inputs["old_per_token_logps"].double()).exp(), loss_mask(inputs),
                       inputs["advantages"].double(), float(trainer.epsilon_low), float(trainer.epsilon_high)))
 
-    args = cpu_config(tmp_path, **gmpo_balanced(), positive_contribution_mode=mode, per_device_train_batch_size=8,
-                      num_generations=4, steps_per_generation=4, max_steps=4, max_completion_length=8,
-                      learning_rate=5e-2, logging_steps=1, save_strategy="no", seed=3)
+    from bapo_trl.experimental.gmpo import GMPOBAPOConfig
+
+    args = cpu_config(tmp_path, config_cls=GMPOBAPOConfig, positive_contribution_mode=mode,
+                      per_device_train_batch_size=8, num_generations=4, steps_per_generation=4, max_steps=4,
+                      max_completion_length=8, learning_rate=5e-2, logging_steps=1, save_strategy="no", seed=3)
     trainer = tiny_trainer(tiny_model_dir, args, cls=GMPOProbe, around={"_adapt_clip_window": adapt})
     trainer.train()
     assert len(calls) == 4
@@ -292,51 +294,56 @@ def test_trls_gmpo_loss_clips_with_the_window_the_plain_loop_chooses(tiny_model_
     ("importance_sampling_level", "sequence", "`importance_sampling_level` must be 'token'"),
     ("off_policy_mask_threshold", 0.5, "`off_policy_mask_threshold` (0.5) has no effect in GMPO's loss"),
     ("loss_type", "cispo", "`loss_type` ('cispo') has no effect with BAPOGMPOTrainer"),
-    ("epsilon", 0.4, "GMPO reads its epsilons as log-space bounds"),  # with a ratio field the rule would derive
+    ("epsilon", 0.4, "GMPO reads its epsilons as log-space bounds"),  # GMPO's window written as GMPO users write it
+    ("epsilon_high", 0.28, "/ `epsilon_high` (0.28) have no effect with BAPOGMPOTrainer"),
 ])
-def test_what_gmpo_never_reads_is_refused_by_name(tiny_model_dir, tmp_path, field, value, says):
-    from bapo_trl.experimental.gmpo import BAPOGMPOTrainer
-    from support.harness import cpu_config, tiny_trainer
+def test_what_gmpo_never_reads_is_refused_by_name_when_the_config_is_built(field, value, says, tmp_path):
+    from bapo_trl.experimental.gmpo import GMPOBAPOConfig
+    from support.harness import cpu_config
 
-    settings = {**gmpo_balanced(), field: value, **({"epsilon_high": 5.0} if value == "cispo" else {})}
-    if field == "epsilon":  # GMPO's own window given as GMPO users write it, the path left to BAPOConfig's rule
-        settings = {k: v for k, v in settings.items() if k != "ratio_upper_step"}
-    with pytest.raises(ValueError, match="BAPOGMPOTrainer") as error:
-        tiny_trainer(tiny_model_dir, cpu_config(tmp_path, **settings), cls=BAPOGMPOTrainer)
+    settings = {field: value, **({"epsilon_high": 5.0} if value == "cispo" else {})}
+    with pytest.raises(ValueError, match="Invalid GMPOBAPOConfig") as error:
+        cpu_config(tmp_path, config_cls=GMPOBAPOConfig, **settings)
     assert says in str(error.value)
 
 
-def test_trls_gmpo_config_is_refused_with_the_setting_to_use(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("config", ["GMPOConfig", "BAPOConfig"])
+def test_another_config_is_refused_with_the_config_to_use(tiny_model_dir, tmp_path, config):
+    """TRL's GMPOConfig and a plain BAPOConfig (whose path and checks are not GMPO's) are refused by the trainer."""
     from trl.experimental.gmpo import GMPOConfig
 
+    from bapo_trl import BAPOConfig
     from bapo_trl.experimental.gmpo import BAPOGMPOTrainer  # (imports trl.experimental, quietly)
     from support.harness import CPU, tiny_trainer
 
-    with pytest.raises(TypeError, match=r"needs `args` to be a BAPOConfig, got GMPOConfig.*gmpo_balanced\(\)"):
-        tiny_trainer(tiny_model_dir, GMPOConfig(output_dir=str(tmp_path), **CPU), cls=BAPOGMPOTrainer)
+    cls = GMPOConfig if config == "GMPOConfig" else BAPOConfig
+    with pytest.raises(TypeError, match=rf"needs `args` to be a GMPOBAPOConfig, got {config}\..*GMPOBAPOConfig\("):
+        tiny_trainer(tiny_model_dir, cls(output_dir=str(tmp_path), **CPU), cls=BAPOGMPOTrainer)
 
 
 def test_what_gmpo_never_reads_warns_when_left_at_another_losss_value(tiny_model_dir, tmp_path):
-    """BAPOConfig's dual clip (on by default) and the weighted share act in TRL's clipped losses, not in GMPO's: each
-    warns, by name; gmpo_balanced() warns of neither."""
-    from bapo_trl.experimental.gmpo import BAPOGMPOTrainer
+    """The dual clip (BAPOConfig's default) and the weighted share act in TRL's clipped losses, not in GMPO's: each
+    warns, by name; GMPOBAPOConfig's defaults warn of neither and train on GMPO's path."""
+    import warnings
+
+    from bapo_trl.experimental.gmpo import BAPOGMPOTrainer, GMPOBAPOConfig
     from support.harness import cpu_config, tiny_trainer
 
     with pytest.warns(UserWarning) as caught:
-        tiny_trainer(tiny_model_dir, cpu_config(tmp_path, positive_contribution_is_weighted=True), cls=BAPOGMPOTrainer)
+        cpu_config(tmp_path, config_cls=GMPOBAPOConfig, dual_clip=True, positive_contribution_is_weighted=True)
     said = " ".join(str(w.message) for w in caught)
-    assert "`delta` (3.0, the dual clip's) has no effect" in said
+    assert "`delta` (3.0, the dual clip's) has no effect with BAPOGMPOTrainer" in said
     assert "`positive_contribution_is_weighted` has no effect" in said
     with pytest.warns(UserWarning, match=r"`delta` \(2.0"):  # an explicit delta does not end GMPO's path either
-        trainer = tiny_trainer(tiny_model_dir, cpu_config(tmp_path, delta=2.0), cls=BAPOGMPOTrainer)
+        args = cpu_config(tmp_path, config_cls=GMPOBAPOConfig, delta=2.0)
+    trainer = tiny_trainer(tiny_model_dir, args, cls=BAPOGMPOTrainer)
     assert trainer._bapo_settings.ratio_upper_max == 3.0 and trainer._bapo_settings.delta is None
-    import warnings
-
     with warnings.catch_warnings(record=True) as quiet:
         warnings.simplefilter("always")
-        tiny_trainer(tiny_model_dir, cpu_config(tmp_path, **gmpo_balanced()), cls=BAPOGMPOTrainer)
+        trainer = tiny_trainer(tiny_model_dir, cpu_config(tmp_path, config_cls=GMPOBAPOConfig), cls=BAPOGMPOTrainer)
     assert not [w for w in quiet if "BAPOGMPOTrainer" in str(w.message)]
-
+    assert trainer.loss is GEOMETRIC_MEAN  # the config's row: the window reaches GMPO's loss as log-space bounds
+    assert {k: getattr(trainer.args, k) for k in gmpo_balanced()} == gmpo_balanced()
 
 
 def test_the_studied_gmpo_settings_are_one_definition(tmp_path):
@@ -364,8 +371,9 @@ def test_the_studied_gmpo_settings_are_one_definition(tmp_path):
 
     documented = GMPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
     assert (documented.epsilon, documented.epsilon_high or documented.epsilon) == (0.4, 0.4)  # TRL's defaults
-    assert step_overhead.VARIANTS["gmpo"]() == gmpo_balanced() and step_overhead.CLASSES["gmpo"][1].__name__ == (
-        "BAPOGMPOTrainer")
+    assert step_overhead.VARIANTS["gmpo"]() == gmpo_balanced()
+    assert [c.__name__ for c in step_overhead.CLASSES["gmpo"]] == ["GMPOBAPOConfig", "BAPOGMPOTrainer"]
+    assert [c.__name__ for c in study.trainer_classes("bapo-gmpo")] == ["GMPOBAPOConfig", "BAPOGMPOTrainer"]
     path = GEOMETRIC_MEAN.path(cpu_config(tmp_path, **gmpo_balanced()).bapo_settings)
     assert len(path.high_grid) == 37 and len(path.low_grid) == 16 and path.high_grid[-1] == pytest.approx(3.0)
 

@@ -110,3 +110,50 @@ def image_reward(completions, colour, **kwargs) -> list[float]:
         text = completion if isinstance(completion, str) else completion[-1]["content"]
         rewards.append(sum(ch in name for ch in text) / len(text) if text else 0.0)
     return rewards
+
+
+def _keep_batches(trainer, compute_loss, model, inputs, *args, **kwargs):
+    trainer.batches.append({k: v.detach().clone() if hasattr(v, "detach") else v for k, v in inputs.items()})
+    return compute_loss(model, inputs, *args, **kwargs)
+
+
+def train_with_the_policy_still(tmp_path, settings: dict, classes=None, also=()) -> tuple:
+    """LLaVA on image prompts at learning rate 0 (the policy never moves), 4 steps with ``settings``; ``classes``:
+    ``(config class, trainer class)`` (None: BAPOConfig, BAPOTrainer). Every micro-batch's ``old_per_token_logps``
+    (and each key of ``also`` it carries) must be the policy's own WITH the batch's images: every ratio is 1 (within
+    float noise). Returns the trainer and how many micro-batches had reference log-probs to check (an on-policy batch
+    has none: TRL's loss uses its own log-probs)."""
+    import torch
+    from transformers import AutoProcessor
+
+    from bapo_trl import BAPOConfig
+    from bapo_trl.trainer.trl_port import forward_inputs
+    from support.harness import Probe, cpu_config, probe_of
+
+    config_cls, trainer_cls = classes or (BAPOConfig, None)
+    model_dir = build_tiny_vlm(str(tmp_path / "vlm"))
+    args = cpu_config(tmp_path / "out", per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+                      max_steps=4, learning_rate=0.0, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                      config_cls=config_cls, **settings)
+    cls = Probe if trainer_cls is None else probe_of(trainer_cls)
+    trainer = cls(model=model_dir, reward_funcs=image_reward, args=args, train_dataset=make_image_dataset(16),
+                  processing_class=AutoProcessor.from_pretrained(model_dir), around={"compute_loss": _keep_batches},
+                  record=("batches",))
+    trainer.train()
+    model = trainer.model.eval()  # the policy of every step (learning rate 0), with TRL's fused log-prob head
+    checked = 0
+    for inputs in trainer.batches:
+        assert inputs["pixel_values"].size(0) == sum(inputs["num_images"]) > 0
+        if inputs.get("old_per_token_logps") is None:
+            continue  # on-policy: TRL's loss uses its own log-probs as the reference (ratio 1 by construction)
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        mask = inputs["completion_mask"].bool()
+        with torch.no_grad():
+            policy, _, _ = trainer._get_per_token_logps_and_entropies(
+                model, ids, attention, inputs["completion_ids"].size(1), **forward_inputs(inputs))
+        for key in ("old_per_token_logps", *also):
+            if key in inputs:
+                torch.testing.assert_close(inputs[key][mask], policy[mask], rtol=0, atol=1e-5)
+        checked += 1
+    return trainer, checked

@@ -1,19 +1,15 @@
 """What GMPO's loss never reads, refused or warned of in a config: GMPO's row's checks
-(:data:`~.geometric_mean.GEOMETRIC_MEAN`, ``config_errors`` / ``config_warnings``), which ``BAPOGMPOTrainer`` runs
-before TRL loads anything (its row is chosen by the trainer, not by the config's ``loss_type``)."""
+(:data:`~.geometric_mean.GEOMETRIC_MEAN`, ``config_errors`` / ``config_warnings``), which
+:class:`~.config.GMPOBAPOConfig` runs when it is built, before TRL loads anything."""
 
 from __future__ import annotations
 
-from ...core.window_rule import RATIO_FIELDS
 from ...trainer.bapo_config import BAPOConfig
 
 
 def gmpo_config_errors(args, name: str) -> list[str]:
     """The config fields GMPO's loss never reads, set to something that would need it."""
     errors = []
-    if type(args) is not BAPOConfig:
-        errors.append(f"`args` must be a BAPOConfig, got {type(args).__name__}: another research window or "
-                      "correction does not combine with GMPO's loss.")
     if args.loss_type != BAPOConfig.__dataclass_fields__["loss_type"].default:
         errors.append(f"`loss_type` ({args.loss_type!r}) has no effect with {name}: GMPO's loss replaces "
                       "TRL's loss types. Drop it.")
@@ -23,13 +19,12 @@ def gmpo_config_errors(args, name: str) -> list[str]:
     if args.off_policy_mask_threshold is not None:
         errors.append(f"`off_policy_mask_threshold` ({args.off_policy_mask_threshold}) has no effect in GMPO's loss "
                       "(TRL's GMPOTrainer does not apply it): drop it.")
-    derived = [field for field in RATIO_FIELDS if field not in args.ratio_fields_set]
     window_set = args.epsilon != BAPOConfig.__dataclass_fields__["epsilon"].default or args.epsilon_high is not None
-    if derived and window_set:
-        errors.append(f"`epsilon` ({args.epsilon}) / `epsilon_high` ({args.epsilon_high}) with {name}: "
-                      "BAPOConfig derives the unset ratio_* fields from a window [1 - epsilon, 1 + epsilon_high], "
-                      "while GMPO reads its epsilons as log-space bounds [exp(-epsilon), exp(epsilon_high)]. Set the "
-                      "ratio_* fields instead: **gmpo_balanced() starts at TRL's documented GMPO window exp(+-0.4).")
+    if window_set:
+        errors.append(f"`epsilon` ({args.epsilon}) / `epsilon_high` ({args.epsilon_high}) have no effect with {name}: "
+                      "GMPO reads its epsilons as log-space bounds, and BAPO chooses them from the ratio_* path "
+                      "(by default TRL's documented GMPO window exp(+-0.4), then wider). Drop them; set "
+                      "`ratio_upper_start` / `ratio_lower_start` (ratios) for another start.")
     return errors
 
 

@@ -6,22 +6,18 @@ This class puts ``BAPOTrainer`` in front of it: TRL's GMPO loss runs as TRL wrot
 window it chose (as ``epsilon_low = -log c_low``, ``epsilon_high = log c_high``) before that loss reads it, and the
 search balances GMPO's own share (:mod:`.geometric_mean`). Everything else is ``BAPOTrainer``'s.
 
-What GMPO's loss never reads is refused here, by name, before TRL loads anything: sequence-level ratios (GMPO's
-ratio is already its geometric mean), another candidate's config, TRL's off-policy mask (GMPO's loss does not apply it,
-so the search would balance tokens the loss keeps). The dual clip's ``delta`` is left out of the path (GMPO has no
-two-sided clip); TRL's vLLM importance-sampling weights are not in GMPO's loss, nor in its share.
+Its config is :class:`~.config.GMPOBAPOConfig` (GMPO's search path as defaults; what GMPO's loss never reads refused
+there, by name, before TRL loads anything).
 """
 
 from __future__ import annotations
 
 import warnings
 
-from ...core.clipping import BAPOSettings
-from ...trainer.bapo_config import BAPOConfig, run_name
+from ...trainer.bapo_config import run_name
 from ...trainer.bapo_trainer import BAPOTrainer
 from ...trainer.trl_seams import GMPO_SEAMS, check_trl_seams
-from .geometric_mean import GEOMETRIC_MEAN
-from .presets import gmpo_balanced
+from .config import GMPOBAPOConfig
 
 with warnings.catch_warnings():  # TRL's notice that trl.experimental is experimental: this class is named for it
     warnings.simplefilter("ignore")
@@ -32,24 +28,17 @@ check_trl_seams(GMPO_SEAMS)  # GMPO is experimental in TRL: a release that moves
 
 class BAPOGMPOTrainer(BAPOTrainer, GMPOTrainer):
     """TRL's GMPO with BAPO's adaptive window on the log-ratio clip. Takes ``BAPOTrainer``'s arguments (``args`` a
-    :class:`BAPOConfig`; None: ``BAPOConfig(**gmpo_balanced())``, which starts the window at GMPO's documented one)."""
+    :class:`~.config.GMPOBAPOConfig`; None: its defaults, which start the window at GMPO's documented one)."""
 
     _tag_names = ["trl", "gmpo", "bapo"]
     _name = "BAPO-GMPO"
-    loss_row = GEOMETRIC_MEAN
 
-    def __init__(self, model, reward_funcs=None, args: BAPOConfig | None = None, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: GMPOBAPOConfig | None = None, **kwargs):
         if args is None:
-            args = BAPOConfig(f"{run_name(model)}-BAPO-GMPO", **gmpo_balanced())
-        if not isinstance(args, BAPOConfig):
-            raise TypeError(f"BAPOGMPOTrainer needs `args` to be a BAPOConfig, got {type(args).__name__}. For TRL's "
-                            "GMPO window as the search's start: BAPOConfig(..., **gmpo_balanced()) (from bapo_trl "
-                            "import gmpo_balanced); BAPO chooses epsilon/epsilon_high itself.")
-        errors = self.loss_row.config_errors(args, "BAPOGMPOTrainer")  # GMPO's row: what its loss never reads
-        if errors:
-            raise ValueError("BAPOGMPOTrainer:\n  - " + "\n  - ".join(errors))
-        for row in self.loss_row.config_warnings(args, "BAPOGMPOTrainer"):
-            warnings.warn(row, UserWarning, stacklevel=2)
+            args = GMPOBAPOConfig(f"{run_name(model)}-BAPO-GMPO")
+        if not isinstance(args, GMPOBAPOConfig):
+            raise TypeError(f"BAPOGMPOTrainer needs `args` to be a GMPOBAPOConfig, got {type(args).__name__}. It "
+                            "takes BAPOConfig's fields and starts the search at TRL's documented GMPO window: "
+                            "GMPOBAPOConfig(output_dir, ...) (from bapo_trl.experimental.gmpo import "
+                            "GMPOBAPOConfig); BAPO chooses epsilon/epsilon_high itself.")
         super().__init__(model, reward_funcs, args=args, **kwargs)
-        # the path GMPO's loss can use: without the dual clip's delta, which would otherwise end c_high's path there
-        self._base_settings = BAPOSettings(**args._settings_dict())

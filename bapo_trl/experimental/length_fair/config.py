@@ -45,7 +45,7 @@ class LengthFairBAPOConfig(BAPOConfig):
             errors.append(f"the length-fair window clips each sequence's ratio: it needs "
                           f"`importance_sampling_level='sequence'` (GSPO's ratio), got "
                           f"{self.importance_sampling_level!r}.")
-        if not self._loss.takes_delta:  # a clipped loss
+        if not self.loss_row.takes_delta:  # a clipped loss
             errors.append(f"the length-fair window needs a clipped loss (grpo, bnpo, dr_grpo, dapo, luspo), "
                           f"got loss_type={self.loss_type!r}.")
         return errors
@@ -70,4 +70,4 @@ class LengthFairBAPOConfig(BAPOConfig):
         """The length-fair search's settings (``delta`` as :attr:`bapo_settings` takes it)."""
         return LengthFairSettings(**self._band_dict(), positive_contribution_target=self.positive_contribution_target,
                                   positive_contribution_mode=self.positive_contribution_mode,
-                                  delta=self.effective_delta if self._loss.takes_delta else None)
+                                  delta=self.effective_delta if self.loss_row.takes_delta else None)
