@@ -300,9 +300,10 @@ def run_facts(runs: list[dict]) -> list[str]:
 
 
 def overlap_bound(runs: list[dict]) -> list[str]:
-    """K=1 and K=2 beside the ideal overlap: per step, the server's generation g (``async/generate_seconds``) and the
-    trainer's own work t (step time less ``async/wait_seconds``); synchronous on the server costs about g + t, full
-    overlap max(g, t)."""
+    """K=1 and K=2 beside the ideal overlap: per step, the server's busy time, its generation g
+    (``async/generate_seconds``) and its load of each push (``async/load_seconds``: the generation thread applies a
+    push between two requests, and the server generates nothing while it loads), and the trainer's own work t (step
+    time less ``async/wait_seconds``); synchronous on the server costs about g + t, full overlap max(g + load, t)."""
     lines = []
     for trainer in ("BAPO async K=1", "BAPO async K=2"):
         mine = [compact(r) for r in runs if r["trainer"] == trainer]
@@ -315,9 +316,10 @@ def overlap_bound(runs: list[dict]) -> list[str]:
         push = statistics.median(r["means"].get("async/push_seconds", 0.0) for r in mine)
         load = statistics.median(r["means"].get("async/load_seconds", 0.0) for r in mine)
         lines.append(f"- {trainer}: {step:.3f} s a step (median over runs); the server generates a batch in "
-                     f"g = {g:.3f} s, the trainer works t = {t:.3f} s of each step and waits {wait:.3f} s (a push "
-                     f"takes {push:.3f} s to hand over, the server {load:.3f} s to load it): full overlap would give "
-                     f"max(g, t) = {max(g, t):.3f} s a step.")
+                     f"g = {g:.3f} s and loads each push in {load:.3f} s, one after the other ({g + load:.3f} s of "
+                     f"server time a step); the trainer works t = {t:.3f} s of each step (a push takes {push:.3f} s "
+                     f"to hand over) and waits {wait:.3f} s: full overlap would give max(g + load, t) = "
+                     f"{max(g + load, t):.3f} s a step.")
     server = [compact(r) for r in runs if r["trainer"] == "BAPO sync server"]
     if server:
         lines.append(f"- BAPO sync server: {statistics.median(r['seconds'] / r['steps'] for r in server):.3f}"

@@ -345,3 +345,16 @@ def test_the_drop_in_readme_table_runs_each_beat_again_on_the_second_fresh_set_a
     runs += pair("TRL defaults", "spg 32", 1e-3, second, 0.0)  # the second set ties it
     table = "\n".join(dropin_study.readme_table({"reverse3": runs}, resamples=200))
     assert "again: ties" in table and "| its beats again on seeds 1000-1019 | 0 of 1 beats |" in table
+
+
+def test_the_async_overlap_bound_counts_the_servers_load_of_each_push():
+    """The server cannot generate while it loads a push (the generation thread applies it between two requests), so
+    the ideal pipelined step is max(g + load, t), not max(g, t): with g 0.037, load 0.017, t 0.023 the bound is
+    0.054 s, where the runs measured 0.055."""
+    import async_anchor_study
+
+    run = {"trainer": "BAPO async K=1", "config": "TRL defaults", "task": "reverse3", "seed": 1, "rows": [],
+           "seconds": 5.5, "steps": 100, "means": {"async/generate_seconds": 0.037, "async/wait_seconds": 0.032,
+                                                   "async/push_seconds": 0.005, "async/load_seconds": 0.017}}
+    (line,) = async_anchor_study.overlap_bound([run])
+    assert "t = 0.023 s" in line and "max(g + load, t) = 0.054 s a step" in line, line

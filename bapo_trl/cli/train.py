@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, TrlParser
 
-from ..core.option_groups import GROUPS
+from ..trainer.option_groups import GROUPS
 from ..trainer.bapo_config import BAPOConfig
 from ..trainer.checkpoints import checkpoint_folders
 from .flag_hints import unknown_flags
@@ -122,7 +122,7 @@ class BAPOScriptArguments(ScriptArguments):
 
 
 #: ``bapo train --help``: BAPO's own options first, in their groups ``(title, one line on the group, fields)``
-#: (declared in :mod:`bapo_trl.core.option_groups`). A field without a group is still a flag, listed under "BAPO:
+#: (declared in :mod:`bapo_trl.trainer.option_groups`). A field without a group is still a flag, listed under "BAPO:
 #: other options" (tests/test_help.py checks every one has a group).
 BAPO_OPTION_GROUPS = GROUPS
 

@@ -30,7 +30,7 @@ HELP, HELP_ALL = ("-h", "--help"), ("--help-all", "--help_all")
 
 #: The package's files that declare ``bapo train``'s options, their help and groups: a snapshot is valid for their
 #: declarations (an edited field in a development checkout must not be answered from an older snapshot).
-OPTION_SOURCES = ("trainer/bapo_config.py", "rollout/settings.py", "core/option_groups.py", "cli/train.py")
+OPTION_SOURCES = ("trainer/bapo_config.py", "rollout/settings.py", "trainer/option_groups.py", "cli/train.py")
 
 
 def declarations(source: str) -> list[str]:

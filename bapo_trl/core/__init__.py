@@ -9,6 +9,5 @@
 * ``numerics.py``: finite inputs for the loss; ``target_controller.py``: the closed-loop target (experimental);
 * ``window_rule.py``: the search path derived from the user's clipping window (``BAPOConfig``'s unset ``ratio_*``);
   ``loss_checks.py``: what each loss type's row refuses or warns of in a config;
-* ``option_groups.py``: the groups of ``bapo train --help`` (plain names, read by the config and the command);
 * ``lazy.py``: how the package's ``__init__`` modules load a name on first use.
 """

@@ -7,6 +7,7 @@
 * ``model_card.py``: TRL's model card with a BAPO section; ``reward_errors.py``: reward functions named in their
   errors; ``vllm_backend.py``: TRL's vLLM backend swapped for bapo_trl's (CPU machines, LoRA, seeds);
 * ``loop_hooks.py``: a callback at each optimizer step, evaluation that leaves training's random state alone;
+* ``option_groups.py``: the groups of the config's fields, as ``bapo train --help`` and the docs list them;
 * ``trl_seams.py``: every private TRL name and override, checked when the trainer is imported.
 
 Names load lazily: importing the config does not import the trainer (nor TRL's trainer).
