@@ -43,12 +43,12 @@ def _default(field: dataclasses.Field) -> str:
 
 def config_tables() -> str:
     """Markdown: the fields BAPOConfig adds to TRL's GRPOConfig (its own and those it inherits from
-    RolloutSettings), one table per option group (:mod:`bapo_trl.trainer.option_groups`, the groups ``bapo train --help``
-    shows), each field with its type, default and help."""
+    RolloutSettings), one table per option group (:mod:`bapo_trl.trainer.option_groups`, the groups
+    ``bapo train --help`` shows), each field with its type, default and help."""
     from trl import GRPOConfig
 
-    from bapo_trl.trainer.option_groups import GROUPS
     from bapo_trl.trainer.bapo_config import BAPOConfig
+    from bapo_trl.trainer.option_groups import GROUPS
 
     trl_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     own = [f for f in dataclasses.fields(BAPOConfig) if f.name not in trl_fields]

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, TrlParser
 
-from ..trainer.option_groups import GROUPS
 from ..trainer.bapo_config import BAPOConfig
 from ..trainer.checkpoints import checkpoint_folders
+from ..trainer.option_groups import GROUPS
 from .flag_hints import unknown_flags
 
 _training_fields = {f.name for f in dataclasses.fields(BAPOConfig)}
