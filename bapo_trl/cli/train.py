@@ -519,12 +519,7 @@ def staleness_plan(args: BAPOConfig) -> str:
     sources = [name for name, on in (("replay", args.replay_enabled), ("async generation", args.async_generation),
                                      ("partial rollout", args.partial_rollout_enabled)) if on]
     if args.exactly_on_policy:
-        return ("on-policy data (steps_per_generation x num_iterations = "
-                f"{args.steps_per_generation} x {args.num_iterations} <= gradient_accumulation_steps = "
-                f"{args.gradient_accumulation_steps}; no replay, partial rollout or async generation): every ratio is "
-                "1, so BAPO acts as GRPO (the bound search never changes the loss). For stale data: "
-                "steps_per_generation > gradient_accumulation_steps, num_iterations > 1, replay_buffer_size/"
-                "replay_ratio, partial_rollout_budget or async_generation.")
+        return f"on-policy data ({args.on_policy_reason}"
     return (f"stale data ({_count(upg, 'optimizer step')} per generation batch"
             f"{''.join(f', {name}' for name in sources)}): BAPO re-chooses the clipping window at every update.")
 

@@ -226,6 +226,16 @@ class RolloutSettings:
             self.replay_enabled or self.partial_rollout_enabled or self.async_generation)
 
     @property
+    def on_policy_reason(self) -> str:
+        """Why :attr:`exactly_on_policy` holds and what would make the data stale, closing a parenthesis: the one
+        sentence the config's warning and ``bapo train``'s plan both print."""
+        return (f"steps_per_generation x num_iterations = {self.steps_per_generation} x {self.num_iterations} <= "
+                f"gradient_accumulation_steps = {self.gradient_accumulation_steps}; no replay, partial rollout or "
+                "async generation): every ratio is 1, so BAPO acts as GRPO (the bound search never changes the "
+                "loss). For stale data: steps_per_generation > gradient_accumulation_steps, num_iterations > 1, "
+                "replay_buffer_size/replay_ratio, partial_rollout_budget or async_generation.")
+
+    @property
     def groups_per_batch(self) -> int:
         """Prompt groups in each process's generation batch."""
         return self.per_device_train_batch_size * self.steps_per_generation // self.num_generations
@@ -285,12 +295,7 @@ class RolloutSettings:
                     f"({self.replayed_groups_per_batch} = replay_ratio x groups per batch): `replay_ratio` is never "
                     "reached.")))
         if self.exactly_on_policy:
-            rows.append(("on-policy", (
-                f"the data is exactly on-policy (steps_per_generation x num_iterations = {self.steps_per_generation} "
-                f"x {self.num_iterations} <= gradient_accumulation_steps = {self.gradient_accumulation_steps}, "
-                "no replay, no partial rollout): every ratio is 1 and the bound search can never change the loss "
-                "(BAPO equals GRPO). Data becomes stale with steps_per_generation > gradient_accumulation_steps, "
-                "num_iterations > 1, replay_buffer_size/replay_ratio or partial_rollout_budget.")))
+            rows.append(("on-policy", f"the data is exactly on-policy ({self.on_policy_reason}"))
         for name in ("max_staleness", "weight_sync_steps", "inflight_update_tokens", "lazy_weight_loading"):
             if changed(self, name) and not self.async_generation:
                 rows.append(("warning", (
