@@ -209,23 +209,22 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
     def __post_init__(self):
         self._derive_search_path()
         # Validate BAPO's own fields first: a bad value must fail before TrainingArguments sets up devices.
-        errors = self.bapo_errors()
-        if errors:
-            raise ValueError(f"Invalid {type(self).__name__}:\n  - " + "\n  - ".join(errors))
+        self._refuse(self.bapo_errors())
         self.vllm_server_base_url = normalized_server_urls(self.vllm_server_base_url)  # several: a list
         super().__post_init__()
-        errors = self.whole_group_errors()
-        if errors:
-            raise ValueError(f"Invalid {type(self).__name__}:\n  - " + "\n  - ".join(errors))
+        self._refuse(self.whole_group_errors())
         # Settings that are valid one by one but under which something the user turned on can never act.
         inert = self.inert_settings()
-        errors = [message for kind, message in inert if kind == "error"]
-        if errors:
-            raise ValueError(f"Invalid {type(self).__name__}:\n  - " + "\n  - ".join(errors))
+        self._refuse([message for kind, message in inert if kind == "error"])
         for kind, message in inert:
             if kind in ("warning", "on-policy"):
                 warnings.warn(f"BAPO: {message}", OnPolicyWarning if kind == "on-policy" else UserWarning,
                               stacklevel=2)
+
+    def _refuse(self, errors: list[str]) -> None:
+        """Raise every problem at once, under the config's own class name (a research config names itself)."""
+        if errors:
+            raise ValueError(f"Invalid {type(self).__name__}:\n  - " + "\n  - ".join(errors))
 
     def _derive_search_path(self) -> None:
         """The search path: the ``ratio_*`` fields you set, the window rule's values for the others

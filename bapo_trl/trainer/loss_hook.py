@@ -60,8 +60,8 @@ def search_inputs(loss: LossType, logps: torch.Tensor, inputs: dict, level: str,
 
 
 def restore(args, saved: dict) -> None:
-    """Put back the config fields :func:`install` changed (they are the gate's START for the next search, and the
-    config is saved with checkpoints)."""
+    """Put back the config fields :meth:`LossHookMixin._install_window` changed (they are the gate's START for the
+    next search, and the config is saved with checkpoints)."""
     for name, value in saved.items():
         setattr(args, name, value)
 
