@@ -81,7 +81,9 @@ COMMITTED = REPO / "docs" / "data" / "async_anchor_runs.jsonl.gz"
 
 
 def run_key(run: dict) -> tuple:
-    return run["trainer"], run["config"], run["task"], run["seed"]
+    """A study run's key; a probe's run (:func:`probe_plan`) has the probe's name in it too."""
+    key = run["trainer"], run["config"], run["task"], run["seed"]
+    return key + (run["probe"],) if "probe" in run else key
 
 
 def rotated(names: list[str], shift: int) -> list[str]:
@@ -123,18 +125,28 @@ def train_one(spec: dict, url: str | None, steps: int, cap: float) -> dict:
     model_dir = task_model(spec["task"])
     settings = dict(CONFIGS[spec["config"]])
     ends: list[float] = []
-    clock = {"start": 0.0}
+    clock = {"start": 0.0, "consumed": 0.0}
+    until = spec.get("until_samples")  # a probe's run may end once it has consumed this many samples
+    out = tempfile.mkdtemp(prefix="anchor-run-")
+    reward = ScoredLog(str(Path(out) / "scored.jsonl")) if spec.get("probe") else None
 
     class Clock(TrainerCallback):
-        """Each step's end on the training clock; stops a capped run at ``cap`` seconds."""
+        """Each step's end on the training clock; stops a capped run at ``cap`` seconds (or a probe's at
+        ``until_samples`` consumed, counted as :func:`compact` counts them)."""
 
         def on_step_end(self, args, state, control, **kwargs):
             ends.append(time.perf_counter() - clock["start"])
             if ends[-1] >= cap:
                 control.should_training_stop = True
 
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if until and logs and "reward" in logs:
+                clock["consumed"] += logs.get("batch/samples_per_step", TRAINING["per_device_train_batch_size"])
+                clock["consumed"] += logs.get("sample/dropped_stale_total", 0.0)
+                if clock["consumed"] >= until:
+                    control.should_training_stop = True
+
     max_steps = 100_000 if steps == BUDGET_STEPS else steps  # the study: the clock ends the run
-    out = tempfile.mkdtemp(prefix="anchor-run-")
     built = time.perf_counter()
     if trainer_spec["kind"] == "trl-async":
         from trl_async_anchor import apply_glue, async_trainer
@@ -144,7 +156,7 @@ def train_one(spec: dict, url: str | None, steps: int, cap: float) -> dict:
                                 TRAINING["per_device_train_batch_size"], TRAINING["num_generations"],
                                 task["max_completion_length"], LEARNING_RATE, settings.get("epsilon", 0.2),
                                 settings.get("epsilon_high"), digits=task["digits"], callbacks=[Clock()],
-                                token_budget=0)  # the same 32 samples a step as every other trainer
+                                token_budget=0, reward_func=reward)  # the same 32 samples a step as the others
     else:
         from study import trainer_classes
 
@@ -157,7 +169,7 @@ def train_one(spec: dict, url: str | None, steps: int, cap: float) -> dict:
         training = dict(TRAINING, max_completion_length=task["max_completion_length"])
         args = config_cls(output_dir=out, learning_rate=LEARNING_RATE, seed=spec["seed"], max_steps=max_steps,
                           **training, **settings)
-        trainer = trainer_cls(model=model_dir, reward_funcs=reverse_reward, args=args, callbacks=[Clock()],
+        trainer = trainer_cls(model=model_dir, reward_funcs=reward or reverse_reward, args=args, callbacks=[Clock()],
                               train_dataset=make_reverse_dataset(8192, seed=spec["seed"], digits=task["digits"]),
                               processing_class=AutoTokenizer.from_pretrained(model_dir))
     setup = time.perf_counter() - built
@@ -168,8 +180,73 @@ def train_one(spec: dict, url: str | None, steps: int, cap: float) -> dict:
     history = [{k: v for k, v in h.items() if k == "step" or k.startswith(KEPT_PREFIXES)}
                for h in trainer.state.log_history if "loss" in h or "reward" in h]
     cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
+    scored = {}
+    if reward is not None:  # a probe's run
+        scored = dict(reward.summary(until=time.time()), **heldout_scores(trainer.model, model_dir, spec))
     return dict(spec, history=history, step_seconds=ends, setup_seconds=setup, trainer_cpu_seconds=cpu,
-                threads=threads, steps=trainer.state.global_step)
+                threads=threads, steps=trainer.state.global_step, **scored)
+
+
+class ScoredLog:
+    """The task's reward, appending ``[time, digits, reward]`` of every sample it scores to a file: what a trainer
+    generated, kept or not (TRL's async trainer scores in its rollout worker's process: this is pickled there)."""
+
+    __name__ = "reverse_reward"
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __call__(self, completions, answer, **kwargs):
+        from bapo_trl.recipes.toy import reverse_reward
+
+        scores = reverse_reward(completions, answer, **kwargs)
+        with open(self.path, "a") as f:
+            f.writelines(json.dumps([time.time(), len(a), r]) + "\n" for a, r in zip(answer, scores))
+        return scores
+
+    def summary(self, until: float) -> dict:
+        """Mean reward and count of the samples scored by ``until`` (a worker may score more before it stops)."""
+        rows = [r for r in read_jsonl(self.path) if r[0] <= until]
+        return {"scored_mean": statistics.mean(r[2] for r in rows), "scored_count": len(rows)}
+
+
+#: The held-out prompts a probe's policy is scored on (the task's test split: digit sums the training split never
+#: has), sampled as in training (T = 1, no top-k) and greedy.
+HELDOUT_PROMPTS, HELDOUT_SEED = 512, 9_999
+
+
+def heldout_scores(trained, model_dir: str, spec: dict) -> dict:
+    """The trained weights, copied into a fresh model of the task (plain attention, whatever the trainer patched),
+    scored on :data:`HELDOUT_PROMPTS` prompts: mean sampled reward, greedy accuracy, and both per number of digits."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
+
+    task = TASKS[spec["task"]]
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.load_state_dict({k: v.detach().cpu() for k, v in trained.state_dict().items()})
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = make_reverse_dataset(HELDOUT_PROMPTS, seed=HELDOUT_SEED, split="test", digits=task["digits"])
+    torch.manual_seed(spec["seed"])
+    scores: dict = {"sampled": [], "greedy": []}
+    for start in range(0, len(rows), 128):
+        chunk = rows[start: start + 128]
+        enc = tokenizer(chunk["prompt"], return_tensors="pt", padding=True, add_special_tokens=False)
+        for mode, sampling in (("sampled", dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)),
+                               ("greedy", dict(do_sample=False))):
+            with torch.no_grad():
+                out = model.generate(**enc, max_new_tokens=task["max_completion_length"], **sampling,
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            ids = [row[enc.input_ids.size(1):].tolist() for row in out]
+            ids = [c[: c.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in c else c for c in ids]
+            texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+            scores[mode] += reverse_reward(texts, chunk["answer"], completion_ids=ids)
+    digits = [len(a) for a in rows["answer"]]
+    return {"heldout_" + mode: statistics.mean(values) for mode, values in scores.items()} | {
+        "heldout_by_digits": {mode: {d: statistics.mean(v for v, n in zip(values, digits) if n == d)
+                                     for d in sorted(set(digits))} for mode, values in scores.items()}}
 
 
 # -- the readings -----------------------------------------------------------------------------------------------------
@@ -180,6 +257,9 @@ ASYNC_TIMINGS = ("async/generate_seconds", "async/wait_seconds", "async/push_sec
 #: What a compact record keeps per run (besides its spec and :func:`compact`'s own fields).
 RUN_FIELDS = ("setup_seconds", "trainer_cpu_seconds", "threads", "steps", "wall_seconds", "load_before", "commit",
               "server_cpu_seconds", "foreign_cpu_seconds", "attempts", "date")
+#: What a probe's run adds (:func:`probe_report`).
+PROBE_FIELDS = ("probe", "until_samples", "scored_mean", "scored_count", "heldout_sampled", "heldout_greedy",
+                "heldout_by_digits")
 
 
 def compact(run: dict) -> dict:
@@ -202,6 +282,7 @@ def compact(run: dict) -> dict:
              for key in ASYNC_TIMINGS if any(key in h for h in history)}
     stale = max((h.get("sample/staleness_max", h.get("bapo/staleness_max", 0.0)) for h in history), default=0.0)
     return {**{k: run[k] for k in ("trainer", "config", "task", "seed")}, **{k: run.get(k) for k in RUN_FIELDS},
+            **{k: run[k] for k in PROBE_FIELDS if k in run},
             "rows": rows, "seconds": run["step_seconds"][-1], "dropped": dropped, "staleness_max": stale,
             "means": means}
 
@@ -386,6 +467,69 @@ def readme_table(runs: list[dict], seeds: list[int], config: str = "TRL defaults
     return lines
 
 
+# -- the probe: per sample, or per sample kept? ----------------------------------------------------------------------
+
+#: Not a protocol reading: a question the development runs raised. TRL's async trainer logs the reward of the samples
+#: it trains, not of those it drops as too stale, so its readings may read a selection. Each trainer here trains until
+#: it has consumed 5120 samples (trained or dropped), or for the 30 s of the study's cap, then its policy is scored on
+#: held-out prompts, the same for every trainer; the reward of every sample it generated is logged too.
+PROBES = {"heldout-5120": dict(until_samples=BUDGET_STEPS * TRAINING["per_device_train_batch_size"]),
+          "heldout-30s": {}}
+PROBE_TRAINERS = ("TRL sync", "BAPO async K=1", "TRL async", "TRL async matched")
+PROBE_PAIRS = (("TRL async", "TRL sync"), ("TRL async matched", "TRL sync"), ("BAPO async K=1", "TRL sync"),
+               ("BAPO async K=1", "TRL async"))
+
+
+def probe_plan(probe: str, seeds: list[int], tasks: list[str], configs: list[str]) -> list[dict]:
+    return [dict(spec, probe=probe, **PROBES[probe]) for spec in plan(seeds, tasks, configs, list(PROBE_TRAINERS))]
+
+
+def probe_values(run: dict) -> dict:
+    """A probe run's readings: the logged reward as the study reads it where the run stopped (its last 10 batches),
+    the held-out scores, and the mean logged reward of the whole run (samples trained) less that of every sample
+    generated."""
+    rows = rewards_by_step(run)
+    return {"logged at the stop": statistics.mean(r[2] for r in rows[-WINDOW:]),
+            "held-out sampled": run["heldout_sampled"], "held-out greedy": run["heldout_greedy"],
+            "trained - generated": statistics.mean(r[2] for r in rows) - run["scored_mean"]}
+
+
+def probe_report(runs: list[dict]) -> str:
+    runs = [compact(r) for r in runs if r.get("probe") in PROBES]
+    seen = sorted({r["seed"] for r in runs})
+    parts = [f"# What the logged reward reads: seeds {fmt_seeds(seen)} ({len(runs)} runs)", "",
+             "heldout-5120: each trainer trains until it has consumed 5120 samples (trained, or dropped as too "
+             "stale); heldout-30s: for the study's 30 s. Then its policy is scored on "
+             f"{HELDOUT_PROMPTS} held-out prompts (the task's test split; sampled at T = 1 as in training, and "
+             "greedy). *logged at the stop*: the study's reading there (mean logged reward of the last 10 batches, "
+             "which covers only samples trained). *trained - generated*: the mean logged reward of the "
+             "run less the mean reward of every sample the trainer generated by its end (kept or dropped). Paired by "
+             "seed, 95% bootstrap intervals, **bold** where the interval excludes 0. Command: `python "
+             "benchmarks/async_anchor_study.py probe --seeds ...`.", ""]
+    for probe, config, task in sorted({(r["probe"], r["config"], r["task"]) for r in runs}):
+        block = [r for r in runs if (r["probe"], r["config"], r["task"]) == (probe, config, task)]
+        values: dict = {}
+        for run in block:
+            for name, value in probe_values(run).items():
+                values.setdefault(name, {}).setdefault(run["trainer"], {})[run["seed"]] = value
+        names = list(values)
+        parts += [f"## {probe}: {task}, {config}", "", "| trainer | steps | dropped | " + " | ".join(names) + " |",
+                  "|---|---|---|" + "---|" * len(names)]
+        for trainer in PROBE_TRAINERS:
+            mine = [r for r in block if r["trainer"] == trainer]
+            if mine:
+                cells = [f"{statistics.mean(values[n][trainer].values()):+.2f}" if n == "trained - generated"
+                         else f"{statistics.mean(values[n][trainer].values()):.2f}" for n in names]
+                parts.append(f"| {trainer} | {statistics.median(r['steps'] for r in mine):.0f} | "
+                             f"{statistics.mean(r['dropped'] / r['rows'][-1][1] for r in mine):.0%} | "
+                             + " | ".join(cells) + " |")
+        parts += ["", "| comparison | " + " | ".join(names[:3]) + " |", "|---|" + "---|" * 3]
+        parts += [f"| {a} - {b} | " + " | ".join(paired_cell(values[n], a, b) for n in names[:3]) + " |"
+                  for a, b in PROBE_PAIRS]
+        parts.append("")
+    return "\n".join(parts)
+
+
 def figure(runs: list[dict], path: Path) -> None:
     """Reward (mean over seeds of the running mean of 10 batches) against seconds, one panel per (task, config)."""
     import numpy as np
@@ -541,6 +685,13 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--readme", action="store_true", help="print the README's table (README_SEEDS) instead")
     report.add_argument("--compact", type=Path, default=None, help="also write the runs, compact, to this .jsonl.gz "
                         "(what docs/data keeps)")
+    probe = sub.add_parser("probe", help="the held-out probe (PROBE_TRAINERS); the report of every probe run")
+    probe.add_argument("--seeds", default=None, help="A-B: run these seeds' probe runs not yet in the results file")
+    probe.add_argument("--probe", default="heldout-5120", choices=list(PROBES), help="where each run stops")
+    probe.add_argument("--tasks", default="reverse2-8", help="comma-separated: reverse3, reverse2-8")
+    probe.add_argument("--configs", default="TRL defaults", help="comma-separated config names")
+    probe.add_argument("--results", type=Path, default=REPO / "outputs" / "async_anchor" / "probe.jsonl")
+    probe.add_argument("--write", type=Path, default=None, help="write the report here (default: stdout only)")
     one = sub.add_parser("one", help="(internal) one run in this process")
     one.add_argument("--spec", required=True)
     one.add_argument("--url", default=None)
@@ -553,7 +704,8 @@ def main(argv: list[str] | None = None) -> int:
         args.result.write_text(json.dumps(result))
         return 0
     if args.command == "report":
-        found = {run_key(r): r for path in args.results for r in read_jsonl(str(path))}  # a later file's run wins
+        found = {run_key(r): r for path in args.results for r in read_jsonl(str(path))  # a later file's run wins
+                 if "probe" not in r}  # a probe's runs have a report of their own
         runs = [compact(r) for r in found.values()  # runs that shared the machine are left out
                 if clean(r.get("foreign_cpu_seconds", 0.0), r["wall_seconds"])]
         if args.compact:
@@ -571,11 +723,21 @@ def main(argv: list[str] | None = None) -> int:
             figure([r for r in runs if args.seeds is None or r["seed"] in parse_seeds(args.seeds, count=False)],
                    args.write.with_suffix(".png"))
         return 0
-    names = dict(tasks=args.tasks.split(","), configs=args.configs.split(","), trainers=args.trainers.split(","))
+    names = dict(tasks=args.tasks.split(","), configs=args.configs.split(","),
+                 trainers=args.trainers.split(",") if args.command == "run" else list(PROBE_TRAINERS))
     for field, known in (("tasks", TASKS), ("configs", CONFIGS), ("trainers", TRAINERS)):
         unknown = [n for n in names[field] if n not in known]
         if unknown:
             parser.error(f"--{field}: unknown {unknown}; expected some of {list(known)}")
+    if args.command == "probe":
+        if args.seeds:
+            study(probe_plan(args.probe, parse_seeds(args.seeds, count=False), names["tasks"], names["configs"]),
+                  args.results, BUDGET_STEPS, SECONDS_CAP)
+        text = probe_report(read_jsonl(str(args.results)))
+        print(text)
+        if args.write:
+            args.write.write_text(text + "\n")
+        return 0
     results = args.results or REPO / "outputs" / "async_anchor" / "runs.jsonl"  # raw; report --compact commits them
     steps, cap = (QUICK["steps"], QUICK["cap"]) if args.quick else (BUDGET_STEPS, SECONDS_CAP)
     study(plan(parse_seeds(args.seeds, count=False), **names), results, steps, cap)

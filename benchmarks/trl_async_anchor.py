@@ -130,7 +130,11 @@ def apply_glue() -> None:
 #: The async trainer renders every prompt through the chat template: this one renders a user turn as its bare text, so
 #: the token ids are exactly the plain prompts BAPO's runs train on ("123>"), which the tiny model was warm-started on.
 BARE_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-#: How transformers' ``parse_response`` (the worker's) reads an answer after a bare prompt: text up to EOS.
+#: The worker wants a ``response_template`` on the tokenizer (else it calls TRL's ``add_response_schema``, made for
+#: known chat templates). transformers refuses this one at every parse (it has no ``start_anchor``), and TRL's
+#: ``parse_response`` then decodes the ids with ``skip_special_tokens=True``: the same text TRL's synchronous trainer
+#: scores, and the reward checks the EOS on the ids anyway. Kept as the study's runs used it (a valid template gives
+#: the same text on the answers tried).
 BARE_RESPONSE_TEMPLATE = {"defaults": {"role": "assistant"},
                           "fields": {"content": {"close_pattern": r"(<eos>)\s*", "content": "text"}}}
 
@@ -148,11 +152,13 @@ def chat_reversal(count: int, seed: int, digits: tuple[int, int] = (3, 3)):
 
 def async_trainer(model_dir: str, url: str, out: Path, steps: int, max_staleness: int, seed: int, batch: int,
                   generations: int, length: int, learning_rate: float, epsilon: float, epsilon_high: float | None,
-                  digits: tuple[int, int] = (3, 3), callbacks: list | None = None, token_budget: int | None = None):
+                  digits: tuple[int, int] = (3, 3), callbacks: list | None = None, token_budget: int | None = None,
+                  reward_func: Callable | None = None):
     """One AsyncGRPOTrainer, built as its users build it (the glue applied first): TRL's defaults but for what the
     study fixes for every trainer (batch, generations, length, learning rate, constant schedule, the window).
     ``token_budget``: TRL's default (None) packs each step's row up to the server's ``max_model_len`` tokens (15-16
     samples of the tiny model's task); 0 trains exactly ``batch`` samples a step, as the other trainers do.
+    ``reward_func``: the task's reward (default), or one that wraps it (it is pickled to the rollout worker's process).
     One torch thread, as BAPO's runs beside a server take (the server holds the other core)."""
     torch.set_num_threads(1)
     apply_glue()
@@ -170,7 +176,7 @@ def async_trainer(model_dir: str, url: str, out: Path, steps: int, max_staleness
         epsilon_high=epsilon_high, max_staleness=max_staleness, vllm_server_base_url=url, logging_steps=1,
         report_to="none", use_cpu=True, bf16=False, seed=seed, save_strategy="no", disable_tqdm=True,
         lr_scheduler_type="constant", token_budget=token_budget)
-    return AsyncGRPOTrainer(model=model_dir, reward_funcs=reverse_reward, args=args,
+    return AsyncGRPOTrainer(model=model_dir, reward_funcs=reward_func or reverse_reward, args=args,
                             train_dataset=chat_reversal(4096, seed, digits), processing_class=tokenizer,
                             weight_transfer=DiskWeightTransfer(url, timeout=120), callbacks=callbacks)
 

@@ -358,3 +358,51 @@ def test_the_async_overlap_bound_counts_the_servers_load_of_each_push():
                                                    "async/push_seconds": 0.005, "async/load_seconds": 0.017}}
     (line,) = async_anchor_study.overlap_bound([run])
     assert "t = 0.023 s" in line and "max(g + load, t) = 0.054 s a step" in line, line
+
+
+def probe_run(trainer: str, seed: int, logged: float, generated: float, heldout: float, dropped: float = 0.0) -> dict:
+    """A synthetic probe run: 160 steps of 32 trained samples (plus ``dropped`` a step), each logging ``logged``."""
+    history = [{"step": i + 1, "reward": logged, "sample/dropped_stale_total": dropped} for i in range(160)]
+    return {"trainer": trainer, "config": "TRL defaults", "task": "reverse2-8", "seed": seed, "probe": "heldout-5120",
+            "until_samples": 5120, "history": history, "step_seconds": [0.1 * (i + 1) for i in range(160)],
+            "steps": 160, "scored_mean": generated, "scored_count": 5120, "heldout_sampled": heldout,
+            "heldout_greedy": heldout, "wall_seconds": 20.0}
+
+
+def test_the_probe_reads_a_trainer_that_drops_samples_by_its_held_out_score_not_its_logged_reward():
+    """A trainer whose logged reward covers only the samples it kept reads higher than it scores on held-out prompts:
+    the probe's report shows both, and the gap between its samples trained and its samples generated."""
+    import async_anchor_study as study
+
+    runs = []
+    for seed in (1, 2, 3):
+        runs.append(probe_run("TRL sync", seed, logged=0.30, generated=0.30, heldout=0.30 + 0.01 * seed))
+        runs.append(probe_run("TRL async", seed, logged=0.70, generated=0.40, heldout=0.31 + 0.01 * seed, dropped=16))
+    report = study.probe_report([*runs, {**runs[0], "probe": None}])  # a study run is not the probe's
+    assert "seeds 1-3 (6 runs)" in report and "## heldout-5120: reverse2-8, TRL defaults" in report, report
+    assert "| TRL async | 160 | 33% | 0.70 | 0.33 | 0.33 | +0.30 |" in report, report
+    row = "| TRL async - TRL sync | **+0.40 [+0.40, +0.40]** | **+0.01 [+0.01, +0.01]** | **+0.01 [+0.01, +0.01]** |"
+    assert row in report, report
+
+
+def test_a_probe_run_stops_at_its_samples_and_scores_every_sample_and_the_held_out_prompts(use_test_cache,
+                                                                                         monkeypatch):
+    """train_one with a probe's spec, on TRL's synchronous trainer (no server): it stops once 64 samples are consumed
+    (2 steps of 32), its reward log saw those 64 samples, and its policy is scored on the held-out prompts (the task's
+    test split), sampled and greedy."""
+    import async_anchor_study as study
+    import torch
+
+    monkeypatch.setattr(study, "HELDOUT_PROMPTS", 64)
+    spec = dict(trainer="TRL sync", config="TRL defaults", task="reverse3", seed=1, probe="heldout-5120",
+                until_samples=64)
+    threads = torch.get_num_threads()
+    try:
+        run = study.train_one(spec, None, study.BUDGET_STEPS, study.SECONDS_CAP)
+    finally:
+        torch.set_num_threads(threads)  # a synchronous run takes 2; this worker's other tests hold one
+    assert run["steps"] == 2 and run["scored_count"] == 64, (run["steps"], run["scored_count"])
+    rewards = [h["reward"] for h in run["history"] if "reward" in h]
+    assert run["scored_mean"] == pytest.approx(statistics.mean(rewards))  # nothing dropped: all it generated
+    assert 0 <= run["heldout_greedy"] <= 1 and 0 <= run["heldout_sampled"] <= 1
+    assert set(run["heldout_by_digits"]["greedy"]) == {3}
