@@ -78,6 +78,8 @@ KEPT_PREFIXES = ("reward", "loss", "sample/", "batch/samples", "async/", "bapo/s
 QUICK = dict(steps=8, cap=10.0)
 #: The runs committed so far (compact): a new invocation skips them, and the report reads them with new raw files.
 COMMITTED = REPO / "docs" / "data" / "async_anchor_runs.jsonl.gz"
+#: The probe's committed runs (compact), read and skipped the same way.
+PROBE_COMMITTED = REPO / "docs" / "data" / "async_anchor_probe_runs.jsonl.gz"
 
 
 def run_key(run: dict) -> tuple:
@@ -480,8 +482,9 @@ PROBE_PAIRS = (("TRL async", "TRL sync"), ("TRL async matched", "TRL sync"), ("B
                ("BAPO async K=1", "TRL async"))
 
 
-def probe_plan(probe: str, seeds: list[int], tasks: list[str], configs: list[str]) -> list[dict]:
-    return [dict(spec, probe=probe, **PROBES[probe]) for spec in plan(seeds, tasks, configs, list(PROBE_TRAINERS))]
+def probe_plan(probe: str, seeds: list[int], tasks: list[str], configs: list[str],
+               trainers: list[str] = PROBE_TRAINERS) -> list[dict]:
+    return [dict(spec, probe=probe, **PROBES[probe]) for spec in plan(seeds, tasks, configs, list(trainers))]
 
 
 def probe_values(run: dict) -> dict:
@@ -616,11 +619,11 @@ def wait_while_paused(pause: Path) -> None:
         time.sleep(5)
 
 
-def study(todo: list[dict], results: Path, steps: int, cap: float) -> None:
+def study(todo: list[dict], results: Path, steps: int, cap: float, committed: Path = COMMITTED) -> None:
     from server_bench import Server
     from study import task_model
 
-    done = {run_key(r) for r in [*read_jsonl(str(results)), *read_jsonl(str(COMMITTED))]}  # committed ones too
+    done = {run_key(r) for r in [*read_jsonl(str(results)), *read_jsonl(str(committed))]}  # committed ones too
     todo = [spec for spec in todo if run_key(spec) not in done]
     print(f"{len(done)} runs in {results}; {len(todo)} to run", flush=True)
     results.parent.mkdir(parents=True, exist_ok=True)
@@ -690,8 +693,12 @@ def main(argv: list[str] | None = None) -> int:
     probe.add_argument("--probe", default="heldout-5120", choices=list(PROBES), help="where each run stops")
     probe.add_argument("--tasks", default="reverse2-8", help="comma-separated: reverse3, reverse2-8")
     probe.add_argument("--configs", default="TRL defaults", help="comma-separated config names")
-    probe.add_argument("--results", type=Path, default=REPO / "outputs" / "async_anchor" / "probe.jsonl")
+    probe.add_argument("--trainers", default=",".join(PROBE_TRAINERS), help="comma-separated trainer names")
+    probe.add_argument("--results", type=Path, default=REPO / "outputs" / "async_anchor" / "probe.jsonl",
+                       help="the raw probe runs (runs already committed are skipped, and read with these)")
+    probe.add_argument("--seeds-read", default=None, help="the report reads only these seeds (A-B)")
     probe.add_argument("--write", type=Path, default=None, help="write the report here (default: stdout only)")
+    probe.add_argument("--compact", type=Path, default=None, help="also write every probe run, compact, here")
     one = sub.add_parser("one", help="(internal) one run in this process")
     one.add_argument("--spec", required=True)
     one.add_argument("--url", default=None)
@@ -723,17 +730,24 @@ def main(argv: list[str] | None = None) -> int:
             figure([r for r in runs if args.seeds is None or r["seed"] in parse_seeds(args.seeds, count=False)],
                    args.write.with_suffix(".png"))
         return 0
-    names = dict(tasks=args.tasks.split(","), configs=args.configs.split(","),
-                 trainers=args.trainers.split(",") if args.command == "run" else list(PROBE_TRAINERS))
+    names = dict(tasks=args.tasks.split(","), configs=args.configs.split(","), trainers=args.trainers.split(","))
     for field, known in (("tasks", TASKS), ("configs", CONFIGS), ("trainers", TRAINERS)):
         unknown = [n for n in names[field] if n not in known]
         if unknown:
             parser.error(f"--{field}: unknown {unknown}; expected some of {list(known)}")
     if args.command == "probe":
         if args.seeds:
-            study(probe_plan(args.probe, parse_seeds(args.seeds, count=False), names["tasks"], names["configs"]),
-                  args.results, BUDGET_STEPS, SECONDS_CAP)
-        text = probe_report(read_jsonl(str(args.results)))
+            study(probe_plan(args.probe, parse_seeds(args.seeds, count=False), **names), args.results, BUDGET_STEPS,
+                  SECONDS_CAP, committed=PROBE_COMMITTED)
+        found = {run_key(r): compact(r) for path in (PROBE_COMMITTED, args.results) for r in read_jsonl(str(path))}
+        runs = sorted(found.values(), key=lambda r: (r["probe"], r["task"], r["config"], r["seed"], r["trainer"]))
+        if args.compact:
+            import gzip
+
+            with gzip.open(args.compact, "wt") as f:
+                f.writelines(json.dumps(run) + "\n" for run in runs)
+        seeds = parse_seeds(args.seeds_read, count=False) if args.seeds_read else None
+        text = probe_report([r for r in runs if seeds is None or r["seed"] in seeds])
         print(text)
         if args.write:
             args.write.write_text(text + "\n")
