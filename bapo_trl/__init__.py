@@ -20,7 +20,7 @@ neither (``bapo plot``, ``bapo --help``) does not load torch.
 
 from .core.lazy import lazy_names
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
 #: public name -> where it lives: imported on first use (:mod:`.core.lazy`)
 _EXPORTS = {
