@@ -136,20 +136,27 @@ class SkipSaves(TrainerCallback):
 
 class Gate(TrainerCallback):
     """A STAND-IN for a server slower than training, made deterministic: the generation thread's request for batch
-    ``index`` waits until the trainer has asked for a batch at or after it (``Producer.take``), or is evaluating. Reset
-    when a run begins (a resume numbers its batches from the checkpoint's)."""
+    ``index`` waits until the trainer has asked for a batch at or after it (``Producer.take``), or is evaluating, or
+    the run has ended (as a slower server would answer it then: the trainer's close waits for the request in flight).
+    Reset when a run begins (a resume numbers its batches from the checkpoint's)."""
 
     def __init__(self):
         self.condition = threading.Condition()
-        self.released, self.evaluating, self.forced = -1, False, 0
+        self.released, self.evaluating, self.ended, self.forced = -1, False, False, 0
 
     def on_train_begin(self, args, state, control, **kwargs):
         with self.condition:
-            self.released = -1
+            self.released, self.ended = -1, False
+
+    def on_train_end(self, args, state, control, **kwargs):
+        with self.condition:
+            self.ended = True
+            self.condition.notify_all()
 
     def hold(self, index) -> None:
         with self.condition:
-            assert self.condition.wait_for(lambda: self.evaluating or index <= self.released, timeout=60), index
+            assert self.condition.wait_for(lambda: self.evaluating or self.ended or index <= self.released,
+                                           timeout=60), index
 
     def release(self, index) -> None:
         with self.condition:
