@@ -203,6 +203,20 @@ def test_a_misspelled_flag_is_refused_with_a_suggestion_before_torch_is_imported
         assert f"bapo train: error: {says}" in out.stderr
 
 
+def test_the_shipped_snapshot_is_for_this_version_of_the_package():
+    """A release bumps ``__version__``; the snapshot it ships must be taken with it, else every user of the release
+    (and the two tests here, which skip on other versions) falls back to the slow path: run `python -m
+    bapo_trl.cli.train_front --write` and commit train_options.json."""
+    import json
+
+    from bapo_trl import __version__
+    from bapo_trl.cli import train_front
+
+    assert json.loads(train_front.SHIPPED.read_text())["versions"]["bapo_trl"] == __version__, (
+        "bapo_trl/cli/train_options.json was taken with another bapo_trl version: run `python -m "
+        "bapo_trl.cli.train_front --write`")
+
+
 def test_the_shipped_snapshot_is_the_parsers_for_its_versions():
     """Under the libraries it was taken with, the shipped snapshot is the parser's: a file that declares the options
     edited without `python -m bapo_trl.cli.train_front --write` fails here (another library release only skips)."""
