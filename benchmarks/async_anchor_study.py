@@ -625,7 +625,7 @@ def study(todo: list[dict], results: Path, steps: int, cap: float, committed: Pa
 
     done = {run_key(r) for r in [*read_jsonl(str(results)), *read_jsonl(str(committed))]}  # committed ones too
     todo = [spec for spec in todo if run_key(spec) not in done]
-    print(f"{len(done)} runs in {results}; {len(todo)} to run", flush=True)
+    print(f"{len(done)} runs done ({results} and {committed.name}); {len(todo)} to run", flush=True)
     results.parent.mkdir(parents=True, exist_ok=True)
     log = results.with_suffix(".log")
     pause = Path(str(results) + ".pause")
