@@ -439,7 +439,9 @@ def report_text(runs: list[dict], seeds: list[int] | None = None) -> str:
                 cells.append(f"{statistics.mean(values):.2f}" if values else "n/a")
             parts.append(f"| {trainer} | " + " | ".join(cells) + " |")
         block_runs = [r for r in runs if (r["config"], r["task"]) == (config, task)]
-        parts += ["", *run_facts(block_runs), "", *overlap_bound(block_runs), ""]
+        parts += ["", *run_facts(block_runs), "", "- Staleness max of TRL's async trainers: their own metric, taken "
+                  "when a batch is fetched, one batch before it trains; the samples they train are one version older "
+                  "(docs/async.md, `trl_async_anchor.py --steps 30`).", *overlap_bound(block_runs), ""]
     return "\n".join(parts)
 
 

@@ -181,13 +181,64 @@ def async_trainer(model_dir: str, url: str, out: Path, steps: int, max_staleness
                             weight_transfer=DiskWeightTransfer(url, timeout=120), callbacks=callbacks)
 
 
+class StalenessAudit:
+    """The staleness TRL's async trainer checks beside the staleness it trains: per sample kept, the policy version
+    when its staleness was checked (``RolloutQueueDataset.__iter__``) and the version that generated it; per step, the
+    version that trains it (``training_step``). Batch k is kept samples ``[b k, b (k + 1))`` (the fixed-count batcher
+    keeps their order). ``install()`` wraps the two TRL methods (each checked against TRL's source first), before
+    the trainer is built."""
+
+    CHECKS = (Patch("the staleness check records each kept sample's staleness",
+                    "trl.experimental.async_grpo.async_grpo_trainer:RolloutQueueDataset.__iter__",
+                    'self.metrics["sample/staleness_max"].append(float(staleness))', lambda: None),
+              Patch("a weight sync makes the next policy version",
+                    "trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer",
+                    "self.model_version += 1", lambda: None))
+
+    def __init__(self):
+        self.kept: list[tuple[int, int]] = []  # (version at the check, version that generated the sample)
+        self.trained: list[int] = []  # the trainer's version at each training step
+
+    def install(self) -> "StalenessAudit":
+        from trl.experimental.async_grpo import async_grpo_trainer as module
+
+        for check in self.CHECKS:
+            check.check()
+        audit, iterate, step = self, module.RolloutQueueDataset.__iter__, module.AsyncGRPOTrainer.training_step
+
+        def audited_iter(dataset):
+            for item in iterate(dataset):
+                version = dataset.model_version_fn()
+                audit.kept.append((version, version - int(dataset.metrics["sample/staleness_max"][-1])))
+                yield item
+
+        def audited_step(trainer, *args, **kwargs):
+            audit.trained.append(trainer.model_version)
+            return step(trainer, *args, **kwargs)
+
+        module.RolloutQueueDataset.__iter__ = audited_iter
+        module.AsyncGRPOTrainer.training_step = audited_step
+        return self
+
+    def per_step(self, batch: int) -> list[tuple[int, int]]:
+        """``(largest staleness checked, largest staleness trained)`` of every step."""
+        rows = []
+        for k, version in enumerate(self.trained):
+            kept = self.kept[k * batch: (k + 1) * batch]
+            rows.append((max(v - g for v, g in kept), version - min(g for _, g in kept)))
+        return rows
+
+
 def train(model_dir: str, url: str, out: Path, steps: int, max_staleness: int, seed: int, batch: int,
           generations: int, length: int, learning_rate: float, epsilon: float, epsilon_high: float | None):
-    """One AsyncGRPOTrainer run; returns the trainer (its ``state.log_history``)."""
+    """One AsyncGRPOTrainer run of ``batch`` samples a step (``token_budget=0``, as the study runs it); returns the
+    trainer (its ``state.log_history``) and its :class:`StalenessAudit`."""
+    apply_glue()
+    audit = StalenessAudit().install()
     trainer = async_trainer(model_dir, url, out, steps, max_staleness, seed, batch, generations, length,
-                            learning_rate, epsilon, epsilon_high)
+                            learning_rate, epsilon, epsilon_high, token_budget=0)
     trainer.train()
-    return trainer
+    return trainer, audit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,9 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     steps = 8 if args.quick else args.steps
     try:
         start = time.perf_counter()
-        trainer = train(model_dir, args.url or server.url, args.out / "run", steps, args.max_staleness, args.seed,
-                        args.batch, args.generations, args.length, args.learning_rate, args.epsilon,
-                        args.epsilon_high)
+        trainer, audit = train(model_dir, args.url or server.url, args.out / "run", steps, args.max_staleness,
+                               args.seed, args.batch, args.generations, args.length, args.learning_rate, args.epsilon,
+                               args.epsilon_high)
         seconds = time.perf_counter() - start
     finally:
         if server is not None:
@@ -227,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     history = trainer.state.log_history
     rewards = [h["reward"] for h in history if "reward" in h]
     summary = {"steps": trainer.state.global_step, "seconds": round(seconds, 1), "rewards": rewards,
-               "log": [h for h in history if "loss" in h]}
+               "staleness": audit.per_step(args.batch), "log": [h for h in history if "loss" in h]}
     print(json.dumps(summary))
     return 0
 
