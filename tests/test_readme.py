@@ -410,3 +410,13 @@ def test_the_readme_async_table_is_what_the_study_computes_from_its_committed_ru
     lines = "\n".join(study.readme_table(runs, study.parse_seeds(study.README_SEEDS, count=False)))
     assert lines in README
     assert lines in (REPO / "docs" / "async.md").read_text()
+
+
+def test_the_version_the_docs_show_is_the_packages():
+    """``bapo --version``'s output as the README and the install page show it is this checkout's version (a release
+    bumps ``__version__``; these comments had stayed behind once)."""
+    from bapo_trl import __version__
+
+    for page in ("README.md", "docs/install.md"):
+        shown = re.findall(r"^bapo --version\s+# bapo_trl (\S+?)[;\s]", (REPO / page).read_text(), flags=re.M)
+        assert shown == [__version__], (page, shown)
