@@ -186,7 +186,8 @@ class StalenessAudit:
     when its staleness was checked (``RolloutQueueDataset.__iter__``) and the version that generated it; per step, the
     version that trains it (``training_step``). Batch k is kept samples ``[b k, b (k + 1))`` (the fixed-count batcher
     keeps their order). ``install()`` wraps the two TRL methods (each checked against TRL's source first), before
-    the trainer is built."""
+    the trainer is built, for the rest of the process. It holds for the anchor's runs only: one process, fixed-count
+    batches (``token_budget=0``), one micro-batch a step."""
 
     CHECKS = (Patch("the staleness check records each kept sample's staleness",
                     "trl.experimental.async_grpo.async_grpo_trainer:RolloutQueueDataset.__iter__",

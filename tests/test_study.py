@@ -360,12 +360,14 @@ def test_the_async_overlap_bound_counts_the_servers_load_of_each_push():
     assert "t = 0.023 s" in line and "max(g + load, t) = 0.054 s a step" in line, line
 
 
-def probe_run(trainer: str, seed: int, logged: float, generated: float, heldout: float, dropped: float = 0.0) -> dict:
-    """A synthetic probe run: 160 steps of 32 trained samples (plus ``dropped`` a step), each logging ``logged``."""
-    history = [{"step": i + 1, "reward": logged, "sample/dropped_stale_total": dropped} for i in range(160)]
+def probe_run(trainer: str, seed: int, logged: float, generated: float, heldout: float, dropped: float = 0.0,
+              steps: int = 160) -> dict:
+    """A synthetic probe run: ``steps`` steps of 32 samples trained (and ``dropped`` a step), each logging
+    ``logged``."""
+    history = [{"step": i + 1, "reward": logged, "sample/dropped_stale_total": dropped} for i in range(steps)]
     return {"trainer": trainer, "config": "TRL defaults", "task": "reverse2-8", "seed": seed, "probe": "heldout-5120",
-            "until_samples": 5120, "history": history, "step_seconds": [0.1 * (i + 1) for i in range(160)],
-            "steps": 160, "scored_mean": generated, "scored_count": 5120, "heldout_sampled": heldout,
+            "until_samples": 5120, "history": history, "step_seconds": [0.1 * (i + 1) for i in range(steps)],
+            "steps": steps, "scored_mean": generated, "scored_count": 5120, "heldout_sampled": heldout,
             "heldout_greedy": heldout, "wall_seconds": 20.0}
 
 
@@ -378,7 +380,9 @@ def test_the_probe_reads_a_trainer_that_drops_samples_by_its_held_out_score_not_
     for seed in (1, 2, 3):
         runs.append(probe_run("TRL sync", seed, logged=0.30, generated=0.30, heldout=0.30 + 0.01 * seed))
         runs.append(probe_run("TRL async", seed, logged=0.70, generated=0.40, heldout=0.31 + 0.01 * seed, dropped=16))
-    report = study.probe_report([*runs, {**runs[0], "probe": None}])  # a study run is not the probe's
+    stopped_by_the_cap = probe_run("TRL async", 4, logged=0.9, generated=0.9, heldout=0.9, steps=100)  # 3200 samples
+    report = study.probe_report([*runs, {**runs[0], "probe": None}, stopped_by_the_cap])  # a study run: no probe
+    assert "Left out: 1 heldout-5120 run(s) the 30 s cap stopped before 5120 samples (TRL async seed 4)." in report
     assert "seeds 1-3 (6 runs)" in report and "## heldout-5120: reverse2-8, TRL defaults" in report, report
     assert "| TRL async | 160 | 33% | 0.70 | 0.33 | 0.33 | +0.30 |" in report, report
     row = "| TRL async - TRL sync | **+0.40 [+0.40, +0.40]** | **+0.01 [+0.01, +0.01]** | **+0.01 [+0.01, +0.01]** |"
