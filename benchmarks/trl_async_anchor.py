@@ -242,6 +242,12 @@ def train(model_dir: str, url: str, out: Path, steps: int, max_staleness: int, s
     return trainer, audit
 
 
+def _version(package: str) -> str:
+    from importlib import metadata
+
+    return metadata.version(package)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 steps, then print the log (CI's slow tier)")
@@ -256,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epsilon-high", type=float, default=None)
     parser.add_argument("--url", default=None, help="a running server (default: start one)")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "trl-async-anchor")
+    parser.add_argument("--json", type=Path, default=None, help="also write the printed summary here")
     args = parser.parse_args(argv)
     from bapo_trl.recipes.toy import build_tiny_model
 
@@ -281,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"steps": trainer.state.global_step, "seconds": round(seconds, 1), "rewards": rewards,
                "staleness": audit.per_step(args.batch), "log": [h for h in history if "loss" in h]}
     print(json.dumps(summary))
+    if args.json:
+        args.json.write_text(json.dumps(dict(summary, command=["trl_async_anchor.py", *(argv or sys.argv[1:])],
+                                             trl=_version("trl"))) + "\n")
     return 0
 
 
