@@ -9,6 +9,8 @@ file as it ends, so the study resumes where it stopped; ``touch <results>.pause`
 the file to go on), so a machine that must do something else for a while does not skew a run.
 
     python benchmarks/async_anchor_study.py run --seeds 100-104              # development seeds, both tasks/configs
+    python benchmarks/async_anchor_study.py run --seeds 100-104 --again --results mine.jsonl   # reproduce them
+    python benchmarks/async_anchor_study.py probe --seeds 100-104 [--probe heldout-30s]   # the held-out probe
     python benchmarks/async_anchor_study.py run --seeds 100-100 --tasks reverse3 --configs "TRL defaults" --quick
     python benchmarks/async_anchor_study.py report --results docs/data/async_anchor_runs.jsonl.gz NEW.jsonl \
         --compact docs/data/async_anchor_runs.jsonl.gz --seeds 100-104 --write docs/data/async_anchor_dev.md
@@ -632,13 +634,15 @@ def wait_while_paused(pause: Path) -> None:
         time.sleep(5)
 
 
-def study(todo: list[dict], results: Path, steps: int, cap: float, committed: Path = COMMITTED) -> None:
+def study(todo: list[dict], results: Path, steps: int, cap: float, committed: Path | None = COMMITTED) -> None:
+    """Run ``todo``'s runs not yet in ``results`` nor in ``committed`` (None: run them again, to reproduce them)."""
     from server_bench import Server
     from study import task_model
 
-    done = {run_key(r) for r in [*read_jsonl(str(results)), *read_jsonl(str(committed))]}  # committed ones too
+    done = {run_key(r) for r in [*read_jsonl(str(results)), *(read_jsonl(str(committed)) if committed else [])]}
     todo = [spec for spec in todo if run_key(spec) not in done]
-    print(f"{len(done)} runs done ({results} and {committed.name}); {len(todo)} to run", flush=True)
+    print(f"{len(done)} runs done ({results}" + (f" and {committed.name}" if committed else "") +
+          f"); {len(todo)} to run", flush=True)
     results.parent.mkdir(parents=True, exist_ok=True)
     log = results.with_suffix(".log")
     pause = Path(str(results) + ".pause")
@@ -689,6 +693,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--tasks", default=",".join(TASKS), help="comma-separated: reverse3, reverse2-8")
     run.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated config names")
     run.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated trainer names")
+    run.add_argument("--again", action="store_true", help="run the committed runs again too (to reproduce them; "
+                     "read yours with report --results YOURS)")
     run.add_argument("--quick", action="store_true", help=f"{QUICK['steps']} steps or {QUICK['cap']:.0f} s, "
                      "whichever comes first")
     run.add_argument("--results", type=Path, default=None, help="the raw runs file (default: "
@@ -707,6 +713,8 @@ def main(argv: list[str] | None = None) -> int:
     probe.add_argument("--tasks", default="reverse2-8", help="comma-separated: reverse3, reverse2-8")
     probe.add_argument("--configs", default="TRL defaults", help="comma-separated config names")
     probe.add_argument("--trainers", default=",".join(PROBE_TRAINERS), help="comma-separated trainer names")
+    probe.add_argument("--again", action="store_true", help="run the committed probe runs again too (to reproduce "
+                       "them; the report then reads your file alone)")
     probe.add_argument("--results", type=Path, default=REPO / "outputs" / "async_anchor" / "probe.jsonl",
                        help="the raw probe runs (runs already committed are skipped, and read with these)")
     probe.add_argument("--seeds-read", default=None, help="the report reads only these seeds (A-B; default: --seeds, "
@@ -752,8 +760,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "probe":
         if args.seeds:
             study(probe_plan(args.probe, parse_seeds(args.seeds, count=False), **names), args.results, BUDGET_STEPS,
-                  SECONDS_CAP, committed=PROBE_COMMITTED)
-        found = {run_key(r): compact(r) for path in (PROBE_COMMITTED, args.results) for r in read_jsonl(str(path))}
+                  SECONDS_CAP, committed=None if args.again else PROBE_COMMITTED)
+        files = (args.results,) if args.again else (PROBE_COMMITTED, args.results)
+        found = {run_key(r): compact(r) for path in files for r in read_jsonl(str(path))}
         runs = sorted(found.values(), key=lambda r: (r["probe"], r["task"], r["config"], r["seed"], r["trainer"]))
         if args.compact:
             import gzip
@@ -769,7 +778,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = args.results or REPO / "outputs" / "async_anchor" / "runs.jsonl"  # raw; report --compact commits them
     steps, cap = (QUICK["steps"], QUICK["cap"]) if args.quick else (BUDGET_STEPS, SECONDS_CAP)
-    study(plan(parse_seeds(args.seeds, count=False), **names), results, steps, cap)
+    study(plan(parse_seeds(args.seeds, count=False), **names), results, steps, cap,
+          committed=None if args.again else COMMITTED)
     return 0
 
 

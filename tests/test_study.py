@@ -410,3 +410,27 @@ def test_a_probe_run_stops_at_its_samples_and_scores_every_sample_and_the_held_o
     assert run["scored_mean"] == pytest.approx(statistics.mean(rewards))  # nothing dropped: all it generated
     assert 0 <= run["heldout_greedy"] <= 1 and 0 <= run["heldout_sampled"] <= 1
     assert set(run["heldout_by_digits"]["greedy"]) == {3}
+
+
+def test_the_study_skips_the_committed_runs_unless_asked_to_run_them_again(tmp_path, monkeypatch):
+    """A run already committed is skipped (a resumed study, a fresh machine); ``--again`` runs it again, to reproduce
+    a published number. The runs themselves are a STAND-IN here (the harness's child process, replaced by a function
+    that records what it was asked to run): what is tested is which runs the study starts."""
+    import async_anchor_study as anchor
+
+    ran = []
+
+    def stand_in_run(spec, url, steps, cap, log):
+        ran.append((spec["trainer"], spec["seed"]))
+        return dict(spec, history=[{"step": 1, "reward": 0.5}], step_seconds=[0.1], steps=1), 0.0
+
+    monkeypatch.setattr(anchor, "run_in_child", stand_in_run)
+    todo = anchor.plan([1], ["reverse3"], ["TRL defaults"], ["TRL sync", "BAPO sync"])
+    committed = tmp_path / "committed.jsonl"
+    committed.write_text(json.dumps(dict(todo[0], rows=[])) + "\n")  # one of the two, committed
+    anchor.study(todo, tmp_path / "resumed.jsonl", 8, 10.0, committed=committed)
+    assert ran == [(todo[1]["trainer"], 1)], ran
+    ran.clear()
+    anchor.study(todo, tmp_path / "again.jsonl", 8, 10.0, committed=None)  # --again
+    assert sorted(ran) == [("BAPO sync", 1), ("TRL sync", 1)], ran
+    assert len(read_jsonl(str(tmp_path / "again.jsonl"))) == 2
