@@ -145,8 +145,7 @@ def train_one(spec: dict, url: str | None, steps: int, cap: float) -> dict:
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if until and logs and "reward" in logs:
-                clock["consumed"] += logs.get("batch/samples_per_step", TRAINING["per_device_train_batch_size"])
-                clock["consumed"] += logs.get("sample/dropped_stale_total", 0.0)
+                clock["consumed"] += samples_consumed(logs)
                 if clock["consumed"] >= until:
                     control.should_training_stop = True
 
@@ -266,6 +265,21 @@ PROBE_FIELDS = ("probe", "until_samples", "scored_mean", "scored_count", "heldou
                 "heldout_by_digits")
 
 
+def samples_consumed(logged: dict) -> float:
+    """Samples one logged step consumed: trained, or dropped as too stale (TRL's async trainer counts those in
+    ``sample/dropped_stale_total``; a trainer of ours trains 32 a step and drops none)."""
+    return (logged.get("batch/samples_per_step", TRAINING["per_device_train_batch_size"])
+            + logged.get("sample/dropped_stale_total", 0.0))
+
+
+def write_compact(path: Path, runs: list[dict]) -> None:
+    """The runs, compact, as ``docs/data`` keeps them (gzipped JSON lines)."""
+    import gzip
+
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(compact(run)) + "\n" for run in runs)
+
+
 def compact(run: dict) -> dict:
     """A run as the report reads it and ``docs/data`` keeps it: per logged step ``[seconds, samples consumed,
     reward]`` (consumed: trained, or dropped as too stale, which TRL's async trainer counts in
@@ -278,8 +292,7 @@ def compact(run: dict) -> dict:
         if "reward" not in h:
             continue
         dropped += h.get("sample/dropped_stale_total", 0.0)
-        consumed += h.get("batch/samples_per_step", TRAINING["per_device_train_batch_size"])
-        consumed += h.get("sample/dropped_stale_total", 0.0)
+        consumed += samples_consumed(h)
         rows.append([round(run["step_seconds"][h["step"] - 1], 4), consumed, round(h["reward"], 5)])
     history = run["history"]
     means = {key: statistics.mean(h[key] for h in history if key in h)
@@ -738,10 +751,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = [compact(r) for r in found.values()  # runs that shared the machine are left out
                 if clean(r.get("foreign_cpu_seconds", 0.0), r["wall_seconds"])]
         if args.compact:
-            import gzip
-
-            with gzip.open(args.compact, "wt") as f:
-                f.writelines(json.dumps(run) + "\n" for run in runs)
+            write_compact(args.compact, runs)
         if args.readme:
             print("\n".join(readme_table(runs, parse_seeds(args.seeds or README_SEEDS, count=False))))
             return 0
@@ -765,10 +775,7 @@ def main(argv: list[str] | None = None) -> int:
         found = {run_key(r): compact(r) for path in files for r in read_jsonl(str(path))}
         runs = sorted(found.values(), key=lambda r: (r["probe"], r["task"], r["config"], r["seed"], r["trainer"]))
         if args.compact:
-            import gzip
-
-            with gzip.open(args.compact, "wt") as f:
-                f.writelines(json.dumps(run) + "\n" for run in runs)
+            write_compact(args.compact, runs)
         read = args.seeds_read or args.seeds  # the seeds just run, unless told otherwise
         seeds = parse_seeds(read, count=False) if read else None
         text = probe_report([r for r in runs if seeds is None or r["seed"] in seeds])
