@@ -224,28 +224,18 @@ def heldout_scores(trained, model_dir: str, spec: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
+    from bapo_trl.recipes.toy import make_reverse_dataset, score_completions
 
     task = TASKS[spec["task"]]
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model.load_state_dict({k: v.detach().cpu() for k, v in trained.state_dict().items()})
-    model.eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows = make_reverse_dataset(HELDOUT_PROMPTS, seed=HELDOUT_SEED, split="test", digits=task["digits"])
     torch.manual_seed(spec["seed"])
-    scores: dict = {"sampled": [], "greedy": []}
-    for start in range(0, len(rows), 128):
-        chunk = rows[start: start + 128]
-        enc = tokenizer(chunk["prompt"], return_tensors="pt", padding=True, add_special_tokens=False)
-        for mode, sampling in (("sampled", dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)),
-                               ("greedy", dict(do_sample=False))):
-            with torch.no_grad():
-                out = model.generate(**enc, max_new_tokens=task["max_completion_length"], **sampling,
-                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-            ids = [row[enc.input_ids.size(1):].tolist() for row in out]
-            ids = [c[: c.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in c else c for c in ids]
-            texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-            scores[mode] += reverse_reward(texts, chunk["answer"], completion_ids=ids)
+    scores = {mode: score_completions(model, tokenizer, rows, max_new_tokens=task["max_completion_length"],
+                                      batch_size=128, **sampling)
+              for mode, sampling in (("sampled", dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)),
+                                     ("greedy", {}))}
     digits = [len(a) for a in rows["answer"]]
     return {"heldout_" + mode: statistics.mean(values) for mode, values in scores.items()} | {
         "heldout_by_digits": {mode: {d: statistics.mean(v for v, n in zip(values, digits) if n == d)

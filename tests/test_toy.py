@@ -66,6 +66,28 @@ def test_evaluate_accuracy_counts_exact_answers(tiny_model_dir):
     assert evaluate_accuracy(random_init, tok, data) == 0.0
 
 
+def test_score_completions_scores_each_row_in_order_greedy_or_sampled(tiny_model_dir):
+    """Per-row rewards in row order (a row given a wrong answer scores 0 where its neighbours may not); greedy by
+    default, its mean is evaluate_accuracy; sampling follows torch's seed and is not greedy."""
+    import torch
+
+    from bapo_trl.recipes.toy import evaluate_accuracy, score_completions
+
+    model, tok = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    data = make_reverse_dataset(40, split="test")
+    greedy = score_completions(model, tok, data, batch_size=16)
+    wrong = data.map(lambda row, i: {"answer": row["answer"] if i % 2 else "x"}, with_indices=True)
+    assert len(greedy) == 40 and sum(greedy[1::2]) > 0
+    expected = [0.0 if i % 2 == 0 else score for i, score in enumerate(greedy)]
+    assert score_completions(model, tok, wrong, batch_size=16) == expected
+    assert evaluate_accuracy(model, tok, data, batch_size=16) == sum(greedy) / 40
+    sample = dict(do_sample=True, temperature=1.0, top_k=0)
+    torch.manual_seed(3)
+    first = score_completions(model, tok, data, batch_size=16, **sample)
+    torch.manual_seed(3)
+    assert score_completions(model, tok, data, batch_size=16, **sample) == first != greedy
+
+
 def test_the_published_task_draws_the_prompts_it_always_drew():
     """The default (3 digits) is the task the published runs trained on: the same prompts for the same seed (pinned
     from the code before the variable-length variant existed), and its held-out split is every fifth number."""

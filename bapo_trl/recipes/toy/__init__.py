@@ -148,10 +148,14 @@ def build_tiny_model(output_dir: str | None = None, seed: int = 0, warm_start_st
 
 
 @torch.no_grad()
-def evaluate_accuracy(model, tokenizer, dataset, max_new_tokens: int = 10, batch_size: int = 64) -> float:
-    """Greedy exact-match accuracy (answer followed by EOS) on a dataset with ``prompt``/``answer`` columns."""
+def score_completions(model, tokenizer, dataset, max_new_tokens: int = 10, batch_size: int = 64,
+                      **sampling) -> list[float]:
+    """The task's reward of the model's completion of each row of a dataset with ``prompt``/``answer`` columns, in
+    row order: greedy unless ``sampling`` says otherwise (``do_sample=True, temperature=1.0, top_k=0`` samples as
+    training does, from torch's global generator). Completions are cut at their first EOS, as a trainer's are."""
     model.eval()
-    correct = 0
+    sampling = sampling or {"do_sample": False}
+    scores: list[float] = []
     prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
@@ -159,12 +163,17 @@ def evaluate_accuracy(model, tokenizer, dataset, max_new_tokens: int = 10, batch
                  else tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
                  for p in chunk]
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, **sampling,
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         completion_ids = [row[enc.input_ids.size(1):].tolist() for row in out]
         eos = tokenizer.eos_token_id  # generate pads finished rows: keep each completion up to its first EOS
         completion_ids = [ids[: ids.index(eos) + 1] if eos in ids else ids for ids in completion_ids]
         completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        scores = reverse_reward(completions, answers[start : start + batch_size], completion_ids=completion_ids)
-        correct += sum(scores)
-    return correct / max(len(prompts), 1)
+        scores += reverse_reward(completions, answers[start : start + batch_size], completion_ids=completion_ids)
+    return scores
+
+
+def evaluate_accuracy(model, tokenizer, dataset, max_new_tokens: int = 10, batch_size: int = 64) -> float:
+    """Greedy exact-match accuracy (answer followed by EOS) on a dataset with ``prompt``/``answer`` columns."""
+    scores = score_completions(model, tokenizer, dataset, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    return sum(scores) / max(len(scores), 1)
