@@ -152,3 +152,30 @@ def test_a_real_token_with_a_nonfinite_input_leaves_the_loss_but_not_the_context
     assert not torch.allclose(loss_poisoned, loss_no_context, atol=1e-6), (loss_poisoned, loss_no_context)
     with torch.no_grad():  # and the token does change the loss when it is finite: the comparison can fail
         assert not torch.allclose(trainer.compute_loss(trainer.model, _scripted_inputs(trainer)), loss_by_hand)
+
+
+def test_each_loss_call_reads_the_batch_as_given_as_trls_num_iterations_reuse_it(trainer):
+    """TRL trains its buffered batch ``num_iterations`` times, handing the same dict to every loss call. BAPO's
+    sanitising (NaN filled, log-ratios clamped against THIS forward, a non-finite token dropped through
+    ``tool_mask``) works on a copy: the batch is left as it was, and a later call after the policy moved computes
+    what a fresh copy of the batch gives. Seen failing when the edits landed in the caller's dict (the second
+    iteration's ratio then read the first iteration's policy)."""
+    batch = _scripted_inputs(trainer, seed=4)
+    batch["old_per_token_logps"][0, 1] = -60.0  # past max_log_ratio from any current log-prob
+    batch["old_per_token_logps"][2, 3] = math.nan
+    batch["ref_per_token_logps"][1, 0] = math.inf
+    given = {key: value.clone() for key, value in batch.items()}
+    weights = {key: value.clone() for key, value in trainer.model.state_dict().items()}
+    try:
+        with torch.no_grad():
+            trainer.compute_loss(trainer.model, batch)
+            assert set(batch) == set(given)
+            for key, value in given.items():
+                assert torch.equal(batch[key].nan_to_num(1.5), value.nan_to_num(1.5)), key
+            for parameter in trainer.model.parameters():  # the policy moves between two iterations
+                parameter.add_(0.05 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1)))
+            again = trainer.compute_loss(trainer.model, batch)
+            fresh = trainer.compute_loss(trainer.model, {key: value.clone() for key, value in given.items()})
+        assert torch.isfinite(again) and torch.equal(again, fresh), (again, fresh)
+    finally:
+        trainer.model.load_state_dict(weights)

@@ -236,8 +236,15 @@ class FirstLossProbe:
 
     def __init__(self, trainer: BAPOTrainer, expected, other=None):
         self.trainer, self.expected, self.other, self.record = trainer, expected, other, None
-        self.original = trainer.compute_loss
+        self.original, self.trl_inputs = trainer.compute_loss, None
         trainer.compute_loss = self
+        trl_loss = trainer._compute_loss
+
+        def seen_by_trl(model, inputs):  # the micro-batch TRL's loss reads: BAPO hands it a copy of the buffer's
+            self.trl_inputs = inputs
+            return trl_loss(model, inputs)
+
+        trainer._compute_loss = seen_by_trl
 
     def trl(self, model, batch) -> tuple[torch.Tensor, tuple]:
         params = [p for p in model.parameters() if p.requires_grad]
@@ -250,7 +257,7 @@ class FirstLossProbe:
         if self.record is None:
             params = [p for p in model.parameters() if p.requires_grad]
             ours = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-            self.record = SimpleNamespace(batch=batch, trained=loss_mask(inputs).clone(), loss=loss.detach(),
+            self.record = SimpleNamespace(batch=batch, trained=loss_mask(self.trl_inputs).clone(), loss=loss.detach(),
                                           ours=ours, expected=self.trl(model, self.expected(batch)),
                                           other=None if self.other is None else self.trl(model, self.other(batch)))
         return loss

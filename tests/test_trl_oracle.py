@@ -47,11 +47,9 @@ def loss_and_gradient(trainer, batch) -> tuple[torch.Tensor, torch.Tensor]:
     return loss.detach(), grad
 
 
-@pytest.mark.parametrize("loss_type,level", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(window=windows())
-def test_on_policy_bapo_trains_trls_gradient_or_refuses_the_config(loss_type, level, window, tiny_model_dir,
-                                                                    tmp_path_factory):
+def compare_on_policy(loss_type: str, level: str, window: dict, model_dir, folder) -> bool:
+    """BAPO(C) trains TRL(C)'s loss and gradient on an on-policy batch (True), or C is refused: by TRL (nothing to
+    equal) or by ``BAPOConfig`` naming a window field (False)."""
     kw = dict(loss_type=loss_type, importance_sampling_level=level,
               **{k: v for k, v in window.items() if v is not None})
     with warnings.catch_warnings():
@@ -59,15 +57,14 @@ def test_on_policy_bapo_trains_trls_gradient_or_refuses_the_config(loss_type, le
         try:
             GRPOConfig(output_dir="unused", use_cpu=True, **kw)
         except ValueError:
-            return  # TRL refuses it: nothing for BAPO to equal
+            return False  # TRL refuses it: nothing for BAPO to equal
         try:
             BAPOConfig(output_dir="unused", use_cpu=True, **kw)
         except ValueError as refusal:  # refused by name, before anything is built
             assert any(f"`{name}`" in str(refusal) for name in window), str(refusal)
-            return
-        folder = tmp_path_factory.mktemp("oracle")
-        bapo = make_trainer(BAPOTrainer, BAPOConfig, tiny_model_dir, folder / "bapo", **kw)
-        trl = make_trainer(GRPOTrainer, GRPOConfig, tiny_model_dir, folder / "trl", **kw)
+            return False
+        bapo = make_trainer(BAPOTrainer, BAPOConfig, model_dir, folder / "bapo", **kw)
+        trl = make_trainer(GRPOTrainer, GRPOConfig, model_dir, folder / "trl", **kw)
     batch = on_policy_batch(bapo)
     loss_b, grad_b = loss_and_gradient(bapo, batch)
     loss_t, grad_t = loss_and_gradient(trl, batch)
@@ -75,6 +72,26 @@ def test_on_policy_bapo_trains_trls_gradient_or_refuses_the_config(loss_type, le
     assert torch.allclose(loss_b, loss_t, rtol=1e-6, atol=1e-7), (kw, loss_b, loss_t)
     assert float((grad_b - grad_t).abs().max() / scale) < 1e-5, (kw, float((grad_b - grad_t).abs().max()),
                                                                  float(scale))
+    return True
+
+
+@pytest.mark.parametrize("loss_type,level", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(window=windows())
+def test_on_policy_bapo_trains_trls_gradient_or_refuses_the_config(loss_type, level, window, tiny_model_dir,
+                                                                    tmp_path_factory):
+    compare_on_policy(loss_type, level, window, tiny_model_dir, tmp_path_factory.mktemp("oracle"))
+
+
+#: The window each loss's users set first (TRL's documentation): never refused, so every case is compared at least
+#: once whatever Hypothesis draws (a refusal returns early above).
+DOCUMENTED_WINDOWS = {"cispo": dict(epsilon_high=5.0), "sequence": dict(epsilon=3e-4, epsilon_high=4e-4)}
+
+
+@pytest.mark.parametrize("loss_type,level", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_on_policy_bapo_trains_trls_gradient_at_the_documented_window(loss_type, level, tiny_model_dir, tmp_path):
+    window = DOCUMENTED_WINDOWS.get(loss_type) or (DOCUMENTED_WINDOWS["sequence"] if level == "sequence" else {})
+    assert compare_on_policy(loss_type, level, window, tiny_model_dir, tmp_path)
 
 
 def pinned(loss_type: str, window: dict) -> dict:
@@ -122,6 +139,76 @@ def test_with_the_path_pinned_to_trls_window_bapo_equals_trl_on_stale_data(loss_
             assert float((grad_b - grad_t).abs().max() / scale) < 1e-5, (kw, seed)
         compared += 1
     assert compared
+
+
+#: TRL's other loss settings as their users set them: the KL term (``beta``; TRL's default 0), its bias correction,
+#: the entropy mask, the off-policy sequence mask, the entropy bonus, vLLM's importance-sampling correction (TRL's
+#: default mode, one weight per sequence; the trainers are told they use vLLM).
+LOSS_SETTINGS = {
+    "beta": dict(beta=0.04),
+    "beta, bias-corrected KL": dict(beta=0.04, use_bias_correction_kl=True),
+    "top_entropy_quantile": dict(top_entropy_quantile=0.5),
+    "off_policy_mask_threshold": dict(off_policy_mask_threshold=0.5),
+    "entropy_coef": dict(entropy_coef=0.01),
+    "vLLM IS correction": dict(vllm_importance_sampling_correction=True),
+}
+SETTING_CASES = [("grpo", "token"), ("dapo", "token"), ("cispo", "token"), ("sapo", "token"), ("vespo", "token"),
+                 ("grpo", "sequence")]
+
+
+def with_setting_inputs(batch: dict, current: torch.Tensor, setting: dict, seed: int) -> dict:
+    """The batch plus what the setting's loss reads: reference log-probs (two of them 25 nats off the policy's,
+    beyond the official code's clamp at 20, inside TRL's finite range) or per-sequence IS weights."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    if setting.get("beta"):
+        ref = current + 0.5 * torch.randn(current.shape, generator=gen)
+        ref[0, 1], ref[2, 0] = current[0, 1] + 25.0, current[2, 0] - 25.0
+        batch["ref_per_token_logps"] = ref
+    if setting.get("vllm_importance_sampling_correction"):
+        batch["importance_sampling_ratio"] = 0.5 + torch.rand(current.size(0), 1, generator=gen)
+    return batch
+
+
+@pytest.mark.parametrize("setting", LOSS_SETTINGS)
+def test_bapo_equals_trl_under_every_other_loss_setting_trl_has(setting, tiny_model_dir, tmp_path):
+    """The window is not all of TRL's loss: with each of TRL's other loss settings (the KL term, the entropy and
+    off-policy masks, the entropy bonus, vLLM's IS correction), over loss types and both ratio levels, BAPO(C) is
+    TRL(C) on an on-policy batch (BAPO's own window: the drop-in) and, with the path pinned to TRL's window, on a
+    stale one. Seen failing with the reference log-ratio clamped at ``max_log_ratio`` (TRL's KL term changed from 20
+    nats on)."""
+    compared = []
+    for loss_type, level in SETTING_CASES:
+        window = DOCUMENTED_WINDOWS.get(loss_type) or (DOCUMENTED_WINDOWS["sequence"] if level == "sequence" else {})
+        kw = dict(loss_type=loss_type, importance_sampling_level=level, **window, **LOSS_SETTINGS[setting])
+        folder = tmp_path / f"{loss_type}-{level}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                GRPOConfig(output_dir="unused", use_cpu=True, **kw)
+            except ValueError:
+                continue
+            trainers = {name: make_trainer(cls, config_cls, tiny_model_dir, folder / name, **kw, **pins)
+                        for name, cls, config_cls, pins in (
+                            ("bapo", BAPOTrainer, BAPOConfig, {}), ("trl", GRPOTrainer, GRPOConfig, {}),
+                            ("pinned", BAPOTrainer, BAPOConfig, pinned(loss_type, kw)))}
+        for trainer in trainers.values():
+            trainer.use_vllm = bool(kw.get("vllm_importance_sampling_correction"))
+        for seed, (bapo, noise) in enumerate(((trainers["bapo"], 0.0), (trainers["pinned"], 0.7))):
+            batch = stale_batch(bapo, seed=seed, noise=0.0)
+            current = batch["old_per_token_logps"]
+            gen = torch.Generator().manual_seed(seed)
+            batch["old_per_token_logps"] = current + noise * torch.randn(current.shape, generator=gen)
+            if not noise:
+                batch.pop("old_per_token_logps")  # TRL then takes the current log-probs: every ratio exactly 1
+            batch = with_setting_inputs(batch, current, kw, seed)
+            loss_b, grad_b = loss_and_gradient(bapo, batch)
+            loss_t, grad_t = loss_and_gradient(trainers["trl"], batch)
+            what = (setting, loss_type, level, "stale, pinned" if noise else "on-policy")
+            assert grad_t.abs().max() > 0, what
+            assert torch.allclose(loss_b, loss_t, rtol=1e-6, atol=1e-7), (what, loss_b, loss_t)
+            assert float((grad_b - grad_t).abs().max() / grad_t.abs().max()) < 1e-5, what
+        compared.append((loss_type, level))
+    assert len(compared) >= 5, compared
 
 
 #: LoRA as a peft user sets it on the tiny Llama: every projection of attention, rank 4.

@@ -16,15 +16,24 @@ position (vLLM returns NaN for tokens it could not score) poisons the step. Two 
 * :func:`sanitize_after_forward`, after the policy forward and before TRL reads the inputs: non-finite values left
   anywhere (padding, real tokens when masking is off, a sampler's log-prob that TRL trains with) are replaced
   (log-probs by the current log-prob, so the ratio is 1 and TRL's off-policy mask reads no divergence there, as its
-  own ``nan_to_num`` does; importance weights by 1), and the log-ratio to the behaviour (and reference) policy is
-  clamped to ``[-max_log_ratio, max_log_ratio]`` (the official code clamps at 20), so ``exp`` cannot overflow for
-  tokens the other policy all but ruled out (TRL's KL estimate ``exp(ref - logp)`` overflows otherwise).
+  own ``nan_to_num`` does; importance weights by 1), and the log-ratio to the behaviour policy is clamped to
+  ``[-max_log_ratio, max_log_ratio]`` (the official code clamps at 20), so the ratio's ``exp`` cannot overflow for
+  tokens the other policy all but ruled out. The reference log-ratio, which only TRL's KL term reads, is left as TRL
+  computes it up to :func:`reference_log_ratio_limit` (44 nats in float32, where ``exp`` squared still fits the
+  dtype): with ``beta > 0`` the KL value and gradient are TRL's for every token within it (the official code's 20
+  would change TRL's KL term from ``exp(20)`` on); beyond it TRL's own term only carries overflow.
+
+Both passes work on the micro-batch :meth:`BAPOTrainer.compute_loss` hands to TRL, a shallow copy of the batch it was
+given: TRL feeds the same buffered batch to every one of its ``num_iterations``, and each loss call sanitises against
+its own forward.
 
 Non-finite CURRENT log-probs (a model that blew up) cannot be repaired or dropped (they are known only after the
 forward, when TRL's mask is bound); they are counted in the metric.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -70,6 +79,12 @@ def mask_nonfinite_inputs(inputs: dict, mask_nonfinite: bool = True) -> torch.Te
     return real_bad.sum()
 
 
+def reference_log_ratio_limit(dtype: torch.dtype) -> float:
+    """The largest ``|ref - logp|`` left as it is: half the log of the dtype's largest number, so TRL's KL term
+    ``exp(ref - logp)`` and its products in the backward pass stay finite (44.4 in float32 and bfloat16)."""
+    return 0.5 * math.log(torch.finfo(dtype).max)
+
+
 def sanitize_after_forward(inputs: dict, per_token_logps: torch.Tensor, max_log_ratio: float = 20.0) -> torch.Tensor:
     """After the policy forward: fill what is left non-finite and clamp log-ratios (see module doc); returns the
     number of real tokens whose CURRENT log-prob is non-finite (and whose inputs were finite: counted once)."""
@@ -81,8 +96,9 @@ def sanitize_after_forward(inputs: dict, per_token_logps: torch.Tensor, max_log_
             continue
         filler = current if key in LOGP_KEYS else torch.ones_like(value)
         value = torch.where(torch.isfinite(value), value, filler)
-        if key in LOGP_KEYS:  # bounds exp(logp - other) for the ratio and TRL's k3 KL estimate alike
-            value = torch.clamp(value, current - max_log_ratio, current + max_log_ratio)
+        if key in LOGP_KEYS:  # bounds exp(logp - other): the ratio's at max_log_ratio, TRL's KL estimate's at overflow
+            limit = reference_log_ratio_limit(current.dtype) if key == "ref_per_token_logps" else max_log_ratio
+            value = torch.clamp(value, current - limit, current + limit)
         inputs[key] = value
     advantages = inputs["advantages"]
     if not bool(torch.isfinite(advantages).all()):  # only where masking is off: rows that are padding or counted

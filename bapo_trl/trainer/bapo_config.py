@@ -101,8 +101,10 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
             the loss (they are counted in `bapo/nonfinite_tokens` either way) instead of letting them poison the
             step. Non-finite values on padded positions are always neutralised.
         max_log_ratio (`float`, *optional*, defaults to `20.0`):
-            Clamp of the log importance ratio, as in the official code, so ``exp`` never overflows. Must exceed
-            ``log(ratio_upper_max)`` so it never interferes with the clipping window.
+            Clamp of the log importance ratio to the behaviour policy, as in the official code, so ``exp`` never
+            overflows. Must exceed ``log(ratio_upper_max)`` so it never interferes with the clipping window. The
+            reference log-ratio of TRL's KL term (``beta > 0``) is not clamped at it: it is TRL's up to 44 nats
+            (float32), past which ``exp`` would overflow.
 
         positive_contribution_is_weighted (`bool`, *optional*, defaults to `False`):
             When TRL's vLLM importance-sampling correction reweights tokens (the batch carries
@@ -184,7 +186,8 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
     )
     max_log_ratio: float = field(
         default=20.0,
-        metadata={"help": "Clamp of the log importance ratio (official code: 20); > log(ratio_upper_max)."},
+        metadata={"help": "Clamp of the log importance ratio to the behaviour policy (official code: 20); "
+                          "> log(ratio_upper_max). Not applied to TRL's KL term."},
     )
     positive_contribution_is_weighted: bool = field(
         default=False,

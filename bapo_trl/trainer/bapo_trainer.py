@@ -143,6 +143,7 @@ class BAPOTrainer(VLLMGenerationMixin, CheckpointMixin, ModelCardMixin, Evaluati
     # -- loss: arm the search, let TRL compute the loss with the chosen window ----------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)  # TRL trains its buffered batch num_iterations times: edit a copy, never the buffer
         # Before TRL binds its loss mask: real tokens with non-finite inputs leave the loss (needs no new log-probs).
         self._nonfinite_inputs = mask_nonfinite_inputs(inputs, self.args.mask_nonfinite_tokens)
         self._bapo_pending, self._bapo_installed = inputs, {}
