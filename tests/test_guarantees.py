@@ -26,6 +26,7 @@ end.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 
@@ -49,6 +50,7 @@ from support.guarantee_rows import (
     check_versions_and_staleness,
     config,
     run_row,
+    updates_spanned,
 )
 from support.harness import PolicySnapshots
 from support.policy_server import PolicyServer
@@ -124,8 +126,42 @@ def test_async_rows_with_the_real_server(source, tiny_server, tiny_model_dir, tm
 SERVER = dict(use_vllm=True, vllm_mode="server", async_generation=True)
 
 
+def test_updates_per_generation_is_trls_schedule_walked_and_on_policy_is_trls_own_verdict():
+    """Over every (S, I, GA) up to 6 x 3 x 6: the most updates one generation batch trains across is what walking TRL's
+    schedule gives (a batch can start mid-accumulation where S x I and GA do not divide one another: S=2, GA=3 spans
+    2 updates, where ceil(2 / 3) said 1), and the data is exactly on-policy where TRL itself takes the old log-probs as
+    the current ones (``GA % (S x I) == 0``, ``GRPOTrainer._generate_and_score_completions``)."""
+    for setting in itertools.product(range(1, 7), range(1, 4), range(1, 7)):
+        steps_per_generation, num_iterations, accumulation = setting
+        args = BAPOConfig(output_dir="unused", use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+                          steps_per_generation=steps_per_generation, num_iterations=num_iterations,
+                          gradient_accumulation_steps=accumulation, max_completion_length=8)
+        assert args.updates_per_generation == updates_spanned(setting), setting
+        assert args.exactly_on_policy == (accumulation % (steps_per_generation * num_iterations) == 0), setting
+
+
+#: (S, I, GA) where a generation batch starts mid-accumulation: its last micro-steps train one update later.
+MISALIGNED = [(2, 1, 3), (3, 1, 2)]
+
+
+@pytest.mark.parametrize("source", ["trl", "replay"])
+@pytest.mark.parametrize("setting", MISALIGNED, ids=lambda s: "S{}_I{}_GA{}".format(*s))
+def test_a_batch_straddling_an_accumulation_stays_within_its_bound(source, setting, tiny_model_dir, tmp_path):
+    """Training where S x I and GA do not divide one another: every token's staleness is within the bound, which
+    TRL's generation reaches (1, where the bound said 0 for S=2, GA=3 and a replayed group could train one update
+    past ``replay_max_staleness``)."""
+    args = config(source, setting, tmp_path / "out", [], save_strategy="no", max_steps=5)
+    trainer = build(tiny_model_dir, args)
+    trainer.train()
+    bound = staleness_bound(args)
+    check_versions_and_staleness(trainer.trained, bound)
+    if source == "trl":
+        assert bound == 1 and max(r["step"] - min(r["versions"]) for r in trainer.trained) == bound
+
+
 @pytest.mark.parametrize("fields, bound", [
-    # TRL's generation: u - 1, with u = ceil(S x I / GA) updates per generation batch
+    # TRL's generation: u - 1, with u the most updates one generation batch trains across (ceil(S x I / GA) where
+    # one divides the other)
     (dict(steps_per_generation=4, gradient_accumulation_steps=2), 1),  # u = 2
     (dict(steps_per_generation=8, num_iterations=2), 15),  # u = 16
     (dict(steps_per_generation=1), 0),

@@ -9,6 +9,7 @@ no rollout source, so the config can use it without loading one.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 from ..generation.contract import registered_backends, samples_for_every_source
@@ -212,10 +213,15 @@ class RolloutSettings:
 
     @property
     def updates_per_generation(self) -> int:
-        """Optimizer steps taken on one generation batch (TRL reuses it ``steps_per_generation x num_iterations``
-        micro-steps)."""
+        """The most optimizer steps one generation batch is trained across: TRL reuses it for ``steps_per_generation
+        x num_iterations`` micro-steps, and where that count and ``gradient_accumulation_steps`` do not divide one
+        another a batch can start mid-accumulation (at best ``gcd`` micro-steps before its end) and straddle one update
+        more than ``ceil(micro-steps / accumulation)``. 1 exactly when TRL takes the batch's old log-probs as the
+        current ones (``gradient_accumulation_steps % (steps_per_generation x num_iterations) == 0``)."""
         micro_steps = self.steps_per_generation * self.num_iterations
-        return max(1, -(-micro_steps // self.gradient_accumulation_steps))
+        accumulation = self.gradient_accumulation_steps
+        latest_start = accumulation - math.gcd(micro_steps, accumulation)
+        return (latest_start + micro_steps - 1) // accumulation + 1
 
     @property
     def exactly_on_policy(self) -> bool:
@@ -229,10 +235,10 @@ class RolloutSettings:
     def on_policy_reason(self) -> str:
         """Why :attr:`exactly_on_policy` holds and what would make the data stale, closing a parenthesis: the one
         sentence the config's warning and ``bapo train``'s plan both print."""
-        return (f"steps_per_generation x num_iterations = {self.steps_per_generation} x {self.num_iterations} <= "
-                f"gradient_accumulation_steps = {self.gradient_accumulation_steps}; no replay, partial rollout or "
-                "async generation): every ratio is 1, so BAPO acts as GRPO (the bound search never changes the "
-                "loss). For stale data: steps_per_generation > gradient_accumulation_steps, num_iterations > 1, "
+        return (f"steps_per_generation x num_iterations = {self.steps_per_generation} x {self.num_iterations} "
+                f"divides gradient_accumulation_steps = {self.gradient_accumulation_steps}; no replay, partial "
+                "rollout or async generation): every ratio is 1, so BAPO acts as GRPO (the bound search never changes "
+                "the loss). For stale data: steps_per_generation > gradient_accumulation_steps, num_iterations > 1, "
                 "replay_buffer_size/replay_ratio, partial_rollout_budget or async_generation.")
 
     @property

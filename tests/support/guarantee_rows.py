@@ -251,11 +251,20 @@ def by_step(rows: list[dict]) -> Counter:
     return Counter((r["step"], r["prompt"], r["completion"], r["versions"]) for r in rows)
 
 
+def updates_spanned(setting: tuple[int, int, int]) -> int:
+    """The most optimizer steps one generation batch trains across, by walking TRL's schedule (a plain reference for
+    ``BAPOConfig.updates_per_generation``): batch ``k`` trains micro-steps ``k S I`` to ``(k + 1) S I - 1``, and
+    micro-step ``m`` belongs to update ``m // GA``."""
+    steps_per_generation, num_iterations, accumulation = setting
+    micro = steps_per_generation * num_iterations
+    return max((k * micro + micro - 1) // accumulation - (k * micro) // accumulation + 1
+               for k in range(2 * accumulation))
+
+
 def config(source: str, setting: tuple[int, int, int], out: Path, servers: list, config_cls=BAPOConfig, **overrides):
     """The row's config (``config_cls``: BAPOConfig, or a subclass of it: a research candidate's); ``servers``: none
     (TRL's generation), one (host and port, TRL's way) or several (a list in ``vllm_server_base_url``)."""
-    steps_per_generation, num_iterations, accumulation = setting
-    updates = max(1, -(-steps_per_generation * num_iterations // accumulation))
+    updates = updates_spanned(setting)
     extra = dict(SOURCES[source], **(USER_SAMPLING if setting == USER_SAMPLING_SETTING else {}))
     if "replay_buffer_size" in extra:  # the youngest age a replayed group can have, and more
         ahead = 1 + extra.get("max_staleness", 1) if extra.get("replay_saves_generation") else 0
@@ -269,8 +278,8 @@ def config(source: str, setting: tuple[int, int, int], out: Path, servers: list,
                      vllm_server_timeout=30)
     settings = dict(
         per_device_train_batch_size=8, num_generations=4, max_completion_length=8, logging_steps=1, seed=0,
-        learning_rate=5e-3, lr_scheduler_type="constant", steps_per_generation=steps_per_generation,
-        num_iterations=num_iterations, gradient_accumulation_steps=accumulation,
+        learning_rate=5e-3, lr_scheduler_type="constant", steps_per_generation=setting[0],
+        num_iterations=setting[1], gradient_accumulation_steps=setting[2],
         max_steps=row_steps(source, updates),
         save_strategy="steps", save_steps=1, disable_tqdm=True)
     return cpu_config(out, config_cls=config_cls, **{**settings, **extra, **overrides})
