@@ -677,11 +677,16 @@ def test_the_shipped_chat_arithmetic_task_is_one_flag_with_its_own_reward(tmp_pa
     assert [getattr(f, "__name__", f) for f in prepare(script_args, args, model_args)[0]] == ["reverse_reward"]
 
 
+#: A checkpoint's files in :func:`old_run`, its completion marker among them.
+CHECKPOINT_FILES = {"model.safetensors", "trainer_state.json", "rng_state.pth", "bapo_checkpoint_complete.json"}
+
+
 def old_run(folder) -> set[str]:
-    """A finished run's folder as ``bapo train`` leaves it (two checkpoints, the model, its card, the metrics)."""
+    """A finished run's folder as ``bapo train`` leaves it (two complete checkpoints, the model, its card, the
+    metrics)."""
     for checkpoint in ("checkpoint-2", "checkpoint-4"):
         (folder / checkpoint).mkdir(parents=True)
-        for name in ("model.safetensors", "trainer_state.json", "rng_state.pth"):
+        for name in CHECKPOINT_FILES:
             (folder / checkpoint / name).write_text("old")
     names = ("metrics.jsonl", "model.safetensors", "config.json", "README.md", "dynamics.png", "training_args.bin",
              "bapo_log_history.json", "tokenizer.json", "trainer_state.json")
@@ -690,41 +695,55 @@ def old_run(folder) -> set[str]:
     return {"checkpoint-2", "checkpoint-4", *names}
 
 
-@pytest.mark.parametrize("stop_at", range(11))
 def test_a_removal_of_the_previous_run_stopped_at_any_step_leaves_a_folder_still_seen_as_that_run(
-        tmp_path, monkeypatch, stop_at):
+        tmp_path, monkeypatch):
     """Issue 75 (faults at ``bapo train``'s start): ``--overwrite_output_dir`` removes the old run's files one by one;
     an error (or Ctrl-C) at any of them leaves a folder whose every remaining old file is still found as the old
     run's, so a plain ``bapo train`` there is still refused and the next overwrite removes the rest: nothing of the
-    old run can survive beside a new one. Seen failing with the run markers removed first (a stop after them left
-    ``README.md`` and ``dynamics.png`` unseen)."""
+    old run can survive beside a new one. And a checkpoint stopped half-removed is never taken as complete (``latest``
+    would resume it without the files it lost). Seen failing with the run markers removed first (a stop after them
+    left ``README.md`` and ``dynamics.png`` unseen), and with a checkpoint's marker removed with its other files."""
     import shutil
 
     from bapo_trl.cli import train
+    from bapo_trl.trainer.checkpoints import checkpoint_folders, is_complete
 
-    out = tmp_path / "out"
-    expected = old_run(out)
-    assert set(train.previous_run(str(out))) == expected
-    calls = {"n": 0}
-    real_remove, real_rmtree = os.remove, shutil.rmtree
+    calls = {"n": 0, "stop": None}
+    real = {name: getattr(os, name) for name in ("remove", "unlink", "rmdir")} | {"rmtree": shutil.rmtree}
 
-    def failing(real):
+    def counting(name):
         def remove(path, *args, **kwargs):
-            if calls["n"] == stop_at:
-                raise KeyboardInterrupt(f"stopped at removal {stop_at}")
+            if calls["n"] == calls["stop"]:
+                raise KeyboardInterrupt(f"stopped at removal {calls['stop']}")
             calls["n"] += 1
-            return real(path, *args, **kwargs)
+            return real[name](path, *args, **kwargs)
         return remove
 
-    monkeypatch.setattr(os, "remove", failing(real_remove))
-    monkeypatch.setattr(shutil, "rmtree", failing(real_rmtree))
-    with pytest.raises(KeyboardInterrupt):
+    stop = 0
+    while True:
+        out = tmp_path / f"out{stop}"
+        expected = old_run(out)
+        assert set(train.previous_run(str(out))) == expected
+        calls.update(n=0, stop=stop)
+        with monkeypatch.context() as patch:
+            for name in ("remove", "unlink", "rmdir"):
+                patch.setattr(os, name, counting(name))
+            patch.setattr(shutil, "rmtree", counting("rmtree"))
+            try:
+                train.remove_previous_run(str(out))
+            except KeyboardInterrupt:
+                pass
+            else:
+                break  # every removal was reached: the stops before covered them all
+        left = set(os.listdir(out))
+        assert left and set(train.previous_run(str(out))) == left, (stop, left)
+        for name in checkpoint_folders(str(out)):
+            folder = out / name
+            assert not is_complete(str(folder)) or set(os.listdir(folder)) == CHECKPOINT_FILES, (stop, name)
         train.remove_previous_run(str(out))
-    monkeypatch.undo()
-    left = set(os.listdir(out))
-    assert left and set(train.previous_run(str(out))) == left, (stop_at, left)
-    train.remove_previous_run(str(out))
-    assert not os.listdir(out)
+        assert not os.listdir(out)
+        stop += 1
+    assert stop > 11 and not os.listdir(out)  # the checkpoints' files are removed one by one
 
 
 def test_a_new_run_after_an_interrupted_overwrite_is_one_whole_run(tmp_path, monkeypatch, capsys):

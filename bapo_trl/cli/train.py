@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from trl import ModelConfig, ScriptArguments, TrlParser
 
 from ..trainer.bapo_config import BAPOConfig
-from ..trainer.checkpoints import checkpoint_folders
+from ..trainer.checkpoints import checkpoint_folders, clear_for_rewrite
 from ..trainer.option_groups import GROUPS
 from .flag_hints import unknown_flags
 
@@ -402,13 +402,20 @@ def previous_run(output_dir: str) -> list[str]:
 def remove_previous_run(output_dir: str) -> None:
     """Remove what :func:`previous_run` finds (main process), so nothing of the old run survives beside the new. The
     run markers go last: a removal stopped part-way (an error, Ctrl-C) leaves a folder that is still seen as holding
-    that run, so the next ``bapo train`` refuses it or removes the rest, never trains beside a remnant of it."""
+    that run, so the next ``bapo train`` refuses it or removes the rest, never trains beside a remnant of it. A
+    checkpoint loses its completion marker first (durably), so one stopped half-removed is never resumed as
+    ``latest`` (transformers would resume without the files it lacks, saying so only at INFO)."""
     import shutil
 
     found = previous_run(output_dir)
+    checkpoints = set(checkpoint_folders(output_dir))
     for name in sorted(found, key=lambda n: n in RUN_MARKERS):
         path = os.path.join(output_dir, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        if name in checkpoints:
+            clear_for_rewrite(path)
+            os.rmdir(path)
+        else:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
 def resumes_inside(training_args: BAPOConfig) -> bool:
