@@ -306,3 +306,24 @@ def test_resuming_a_finished_run_is_refused_instead_of_training_past_max_steps(t
     further.train(resume_from_checkpoint=True)
     assert further.state.global_step == 3
 
+
+
+@pytest.mark.parametrize("changed", [dict(steps_per_generation=4), dict(num_iterations=2),
+                                     dict(per_device_train_batch_size=4)], ids=lambda c: next(iter(c)))
+def test_a_checkpoint_written_mid_generation_batch_resumes_only_under_the_settings_that_cut_it(
+        changed, tiny_model_dir, tmp_path):
+    """The generation batch saved part-way was cut into ``steps_per_generation`` micro-batches of
+    ``per_device_train_batch_size`` rows, each trained ``num_iterations`` times: resumed under other values it would be
+    re-cut, cut short or repeated (and TRL's micro-step counter would point elsewhere in it). Refused, naming the field
+    and both values; a checkpoint at a generation boundary (nothing buffered) resumes under any."""
+    trainer = build(tiny_model_dir, tmp_path / "mid", max_steps=1, steps_per_generation=2)
+    trainer.train()
+    name, value = next(iter(changed.items()))
+    again = build(tiny_model_dir, tmp_path / "again", max_steps=2, **{"steps_per_generation": 2, **changed})
+    refusal = rf"part-way through a generation batch.*`{name}` \(\d+ there, {value} here\)"
+    with pytest.raises(ValueError, match=refusal):
+        again.train(resume_from_checkpoint=str(tmp_path / "mid" / "checkpoint-1"))
+    build(tiny_model_dir, tmp_path / "boundary", max_steps=1, steps_per_generation=1).train()
+    later = build(tiny_model_dir, tmp_path / "later", max_steps=2, **{"steps_per_generation": 1, **changed})
+    later.train(resume_from_checkpoint=str(tmp_path / "boundary" / "checkpoint-1"))
+    assert later.state.global_step == 2

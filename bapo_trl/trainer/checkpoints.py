@@ -236,18 +236,38 @@ class GenerationBatchState:
     checkpoint, so one written in the middle of a generation batch resumes that batch instead of generating a new one
     (which would lose the rest of it and shift every later generation boundary)."""
 
+    #: The settings that cut a generation batch into micro-batches and say how often each is trained: a batch saved
+    #: part-way resumes only under the same ones.
+    SHAPE = ("steps_per_generation", "num_iterations", "per_device_train_batch_size")
+
     def __init__(self, trainer):
         self.trainer = trainer
 
     def state_dict(self) -> dict:
         buffered = self.trainer._buffered_inputs
         return {"micro_step": self.trainer._step,
-                "buffered": None if buffered is None else [_to(batch, "cpu") for batch in buffered]}
+                "buffered": None if buffered is None else [_to(batch, "cpu") for batch in buffered],
+                "shape": {name: getattr(self.trainer.args, name) for name in self.SHAPE}}
 
     def load_state_dict(self, state: dict) -> None:
         device = self.trainer.accelerator.device
-        self.trainer._step = int(state["micro_step"])
         buffered = state["buffered"]
+        shape = state.get("shape", {})  # absent in checkpoints written before it was saved
+        changed = [f"`{name}` ({saved} there, {getattr(self.trainer.args, name)} here)"
+                   for name, saved in shape.items() if getattr(self.trainer.args, name) != saved]
+        part_way = bool(shape) and state["micro_step"] % (shape["steps_per_generation"] * shape["num_iterations"])
+        if changed and not part_way:
+            # At a boundary what TRL buffered is spent: it generates anew, as on its own resume (the saved micro-step
+            # counter, read with other settings, would index past the new batch).
+            self.reset()
+            return
+        if changed:
+            raise ValueError(
+                f"resume_from_checkpoint: the checkpoint was written part-way through a generation batch, which this "
+                f"run would cut or repeat otherwise: {', '.join(changed)}. Resume with the checkpoint's settings, or "
+                "from a checkpoint written at a generation boundary (every steps_per_generation x num_iterations "
+                "micro-steps).")
+        self.trainer._step = int(state["micro_step"])
         self.trainer._buffered_inputs = None if buffered is None else [_to(batch, device) for batch in buffered]
 
     def reset(self) -> None:
