@@ -341,6 +341,34 @@ def test_a_server_restarted_mid_run_gets_the_base_weights_and_the_adapter_again(
         server.close()
 
 
+def test_a_second_run_after_the_server_restarted_samples_on_the_base_the_trainer_gave(tiny_model_dir, tmp_path):
+    """Between two ``train()`` calls the server restarts from its own checkpoint, whose base weights are not the
+    trainer's (here: the base moved in memory before training, as a user's merged or edited model is). The first run
+    left no adapter on the server (``close``), so the restart cannot be seen from a missing adapter: the second run's
+    first push reloads the base first pushed, and it samples from the trainer's policy again. Seen failing with the
+    base reloaded only when a missing adapter showed a restart (the second run sampled on the checkpoint's base)."""
+    server = PolicyServer(tiny_model_dir)
+    model = peft_model(tiny_model_dir)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(5)
+        for name, param in model.named_parameters():
+            if "lora" not in name and "mlp" in name:
+                param.add_(0.2 * torch.randn(param.shape, generator=generator))
+    try:
+        trainer = tiny_trainer(tiny_model_dir, server_config(server, tmp_path, max_steps=2, steps_per_generation=1),
+                               model=model)
+        trainer.train()
+        assert server.requests["RPC", "reload_weights"] == 1 and server.adapters == {}
+        server.restart()
+        trainer.train()
+        assert server.requests["RPC", "reload_weights"] == 2
+        diffs = [h["sampling/sampling_logp_difference/mean"] for h in trainer.state.log_history
+                 if "sampling/sampling_logp_difference/mean" in h]
+        assert len(diffs) == 2 and max(diffs) < 1e-4, diffs
+    finally:
+        server.close()
+
+
 @pytest.mark.parametrize("ending", ["finished", "failed"])
 def test_a_run_leaves_no_adapter_on_the_server_and_the_next_generation_pushes_again(tiny_model_dir, tmp_path,
                                                                                       monkeypatch, ending):

@@ -126,6 +126,10 @@ class AdapterSync(DiskWeightSync):
         self.base_pushed = False
         self._base_dir: str | None = None  # the base weights as first pushed (they never change): a restarted server's
         self.restarts: list[str] = []  # servers found restarted (they got the base weights and the adapter again)
+        # After close(): the servers hold no adapter of ours, so a restart between two runs cannot be seen from it;
+        # the next run's first push reloads the base weights first pushed, whatever happened to the servers meanwhile.
+        self.base_unknown = False
+        self.base_loads = 0  # pushes that had every server reload the base weights (a restart's reload aside)
         self._restore_lock = threading.Lock()
 
     @staticmethod
@@ -150,12 +154,14 @@ class AdapterSync(DiskWeightSync):
     # -- loading --------------------------------------------------------------------------------------------------
 
     def _load(self, base_url: str, directory: str) -> None:
-        """One server: reload the base weights when the push carries them, or when the server no longer holds the
-        adapter it was given last (it restarted, from its own checkpoint: the base pushed first is loaded again),
-        then load the adapter."""
+        """One server: reload the base weights when the push carries them, on the first push of a later run (the
+        server may have restarted between the runs), or when the server no longer holds the adapter it was given last
+        (it restarted, from its own checkpoint: the base pushed first is loaded again), then load the adapter."""
         bases = [os.path.join(directory, d) for d in sorted(os.listdir(directory)) if d.startswith("base-")]
         if bases:
             super()._load(base_url, bases[0])
+        elif self.base_unknown:
+            super()._load(base_url, self._base_dir)
         elif self.active_name is not None and self.active_name not in self.served_adapters(base_url):
             self.restarts.append(base_url)
             super()._load(base_url, self._base_dir)
@@ -167,6 +173,8 @@ class AdapterSync(DiskWeightSync):
         everywhere (a request naming it would now be refused, 404)."""
         old, self.active_name = self.active_name, self.adapter_name(directory)
         self.loaded_names.append(self.active_name)
+        self.base_loads += self.base_unknown or any(d.startswith("base-") for d in os.listdir(directory))
+        self.base_unknown = False
         for base in [d for d in os.listdir(directory) if d.startswith("base-")]:  # kept aside until close()
             kept = tempfile.mkdtemp(prefix="bapo-lora-base-", dir=self.root)
             os.replace(os.path.join(directory, base), kept)
@@ -245,8 +253,9 @@ class AdapterSync(DiskWeightSync):
 
     def close(self) -> None:
         """Unload the adapter this client loaded last from every server (best effort: a server already gone is not an
-        error here), then remove every directory it wrote but the base weights' (kept while the client lives, for a
-        server restarted in a later run)."""
+        error here), then remove every directory it wrote but the base weights' (kept while the client lives: a later
+        run's first push reloads them)."""
+        self.base_unknown = self._base_dir is not None
         if self.active_name is not None:
             name, self.active_name = self.active_name, None
             for url in self.base_urls:
@@ -254,7 +263,7 @@ class AdapterSync(DiskWeightSync):
                     self._unload(url, name)
                 except WeightSyncError:
                     pass
-        super().close()  # the base weights' directory stays for a later run's restarted server (removed at exit)
+        super().close()  # the base weights' directory stays for a later run's first push (removed at exit)
 
 
 def data_parallel_size(session, base_url: str, timeout: float) -> int:

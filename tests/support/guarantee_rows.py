@@ -55,7 +55,7 @@ SOURCES = {
 #: the default): every server loads each push under a fresh name and unloads the one it replaces, and a request names
 #: the adapter of the push it was queued after. Besides the row's checks (the behaviour log-probs are recomputed with
 #: the saved LoRA policy of each token's version): every request named an adapter, never one already unloaded (the
-#: stand-in answers such a name 404, as vLLM does), and the base weights were reloaded once per trainer object.
+#: stand-in answers such a name 404, as vLLM does), and the base weights were reloaded once per run.
 LORA = {"async_k1_lora", "async_partial_lora", "async_inflight_lora", "async_k2_two_servers_lora"}
 #: Rows that generate on several servers (``vllm_server_base_url`` lists them): every server answers requests and
 #: loads every push, and the guarantees hold as with one.
@@ -472,7 +472,7 @@ def run_row(source: str, setting, model_dir, tmp_path: Path, server=None, atol: 
             assert holds and all(calls[i][1] == next(index for what, index in calls[i + 1 :] if what == "take")
                                  for i in holds), calls
         if peft is not None:
-            check_adapter_pushes(trainer, own_servers, trainers=2)
+            check_adapter_pushes([trainer, fresh], own_servers, runs=steps + 1)  # its first, resumes, a second
         if len(servers) > 1:  # several servers: each generated, each loaded every push
             assert all(s.requests["POST", "/v1/completions"] > 0 for s in servers), [s.requests for s in servers]
             assert len({s.reloads for s in servers}) == 1 and servers[0].reloads > 0, [s.reloads for s in servers]
@@ -482,14 +482,18 @@ def run_row(source: str, setting, model_dir, tmp_path: Path, server=None, atol: 
             each.close()
 
 
-def check_adapter_pushes(trainer, servers: list, trainers: int) -> None:
+def check_adapter_pushes(trainers: list, servers: list, runs: int) -> None:
     """A LoRA row pushed adapters: the stand-ins (the real server keeps no such record) saw every generate request
     name an adapter loaded and not yet unloaded (none refused), each server's loads and unloads in one order, and the
-    base weights reloaded once per trainer object (``trainers``): every later push carried the adapter only."""
+    base weights reloaded once per run that pushed (the first trainer ran ``runs`` times: a later ``train()`` on the
+    same object reloads them, the server may have restarted between; the others once): every other push carried the
+    adapter only."""
     from bapo_trl.generation.adapter_sync import AdapterSync
 
-    sync = trainer.vllm_generation.disk_sync
-    assert isinstance(sync, AdapterSync) and len(sync.loaded_names) > 1
+    syncs = [trainer.vllm_generation.disk_sync for trainer in trainers]
+    assert all(isinstance(sync, AdapterSync) for sync in syncs) and len(syncs[0].loaded_names) > 1
+    assert 2 <= syncs[0].base_loads <= runs and all(sync.base_loads == 1 for sync in syncs[1:])
+    assert not any(sync.restarts for sync in syncs)
     for server in servers:
         live, retired = set(), set()
         for event, name in server.lora_events:
@@ -502,6 +506,6 @@ def check_adapter_pushes(trainer, servers: list, trainers: int) -> None:
             else:
                 assert name in live and name not in retired, (name, server.lora_events)
         assert any(event == "generate" for event, _ in server.lora_events)
-        assert server.requests["RPC", "reload_weights"] == trainers, server.requests
+        assert server.requests["RPC", "reload_weights"] == sum(sync.base_loads for sync in syncs), server.requests
     loads = [[e for e in server.lora_events if e[0] != "generate"] for server in servers]
     assert all(each == loads[0] for each in loads), loads  # every server loaded and unloaded the same adapters

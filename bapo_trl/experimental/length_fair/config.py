@@ -37,7 +37,8 @@ class LengthFairBAPOConfig(BAPOConfig):
     band_lower_step: float = _band("band_lower_step", "step of k_low, > 0.")
     band_floor: float = field(default=GSPO_DOCUMENTED["epsilon"], metadata={
         "help": "length-fair window: the smallest band unit b (a one-token sequence or on-policy data has sd = 0), "
-                "> 0: GSPO's documented epsilon."})
+                "> 0: GSPO's documented epsilon. The window at the floor is k times it (about 1e-6 wide at the "
+                "default band's start)."})
 
     def bapo_errors(self) -> list[str]:
         errors = super().bapo_errors() + band_errors(**self._band_dict())

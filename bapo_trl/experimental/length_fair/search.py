@@ -7,8 +7,11 @@ window. The mean of ``L_i`` noisy token log-ratios has a standard error ``sd_i /
 clips a short answer (a noisy mean) far more often than a long one whose policy moved as much. Here the window is
 ``log R_i in [-k_low b_i, k_high b_i]`` with ``b_i = max(sd_i / sqrt(L_i), band_floor)`` (``sd_i`` the population
 standard deviation of the sequence's token log-ratios; the floor keeps one-token sequences and on-policy data, where
-``sd_i = 0``, from being clipped at ``R = 1``): per sequence ``c_low_i = exp(-k_low b_i)``, ``c_high_i = exp(k_high
-b_i)``.
+``sd_i = 0``, from a window of no width): per sequence ``c_low_i = exp(-k_low b_i)``, ``c_high_i = exp(k_high b_i)``.
+With the defaults (the narrow band the studies kept, ``k_high`` from 0.002, and GSPO's 3e-4 as the floor) a sequence
+at the floor starts at a window about 1e-6 wide, far inside GSPO's 4e-4: such sequences are all but clipped at
+``R = 1`` until the search widens ``k_high``. That is the candidate as studied (docs/results.md); the floor is a
+field.
 
 The search follows Algorithm 1's path on ``(k_low, k_high)`` instead of ``(c_low, c_high)``: first widen the
 positives' side (``k_high`` from ``band_upper_start`` up to ``band_upper_max``), then narrow the negatives' side
