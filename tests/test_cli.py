@@ -579,6 +579,23 @@ def test_a_resumed_run_logs_each_step_once_in_metrics_jsonl(tmp_path):
     assert [e["step"] for e in entries if "loss" in e] == [1, 2, 3, 4]
 
 
+def test_a_resume_stopped_while_rewriting_metrics_jsonl_leaves_the_old_file_whole(tmp_path, monkeypatch):
+    """The resume keeps the entries up to its step: the kept lines replace the file whole (a stop mid-rewrite leaves
+    the old one, every step of it), and the file is then appended to. Seen failing with the file truncated first."""
+    from bapo_trl.cli.progress import open_metrics
+
+    lines = "".join(json.dumps({"step": step, "loss": 0.1 * step}) + "\n" for step in (1, 2, 3, 4))
+    (tmp_path / "metrics.jsonl").write_text(lines)
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt("stopped")))
+        with pytest.raises(KeyboardInterrupt):
+            open_metrics(str(tmp_path), 2)
+    assert (tmp_path / "metrics.jsonl").read_text() == lines
+    with open_metrics(str(tmp_path), 2) as f:
+        f.write(json.dumps({"step": 3}) + "\n")
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
 def test_a_run_shows_a_progress_bar_and_writes_every_metric_to_a_file_not_the_console(tmp_path, capsys):
     """No printed dict per logged step (transformers' ~70 metrics each): the bar's few numbers on stderr, every
     logged entry in output_dir/metrics.jsonl, which the saved listing names."""

@@ -35,10 +35,13 @@ def open_metrics(output_dir: str, step: int):
                     continue
                 if isinstance(entry, dict) and isinstance(entry.get("step"), int) and entry["step"] <= step:
                     kept.append(line if line.endswith("\n") else line + "\n")
-    file = open(path, "w")
-    file.writelines(kept)
-    file.flush()
-    return file
+    tmp = f"{path}.tmp"  # the kept entries replace the file whole: a crash here leaves the old one, never a cut one
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return open(path, "a")
 
 
 class ConsoleProgress(TrainerCallback):
