@@ -201,9 +201,15 @@ def test_a_fresh_run_in_a_used_output_dir_leaves_the_old_checkpoints_out_of_late
 
 
 def test_rotation_still_keeps_save_total_limit(tiny_model_dir, tmp_path):
+    """Rotation waits for the new checkpoint's marker (the limit is set aside while transformers saves), and each
+    checkpoint's saved arguments carry the user's limit, not the one set aside (seen failing: None)."""
+    import torch
+
     build(tiny_model_dir, tmp_path, max_steps=3, save_total_limit=2).train()
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-3"]
     assert all(is_complete(str(tmp_path / n)) for n in ("checkpoint-2", "checkpoint-3"))
+    for name in ("checkpoint-2", "checkpoint-3"):
+        assert torch.load(tmp_path / name / "training_args.bin", weights_only=False).save_total_limit == 2, name
     assert build(tiny_model_dir, tmp_path / "x", max_steps=1).args.save_total_limit == 1  # restored after saving
 
 

@@ -230,6 +230,42 @@ def test_flags_the_user_wrote_win(argv, expected, note, tmp_path, capsys):
         assert len(lines) == 1 and note in lines[0], lines
 
 
+@pytest.mark.parametrize("spelling", ["--model_name_or_path", "--model-name-or-path", "--model-name-or-path=x"])
+def test_a_model_of_your_own_never_gets_the_toy_jobs_settings_whatever_the_flags_spelling(spelling, tmp_path):
+    """TRL's parser takes a flag with dashes too: ``--model-name-or-path`` is a model of the user's own, so the
+    embedded toy job's settings (learning rate 1e-3, 12 tokens, 160 steps, the CPU) are not applied; TRL's defaults
+    are. Seen failing with only the underscore spelling recognised (the toy job's settings, silently)."""
+    from trl import GRPOConfig
+
+    argv = [spelling] if "=" in spelling else [spelling, "x"]
+    _, args, model_args = _parse(argv, tmp_path)  # no CUDA here: the CPU defaults apply, and are said (tested above)
+    trl = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    assert model_args.model_name_or_path == "x"
+    for name in ("learning_rate", "lr_scheduler_type", "max_completion_length", "per_device_train_batch_size",
+                 "steps_per_generation", "max_steps", "seed", "save_strategy", "logging_steps", "report_to"):
+        assert getattr(args, name) == getattr(trl, name), name
+
+
+def test_the_toy_job_takes_gradient_checkpointing_under_either_name(tmp_path):
+    """The toy job turns activation checkpointing off by default; ``--gradient_checkpointing true`` (the name TRL's
+    users know, which transformers maps onto ``activation_checkpointing``) turns it on, as the help says a flag
+    does."""
+    _, args, _ = _parse(["--gradient_checkpointing", "true"], tmp_path)
+    assert args.activation_checkpointing and args.gradient_checkpointing
+    _, args, _ = _parse([], tmp_path)
+    assert not args.activation_checkpointing
+
+
+def test_dataset_streaming_is_refused_by_name_before_anything_loads(tmp_path):
+    """TRL's ``--dataset_streaming`` (ScriptArguments) is shown by ``bapo train --help``, which loads a split whole:
+    refused, naming the field and the Python API's way to stream, instead of loading it all silently."""
+    from bapo_trl.cli.data import load_prompts
+
+    script_args, args, _ = _parse(["--dataset_name", "nowhere/none", "--dataset_streaming", "true"], tmp_path)
+    with pytest.raises(ValueError, match="`dataset_streaming` is not supported by bapo train.*IterableDataset"):
+        load_prompts(script_args, args)
+
+
 def test_a_config_file_key_wins_too(tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("model_name_or_path: some/model\nuse_cpu: true\nbf16: true\n")
@@ -696,6 +732,29 @@ def test_the_shipped_chat_arithmetic_task_is_one_flag_with_its_own_reward(tmp_pa
 
 #: A checkpoint's files in :func:`old_run`, its completion marker among them.
 CHECKPOINT_FILES = {"model.safetensors", "trainer_state.json", "rng_state.pth", "bapo_checkpoint_complete.json"}
+
+
+def test_the_model_check_before_training_trusts_remote_code_when_told(tmp_path, tiny_model_dir, monkeypatch):
+    """``bapo train`` checks the model loads before anything else runs; with ``--trust_remote_code true`` (TRL's
+    field) that check trusts it too, as TRL's script's loading does (a custom-code model was refused as "not a local
+    model directory")."""
+    import transformers
+
+    from bapo_trl.cli.train import prepare
+
+    seen, load = [], transformers.AutoConfig.from_pretrained
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("trust_remote_code"))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", recording)
+    for flag in ("true", "false"):
+        script_args, args, model_args = _parse(["--model_name_or_path", tiny_model_dir, "--reward_funcs", "reverse",
+                                                "--trust_remote_code", flag],
+                                               tmp_path / flag)
+        prepare(script_args, args, model_args)
+    assert seen[-2:] == [True, False], seen
 
 
 def old_run(folder) -> set[str]:

@@ -38,6 +38,10 @@ def prepare_prompts(dataset, prompt_column: str = "prompt"):
 def load_prompts(script_args, training_args):
     """``(train, eval)`` datasets; eval only when ``eval_strategy`` is not ``"no"``."""
     wants_eval = str(getattr(training_args.eval_strategy, "value", training_args.eval_strategy)) != "no"
+    if getattr(script_args, "dataset_streaming", False):  # TRL's ScriptArguments has it; bapo train loads whole
+        raise ValueError("`dataset_streaming` is not supported by bapo train, which loads the split whole: leave it "
+                         "off, or stream through the Python API (BAPOTrainer takes a 🤗 IterableDataset, "
+                         "load_dataset(..., streaming=True)).")
     if script_args.dataset_name is None:
         from ..recipes.toy import make_reverse_dataset
 

@@ -50,6 +50,9 @@ EMBEDDED_DEFAULTS = dict(
     dataloader_num_workers=0,
 )
 
+#: Fields transformers also takes under another name (the old one wins over a default set under the new).
+FIELD_ALIASES = {"activation_checkpointing": ("gradient_checkpointing",)}
+
 #: The help's width, whatever the terminal's: the text is the same everywhere (:mod:`.train_front` stores it).
 HELP_WIDTH = 110
 #: The flags that print the help: the defaults they show are a run of the user's own, not the embedded job's.
@@ -268,7 +271,7 @@ def explicit_fields(argv: list[str]) -> set[str]:
     names = set()
     for arg in argv:
         if arg.startswith("--"):
-            name = arg[2:].split("=", 1)[0]
+            name = arg[2:].split("=", 1)[0].replace("-", "_")  # TRL's parser takes --model-name-or-path too
             names |= {name, name.removeprefix("no_")}
     if "--config" in argv and argv.index("--config") + 1 < len(argv):
         import yaml
@@ -312,8 +315,11 @@ def parse_args(argv: list[str] | None = None, parser: TrlParser | None = None, c
     parser = parser or make_parser()
     # The embedded defaults apply to a bare run; a recipe (--config) or a model of your own brings its own settings.
     # --help shows the defaults of such a run (the embedded job's are listed in the description).
-    if not any(a.split("=")[0] in ("--model_name_or_path", "--config", *HELP_FLAGS) for a in argv):
-        parser.set_defaults_with_config(**EMBEDDED_DEFAULTS)
+    explicit = explicit_fields(argv)
+    if not ({"model_name_or_path", "config"} & explicit or any(a in HELP_FLAGS for a in argv)):
+        # a flag overrides the default of its own field, not of the field's other name: none is set under either
+        parser.set_defaults_with_config(**{k: v for k, v in EMBEDDED_DEFAULTS.items()
+                                           if not {k, *FIELD_ALIASES.get(k, ())} & explicit})
     if not any(a in HELP_FLAGS for a in argv):  # the help shows TRL's defaults (the description says the CPU's)
         apply_cpu_defaults(parser, argv, cuda_available)  # before parsing: the config file and the flags override it
     notice = deepspeed_cpu_build_notice(argv, cuda_available=cuda_available)
@@ -509,7 +515,8 @@ def prepare(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_a
                 raise ValueError(f"--model_name_or_path {model_args.model_name_or_path!r}: {err}") from err
 
             try:
-                AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
+                AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
+                                           trust_remote_code=training_args.trust_remote_code)
             except (OSError, ValueError) as err:
                 raise ValueError(
                     f"cannot load model {model_args.model_name_or_path!r} (from --model_name_or_path): not a local "

@@ -292,6 +292,7 @@ class CheckpointMixin:
         return {**self._rank_states(), GENERATION_BATCH: GenerationBatchState(self)}
 
     def _save_checkpoint(self, model, trial):
+        from transformers.trainer import TRAINING_ARGS_NAME
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
@@ -308,11 +309,19 @@ class CheckpointMixin:
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = save_total_limit
+        if self.args.should_save and os.path.exists(os.path.join(folder, TRAINING_ARGS_NAME)):
+            self._save_training_args(os.path.join(folder, TRAINING_ARGS_NAME))  # saved with the limit set aside
         self.accelerator.wait_for_everyone()  # every rank's share is on disk before the checkpoint counts
         if self.args.should_save:
             mark_complete(folder, self.state.global_step, self.accelerator.num_processes)
             rotate_checkpoints(output_dir=self._get_output_dir(trial=trial), save_total_limit=save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _save_training_args(self, path: str) -> None:
+        """The arguments as the user set them (transformers wrote them while ``save_total_limit`` was set aside)."""
+        import torch
+
+        write_atomically(path, lambda tmp: torch.save(self.args, tmp))
 
     def _checkpoint_to_resume(self, resume_from_checkpoint):
         """What ``train(resume_from_checkpoint=...)`` resumes from, once per run before it writes anything:
