@@ -547,6 +547,38 @@ def test_async_refuses_sampling_whose_log_probs_are_not_the_policys(overrides, n
     assert named in str(error.value) and "async_generation=False" in str(error.value)
 
 
+@pytest.mark.parametrize("overrides,named", [
+    (dict(generation_kwargs={"presence_penalty": 0.5}), "generation_kwargs['presence_penalty']"),
+    (dict(generation_kwargs={"frequency_penalty": 0.5}), "generation_kwargs['frequency_penalty']"),
+    (dict(generation_kwargs={"structured_outputs": {"regex": "[0-9]+"}}), "generation_kwargs['structured_outputs']"),
+    (dict(vllm_structured_outputs_regex="[0-9]+"), "vllm_structured_outputs_regex"),
+])
+def test_partial_rollout_refuses_sampling_that_depends_on_the_tokens_generated_so_far(overrides, named):
+    """Each partial-rollout round is a new request continuing the completion as its prompt: a grammar would restart
+    and a penalty on generated tokens would forget the earlier rounds' (TRL samples a completion in one request).
+    Refused synchronously too, naming the setting; settings without history (top_p) stay TRL's to correct."""
+    with pytest.raises(ValueError, match="cannot be used with `partial_rollout_budget`: each round") as error:
+        BAPOConfig(**{**BASE, "partial_rollout_budget": 2, "max_completion_length": 8, **overrides})
+    assert named in str(error.value)
+    BAPOConfig(**{**BASE, "partial_rollout_budget": 2, "max_completion_length": 8, "top_p": 0.9})
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (dict(top_p=0.9), "top_p=0.9"), (dict(repetition_penalty=1.1), "repetition_penalty=1.1"),
+    (dict(generation_kwargs={"temperature": 0.7}), "generation_kwargs['temperature']"),
+])
+def test_a_backend_of_ones_own_refuses_truncated_sampling_in_the_synchronous_sources_too(overrides, named):
+    """A registered backend samples for every source and its log-probs are the behaviour log-probs there (not the
+    trainer's recomputation TRL's generation corrects with its IS weight): truncated or penalised sampling is refused
+    as under async, naming the setting and the backend."""
+    from bapo_trl.generation.contract import register_backend
+
+    register_backend("own_for_sampling_check", lambda trainer: None)
+    with pytest.raises(ValueError, match="'own_for_sampling_check' samples for every source") as error:
+        BAPOConfig(**{**BASE, "generation_backend": "own_for_sampling_check", "steps_per_generation": 2, **overrides})
+    assert named in str(error.value) and "truncated or penalised" in str(error.value)
+
+
 def test_sync_generation_keeps_trls_handling_of_truncated_sampling():
     BAPOConfig(**BASE, top_p=0.9, top_k=20, steps_per_generation=2)  # TRL's IS correction handles it: accepted
 

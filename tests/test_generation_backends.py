@@ -135,6 +135,47 @@ def test_every_source_trains_through_a_registered_backend(source, tiny_model_dir
     assert check_behaviour_logps(trainer.trained, snapshots.policies, tiny_model_dir, args.temperature, 1e-4) > 0
 
 
+class ShortLogpsBackend(InProcessBackend):
+    """A STAND-IN backend with a bug: its first completion's log-prob list is one token short."""
+
+    def sample(self, prompts, n, max_tokens, seed=None):
+        out = super().sample(prompts, n, max_tokens, seed)
+        out["logps"][0] = out["logps"][0][:-1]
+        return out
+
+
+register_backend("short_logps_stand_in", ShortLogpsBackend)
+
+
+@pytest.mark.parametrize("source", ["TRL's default (synchronous)", "partial rollout", "async generation, K=1"])
+def test_a_backend_answering_a_log_prob_short_is_an_error_naming_it_in_every_source(source, tiny_model_dir, tmp_path):
+    """Every source trusts the backend's answer: a log-prob list one token short would shift every later token's
+    behaviour log-prob (in-flight chunks), or be padded with log-prob 0 (TRL's default source, async), or fall back
+    silently (partial rollout). It is an error naming the backend and the completion, in every source."""
+    args = cpu_config(tmp_path / "out", save_strategy="no", per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=6, logging_steps=1, seed=0, max_steps=2, disable_tqdm=True,
+                      generation_backend="short_logps_stand_in", **SOURCES[source])
+    trainer = build(tiny_model_dir, args)
+    with pytest.raises(Exception, match=r"generation backend 'short_logps_stand_in'.*completion 0 has \d+ token"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("output, problem", [
+    ({"completion_ids": [[5, 6]]}, "keys"),
+    ([[5, 6]], "got list"),
+    ({"completion_ids": [[5, 6]], "logps": [[-0.1, -0.2]]}, "asked for 2 completion"),
+    ({"completion_ids": [[5, 6], [7]], "logps": [[-0.1, None], [-0.3]]}, "not a number"),
+    ({"completion_ids": [[5, 6], [7, 8, 9, 10]], "logps": [[-0.1, -0.2], [-0.3] * 4]}, "at most 3 asked"),
+])
+def test_a_backends_answer_is_checked_before_any_source_reads_it(output, problem):
+    from bapo_trl.generation.contract import sampled_or_error
+
+    with pytest.raises(ValueError, match=rf"generation backend 'mine'.*{problem}"):
+        sampled_or_error("mine", output, prompts=1, n=2, max_tokens=3)
+    fine = {"completion_ids": [[5, 6], [7]], "logps": [[-0.1, float("nan")], [-0.3]]}  # NaN: a token not scored
+    assert sampled_or_error("mine", fine, prompts=1, n=2, max_tokens=3) is fine
+
+
 def test_an_unregistered_backend_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="generation_backend.*registered"):
         BAPOConfig(output_dir="unused", use_cpu=True, generation_backend="sglang")

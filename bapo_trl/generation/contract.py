@@ -14,6 +14,7 @@ trainer, the port and the sources stay as they are.
 from __future__ import annotations
 
 import importlib
+import numbers
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -46,6 +47,30 @@ class GenerationBackend(Protocol):
     def close(self) -> None:
         """The run is over: release what the backend holds for it (connections, threads); a later run may use it
         again."""
+
+
+def sampled_or_error(name: str, output: Any, prompts: int, n: int, max_tokens: int) -> dict[str, list]:
+    """``output`` of backend ``name``'s :meth:`GenerationBackend.sample` for ``prompts`` prompts, checked: every
+    source trusts it (a log-prob list one token short shifts every later token's behaviour log-prob, a missing value
+    becomes a ratio against log-prob 0), so a wrong shape is an error naming the backend and what was expected."""
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"generation backend {name!r}: sample() must return {{'completion_ids': [...], 'logps': "
+                          f"[...]}}, prompt-major, with a log-prob per completion token; {what}.")
+
+    if not isinstance(output, dict) or not {"completion_ids", "logps"} <= output.keys():
+        raise refuse(f"got {type(output).__name__} with keys {sorted(output) if isinstance(output, dict) else None}")
+    ids, logps = output["completion_ids"], output["logps"]
+    if len(ids) != prompts * n or len(logps) != len(ids):
+        raise refuse(f"asked for {n} completion(s) of {prompts} prompt(s) ({prompts * n}), got {len(ids)} completions "
+                     f"and {len(logps)} log-prob lists")
+    for i, (tokens, values) in enumerate(zip(ids, logps)):
+        if len(values) != len(tokens) or len(tokens) > max_tokens:
+            raise refuse(f"completion {i} has {len(tokens)} token(s) (at most {max_tokens} asked) and {len(values)} "
+                         "log-prob(s)")
+        if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values):
+            raise refuse(f"completion {i} has a log-prob that is not a number (NaN is allowed: a token the sampler "
+                         "could not score)")
+    return output
 
 
 #: name -> what builds the backend from the trainer (a class or a function), or ``"module:name"`` (imported only when

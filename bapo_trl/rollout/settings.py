@@ -34,6 +34,14 @@ DISTRIBUTION_CHANGING_KWARGS = frozenset({
 })
 
 
+#: ``generation_kwargs`` keys whose effect depends on the tokens generated so far in the same request (vLLM applies
+#: them to the request's own output): partial rollout's rounds, each a new request continuing the completion as its
+#: prompt, would restart them at every round, where TRL samples each completion in one request.
+HISTORY_DEPENDENT_KWARGS = frozenset({
+    "presence_penalty", "frequency_penalty", "structured_outputs", "bad_words", "logits_processors",
+})
+
+
 def field_default(config, name: str):
     """The declared default of dataclass field ``name`` of ``config`` (an instance or a class): what the
     inert-setting rows compare a setting with, so changing a default never silently breaks its row."""
@@ -448,6 +456,15 @@ def partial_rollout_errors(cfg) -> list[str]:
         errors.append(
             f"`generation_kwargs` keys {clashing} cannot be used with `partial_rollout_budget` (it caps each "
             "round itself and recognises stops by EOS token ids only); use `stop_token_ids` / `eos_token_id`.")
+    history = [f"generation_kwargs[{key!r}]"
+               for key in sorted(set(_generation_kwargs(cfg)) & HISTORY_DEPENDENT_KWARGS)]
+    history += ["vllm_structured_outputs_regex"] if getattr(cfg, "vllm_structured_outputs_regex", None) else []
+    if history and not cfg.async_generation:  # async refuses every sampling change (async_errors)
+        errors.append(
+            f"{', '.join(history)} cannot be used with `partial_rollout_budget`: each round is a new request that "
+            "continues the completion as its prompt, so a grammar would restart and a penalty on generated tokens "
+            "would forget the earlier rounds' tokens (TRL samples each completion in one request). Drop them, or "
+            "generate without partial rollout.")
     return errors
 
 
@@ -560,11 +577,21 @@ def staleness_bound(cfg) -> int:
 
 
 def generation_backend_errors(cfg) -> list[str]:
-    """The backend must be registered (by the time the config is built)."""
+    """The backend must be registered (by the time the config is built). A backend of the user's own samples for
+    every source and its log-probs are the behaviour log-probs there: its distribution must be the policy's at the
+    temperature (async generation checks the same for the built-in one)."""
     if cfg.generation_backend not in registered_backends():
         return [f"`generation_backend` must be one of the registered generation backends {registered_backends()}, "
                 f"got {cfg.generation_backend!r} (register yours with "
                 "bapo_trl.generation.contract.register_backend(name, cls) before building the config)."]
+    changed = sampling_changes(cfg)
+    if samples_for_every_source(cfg.generation_backend) and changed and not cfg.async_generation:
+        return [f"`generation_backend` {cfg.generation_backend!r} samples for every source, and its log-probs are the "
+                f"behaviour log-probs of each token; {', '.join(changed)} make(s) the sampler's distribution a "
+                "truncated or penalised one, so every importance ratio would carry that difference as a bias (TRL's "
+                "generation recomputes the behaviour log-probs and puts the difference into its capped "
+                "importance-sampling weight instead). Sample with top_p=1, top_k=0, min_p=0, repetition_penalty=1 "
+                "and no such generation_kwargs, or generate with the built-in backend ('vllm')."]
     return []
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..generation.contract import GenerationBackend, build_backend, samples_for_every_source
+from ..generation.contract import GenerationBackend, build_backend, sampled_or_error, samples_for_every_source
 from ..generation.processes import broadcast_from_main
 from ..generation.trl_patches import serving_rollout
 from ..rollout.contract import ReadyCompletions, ScoreFn, right_pad
@@ -153,8 +153,9 @@ class TRLPort:
     def sample(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int | None = None) -> dict[str, list]:
         """The generation backend's completions (any thread): ``n`` of every prompt (token ids), at most
         ``max_tokens`` each; ``completion_ids`` (prompt-major) and the sampler's ``logps`` per token
-        (:meth:`~bapo_trl.generation.contract.GenerationBackend.sample`)."""
-        return self.backend.sample(prompts, n, max_tokens, seed)
+        (:meth:`~bapo_trl.generation.contract.GenerationBackend.sample`), checked (:func:`sampled_or_error`)."""
+        return sampled_or_error(self.settings.generation_backend, self.backend.sample(prompts, n, max_tokens, seed),
+                                len(prompts), n, max_tokens)
 
     def sample_rows(self, prompts: list) -> tuple[list[list[int]], dict[str, list]]:
         """One completion per dataset row's prompt from the generation backend, brought to the current policy first
