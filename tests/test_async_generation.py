@@ -579,6 +579,13 @@ def test_a_backend_of_ones_own_refuses_truncated_sampling_in_the_synchronous_sou
     assert named in str(error.value) and "truncated or penalised" in str(error.value)
 
 
+def test_async_refuses_asking_the_server_for_the_top_n_log_probs():
+    """The behaviour log-prob is read as the server's first log-prob of each token, the sampled token's with
+    logprobs=0; ``generation_kwargs['logprobs']=N`` would replace it by the most likely token's."""
+    with pytest.raises(ValueError, match=r"`generation_kwargs\['logprobs'\]` cannot be used with `async_generation`"):
+        BAPOConfig(**{**BASE, **ASYNC, "generation_kwargs": {"logprobs": 2}})
+
+
 def test_sync_generation_keeps_trls_handling_of_truncated_sampling():
     BAPOConfig(**BASE, top_p=0.9, top_k=20, steps_per_generation=2)  # TRL's IS correction handles it: accepted
 

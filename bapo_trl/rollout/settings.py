@@ -512,6 +512,10 @@ def async_errors(cfg) -> list[str]:
             "instead (the trainer-side log-probs of the sampling policy no longer exist under async). Sample with "
             "top_p=1, top_k=0, min_p=0, repetition_penalty=1 and no such generation_kwargs with async generation, or "
             "generate synchronously (async_generation=False).")
+    if "logprobs" in _generation_kwargs(cfg):
+        errors.append("`generation_kwargs['logprobs']` cannot be used with `async_generation`: each token's behaviour "
+                      "log-prob is the sampled token's, which the server returns first only with logprobs=0 (with N "
+                      "it returns the top N, and TRL's client reads the most likely token's). Drop it.")
     if cfg.partial_rollout_budget is not None and cfg.max_staleness != 1:
         errors.append("`async_generation` with `partial_rollout_budget` runs exactly one round ahead (each round "
                       f"continues the previous one's completions): `max_staleness` must be 1, got "
