@@ -822,6 +822,25 @@ def test_a_removal_of_the_previous_run_stopped_at_any_step_leaves_a_folder_still
     assert stop > 11 and not os.listdir(out)  # the checkpoints' files are removed one by one
 
 
+def test_an_overwrite_whose_trainer_refuses_its_settings_leaves_the_earlier_run_whole(tmp_path, monkeypatch):
+    """``--overwrite_output_dir`` removes the earlier run only once the trainer has accepted the new run's settings:
+    a refusal at construction (here a stand-in for any, e.g. replay with an image column) leaves every old file.
+    Seen failing with the removal before the trainer was built."""
+    from bapo_trl.trainer.bapo_trainer import BAPOTrainer
+
+    out = tmp_path / "out"
+    expected = old_run(out)
+
+    def refuse(self, *args, **kwargs):
+        raise ValueError("a setting this trainer refuses")
+
+    monkeypatch.setattr(BAPOTrainer, "__init__", refuse)
+    with pytest.raises((ValueError, SystemExit)):
+        run(["--output_dir", str(out), "--max_steps", "1", "--overwrite_output_dir"], parser=make_parser())
+    assert set(os.listdir(out)) == expected
+    assert all((out / name / "model.safetensors").read_text() == "old" for name in ("checkpoint-2", "checkpoint-4"))
+
+
 def test_a_new_run_after_an_interrupted_overwrite_is_one_whole_run(tmp_path, monkeypatch, capsys):
     """End to end: ``bapo train --overwrite_output_dir`` stopped while removing the old run, then run again, leaves one
     run's files: every file is the new run's and metrics.jsonl holds its steps once."""

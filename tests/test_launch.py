@@ -247,3 +247,22 @@ def test_the_embedded_model_built_by_rank_1_is_complete(tmp_path):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert seen["initialized"] and {"config.json", "model.safetensors"} <= set(seen["files"])
         assert seen["parameters"] > 0
+
+
+def test_two_processes_replace_an_earlier_run_once_both_have_built_their_trainers(tmp_path):
+    """``--overwrite_output_dir`` over an earlier run, 2 processes: the main process removes it once the trainers
+    accepted the settings, the other waits at the same barrier (each decides as the main process saw the folder: one
+    that looked after the removal would skip the barrier and hang the launch), and the run writes its own files."""
+    out = tmp_path / "run"
+    for checkpoint in ("checkpoint-2", "checkpoint-4"):
+        (out / checkpoint).mkdir(parents=True)
+        for name in ("model.safetensors", "trainer_state.json", "bapo_checkpoint_complete.json"):
+            (out / checkpoint / name).write_text("old")
+    for name in ("metrics.jsonl", "model.safetensors", "README.md"):
+        (out / name).write_text("old")
+    proc = accelerate_launch(TRAIN, *SHORT_RUN, "--output_dir", out, "--overwrite_output_dir",
+                             config_file=CONFIGS / "multi_gpu.yaml", extra_launch=NO_MIXED, timeout=600)
+    assert_two_ranks(launch_infos(out), "MULTI_GPU", None)
+    assert "replaced the earlier run" in proc.stdout and "BAPO run summary" in proc.stdout
+    assert not any(name.startswith("checkpoint-") for name in os.listdir(out))
+    assert (out / "model.safetensors").read_bytes() != b"old" and (out / "metrics.jsonl").read_text() != "old"

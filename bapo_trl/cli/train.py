@@ -612,6 +612,7 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
     import torch
     from trl import get_peft_config, get_quantization_config
 
+    from ..generation.processes import broadcast_from_main
     from ..reporting.callbacks import PlotDynamicsCallback
     from ..reporting.summary import format_saved, format_summary
     from ..trainer.bapo_trainer import BAPOTrainer
@@ -638,11 +639,6 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
         model_init_kwargs.update(training_args.model_init_kwargs or {})
         training_args.model_init_kwargs = {k: v for k, v in model_init_kwargs.items() if v is not None}
     peft_config = get_peft_config(model_args)
-    if replaces_previous_run(training_args, script_args) and os.environ.get("RANK", "0") == "0":
-        left = previous_run(training_args.output_dir)
-        remove_previous_run(training_args.output_dir)  # another run's: nothing of it survives beside this one
-        print(f"[bapo_trl] replaced the earlier run in {os.path.abspath(training_args.output_dir)}: removed "
-              f"{', '.join(left)}", flush=True)
     if os.environ.get("RANK", "0") == "0":
         trained = f"LoRA r={model_args.lora_r}, alpha={model_args.lora_alpha}" if peft_config else "every weight"
         model = (f"the embedded tiny model (~90k parameters, built offline and cached; {trained}): {model_path}"
@@ -659,6 +655,16 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
         peft_config=peft_config,
         quantization_config=get_quantization_config(model_args),  # --load_in_4bit / --load_in_8bit, as TRL's script
     )
+    # Once the trainer has accepted the settings (never removed for nothing), as the main process sees the folder
+    # (another process may look after it removed the earlier run: every one must reach the barrier below, or none).
+    processes = trainer.accelerator.num_processes
+    if broadcast_from_main(replaces_previous_run(training_args, script_args), processes):
+        if trainer.accelerator.is_main_process:
+            left = previous_run(training_args.output_dir)
+            remove_previous_run(training_args.output_dir)  # another run's: nothing of it survives beside this one
+            print(f"[bapo_trl] replaced the earlier run in {os.path.abspath(training_args.output_dir)}: removed "
+                  f"{', '.join(left)}", flush=True)
+        trainer.accelerator.wait_for_everyone()
     ConsoleProgress.install(trainer)  # a progress bar; every metric in output_dir/metrics.jsonl
     trainer.add_callback(LaunchInfoCallback(trainer))
     trainer.add_callback(PlotDynamicsCallback())  # output_dir/dynamics.png + bapo_log_history.json at the end
