@@ -58,6 +58,8 @@ WARNINGS = [
      "so target_entropy=1.0 only matter(s) for a moving search"),
     ("--max_steps 2 --logging_steps 10", "`logging_steps` (10) exceeds `max_steps` (2): no training step will be "
      "logged"),
+    ("--epsilon 0.1 --ratio_lower_start 0.6 --ratio_lower_max 0.9 --ratio_lower_step 0.02 --ratio_upper_start 1.2 "
+     "--ratio_upper_max 3.0 --ratio_upper_step 0.05", "epsilon=0.1 has no effect: the six ratio_* fields you set"),
 ]
 
 

@@ -317,6 +317,14 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
                 f"your window's epsilon={self.epsilon} leaves no room to widen c_low below it ({level} ratios), so "
                 f"c_low's search path is clamped to {ratio['ratio_lower_start']}..{ratio['ratio_lower_max']} "
                 "(c_high keeps your window's bound); set `ratio_lower_start` / `ratio_lower_max` to choose it.")))
+        window = [f"{name}={getattr(self, name)!r}" for name in ("epsilon", "epsilon_high")
+                  if getattr(self, name) != field_default(self, name)]
+        if len(self.ratio_fields_set) == len(RATIO_FIELDS) and window and self.loss_row.kind in ("clip", "cap"):
+            rows.append(("warning", (
+                f"{', '.join(window)} ha{'s' if len(window) == 1 else 've'} no effect: the six ratio_* fields you set "
+                f"(a preset such as gspo_balanced() sets them all) are the whole search path, which starts at "
+                f"[{ratio['ratio_lower_start']}, {ratio['ratio_upper_start']}] whatever your window. Leave the "
+                "ratio_* fields unset for a path derived from your window, or drop the window fields.")))
         if self.positive_contribution_is_weighted and not (self.use_vllm and self.vllm_importance_sampling_correction):
             rows.append(("warning", (
                 "`positive_contribution_is_weighted` only acts on TRL's vLLM importance-sampling weights, and this "
