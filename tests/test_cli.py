@@ -412,13 +412,18 @@ def test_the_plan_names_the_data_format_the_checkpoints_and_the_stale_sources(tm
                  "CPU; a generation batch of 4 prompts x 8 completions of up to 512 tokens every 4 optimizer steps",
         "staleness": "stale data (4 optimizer steps per generation batch, replay): BAPO re-chooses the clipping "
                      "window at every update.",
-        "window": "the search path is the paper's path, BAPO around TRL's default window [0.8, 1.2]",
+        "window": "the search path is the paper's path, BAPO around TRL's default window [0.8, 1.2]; "
+                  "negative-advantage tokens' loss capped at delta=3 x |A| (the dual clip, on by default; TRL's "
+                  "delta is unset: --no_dual_clip for TRL's one-sided clip)",
         "writes to": f"{tmp_path}: launch_info/ at the start, a checkpoint-N/ every 50 steps; at the end the model "
                      "with its card (README.md), dynamics.png and bapo_log_history.json; metrics every 5 steps to "
                      "metrics.jsonl (a progress bar on the console)",
     }
     texts = Dataset.from_list([{"prompt": "123>"}])
     assert plan_block(run_plan(args, script_args, "m", texts))["data"].endswith(": 1 prompt, plain text")
+    for flags in (["--no_dual_clip"], ["--delta", "4.0"]):  # TRL's one-sided clip, or the user's own delta: no line
+        script_args, args, _ = _parse(["--model_name_or_path", "some/model", *flags], tmp_path)
+        assert "dual clip" not in plan_block(run_plan(args, script_args, "m", texts))["window"], flags
 
 
 def test_bapo_train_exits_1_when_no_generation_batch_had_a_reward(tmp_path, monkeypatch, capsys):

@@ -603,9 +603,18 @@ def run_plan(args: BAPOConfig, script_args: BAPOScriptArguments | None = None, m
     if reward_funcs is not None:
         rows.append(("rewards", ", ".join(_name(f) for f in reward_funcs) or "none"))
     rows += [("steps", steps), ("staleness", staleness_plan(args)),
-             ("window", f"the search path is {args.search_path_origin}"), ("writes to", _output_plan(args, peft))]
+             ("window", f"the search path is {args.search_path_origin}{_dual_clip_plan(args)}"),
+             ("writes to", _output_plan(args, peft))]
     width = max(len(label) for label, _ in rows) + 1
     return "\n".join(["[bapo_trl] this run:"] + [f"  {label + ':':<{width}} {text}" for label, text in rows])
+
+
+def _dual_clip_plan(args: BAPOConfig) -> str:
+    """Where BAPO's dual clip sets TRL's ``delta`` the user left unset, the plan says so (it is not TRL's default)."""
+    if args.delta is None and args.effective_delta is not None:
+        return (f"; negative-advantage tokens' loss capped at delta={args.effective_delta:g} x |A| (the dual clip, "
+                "on by default; TRL's delta is unset: --no_dual_clip for TRL's one-sided clip)")
+    return ""
 
 
 def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args: ModelConfig):
