@@ -219,11 +219,13 @@ def test_without_cuda_a_model_of_your_own_trains_on_the_cpu_in_float32(tmp_path,
     (["--use_cpu", "--bf16", "true"], dict(use_cpu=True, bf16=True), None),
     (["--bf16=true", "--use_cpu=true"], dict(use_cpu=True, bf16=True), None),
     (["--fp16", "false", "--use_cpu", "true"], dict(use_cpu=True, bf16=False, fp16=False), "(bf16=False)"),
-], ids=["use_cpu-false", "bf16-true", "equals-form", "fp16-false"])
+    # the precision the user chose is not called float32 (it was)
+    (["--bf16", "true"], dict(use_cpu=True, bf16=True), "training on the CPU (use_cpu=True, fp16=False)"),
+], ids=["use_cpu-false", "bf16-true", "equals-form", "fp16-false", "only-bf16-true"])
 def test_flags_the_user_wrote_win(argv, expected, note, tmp_path, capsys):
     _, args, _ = _parse(["--model_name_or_path", "some/model", *argv], tmp_path)
     assert {k: getattr(args, k) for k in expected} == expected
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(NOTE)]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[bapo_trl] no CUDA device")]
     if note is None:
         assert lines == []
     else:
@@ -421,6 +423,12 @@ def test_the_plan_names_the_data_format_the_checkpoints_and_the_stale_sources(tm
     }
     texts = Dataset.from_list([{"prompt": "123>"}])
     assert plan_block(run_plan(args, script_args, "m", texts))["data"].endswith(": 1 prompt, plain text")
+    # a batch that can start mid-accumulation (S=2, GA=3): its cadence, and the most updates it spans
+    script_args, args, _ = _parse(["--model_name_or_path", "some/model", "--steps_per_generation", "2",
+                                   "--gradient_accumulation_steps", "3"], tmp_path)
+    plan = plan_block(run_plan(args, script_args, "m", texts))
+    assert plan["steps"].endswith("every 2/3 optimizer steps (one can straddle 2 updates)"), plan["steps"]
+    assert plan["staleness"].startswith("stale data (up to 2 optimizer steps per generation batch)"), plan["staleness"]
     for flags in (["--no_dual_clip"], ["--delta", "4.0"]):  # TRL's one-sided clip, or the user's own delta: no line
         script_args, args, _ = _parse(["--model_name_or_path", "some/model", *flags], tmp_path)
         assert "dual clip" not in plan_block(run_plan(args, script_args, "m", texts))["window"], flags

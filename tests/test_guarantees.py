@@ -138,6 +138,17 @@ def test_updates_per_generation_is_trls_schedule_walked_and_on_policy_is_trls_ow
                           gradient_accumulation_steps=accumulation, max_completion_length=8)
         assert args.updates_per_generation == updates_spanned(setting), setting
         assert args.exactly_on_policy == (accumulation % (steps_per_generation * num_iterations) == 0), setting
+        micro = steps_per_generation * num_iterations
+        for batches in (1, 2, 3):  # the fewest updates consecutive batches span: replay's youngest age, plus 1
+            walked = min((k + batches) * micro // accumulation - k * micro // accumulation
+                         + ((k + batches) * micro % accumulation != 0) for k in range(60))
+            assert args.fewest_updates_spanned(batches) == walked, (setting, batches)
+            if accumulation % micro == 0 or micro % accumulation == 0:
+                assert walked == batches * args.updates_per_generation or micro < accumulation, (setting, batches)
+    # S=2, GA=3: a group replayed one batch after it was generated trains at age 1 (the age check said >= 3)
+    BAPOConfig(output_dir="unused", use_cpu=True, per_device_train_batch_size=8, num_generations=4,
+               steps_per_generation=2, gradient_accumulation_steps=3, max_completion_length=8, replay_buffer_size=8,
+               replay_ratio=0.5, replay_max_staleness=1)
 
 
 #: (S, I, GA) where a generation batch starts mid-accumulation: its last micro-steps train one update later.

@@ -179,3 +179,21 @@ def test_each_loss_call_reads_the_batch_as_given_as_trls_num_iterations_reuse_it
         assert torch.isfinite(again) and torch.equal(again, fresh), (again, fresh)
     finally:
         trainer.model.load_state_dict(weights)
+
+
+@pytest.mark.parametrize("dtype, kept, clamped", [(torch.float32, 40.0, 50.0), (torch.bfloat16, 40.0, 50.0),
+                                                  (torch.float16, 9.0, 10.5)])
+def test_the_reference_log_ratio_is_trls_but_where_its_exp_overflows_or_nearly_does(dtype, kept, clamped):
+    """TRL's KL term reads ``exp(ref - logp)``: a reference log-prob ``kept`` nats above the policy's, or 60 below, is
+    left as TRL has it; ``clamped`` nats above is brought to the limit (44 nats in float32 and bfloat16, 10 in
+    float16, where TRL's own term is finite up to 11), and garbage far below (30,000 nats) to 10,000 nats below."""
+    from bapo_trl.core.numerics import REFERENCE_FLOOR, reference_log_ratio_limit, sanitize_after_forward
+
+    current = torch.full((1, 4), -2.0, dtype=dtype)
+    ref = (current + torch.tensor([[kept, clamped, -60.0, -3e4]])).to(dtype)
+    inputs = {"completion_mask": torch.ones(1, 4), "advantages": torch.tensor([1.0]), "ref_per_token_logps": ref}
+    sanitize_after_forward(inputs, current)
+    expected = torch.stack([ref[0, 0], current[0, 1] + reference_log_ratio_limit(dtype), ref[0, 2],
+                            current[0, 3] - REFERENCE_FLOOR])
+    assert torch.equal(inputs["ref_per_token_logps"][0], expected.to(dtype))
+    assert torch.isfinite(torch.exp(inputs["ref_per_token_logps"] - current)).all()

@@ -303,7 +303,8 @@ def apply_cpu_defaults(parser: TrlParser, argv: list[str], cuda_available: bool 
     embedded = not ({"model_name_or_path", "config"} & explicit)  # the embedded job is set up for the CPU anyway
     if not embedded and {"use_cpu", "bf16"} & chosen.keys() and os.environ.get("RANK", "0") == "0":
         settings = ", ".join(f"{k}={v}" for k, v in chosen.items())
-        print(f"[bapo_trl] no CUDA device: training on the CPU in float32 ({settings}); pass "
+        precision = " in float32" if "bf16" in chosen else ""  # a precision the user chose is theirs, not ours
+        print(f"[bapo_trl] no CUDA device: training on the CPU{precision} ({settings}); pass "
               f"{' / '.join(f'--{k}' for k in chosen)} to choose otherwise.")
     return chosen
 
@@ -534,8 +535,25 @@ def staleness_plan(args: BAPOConfig) -> str:
                                      ("partial rollout", args.partial_rollout_enabled)) if on]
     if args.exactly_on_policy:
         return f"on-policy data ({args.on_policy_reason}"
-    return (f"stale data ({_count(upg, 'optimizer step')} per generation batch"
+    up_to = "" if _aligned(args) else "up to "
+    return (f"stale data ({up_to}{_count(upg, 'optimizer step')} per generation batch"
             f"{''.join(f', {name}' for name in sources)}): BAPO re-chooses the clipping window at every update.")
+
+
+def _aligned(args: BAPOConfig) -> bool:
+    """Whether every generation batch starts at an update: one of S x I and GA divides the other (else a batch can
+    start mid-accumulation, and ``updates_per_generation`` is the most it spans, not its cadence)."""
+    micro, accumulation = args.steps_per_generation * args.num_iterations, args.gradient_accumulation_steps
+    return micro % accumulation == 0 or accumulation % micro == 0
+
+
+def _cadence(args: BAPOConfig) -> str:
+    """How often a generation batch comes, in optimizer steps."""
+    micro, accumulation = args.steps_per_generation * args.num_iterations, args.gradient_accumulation_steps
+    if micro % accumulation == 0:
+        return _count(micro // accumulation, "optimizer step")
+    straddle = "" if _aligned(args) else f" (one can straddle {_count(args.updates_per_generation, 'update')})"
+    return f"{micro}/{accumulation} optimizer steps{straddle}"
 
 
 def _count(n: int, thing: str) -> str:
@@ -598,7 +616,7 @@ def run_plan(args: BAPOConfig, script_args: BAPOScriptArguments | None = None, m
     steps = (f"{length} of {per_step} completions each ({_count(world, 'process')}), learning rate "
              f"{args.learning_rate:g} ({scheduler}), {precision} on {device}; a generation batch of {prompts} prompts "
              f"x {args.num_generations} completions of up to {args.max_completion_length} tokens every "
-             f"{_count(args.updates_per_generation, 'optimizer step')}")
+             f"{_cadence(args)}")
     rows = [("model", model or "(not loaded yet)"), ("data", _data_plan(script_args, train_dataset))]
     if reward_funcs is not None:
         rows.append(("rewards", ", ".join(_name(f) for f in reward_funcs) or "none"))

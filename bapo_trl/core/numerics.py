@@ -19,9 +19,10 @@ position (vLLM returns NaN for tokens it could not score) poisons the step. Two 
   own ``nan_to_num`` does; importance weights by 1), and the log-ratio to the behaviour policy is clamped to
   ``[-max_log_ratio, max_log_ratio]`` (the official code clamps at 20), so the ratio's ``exp`` cannot overflow for
   tokens the other policy all but ruled out. The reference log-ratio, which only TRL's KL term reads, is left as TRL
-  computes it up to :func:`reference_log_ratio_limit` (44 nats in float32, where ``exp`` squared still fits the
-  dtype): with ``beta > 0`` the KL value and gradient are TRL's for every token within it (the official code's 20
-  would change TRL's KL term from ``exp(20)`` on); beyond it TRL's own term only carries overflow.
+  computes it, but for a reference log-prob more than :func:`reference_log_ratio_limit` above the policy's (44 nats
+  in float32 and bfloat16, 10 in float16), where ``exp`` overflows or nearly does, or more than
+  :data:`REFERENCE_FLOOR` (10,000 nats) below it: with ``beta > 0`` the KL value and gradient are TRL's for every
+  other token (the official code's 20 changed TRL's KL term from 20 nats on either side).
 
 Both passes work on the micro-batch :meth:`BAPOTrainer.compute_loss` hands to TRL, a shallow copy of the batch it was
 given: TRL feeds the same buffered batch to every one of its ``num_iterations``, and each loss call sanitises against
@@ -79,10 +80,19 @@ def mask_nonfinite_inputs(inputs: dict, mask_nonfinite: bool = True) -> torch.Te
     return real_bad.sum()
 
 
+#: The most nats a reference log-prob is left below the policy's: TRL's KL term grows like ``logp - ref`` there, times
+#: the ratio (up to ``exp(max_log_ratio)``) with its default ``use_bias_correction_kl``; a value this far below is
+#: garbage (``-1e30`` for a token never scored), which that product would turn into inf.
+REFERENCE_FLOOR = 1e4
+
+
 def reference_log_ratio_limit(dtype: torch.dtype) -> float:
-    """The largest ``|ref - logp|`` left as it is: half the log of the dtype's largest number, so TRL's KL term
-    ``exp(ref - logp)`` and its products in the backward pass stay finite (44.4 in float32 and bfloat16)."""
-    return 0.5 * math.log(torch.finfo(dtype).max)
+    """The largest ``ref - logp`` left as it is (below, TRL's KL term ``exp(ref - logp) - (ref - logp) - 1`` never
+    overflows): where the dtype holds ``exp`` of it squared, half the log of its largest number (44.4 in float32 and
+    bfloat16), so the term and its products in the backward pass stay finite; else a nat below where ``exp``
+    overflows (10.1 in float16, where TRL's own term is finite up to 11.1)."""
+    top = math.log(torch.finfo(dtype).max)
+    return min(top - 1.0, max(0.5 * top, 20.0))
 
 
 def sanitize_after_forward(inputs: dict, per_token_logps: torch.Tensor, max_log_ratio: float = 20.0) -> torch.Tensor:
@@ -97,8 +107,11 @@ def sanitize_after_forward(inputs: dict, per_token_logps: torch.Tensor, max_log_
         filler = current if key in LOGP_KEYS else torch.ones_like(value)
         value = torch.where(torch.isfinite(value), value, filler)
         if key in LOGP_KEYS:  # bounds exp(logp - other): the ratio's at max_log_ratio, TRL's KL estimate's at overflow
-            limit = reference_log_ratio_limit(current.dtype) if key == "ref_per_token_logps" else max_log_ratio
-            value = torch.clamp(value, current - limit, current + limit)
+            if key == "ref_per_token_logps":  # TRL's KL term as it is, but where it would overflow
+                above = reference_log_ratio_limit(current.dtype)
+                value = torch.clamp(value, current - REFERENCE_FLOOR, current + above)
+            else:
+                value = torch.clamp(value, current - max_log_ratio, current + max_log_ratio)
         inputs[key] = value
     advantages = inputs["advantages"]
     if not bool(torch.isfinite(advantages).all()):  # only where masking is off: rows that are padding or counted

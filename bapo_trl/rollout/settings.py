@@ -231,6 +231,15 @@ class RolloutSettings:
         latest_start = accumulation - math.gcd(micro_steps, accumulation)
         return (latest_start + micro_steps - 1) // accumulation + 1
 
+    def fewest_updates_spanned(self, batches: int) -> int:
+        """The fewest optimizer steps ``batches`` consecutive generation batches train across (``batches x
+        updates_per_generation`` where one of S x I and GA divides the other; fewer where a batch can start
+        mid-accumulation): TRL's schedule walked over every start a batch can have."""
+        micro_steps = self.steps_per_generation * self.num_iterations
+        accumulation = self.gradient_accumulation_steps
+        return min(((k + batches) * micro_steps - 1) // accumulation - (k * micro_steps) // accumulation + 1
+                   for k in range(accumulation))
+
     @property
     def exactly_on_policy(self) -> bool:
         """Every ratio is 1: each generation batch trains one update and no source brings older tokens (replay,
@@ -272,18 +281,19 @@ class RolloutSettings:
         """``("error" | "warning" | "on-policy", message)`` for every rollout setting that can never act in this
         combination (rows of the table "Settings that would do nothing", docs/configuration.md)."""
         rows = []
-        upg = self.updates_per_generation
         if self.replay_enabled:
             # A group pushed at step s is first sampled at the next generation, s + upg, and counted at the last
             # update that trains on that batch, s + 2 upg - 1: its age is at least 2 upg - 1. Async: a batch is
             # sampled at best by the weights of the previous hand-over (one more upg); standing in for generation,
             # its stand-ins are chosen K batches ahead (K more).
+            # (Where a batch can start mid-accumulation, the fewest updates those batches span, not 2 upg.)
             ahead = (1 + (self.max_staleness if self.replay_saves_generation else 0)) if self.async_generation else 0
-            youngest = (2 + ahead) * upg - 1
+            youngest = self.fewest_updates_spanned(2 + ahead) - 1
             if self.replay_max_staleness < youngest:
                 rows.append(("error", (
                     f"`replay_max_staleness` ({self.replay_max_staleness}) is below the youngest age a replayed group "
-                    f"can have ({youngest} = {2 + ahead} x {upg} updates per generation batch - 1, from "
+                    f"can have ({youngest}: the fewest optimizer steps {2 + ahead} consecutive generation batches "
+                    f"train across, {youngest + 1}, minus 1; from "
                     f"async_generation={self.async_generation}, max_staleness={self.max_staleness}, "
                     f"replay_saves_generation={self.replay_saves_generation}, steps_per_generation="
                     f"{self.steps_per_generation}, num_iterations={self.num_iterations}, gradient_accumulation_steps="

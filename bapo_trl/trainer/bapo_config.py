@@ -103,8 +103,9 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         max_log_ratio (`float`, *optional*, defaults to `20.0`):
             Clamp of the log importance ratio to the behaviour policy, as in the official code, so ``exp`` never
             overflows. Must exceed ``log(ratio_upper_max)`` so it never interferes with the clipping window. The
-            reference log-ratio of TRL's KL term (``beta > 0``) is not clamped at it: it is TRL's up to 44 nats
-            (float32), past which ``exp`` would overflow.
+            reference log-ratio of TRL's KL term (``beta > 0``) is not clamped at it: it is TRL's but where the
+            reference log-prob is more than 44 nats (float32; 10 in float16) above the policy's, where ``exp``
+            overflows or nearly does, or 10,000 below it.
 
         positive_contribution_is_weighted (`bool`, *optional*, defaults to `False`):
             When TRL's vLLM importance-sampling correction reweights tokens (the batch carries

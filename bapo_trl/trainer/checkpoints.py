@@ -140,10 +140,10 @@ def supersede_later(output_dir: str, step: int) -> list[str]:
     if not os.path.isdir(output_dir):
         return []
     superseded = []
-    for name in sorted(os.listdir(output_dir)):
-        match = _STEP.match(name)
+    # Highest step first: a stop part-way leaves the abandoned branch cut at a step, never with a hole in it.
+    for name in reversed(checkpoint_folders(output_dir)):
         folder = os.path.join(output_dir, name)
-        if match is None or int(match.group(1)) <= step or not is_complete(folder):
+        if int(_STEP.match(name).group(1)) <= step or not is_complete(folder):
             continue
         times = os.stat(folder)
         os.replace(os.path.join(folder, MARKER), os.path.join(folder, SUPERSEDED))
@@ -199,6 +199,17 @@ def saved_world_size(folder: str) -> int | None:
     return max(ranks) + 1 if ranks else None
 
 
+def refuse_other_world_size(folder: str, world_size: int) -> None:
+    """A checkpoint written by another number of processes cannot be resumed (:func:`load_rank_states`)."""
+    saved = saved_world_size(folder)
+    if saved is not None and saved != world_size:
+        raise ValueError(
+            f"resume_from_checkpoint: {folder} was written by {saved} processes and this run has {world_size}. Its "
+            "per-process rollout state (replay queues, partial-rollout pools, the generation batch in progress) "
+            f"belongs to {saved} processes and cannot be redistributed without losing or repeating data: resume with "
+            f"{saved} processes (accelerate launch --num_processes {saved}).")
+
+
 def load_rank_states(folder: str, states: dict, rank: int, world_size: int = 1, optional: tuple[str, ...] = ()
                      ) -> None:
     """Restore what :func:`save_rank_states` wrote; a missing file is an error naming it (never a silent fresh start),
@@ -207,13 +218,7 @@ def load_rank_states(folder: str, states: dict, rank: int, world_size: int = 1, 
     cannot be split or merged without losing or duplicating data."""
     import torch
 
-    saved = saved_world_size(folder)
-    if saved is not None and saved != world_size:
-        raise ValueError(
-            f"resume_from_checkpoint: {folder} was written by {saved} processes and this run has {world_size}. Its "
-            "per-process rollout state (replay queues, partial-rollout pools, the generation batch in progress) "
-            f"belongs to {saved} processes and cannot be redistributed without losing or repeating data: resume with "
-            f"{saved} processes (accelerate launch --num_processes {saved}).")
+    refuse_other_world_size(folder, world_size)
     for stem, obj in states.items():
         path = _rank_state_path(folder, stem, rank)
         if not os.path.exists(path) and stem in optional:
@@ -249,24 +254,42 @@ class GenerationBatchState:
                 "buffered": None if buffered is None else [_to(batch, "cpu") for batch in buffered],
                 "shape": {name: getattr(self.trainer.args, name) for name in self.SHAPE}}
 
-    def load_state_dict(self, state: dict) -> None:
-        device = self.trainer.accelerator.device
-        buffered = state["buffered"]
-        shape = state.get("shape", {})  # absent in checkpoints written before it was saved
+    def _changed(self, state: dict) -> tuple[list[str], bool]:
+        """The shape settings this run changes (``"`name` (saved there, this here)"``) and whether the checkpoint
+        was written part-way through a batch (older checkpoints saved no shape: none changed)."""
+        shape = state.get("shape", {})
         changed = [f"`{name}` ({saved} there, {getattr(self.trainer.args, name)} here)"
                    for name, saved in shape.items() if getattr(self.trainer.args, name) != saved]
         part_way = bool(shape) and state["micro_step"] % (shape["steps_per_generation"] * shape["num_iterations"])
+        return changed, bool(part_way)
+
+    def refuse_other_shape(self, folder: str, rank: int) -> None:
+        """Before anything of the run is written (the resume supersedes later checkpoints): a batch saved part-way
+        resumes only under the settings that cut it."""
+        import torch
+
+        path = _rank_state_path(folder, GENERATION_BATCH, rank)
+        if not os.path.exists(path):
+            return
+        changed, part_way = self._changed(torch.load(path, weights_only=False))
+        if changed and part_way:
+            raise ValueError(
+                f"resume_from_checkpoint: {folder} was written part-way through a generation batch, which this run "
+                f"would cut or repeat otherwise: {', '.join(changed)}. Resume with the checkpoint's settings, or from "
+                "a checkpoint written at a generation boundary (every steps_per_generation x num_iterations "
+                "micro-steps).")
+
+    def load_state_dict(self, state: dict) -> None:
+        device = self.trainer.accelerator.device
+        buffered = state["buffered"]
+        changed, part_way = self._changed(state)
         if changed and not part_way:
             # At a boundary what TRL buffered is spent: it generates anew, as on its own resume (the saved micro-step
             # counter, read with other settings, would index past the new batch).
             self.reset()
             return
-        if changed:
-            raise ValueError(
-                f"resume_from_checkpoint: the checkpoint was written part-way through a generation batch, which this "
-                f"run would cut or repeat otherwise: {', '.join(changed)}. Resume with the checkpoint's settings, or "
-                "from a checkpoint written at a generation boundary (every steps_per_generation x num_iterations "
-                "micro-steps).")
+        if changed:  # refuse_other_shape refused it already, before the resume wrote anything
+            raise ValueError(f"resume_from_checkpoint: a generation batch saved part-way, {', '.join(changed)}.")
         self.trainer._step = int(state["micro_step"])
         self.trainer._buffered_inputs = None if buffered is None else [_to(batch, device) for batch in buffered]
 
@@ -336,6 +359,9 @@ class CheckpointMixin:
                 f"{resume} was written at step {step} and `max_steps` is {self.args.max_steps}: its run is finished, "
                 "and resuming would train a step past max_steps. Raise `max_steps` to train on, or load the trained "
                 f"model from {resume}.")
+        if resume is not None:  # what the resume would refuse, refused before it supersedes anything
+            refuse_other_world_size(resume, self.accelerator.num_processes)
+            GenerationBatchState(self).refuse_other_shape(resume, self.accelerator.process_index)
         if self.args.should_save:  # checkpoints past this run's start belong to an abandoned branch
             start = 0 if resume is None else checkpoint_step(resume)
             abandoned = supersede_later(self.args.output_dir, start)
