@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import requests
 
+from bapo_trl import BAPOConfig
 from bapo_trl.generation.fleet import ServerFleet
 from bapo_trl.generation.http_client import HTTPVLLMClient
 from bapo_trl.generation.seeding import SeededEngine, per_prompt_seeds, prompt_seeds, seed_salt
@@ -38,7 +39,7 @@ def port_for(url: str, **generation_kwargs) -> TRLPort:
         vllm_client=HTTPVLLMClient(base_url=url, connection_timeout=30, request_timeout=60), server_timeout=60,
         repetition_penalty=1.0, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, structured_outputs_regex=None,
         generation_kwargs=generation_kwargs)
-    port = TRLPort(SimpleNamespace(vllm_generation=backend))
+    port = TRLPort(SimpleNamespace(vllm_generation=backend, args=BAPOConfig(output_dir="unused", use_cpu=True)))
     port._backend = backend  # what generation_backend="vllm" builds (trainer_vllm_backend)
     return port
 
