@@ -60,6 +60,9 @@ WARNINGS = [
      "logged"),
     ("--epsilon 0.1 --ratio_lower_start 0.6 --ratio_lower_max 0.9 --ratio_lower_step 0.02 --ratio_upper_start 1.2 "
      "--ratio_upper_max 3.0 --ratio_upper_step 0.05", "epsilon=0.1 has no effect: the six ratio_* fields you set"),
+    ("--max_staleness 2", "`max_staleness` (2) only acts on async generation, and `async_generation` is off"),
+    ("--async_generation --use_vllm --vllm_mode server --lazy_weight_loading",
+     "`lazy_weight_loading` has no effect with `max_staleness`=1"),
 ]
 
 

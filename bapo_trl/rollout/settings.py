@@ -233,8 +233,8 @@ class RolloutSettings:
 
     def fewest_updates_spanned(self, batches: int) -> int:
         """The fewest optimizer steps ``batches`` consecutive generation batches train across (``batches x
-        updates_per_generation`` where one of S x I and GA divides the other; fewer where a batch can start
-        mid-accumulation): TRL's schedule walked over every start a batch can have."""
+        updates_per_generation`` where GA divides S x I; fewer where a batch can start mid-accumulation, or where
+        several batches fit in one update): TRL's schedule walked over every start a batch can have."""
         micro_steps = self.steps_per_generation * self.num_iterations
         accumulation = self.gradient_accumulation_steps
         return min(((k + batches) * micro_steps - 1) // accumulation - (k * micro_steps) // accumulation + 1
