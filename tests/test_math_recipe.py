@@ -215,6 +215,26 @@ def test_evaluation_errors_are_one_line(capsys):
     assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--batch_size", "-2"], "--batch_size must be >= 1"),  # drew no sample and reported avg@k 0.0, exit 0
+    (["--batch_size", "0"], "--batch_size must be >= 1"),
+    (["--num_problems", "0"], "--num_problems must be >= 1"),
+    (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--top_p", "1.5"], "--top_p must be in (0, 1]"),
+    (["--dtype", "int8"], "--dtype must be one of auto, float32, bfloat16, float16"),
+    (["--output", "."], "--output '.' is a directory"),
+    (["--output", "/nonexistent/folder/report.json"], "does not exist or is not writable"),
+])
+def test_evaluation_flags_that_cannot_give_a_report_are_refused_before_anything_loads(flags, named, capsys):
+    """Each is named in one error, before the dataset or the model is read (both paths here do not exist: the flag's
+    error comes first); the report's path is checked before the evaluation, not after it."""
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate_command.main(["--model", "/nonexistent/model", "--dataset", "/nonexistent/problems.jsonl", *flags])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and named in err and "does not exist\n" not in err, err
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.name for r in RECIPES])
 def test_recipes_parse_and_are_consistent(recipe):
     argv = ["--config", str(recipe)]

@@ -72,6 +72,16 @@ def test_a_remote_bind_without_the_flag_and_a_key_is_refused_in_one_line(host, g
     assert "VLLM_API_KEY" in err and "/collective_rpc" in err
 
 
+@pytest.mark.parametrize("extra", [["--host", "0.0.0.0"], ["--host=0.0.0.0"], ["--port", "9000"],
+                                   ["--middleware", "x.y"]])
+def test_the_flags_bapo_serve_checks_are_refused_after_the_separator(extra, capsys, monkeypatch):
+    """vLLM takes the last ``--host``: one after ``--`` would bind the dev endpoints past the loopback check, with no
+    key. Refused in one line, naming the flag and where to put it (seen passing the check: exit 0)."""
+    code, out, err = serve_dry_run(capsys, monkeypatch, "--", *extra)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert err.startswith(f"bapo serve: error: {extra[0].split('=')[0]} after `--`"), err
+
+
 @pytest.mark.parametrize("key_from", ["flag", "env", "vllm-flag"])
 def test_a_remote_bind_with_the_flag_and_a_key_starts_with_the_key_on_every_path(key_from, capsys, monkeypatch):
     argv = ["--host", "0.0.0.0", "--allow-remote-dev-endpoints"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ..recipes.math_reasoning.evaluate import evaluate
@@ -30,6 +31,10 @@ class DefaultsHelpFormatter(OneSpellingHelpFormatter, argparse.ArgumentDefaultsH
         if action.required or action.default is None:
             return action.help
         return super()._get_help_string(action)
+
+
+#: The dtypes ``--dtype`` takes.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def make_parser(prog: str = "python -m bapo_trl.cli.evaluate") -> argparse.ArgumentParser:
@@ -66,11 +71,34 @@ def make_parser(prog: str = "python -m bapo_trl.cli.evaluate") -> argparse.Argum
     return p
 
 
+def argument_problem(args: argparse.Namespace) -> str | None:
+    """The first flag whose value cannot give a report (a negative batch size drew no sample and scored 0), or whose
+    report could not be written (found at the end, after the whole evaluation); None if all can."""
+    checks = [
+        (args.k >= 1, "--k must be >= 1"),
+        (args.batch_size >= 1, f"--batch_size must be >= 1, got {args.batch_size}"),
+        (args.num_problems is None or args.num_problems >= 1,
+         f"--num_problems must be >= 1 (or left out for all), got {args.num_problems}"),
+        (args.max_new_tokens >= 1, f"--max_new_tokens must be >= 1, got {args.max_new_tokens}"),
+        (args.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {args.temperature}"),
+        (0 < args.top_p <= 1, f"--top_p must be in (0, 1], got {args.top_p}"),
+        (args.threads is None or args.threads >= 1, f"--threads must be >= 1, got {args.threads}"),
+        (args.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}"),
+    ]
+    if args.output is not None:
+        folder = os.path.dirname(os.path.abspath(args.output))
+        checks.append((not os.path.isdir(args.output), f"--output {args.output!r} is a directory: name a file"))
+        checks.append((os.path.isdir(folder) and os.access(folder, os.W_OK),
+                       f"--output {args.output!r}: its folder {folder!r} does not exist or is not writable"))
+    return next((message for ok, message in checks if not ok), None)
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.evaluate") -> dict:
     parser = make_parser(prog)
     args = parser.parse_args(argv)
-    if args.k < 1:
-        parser.error("--k must be >= 1")
+    problem = argument_problem(args)
+    if problem:  # before any dataset or model is loaded
+        parser.error(problem)
     try:
         report = evaluate(args)
     except (ValueError, OSError) as err:  # a bad path, dataset, split or reward: one line, no traceback

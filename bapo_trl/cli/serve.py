@@ -242,7 +242,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.serv
     parser = make_parser(prog)
     args = parser.parse_args(argv)
     api_key, extra = api_key_from(extra, args.api_key)
+    own = sorted({flag.split("=", 1)[0] for flag in extra} & {"--host", "--port", "--middleware"})
     refusal = exposure_error(args.host, args.allow_remote_dev_endpoints, api_key)
+    if own:  # vLLM takes the last one: after `--` they would slip past the checks above
+        refusal = (f"{', '.join(own)} after `--`: pass {' / '.join(own)} to bapo serve itself (before `--`), which "
+                   "checks where the dev endpoints listen")
     if args.max_loras and not args.lora_rank:
         refusal = "--max-loras needs --lora-rank R (the server serves adapters only with LoRA enabled)"
     if refusal:
