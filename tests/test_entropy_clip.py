@@ -88,6 +88,12 @@ def test_a_run_logs_and_plots_the_diagnostics(tiny_model_dir, tmp_path, capsys):
     assert plot_main([str(tmp_path / "run"), "-o", str(tmp_path / "d.png")]) == 0
     out = capsys.readouterr().out
     assert "entropy_clip" in out and "Entropy-Clip Rule, correlation of the predicted change" in out
+    # bad input is one error naming the flag (was: a caption "over 0 points", or an OSError traceback)
+    for flags, named in ((["--smooth", "0"], "--smooth must be >= 1"),
+                         (["-o", str(tmp_path / "d.png" / "x.png")], "-o/--output")):  # under a file
+        with pytest.raises(SystemExit) as exit_:
+            plot_main([str(tmp_path / "run"), *flags])
+        assert exit_.value.code == 2 and named in capsys.readouterr().err, flags
 
 
 def test_is_weighted_share_balances_what_the_loss_weights(tiny_model_dir, tmp_path):

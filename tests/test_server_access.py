@@ -82,6 +82,12 @@ def test_the_flags_bapo_serve_checks_are_refused_after_the_separator(extra, caps
     assert err.startswith(f"bapo serve: error: {extra[0].split('=')[0]} after `--`"), err
 
 
+@pytest.mark.parametrize("port", ["0", "70000", "http"])
+def test_a_port_outside_tcps_range_is_refused_naming_the_flag(port, capsys, monkeypatch):
+    code, out, err = serve_dry_run(capsys, monkeypatch, "--port", port)
+    assert code == 2 and out == "" and "--port" in err, err
+
+
 @pytest.mark.parametrize("key_from", ["flag", "env", "vllm-flag"])
 def test_a_remote_bind_with_the_flag_and_a_key_starts_with_the_key_on_every_path(key_from, capsys, monkeypatch):
     argv = ["--host", "0.0.0.0", "--allow-remote-dev-endpoints"]

