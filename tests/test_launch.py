@@ -266,3 +266,28 @@ def test_two_processes_replace_an_earlier_run_once_both_have_built_their_trainer
     assert "replaced the earlier run" in proc.stdout and "BAPO run summary" in proc.stdout
     assert not any(name.startswith("checkpoint-") for name in os.listdir(out))
     assert (out / "model.safetensors").read_bytes() != b"old" and (out / "metrics.jsonl").read_text() != "old"
+
+
+def test_a_backend_that_fails_on_one_process_ends_the_run_on_every_process(tmp_path):
+    """A generation backend of the user's own raising on process 1 only (the synchronous source: each process samples
+    its own prompts): process 0 raises too, naming the backend, instead of entering the next collective alone (each
+    process records its error in a file). Seen failing without it: the launch still ended, because accelerate's
+    launcher stopped process 0 once process 1 had exited, but process 0 raised nothing of its own; where no launcher
+    stops it (not measured: across machines) it would wait in the collective."""
+    import subprocess
+
+    script = REPO / "tests" / "support" / "failing_backend_launch.py"
+    try:
+        accelerate_launch(script, tmp_path / "out", config_file=CONFIGS / "multi_gpu.yaml", extra_launch=NO_MIXED,
+                          timeout=240)
+    except AssertionError as failed:
+        output = str(failed)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the launch did not end: process 0 waited for process 1, whose sampling had failed")
+    else:
+        pytest.fail("the launch succeeded although process 1's sampler raised")
+    assert "the sampler of process 1 is down" in output
+    errors = {rank: (tmp_path / "out" / f"error_rank{rank}.txt") for rank in (0, 1)}
+    assert errors[1].read_text() == "RuntimeError: the sampler of process 1 is down"
+    assert errors[0].exists(), "process 0 raised nothing: it was in a collective when the launcher stopped it"
+    assert "'fails_on_process_one': sampling failed on another process" in errors[0].read_text()

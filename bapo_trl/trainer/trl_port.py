@@ -108,7 +108,7 @@ class TRLPort:
         trainer = self._trainer
         if self.samples_through_backend:
             self._weights_current()
-            output = self.sample(prefixes, 1, max_new_tokens)
+            output = self._sample_on_every_process(prefixes, 1, max_new_tokens)
             return [list(ids) for ids in output["completion_ids"]], [list(lp) for lp in output["logps"]]
         if not trainer.use_vllm:
             config = trainer.generation_config
@@ -162,7 +162,25 @@ class TRLPort:
         (every process: the push may be collective): the prompts' token ids and :meth:`sample`'s answer."""
         self._weights_current()
         prompt_ids = self.tokenize_prompts(prompts)
-        return prompt_ids, self.sample(prompt_ids, 1, self.max_completion_length)
+        return prompt_ids, self._sample_on_every_process(prompt_ids, 1, self.max_completion_length)
+
+    def _sample_on_every_process(self, prompts: list[list[int]], n: int, max_tokens: int) -> dict[str, list]:
+        """:meth:`sample` where every process samples its own prompts (the synchronous sources with a backend of the
+        user's own): a failure on one process is raised on every process, naming the backend (the others would
+        otherwise enter the next collective, the sampler-gap reduction or a ZeRO-3 gather, alone). One collective,
+        every call."""
+        error = None
+        try:
+            output = self.sample(prompts, n, max_tokens)
+        except Exception as exc:  # raised below, on every process
+            error = exc
+        failed = self.max_over_processes(torch.tensor(float(error is not None), device=self.device))
+        if error is not None:
+            raise error
+        if float(failed) > 0:
+            raise RuntimeError(f"generation backend {self.settings.generation_backend!r}: sampling failed on another "
+                               "process (its error is in that process's output)")
+        return output
 
     def _weights_current(self) -> None:
         """The generation backend brought to the current policy where it holds an older one (every process)."""
