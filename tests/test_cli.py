@@ -770,6 +770,19 @@ def test_the_model_check_before_training_trusts_remote_code_when_told(tmp_path, 
     assert seen[-2:] == [True, False], seen
 
 
+@pytest.mark.parametrize("flags, named", [(["--dataset_config", "main"], "`dataset_config`"),
+                                          (["--prompt_column", "question"], "`prompt_column`"),
+                                          (["--math_dataset_format", "gsm8k"], "`math_dataset_format`")])
+def test_flags_for_another_dataset_are_refused_with_the_shipped_task(flags, named, tmp_path):
+    """The shipped task brings its own chat prompts and answers: a config, a prompt column or a math format for it
+    would do nothing (they were ignored silently). Refused by name before anything loads."""
+    from bapo_trl.cli.data import load_prompts
+
+    script_args, args, _ = _parse(["--dataset_name", "chat_arithmetic", *flags], tmp_path)
+    with pytest.raises(ValueError, match=rf"{named} cannot be used with the shipped task 'chat_arithmetic'"):
+        load_prompts(script_args, args)
+
+
 def old_run(folder) -> set[str]:
     """A finished run's folder as ``bapo train`` leaves it (two complete checkpoints, the model, its card, the
     metrics)."""

@@ -61,6 +61,12 @@ def _prompts(script_args, split: str):
     if task is not None:
         from datasets import Dataset
 
+        ignored = [f"`{flag}`" for flag, value, default in (
+            ("dataset_config", config, None), ("prompt_column", script_args.prompt_column, "prompt"),
+            ("math_dataset_format", getattr(script_args, "math_dataset_format", None), None)) if value != default]
+        if ignored:  # the shipped task brings its own prompts and format: a flag for another dataset would do nothing
+            raise ValueError(f"{', '.join(ignored)} cannot be used with the shipped task {name!r}, which has its own "
+                             "prompts (a chat column `prompt`) and answers: drop them.")
         splits = task[0]()
         if split not in splits:
             raise ValueError(f"the shipped task {name!r} has the splits {sorted(splits)}, not {split!r} (from "
