@@ -47,6 +47,27 @@ def loss_and_gradient(trainer, batch) -> tuple[torch.Tensor, torch.Tensor]:
     return loss.detach(), grad
 
 
+def assert_trains_trls(bapo, trl, batch, what, gradient_needed: bool = False) -> None:
+    """BAPO's loss is TRL's (1e-6 relative) and its gradient TRL's (1e-5 of TRL's largest entry) on ``batch``;
+    ``gradient_needed``: TRL's gradient is not zero (the comparison would say nothing)."""
+    loss_b, grad_b = loss_and_gradient(bapo, batch)
+    loss_t, grad_t = loss_and_gradient(trl, batch)
+    scale = grad_t.abs().max()
+    assert not gradient_needed or scale > 0, what
+    assert torch.allclose(loss_b, loss_t, rtol=1e-6, atol=1e-7), (what, loss_b, loss_t)
+    difference = float((grad_b - grad_t).abs().max())
+    assert difference / float(scale.clamp_min(1e-12)) < 1e-5, (what, difference, float(scale))
+
+
+def trl_refuses(kw: dict) -> bool:
+    """TRL's ``GRPOConfig`` refuses ``kw``: nothing for BAPO to equal."""
+    try:
+        GRPOConfig(output_dir="unused", use_cpu=True, **kw)
+    except ValueError:
+        return True
+    return False
+
+
 def compare_on_policy(loss_type: str, level: str, window: dict, model_dir, folder) -> bool:
     """BAPO(C) trains TRL(C)'s loss and gradient on an on-policy batch (True), or C is refused: by TRL (nothing to
     equal) or by ``BAPOConfig`` naming a window field (False)."""
@@ -54,10 +75,8 @@ def compare_on_policy(loss_type: str, level: str, window: dict, model_dir, folde
               **{k: v for k, v in window.items() if v is not None})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        try:
-            GRPOConfig(output_dir="unused", use_cpu=True, **kw)
-        except ValueError:
-            return False  # TRL refuses it: nothing for BAPO to equal
+        if trl_refuses(kw):
+            return False
         try:
             BAPOConfig(output_dir="unused", use_cpu=True, **kw)
         except ValueError as refusal:  # refused by name, before anything is built
@@ -65,13 +84,7 @@ def compare_on_policy(loss_type: str, level: str, window: dict, model_dir, folde
             return False
         bapo = make_trainer(BAPOTrainer, BAPOConfig, model_dir, folder / "bapo", **kw)
         trl = make_trainer(GRPOTrainer, GRPOConfig, model_dir, folder / "trl", **kw)
-    batch = on_policy_batch(bapo)
-    loss_b, grad_b = loss_and_gradient(bapo, batch)
-    loss_t, grad_t = loss_and_gradient(trl, batch)
-    scale = grad_t.abs().max().clamp_min(1e-12)
-    assert torch.allclose(loss_b, loss_t, rtol=1e-6, atol=1e-7), (kw, loss_b, loss_t)
-    assert float((grad_b - grad_t).abs().max() / scale) < 1e-5, (kw, float((grad_b - grad_t).abs().max()),
-                                                                 float(scale))
+    assert_trains_trls(bapo, trl, on_policy_batch(bapo), kw)
     return True
 
 
@@ -88,10 +101,14 @@ def test_on_policy_bapo_trains_trls_gradient_or_refuses_the_config(loss_type, le
 DOCUMENTED_WINDOWS = {"cispo": dict(epsilon_high=5.0), "sequence": dict(epsilon=3e-4, epsilon_high=4e-4)}
 
 
+def documented_window(loss_type: str, level: str) -> dict:
+    """:data:`DOCUMENTED_WINDOWS`' window for a loss type at a ratio level (TRL's defaults where none is)."""
+    return DOCUMENTED_WINDOWS.get(loss_type) or (DOCUMENTED_WINDOWS["sequence"] if level == "sequence" else {})
+
+
 @pytest.mark.parametrize("loss_type,level", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_on_policy_bapo_trains_trls_gradient_at_the_documented_window(loss_type, level, tiny_model_dir, tmp_path):
-    window = DOCUMENTED_WINDOWS.get(loss_type) or (DOCUMENTED_WINDOWS["sequence"] if level == "sequence" else {})
-    assert compare_on_policy(loss_type, level, window, tiny_model_dir, tmp_path)
+    assert compare_on_policy(loss_type, level, documented_window(loss_type, level), tiny_model_dir, tmp_path)
 
 
 def pinned(loss_type: str, window: dict) -> dict:
@@ -123,20 +140,13 @@ def test_with_the_path_pinned_to_trls_window_bapo_equals_trl_on_stale_data(loss_
         kw = dict(loss_type=loss_type, importance_sampling_level=level, **{**window, **cap})
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            try:
-                GRPOConfig(output_dir="unused", use_cpu=True, **kw)
-            except ValueError:
+            if trl_refuses(kw):
                 continue
             bapo = make_trainer(BAPOTrainer, BAPOConfig, tiny_model_dir, tmp_path / f"b{index}",
                                 **kw, **pinned(loss_type, kw))
             trl = make_trainer(GRPOTrainer, GRPOConfig, tiny_model_dir, tmp_path / f"t{index}", **kw)
         for seed in range(2):
-            batch = stale_batch(bapo, seed=seed, noise=0.7)
-            loss_b, grad_b = loss_and_gradient(bapo, batch)
-            loss_t, grad_t = loss_and_gradient(trl, batch)
-            scale = grad_t.abs().max().clamp_min(1e-12)
-            assert torch.allclose(loss_b, loss_t, rtol=1e-6, atol=1e-7), (kw, seed, loss_b, loss_t)
-            assert float((grad_b - grad_t).abs().max() / scale) < 1e-5, (kw, seed)
+            assert_trains_trls(bapo, trl, stale_batch(bapo, seed=seed, noise=0.7), (kw, seed))
         compared += 1
     assert compared
 
@@ -178,14 +188,12 @@ def test_bapo_equals_trl_under_every_other_loss_setting_trl_has(setting, tiny_mo
     nats on)."""
     compared = []
     for loss_type, level in SETTING_CASES:
-        window = DOCUMENTED_WINDOWS.get(loss_type) or (DOCUMENTED_WINDOWS["sequence"] if level == "sequence" else {})
-        kw = dict(loss_type=loss_type, importance_sampling_level=level, **window, **LOSS_SETTINGS[setting])
+        kw = dict(loss_type=loss_type, importance_sampling_level=level, **documented_window(loss_type, level),
+                  **LOSS_SETTINGS[setting])
         folder = tmp_path / f"{loss_type}-{level}"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            try:
-                GRPOConfig(output_dir="unused", use_cpu=True, **kw)
-            except ValueError:
+            if trl_refuses(kw):
                 continue
             trainers = {name: make_trainer(cls, config_cls, tiny_model_dir, folder / name, **kw, **pins)
                         for name, cls, config_cls, pins in (
@@ -201,12 +209,8 @@ def test_bapo_equals_trl_under_every_other_loss_setting_trl_has(setting, tiny_mo
             if not noise:
                 batch.pop("old_per_token_logps")  # TRL then takes the current log-probs: every ratio exactly 1
             batch = with_setting_inputs(batch, current, kw, seed)
-            loss_b, grad_b = loss_and_gradient(bapo, batch)
-            loss_t, grad_t = loss_and_gradient(trainers["trl"], batch)
             what = (setting, loss_type, level, "stale, pinned" if noise else "on-policy")
-            assert grad_t.abs().max() > 0, what
-            assert torch.allclose(loss_b, loss_t, rtol=1e-6, atol=1e-7), (what, loss_b, loss_t)
-            assert float((grad_b - grad_t).abs().max() / grad_t.abs().max()) < 1e-5, what
+            assert_trains_trls(bapo, trainers["trl"], batch, what, gradient_needed=True)
         compared.append((loss_type, level))
     assert len(compared) >= 5, compared
 
@@ -256,11 +260,7 @@ def test_with_lora_bapo_trains_trls_adapter_gradient_on_policy_and_with_the_path
     pinned_bapo, pinned_trl = lora_pair(loss_type, level, tiny_model_dir, tmp_path / "pinned", **pins)
     batches["stale, pinned"] = (pinned_bapo, pinned_trl, stale_batch(pinned_bapo, seed=1, noise=0.7))
     for what, (b, t, batch) in batches.items():
-        loss_b, grad_b = loss_and_gradient(b, batch)
-        loss_t, grad_t = loss_and_gradient(t, batch)
-        assert grad_t.abs().max() > 0, what
-        assert torch.allclose(loss_b, loss_t, rtol=1e-6, atol=1e-7), (what, loss_b, loss_t)
-        assert float((grad_b - grad_t).abs().max() / grad_t.abs().max()) < 1e-5, what
+        assert_trains_trls(b, t, batch, what, gradient_needed=True)
 
 
 #: What a user sets, end to end: loss types, ratio level, accumulation, LoRA, a second ``train()``.
