@@ -11,6 +11,8 @@ import os
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from ..trainer.checkpoints import write_atomically
+
 #: The file every logged entry goes to, one JSON object per line (``bapo plot`` reads the end-of-run JSON instead).
 METRICS_FILE = "metrics.jsonl"
 
@@ -35,12 +37,14 @@ def open_metrics(output_dir: str, step: int):
                     continue
                 if isinstance(entry, dict) and isinstance(entry.get("step"), int) and entry["step"] <= step:
                     kept.append(line if line.endswith("\n") else line + "\n")
-    tmp = f"{path}.tmp"  # the kept entries replace the file whole: a crash here leaves the old one, never a cut one
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+    def write(tmp: str) -> None:  # the kept entries replace the file whole: a stop leaves the old one, never a cut one
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+
+    write_atomically(path, write)
     return open(path, "a")
 
 

@@ -173,9 +173,10 @@ class AdapterSync(DiskWeightSync):
         everywhere (a request naming it would now be refused, 404)."""
         old, self.active_name = self.active_name, self.adapter_name(directory)
         self.loaded_names.append(self.active_name)
-        self.base_loads += self.base_unknown or any(d.startswith("base-") for d in os.listdir(directory))
+        bases = [d for d in os.listdir(directory) if d.startswith("base-")]
+        self.base_loads += self.base_unknown or bool(bases)
         self.base_unknown = False
-        for base in [d for d in os.listdir(directory) if d.startswith("base-")]:  # kept aside until close()
+        for base in bases:  # kept aside until close()
             kept = tempfile.mkdtemp(prefix="bapo-lora-base-", dir=self.root)
             os.replace(os.path.join(directory, base), kept)
             self._base_dir, self.base_pushed = kept, True

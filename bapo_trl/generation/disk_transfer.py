@@ -30,12 +30,7 @@ class ResetOnceWhilePaused(DiskWeightSync):
     retrying until no request holds a block."""
 
     def _reset_prefix_cache(self, base_url: str) -> None:
-        response = self._post("/reset_prefix_cache", "weight sync (prefix cache reset) failed", base_url=base_url)
-        try:
-            body = response.json()
-        except ValueError:  # older vLLM: an empty 200 means done
-            body = None
-        if isinstance(body, dict) and not body.get("success", True):
+        if not self._reset_once(base_url):
             raise WeightSyncError(
                 f"weight sync: the vLLM server at {base_url} kept KV blocks through its pause (/reset_prefix_cache "
                 "answered success=false while requests were held): later requests would reuse prefixes computed by "

@@ -297,13 +297,7 @@ class DiskWeightSync:
         retry until it succeeds, within the sync's timeout, then fail loudly."""
         deadline = time.monotonic() + self.timeout
         while True:
-            response = self._post("/reset_prefix_cache", "weight sync (prefix cache reset) failed", base_url=base_url)
-            try:
-                body = response.json()
-            except ValueError:  # older vLLM: an empty 200 means done
-                body = None
-            done = not isinstance(body, dict) or bool(body.get("success", True))
-            if done:
+            if self._reset_once(base_url):
                 return
             if time.monotonic() > deadline:
                 raise WeightSyncError(
@@ -311,6 +305,16 @@ class DiskWeightSync:
                     f"{self.timeout:g} s (requests still running hold KV blocks computed by the old weights, which "
                     "later requests would reuse). Is another client generating on this server?")
             time.sleep(0.05)
+
+    def _reset_once(self, base_url: str) -> bool:
+        """One ``/reset_prefix_cache``: whether the server reset it (``{"success": false}`` while a request holds
+        blocks; an older vLLM answers an empty 200 once done)."""
+        response = self._post("/reset_prefix_cache", "weight sync (prefix cache reset) failed", base_url=base_url)
+        try:
+            body = response.json()
+        except ValueError:
+            return True
+        return not isinstance(body, dict) or bool(body.get("success", True))
 
     @property
     def current_dir(self) -> str | None:
