@@ -268,26 +268,42 @@ def test_two_processes_replace_an_earlier_run_once_both_have_built_their_trainer
     assert (out / "model.safetensors").read_bytes() != b"old" and (out / "metrics.jsonl").read_text() != "old"
 
 
-def test_a_backend_that_fails_on_one_process_ends_the_run_on_every_process(tmp_path):
-    """A generation backend of the user's own raising on process 1 only (the synchronous source: each process samples
-    its own prompts): process 0 raises too, naming the backend, instead of entering the next collective alone (each
-    process records its error in a file). Seen failing without it: the launch still ended, because accelerate's
-    launcher stopped process 0 once process 1 had exited, but process 0 raised nothing of its own; where no launcher
-    stops it (not measured: across machines) it would wait in the collective."""
-    import subprocess
+#: tests/support/failing_backend_launch.py's cases: (the process whose backend fails, its error, the other's error).
+FAILING_BACKEND = {
+    "sync": (1, "RuntimeError: the sampler of process 1 is down",
+             "'fails_on_process_one': sampling failed on another process"),
+    "checkpoint": (0, "RuntimeError: the sampler failed on the batch generated ahead",
+                   "RuntimeError: checkpoint: collecting the rollout state failed: on process 0: RuntimeError: the "
+                   "sampler failed on the batch generated ahead"),
+}
 
+
+@pytest.mark.parametrize("case", list(FAILING_BACKEND))
+def test_a_backend_that_fails_on_one_process_ends_the_run_on_every_process(case, tmp_path):
+    """A generation backend of the user's own raising on one process only ends the run with an error on every process
+    (each records its error in a file) instead of leaving the other to enter the next collective alone. ``sync``: the
+    synchronous source, each process samples its own prompts, process 1's fails. ``checkpoint``: async generation, the
+    batch generated ahead fails while the checkpoint after step 1 waits for it on the main process; nothing of that
+    checkpoint is written. Seen failing without each fix: the launch still ended, but the other process raised nothing
+    of its own (``sync``: accelerate's launcher stopped it once process 1 had exited; ``checkpoint``: gloo's
+    "Connection closed by peer" once process 0 had exited); where neither happens (not measured: across machines,
+    NCCL) it would wait in the collective."""
+
+    failing, its_error, other_error = FAILING_BACKEND[case]
+    other = 1 - failing
     script = REPO / "tests" / "support" / "failing_backend_launch.py"
     try:
-        accelerate_launch(script, tmp_path / "out", config_file=CONFIGS / "multi_gpu.yaml", extra_launch=NO_MIXED,
-                          timeout=240)
+        accelerate_launch(script, tmp_path / "out", case, config_file=CONFIGS / "multi_gpu.yaml",
+                          extra_launch=NO_MIXED, timeout=240)
     except AssertionError as failed:
         output = str(failed)
     except subprocess.TimeoutExpired:
-        pytest.fail("the launch did not end: process 0 waited for process 1, whose sampling had failed")
+        pytest.fail(f"the launch did not end: process {other} waited for process {failing}, whose sampling failed")
     else:
-        pytest.fail("the launch succeeded although process 1's sampler raised")
-    assert "the sampler of process 1 is down" in output
+        pytest.fail(f"the launch succeeded although process {failing}'s sampler raised")
+    assert its_error.split(": ", 1)[1] in output
     errors = {rank: (tmp_path / "out" / f"error_rank{rank}.txt") for rank in (0, 1)}
-    assert errors[1].read_text() == "RuntimeError: the sampler of process 1 is down"
-    assert errors[0].exists(), "process 0 raised nothing: it was in a collective when the launcher stopped it"
-    assert "'fails_on_process_one': sampling failed on another process" in errors[0].read_text()
+    assert errors[failing].read_text() == its_error
+    assert errors[other].exists(), f"process {other} raised nothing: it was stopped inside a collective"
+    assert other_error in errors[other].read_text()
+    assert not (tmp_path / "out" / "checkpoint-1").exists()

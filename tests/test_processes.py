@@ -4,7 +4,7 @@ function returning what the main process sent); the real collective runs in the 
 
 import pytest
 
-from bapo_trl.generation.processes import raise_everywhere
+from bapo_trl.generation.processes import raise_everywhere, raise_if_any
 
 
 class Sent:
@@ -58,3 +58,36 @@ def test_one_process_broadcast_hands_back_its_own_object_without_a_collective(mo
     monkeypatch.setattr(accelerate.utils, "broadcast_object_list", lambda *a, **k: pytest.fail("collective called"))
     obj = {"a": 1}
     assert broadcast_from_main(obj, 1) is obj
+
+
+def gathered(*errors):
+    """What every process receives from a gather of each process's error (a stand-in for the collective)."""
+    sent = [None if e is None else (type(e).__name__, str(e)) for e in errors]
+    return lambda obj: sent
+
+
+@pytest.mark.parametrize("errors, raised", [
+    ((None, None, None), None),
+    ((None, KeyError("k"), None), "^save: on process 1: KeyError: 'k'$"),
+    ((OSError("disk"), None, ValueError("v")), "^save: on process 0: OSError: disk$"),
+])
+def test_any_process_error_is_raised_on_every_process_each_raising_its_own(errors, raised):
+    for index, own in enumerate(errors):
+        if own is not None:
+            with pytest.raises(type(own)) as caught:
+                raise_if_any(own, len(errors), gathered(*errors), "save")
+            assert caught.value is own, index
+        elif raised is None:
+            raise_if_any(None, len(errors), gathered(*errors), "save")
+        else:
+            with pytest.raises(RuntimeError, match=raised):
+                raise_if_any(None, len(errors), gathered(*errors), "save")
+
+
+def test_one_process_raises_its_own_error_without_a_collective():
+    def no_collective(obj):
+        pytest.fail("collective called")
+
+    raise_if_any(None, 1, no_collective, "x")
+    with pytest.raises(KeyError):
+        raise_if_any(KeyError("k"), 1, no_collective, "x")

@@ -1,5 +1,6 @@
-"""An error on the main process, raised on every trainer process: where the main process alone talks to a server
-(checks, weight writes, the async producer), the other processes must not wait forever in a collective it skips."""
+"""An error on one process, raised on every trainer process: where the main process alone talks to a server (checks,
+weight writes, the async producer), or one process's step may fail where the others' do not, the other processes must
+not wait forever in a collective the failed one skips."""
 
 from __future__ import annotations
 
@@ -27,5 +28,29 @@ def raise_everywhere(error: BaseException | None, num_processes: int, broadcast:
         if sent is not None and error is None:
             name, message = sent
             raise (kinds or {}).get(name, default)(f"{where}: {name}: {message}")
+    if error is not None:
+        raise error
+
+
+def gather_from_all(obj: Any, num_processes: int) -> list[Any]:
+    """Every process's ``obj``, in process order, on every process (a collective: all call it at the same point)."""
+    if num_processes == 1:
+        return [obj]
+    from accelerate.utils import gather_object
+
+    return gather_object([obj])
+
+
+def raise_if_any(error: BaseException | None, num_processes: int, gather: Callable[[Any], list[Any]], where: str
+                 ) -> None:
+    """Raise on every process when ``error`` is not None on any of them. ``gather(obj)`` returns every process's
+    ``obj`` in process order (a collective: all call this at the same point). A process raises its own error; one that
+    had none raises ``RuntimeError("{where}: on process {i}: {class name}: {message}")`` for the first that had one."""
+    if num_processes > 1:
+        sent = gather(None if error is None else (type(error).__name__, str(error)))
+        failed = [(i, s) for i, s in enumerate(sent) if s is not None]
+        if failed and error is None:
+            i, (name, message) = failed[0]
+            raise RuntimeError(f"{where}: on process {i}: {name}: {message}")
     if error is not None:
         raise error

@@ -178,12 +178,12 @@ def _rank_state_path(folder: str, stem: str, rank: int) -> str:
 
 
 def save_rank_states(folder: str, states: dict, rank: int) -> None:
-    """Per-process state beside TRL's checkpoint files (``stem -> object with state_dict()``), one file each."""
+    """Per-process state beside TRL's checkpoint files (``stem -> state dict``, from ``obj.state_dict()``), one file
+    each."""
     import torch
 
-    for stem, obj in states.items():
+    for stem, state in states.items():
         os.makedirs(folder, exist_ok=True)
-        state = obj.state_dict()
         write_atomically(_rank_state_path(folder, stem, rank), lambda tmp, state=state: torch.save(state, tmp))
 
 
@@ -319,10 +319,11 @@ class CheckpointMixin:
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        states = self._settled_rank_states()  # before anything is written: a failure leaves the folder as it was
         if self.args.should_save:  # the process that writes the marker removes the earlier write's one, and its files
             clear_for_rewrite(folder)
         self.accelerator.wait_for_everyone()  # ... before any rank's file of this write lands
-        save_rank_states(folder, self._checkpoint_states(), self.accelerator.process_index)
+        save_rank_states(folder, states, self.accelerator.process_index)
         # Transformers rotates (save_total_limit) at the end of its own _save_checkpoint, before this checkpoint is
         # marked complete: a crash in between could leave no complete checkpoint. It does not rotate there; this
         # method rotates with transformers' own function once the new checkpoint counts.
@@ -339,6 +340,22 @@ class CheckpointMixin:
             mark_complete(folder, self.state.global_step, self.accelerator.num_processes)
             rotate_checkpoints(output_dir=self._get_output_dir(trial=trial), save_total_limit=save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _settled_rank_states(self) -> dict:
+        """This process's rollout state for the checkpoint (stem -> state dict), or an error on every process if it
+        failed on any: the main process's async generation waits for the batches generated ahead, which can fail (a
+        stalled server, the producer's error) while the other processes would go on into the next collective."""
+        from ..generation.processes import gather_from_all, raise_if_any
+
+        states, error = None, None
+        try:
+            states = {stem: obj.state_dict() for stem, obj in self._checkpoint_states().items()}
+        except Exception as failed:  # raised below, on every process
+            error = failed
+        processes = self.accelerator.num_processes
+        raise_if_any(error, processes, lambda obj: gather_from_all(obj, processes),
+                     "checkpoint: collecting the rollout state failed")
+        return states
 
     def _save_training_args(self, path: str) -> None:
         """The arguments as the user set them (transformers wrote them while ``save_total_limit`` was set aside)."""

@@ -1,6 +1,10 @@
-"""Launched on 2 processes by tests/test_launch.py: a STAND-IN generation backend of the user's own that fails on
-process 1 only. The run must end with an error on every process, not leave process 0 to enter the next collective
-(the sampler-gap reduction) alone."""
+"""Launched on 2 processes by tests/test_launch.py: a STAND-IN generation backend of the user's own that fails on one
+process only. The run must end with an error on every process, not leave the other to enter the next collective alone.
+
+``sync`` (the first argument after the output folder): the synchronous source, sampling fails on process 1 (the next
+collective: the sampler-gap reduction). ``checkpoint``: async generation (the main process samples every batch), the
+batch generated ahead at the first checkpoint fails while the checkpoint waits for it on the main process (the next
+collective: the checkpoint's barrier)."""
 
 import sys
 import time
@@ -40,13 +44,30 @@ class FailsOnProcessOne:
         pass
 
 
+class FailsAtTheCheckpoint(FailsOnProcessOne):
+    """Answers the first request; the second (the batch generated ahead, which the checkpoint after step 1 waits for)
+    fails 3 s later, once step 1 has taken the first batch."""
+
+    calls = 0
+
+    def sample(self, prompts, n, max_tokens, seed=None):
+        FailsAtTheCheckpoint.calls += 1
+        if FailsAtTheCheckpoint.calls == 2:
+            time.sleep(3)
+            raise RuntimeError("the sampler failed on the batch generated ahead")
+        return super().sample(prompts, n, max_tokens, seed)
+
+
 register_backend("fails_on_process_one", FailsOnProcessOne)
+register_backend("fails_at_the_checkpoint", FailsAtTheCheckpoint)
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1])
-    args = cpu_config(out, generation_backend="fails_on_process_one", per_device_train_batch_size=8,
-                      num_generations=4, max_completion_length=4, max_steps=1, save_strategy="no",
-                      disable_tqdm=True)
+    out, case = Path(sys.argv[1]), sys.argv[2]
+    settings = {"sync": dict(generation_backend="fails_on_process_one", max_steps=1, save_strategy="no"),
+                "checkpoint": dict(generation_backend="fails_at_the_checkpoint", max_steps=2, save_strategy="steps",
+                                   save_steps=1, async_generation=True, max_staleness=1, steps_per_generation=1)}
+    args = cpu_config(out, per_device_train_batch_size=8, num_generations=4, max_completion_length=4,
+                      disable_tqdm=True, **settings[case])
     try:
         tiny_trainer(build_tiny_model(), args, prompts=32).train()
     except Exception as error:  # each process records its own error, then waits: the launcher stops every process
