@@ -617,7 +617,7 @@ def test_resuming_planned_short_batches_without_the_replay_that_fills_them_is_re
     replay to fill; resumed with it switched off, they would reach TRL short. Refused at load, before generating."""
     from types import SimpleNamespace
 
-    port = SimpleNamespace(settings=SimpleNamespace(max_staleness=2))
+    port = SimpleNamespace(settings=SimpleNamespace(max_staleness=2, sampling={}))
     saved = {"batches_handed": 3, "batches_submitted": 3, "generated": [], "planned": {3: 0, 4: 1},
              "planned_upto": 5}
     with pytest.raises(ValueError, match=r"those batches would be short\. Resume with the checkpoint's settings"):
@@ -627,6 +627,51 @@ def test_resuming_planned_short_batches_without_the_replay_that_fills_them_is_re
     planned.load_state_dict(saved)
     assert (planned.handed, planned.planned) == (3, {3: 0, 4: 1})
     AsyncGeneration(port).load_state_dict({**saved, "planned": {3: 0, 4: 0}})  # nothing left out: any settings
+
+
+SAMPLED = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0,
+           "max_completion_length": 8, "generation_kwargs": {}}
+
+
+@pytest.mark.parametrize("change, regenerated", [
+    ({}, False),
+    ({"max_completion_length": 4}, True),
+    ({"temperature": 0.7}, True),
+    ({"generation_kwargs": {"stop_token_ids": [5]}}, True),
+    (None, False),  # a checkpoint written before the settings were saved: kept, as before
+])
+def test_batches_generated_ahead_under_other_sampling_settings_are_generated_again(change, regenerated):
+    """A resume whose sampling settings differ from the checkpoint's (a shorter max_completion_length, another
+    temperature or generation_kwargs) does not train the batches the checkpoint generated ahead under the old ones:
+    they are generated again, from the same stream position (same prompts, same request seeds), with a warning naming
+    each change; the same settings keep them (what the uninterrupted run trains)."""
+    from types import SimpleNamespace
+
+    from transformers.testing_utils import CaptureLogger
+
+    from bapo_trl.rollout import async_generation
+    from bapo_trl.rollout.settings import sampled_under
+
+    config = BAPOConfig(**BASE, max_completion_length=8, generation_kwargs='{"stop_token_ids": [5]}')
+    assert sampled_under(config)["generation_kwargs"] == {"stop_token_ids": [5]}  # as TRL parses it from a flag
+    batch = {"index": 3, "prompts": [[1, 2]], "n": 2, "max_tokens": 8, "context": [0, 0], "seed": 1,
+             "completion_ids": [[3], [4]], "logps": [[-1.0], [-1.0]], "version": 2, "seconds": 0.1}
+    saved = {"batches_handed": 3, "batches_submitted": 4, "generated": [batch], "planned": {}, "planned_upto": 4}
+    if change is not None:
+        saved["sampled_under"] = SAMPLED
+    now = {**SAMPLED, **(change or {})}
+    source = AsyncGeneration(SimpleNamespace(settings=SimpleNamespace(max_staleness=1, sampling=now)))
+    assert source.state_dict()["sampled_under"] == now  # what a checkpoint of this run saves
+    with CaptureLogger(async_generation.logger) as log:
+        source.load_state_dict(saved)
+    if regenerated:
+        assert (source.handed, source.submitted, source._restored) == (3, 3, {})
+        name = next(iter(change))
+        assert f"{name} ({SAMPLED[name]!r} there, {change[name]!r} here)" in log.out
+        assert "generated again, from the same prompts" in log.out
+    else:
+        assert (source.handed, source.submitted, list(source._restored)) == (3, 4, [3])
+        assert log.out == ""
 
 
 @pytest.mark.slow  # 3 batches of 200 prompts on a server answering 2 s late: ~25 s

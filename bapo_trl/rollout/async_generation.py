@@ -23,11 +23,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from transformers.utils import logging
+
 from ..core.metrics import async_values
 from ..generation.processes import raise_everywhere
 from ..generation.seeding import mixed_seed
 from .contract import ReadyCompletions, ScoreFn, TrainerPort, image_column, is_iterable_dataset, stamp_token_versions
 from .producer import GeneratedBatch, Producer, PromptStream, Work
+from .settings import sampling_differences
+
+logger = logging.get_logger(__name__)
 
 
 def source_argument_errors(args, kwargs: dict) -> list[str]:
@@ -135,7 +140,7 @@ class AsyncGeneration:
     def state_dict(self) -> dict:
         state = {"batches_handed": self.handed, "batches_submitted": self.handed, "generated": [],
                  "planned": {i: n for i, n in self.planned.items() if i >= self.handed},
-                 "planned_upto": self.planned_upto}
+                 "planned_upto": self.planned_upto, "sampled_under": self.port.settings.sampling}
         if self.producer is not None:  # main process: the batches generated ahead belong to the checkpoint
             state["generated"] = [encode_batch(self.producer.wait_for(i)) for i in range(self.handed, self.submitted)]
             state["batches_submitted"] = self.submitted
@@ -147,6 +152,14 @@ class AsyncGeneration:
         self.handed = int(state["batches_handed"])
         self.submitted = int(state.get("batches_submitted", self.handed))  # older checkpoints: regenerate the rest
         self._restored = {data["index"]: decode_batch(data) for data in state.get("generated", [])}
+        changed = sampling_differences(state.get("sampled_under", self.port.settings.sampling),
+                                       self.port.settings.sampling)
+        if changed and self._restored:  # what the user set now applies to every batch this run trains
+            logger.warning(
+                f"resume_from_checkpoint: the checkpoint holds {len(self._restored)} batch(es) generated ahead under "
+                f"other sampling settings: {', '.join(changed)}. They are generated again, from the same prompts, "
+                "under this run's settings.")
+            self._restored, self.submitted = {}, self.handed
         self.planned = dict(state.get("planned", {}))
         self.planned_upto = int(state.get("planned_upto", self.submitted))
         if self.planner is None and any(self.planned.values()):

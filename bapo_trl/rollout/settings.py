@@ -356,11 +356,32 @@ class SourceSettings:
     inflight_update_tokens: int | None
     lazy_weight_loading: bool
     generation_backend: str
+    sampling: dict  # what a completion is sampled under (:data:`SAMPLED_UNDER`), as comparable values
 
     @classmethod
     def of(cls, config) -> SourceSettings:
         """The settings of ``config`` (a ``BAPOConfig``, or any object with these names)."""
-        return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
+        names = [name for name in cls.__dataclass_fields__ if name != "sampling"]
+        return cls(**{name: getattr(config, name) for name in names}, sampling=sampled_under(config))
+
+
+#: The settings a completion is sampled under, beside the model: a batch generated ahead under other values is not what
+#: this run's settings would generate (a longer completion than the cap, another stop, temperature).
+SAMPLED_UNDER = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length",
+                 "generation_kwargs")
+
+
+def sampled_under(config) -> dict:
+    """``config``'s :data:`SAMPLED_UNDER` values (``generation_kwargs`` parsed, as TRL parses it from the command
+    line)."""
+    return {name: (_generation_kwargs(config) if name == "generation_kwargs" else getattr(config, name, None))
+            for name in SAMPLED_UNDER}
+
+
+def sampling_differences(saved: dict, now: dict) -> list[str]:
+    """``"name (saved there, this here)"`` for each :data:`SAMPLED_UNDER` value that differs."""
+    return [f"{name} ({saved.get(name)!r} there, {now.get(name)!r} here)" for name in SAMPLED_UNDER
+            if saved.get(name) != now.get(name)]
 
 
 def _generation_kwargs(cfg) -> dict:
