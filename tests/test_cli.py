@@ -24,6 +24,9 @@ CASES = [
     (["--reward_funcs", "no_such_reward"], ("no_such_reward",)),
     (["--reward_funcs", "no_such_module.fn"], ("no_such_module",)),
     (["--dataset_name", "/nonexistent/prompts.jsonl"], ("does not exist",)),
+    # named before the dataset (which does not exist) is read: it was checked after the load
+    (["--dataset_name", "/nonexistent/prompts.jsonl", "--reward_funcs", "reverse", "--math_dataset_format", "gsmk8"],
+     ("Unknown `math_dataset_format` 'gsmk8'", "'gsm8k'")),
     (["--model_name_or_path", "/nonexistent/model", "--reward_funcs", "reverse", "--use_cpu", "--bf16", "false"],
      ("cannot load model",)),
 ]

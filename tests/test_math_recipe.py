@@ -225,6 +225,7 @@ def test_evaluation_errors_are_one_line(capsys):
     (["--dtype", "int8"], "--dtype must be one of auto, float32, bfloat16, float16"),
     (["--output", "."], "--output '.' is a directory"),
     (["--output", "/nonexistent/folder/report.json"], "does not exist or is not writable"),
+    (["--math_dataset_format", "gsmk8"], "--math_dataset_format: Unknown `math_dataset_format` 'gsmk8'"),
 ])
 def test_evaluation_flags_that_cannot_give_a_report_are_refused_before_anything_loads(flags, named, capsys):
     """Each is named in one error, before the dataset or the model is read (both paths here do not exist: the flag's

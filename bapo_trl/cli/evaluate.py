@@ -85,6 +85,13 @@ def argument_problem(args: argparse.Namespace) -> str | None:
         (args.threads is None or args.threads >= 1, f"--threads must be >= 1, got {args.threads}"),
         (args.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}"),
     ]
+    if args.math_dataset_format != "auto":
+        from ..recipes.math_reasoning.data import resolve_format
+
+        try:
+            resolve_format(args.math_dataset_format)
+        except ValueError as err:
+            checks.append((False, f"--math_dataset_format: {err}"))
     if args.output is not None:
         folder = os.path.dirname(os.path.abspath(args.output))
         checks.append((not os.path.isdir(args.output), f"--output {args.output!r} is a directory: name a file"))

@@ -504,6 +504,10 @@ def prepare(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_a
                                  "of your own (--model_name_or_path): drop the flag here.")
             if not model_args.use_peft:
                 raise ValueError(f"`{flag}` needs `--use_peft`: a quantized model is trained through LoRA adapters.")
+        if script_args.math_dataset_format not in (None, "auto"):  # a name checked before any dataset is loaded
+            from ..recipes.math_reasoning.data import resolve_format
+
+            resolve_format(script_args.math_dataset_format)
         train_dataset, eval_dataset = load_prompts(script_args, training_args)
         if not embedded:
             from transformers import AutoConfig
