@@ -236,6 +236,23 @@ def test_evaluation_flags_that_cannot_give_a_report_are_refused_before_anything_
     assert exit_info.value.code == 2 and named in err and "does not exist\n" not in err, err
 
 
+@pytest.mark.parametrize("name, flags, says", [
+    ("problems.jsonl", ["--split", "test"], "`--dataset` '{path}' is a single file, which holds only the training "
+     "split; evaluation (the 'test' split, from `--split`) needs a dataset with that split"),
+    ("problems.txt", [], "`--dataset` file '{path}' must end in one of"),
+])
+def test_evaluation_dataset_errors_name_evaluates_flags(name, flags, says, tmp_path, capsys):
+    """bapo evaluate's dataset mistakes name its own flags (they named bapo train's `dataset_name`,
+    `dataset_test_split` and `--eval_strategy no`), before the model is read (it does not exist)."""
+    path = tmp_path / name
+    path.write_text('{"problem": "1+1", "answer": "2"}\n')
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate_command.main(["--model", "/nonexistent/model", "--dataset", str(path), *flags])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and says.format(path=path) in err, err
+    assert "dataset_name" not in err and "eval_strategy" not in err and "dataset_test_split" not in err
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.name for r in RECIPES])
 def test_recipes_parse_and_are_consistent(recipe):
     argv = ["--config", str(recipe)]

@@ -20,7 +20,7 @@ import os
 import time
 
 from .. import reward_funcs
-from ..datasets_io import load_split
+from ..datasets_io import EVALUATE_FLAGS, load_split
 from . import rewards as math_rewards
 
 #: The names ``--reward`` accepts: those of ``bapo train --reward_funcs`` (the general registry and the recipe's).
@@ -56,11 +56,12 @@ def load_problems(dataset: str, config: str | None, split: str | None, fmt: str,
 
     config = config or default_config(dataset)
     try:
-        raw = load_split(dataset, config, split or "test")
+        raw = load_split(dataset, config, split or "test", flags=EVALUATE_FLAGS)
     except ValueError as err:
         if split or "split" not in str(err).lower():
             raise
-        raw = load_split(dataset, config, "train")  # hub sets such as AIME ship a single "train" split
+        # hub sets such as AIME ship a single "train" split
+        raw = load_split(dataset, config, "train", flags=EVALUATE_FLAGS)
     problems = to_math_prompts(raw, fmt, dataset_name=dataset, instruction_role=instruction_role)
     return problems.select(range(min(num_problems, len(problems)))) if num_problems else problems
 
