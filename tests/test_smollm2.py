@@ -136,6 +136,23 @@ def test_the_cli_lists_the_registry_and_reports_errors(tmp_path, capsys, monkeyp
     assert "error: could not download" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("elsewhere", [True, False])
+def test_models_with_another_cache_dir_says_where_the_other_commands_look(elsewhere, tmp_path, capsys, monkeypatch):
+    """`bapo models NAME --cache_dir D` converts into D, but train/serve/evaluate resolve NAME in $BAPO_TRL_CACHE: the
+    command says so (and how to use D) unless D is that cache. The conversion is a STAND-IN (it returns the folder)."""
+    monkeypatch.setenv("BAPO_TRL_CACHE", str(tmp_path / "cache"))
+    chosen = tmp_path / ("elsewhere" if elsewhere else "cache")
+    monkeypatch.setattr(models, "prepare_model", lambda name, cache_dir, force: f"{cache_dir}/converted")
+    assert models_command.main(["smollm2", "--cache_dir", str(chosen)]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{chosen}/converted\n"
+    if elsewhere:
+        assert f"look for 'smollm2' in {tmp_path / 'cache'}, not in --cache_dir" in err
+        assert f"BAPO_TRL_CACHE={chosen}" in err
+    else:
+        assert err == ""
+
+
 def test_train_bapo_reports_an_unpreparable_model_as_one_line(tmp_path, monkeypatch):
     from bapo_trl.cli.train import SetupError, parse_args, prepare
 

@@ -9,9 +9,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from ..recipes import models
+from ..recipes.cache import default_cache_dir
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.models") -> int:
@@ -19,7 +21,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.mode
 
     parser = argparse.ArgumentParser(prog=prog, description=models.__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("name", nargs="?", help=f"registry name: {', '.join(models.NAMES)}")
-    parser.add_argument("--cache_dir", default=None, help="default $BAPO_TRL_CACHE or ~/.cache/bapo_trl")
+    parser.add_argument("--cache_dir", default=None,
+                        help="default $BAPO_TRL_CACHE or ~/.cache/bapo_trl, where the other commands look for a "
+                        "registry name")
     parser.add_argument("--force", action="store_true", help="convert again even if cached")
     parser.add_argument("--list", action="store_true", help="list the registry and exit")
     args = parser.parse_args(argv)
@@ -31,10 +35,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m bapo_trl.cli.mode
                   f"{spec.license}): {path} [{state}]")
         return 0
     try:
-        print(models.prepare_model(args.name, cache_dir=args.cache_dir, force=args.force))
+        path = models.prepare_model(args.name, cache_dir=args.cache_dir, force=args.force)
     except models.ModelSetupError as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
+    print(path)
+    default = default_cache_dir()
+    if args.cache_dir and os.path.abspath(args.cache_dir) != os.path.abspath(default):
+        print(f"note: bapo train, serve and evaluate look for {args.name!r} in {default}, not in --cache_dir: give "
+              f"them this directory as the model, or set BAPO_TRL_CACHE={args.cache_dir}.", file=sys.stderr)
     return 0
 
 
