@@ -139,6 +139,9 @@ def test_updates_per_generation_is_trls_schedule_walked_and_on_policy_is_trls_ow
         assert args.updates_per_generation == updates_spanned(setting), setting
         assert args.exactly_on_policy == (accumulation % (steps_per_generation * num_iterations) == 0), setting
         micro = steps_per_generation * num_iterations
+        nest = all(k * micro % accumulation == 0 or k * micro // accumulation == ((k + 1) * micro - 1) // accumulation
+                   for k in range(60))  # each batch starts at an update, or lies inside one
+        assert args.batches_start_at_updates == nest, setting
         for batches in (1, 2, 3):  # the fewest updates consecutive batches span: replay's youngest age, plus 1
             walked = min((k + batches) * micro // accumulation - k * micro // accumulation
                          + ((k + batches) * micro % accumulation != 0) for k in range(60))

@@ -539,16 +539,9 @@ def staleness_plan(args: BAPOConfig) -> str:
                                      ("partial rollout", args.partial_rollout_enabled)) if on]
     if args.exactly_on_policy:
         return f"on-policy data ({args.on_policy_reason}"
-    up_to = "" if _aligned(args) else "up to "
+    up_to = "" if args.batches_start_at_updates else "up to "
     return (f"stale data ({up_to}{_count(upg, 'optimizer step')} per generation batch"
             f"{''.join(f', {name}' for name in sources)}): BAPO re-chooses the clipping window at every update.")
-
-
-def _aligned(args: BAPOConfig) -> bool:
-    """Whether every generation batch starts at an update: one of S x I and GA divides the other (else a batch can
-    start mid-accumulation, and ``updates_per_generation`` is the most it spans, not its cadence)."""
-    micro, accumulation = args.steps_per_generation * args.num_iterations, args.gradient_accumulation_steps
-    return micro % accumulation == 0 or accumulation % micro == 0
 
 
 def _cadence(args: BAPOConfig) -> str:
@@ -556,7 +549,8 @@ def _cadence(args: BAPOConfig) -> str:
     micro, accumulation = args.steps_per_generation * args.num_iterations, args.gradient_accumulation_steps
     if micro % accumulation == 0:
         return _count(micro // accumulation, "optimizer step")
-    straddle = "" if _aligned(args) else f" (one can straddle {_count(args.updates_per_generation, 'update')})"
+    straddle = "" if args.batches_start_at_updates else \
+        f" (one can straddle {_count(args.updates_per_generation, 'update')})"
     return f"{micro}/{accumulation} optimizer steps{straddle}"
 
 

@@ -231,6 +231,15 @@ class RolloutSettings:
         latest_start = accumulation - math.gcd(micro_steps, accumulation)
         return (latest_start + micro_steps - 1) // accumulation + 1
 
+    @property
+    def batches_start_at_updates(self) -> bool:
+        """Generation batches and updates nest: each batch spans whole updates, or each update holds whole batches
+        (one of ``steps_per_generation x num_iterations`` and ``gradient_accumulation_steps`` divides the other). Else
+        a batch can start mid-accumulation and straddle an update, and :attr:`updates_per_generation` is the most it
+        spans, not its cadence."""
+        micro_steps, accumulation = self.steps_per_generation * self.num_iterations, self.gradient_accumulation_steps
+        return micro_steps % accumulation == 0 or accumulation % micro_steps == 0
+
     def fewest_updates_spanned(self, batches: int) -> int:
         """The fewest optimizer steps ``batches`` consecutive generation batches train across (``batches x
         updates_per_generation`` where GA divides S x I; fewer where a batch can start mid-accumulation, or where
