@@ -91,6 +91,41 @@ def test_pool_state_round_trip():
     assert vars(other.groups[0].completions[0]) == vars(pool.groups[0].completions[0])
 
 
+@pytest.mark.parametrize("new_cap", [20, 7, 4, 3])
+def test_a_resume_with_a_shorter_max_completion_length_cuts_the_pool_there(new_cap):
+    """A pool saved with max_completion_length 20 (a finished completion of 6 tokens + EOS, an unfinished one of 4)
+    and restored under a shorter cap: every completion at or past it is cut there (tokens, log-probs, sampler
+    log-probs, versions alike) and finished, as TRL truncates; the rest are untouched. The unfinished one at exactly
+    the cap asked for a negative number of tokens before; a finished one past it was trained longer than the cap."""
+    from transformers.testing_utils import CaptureLogger
+
+    from bapo_trl.rollout import pool as pool_module
+
+    pool = PartialRolloutPool(budget=4, max_resumes=3, max_completion_length=20, eos_token_ids=[EOS])
+    pool.add_groups([{"id": 0}, {"id": 1}], [[0], [1]], group_size=1)
+    pool.grow(scripted_generate({0: 6, 1: 9}), scripted_score, step=0)
+    pool.grow(scripted_generate({0: 6, 1: 9}), scripted_score, step=1)
+    for c in (g.completions[0] for g in pool.groups):
+        c.sampling_logps = [-0.25] * len(c.token_ids)
+    saved = copy.deepcopy(pool.state_dict())
+    done, growing = (vars(g.completions[0]).copy() for g in pool.groups)
+    assert (len(done["token_ids"]), done["finished"], len(growing["token_ids"]), growing["finished"]) == (7, True, 8,
+                                                                                                         False)
+    other = PartialRolloutPool(budget=4, max_resumes=3, max_completion_length=new_cap, eos_token_ids=[EOS])
+    with CaptureLogger(pool_module.logger) as log:
+        other.load_state_dict(saved)
+    cut = 0
+    for before, after in zip((done, growing), (g.completions[0] for g in other.groups)):
+        keep = min(len(before["token_ids"]), new_cap)
+        cut += keep < len(before["token_ids"]) or (keep == new_cap and not before["finished"])
+        for name in ("token_ids", "logps", "sampling_logps", "versions"):
+            assert getattr(after, name) == before[name][:keep], name
+        assert after.finished == (before["finished"] or keep == new_cap)
+    assert (f"{cut} completion(s) of the partial-rollout pool reached" in log.out) == (cut > 0), log.out
+    other.grow(scripted_generate({0: 6, 1: 9}), scripted_score, step=2)  # grows what is left, within the cap
+    assert all(len(c.token_ids) <= new_cap for g in other.groups for c in g.completions)
+
+
 def test_stop_token_ids_from_generation_kwargs_end_completions(tiny_model_dir, tmp_path):
     """A stop token given through generation_kwargs ends a completion for the pool too (else a stop exactly at the
     cap would look like a capped completion and be grown past its end)."""

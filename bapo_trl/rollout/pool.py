@@ -17,6 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
 
 @dataclass
 class Completion:
@@ -152,5 +156,19 @@ class PartialRolloutPool:
                 "extra_prompts_used": self.extra_prompts_used}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the pool; a completion at or past this run's ``max_completion_length`` (a resume with a shorter
+        one) is cut there and finished, as TRL truncates, instead of trained longer than the cap (or, unfinished,
+        asked for a negative number of tokens)."""
         self.groups = [Group(g["rows"], [Completion(**c) for c in g["completions"]]) for g in state["groups"]]
         self.extra_prompts_used = state.get("extra_prompts_used", 0)  # absent in checkpoints before it was saved
+        cut = [c for g in self.groups for c in g.completions if len(c.token_ids) > self.max_len
+               or (len(c.token_ids) == self.max_len and not c.finished)]
+        for c in cut:
+            c.token_ids, c.logps, c.versions = c.token_ids[: self.max_len], c.logps[: self.max_len], \
+                c.versions[: self.max_len]
+            c.sampling_logps, c.finished = c.sampling_logps[: self.max_len], True
+        if cut:
+            logger.warning(
+                f"resume_from_checkpoint: {len(cut)} completion(s) of the partial-rollout pool reached this run's "
+                f"max_completion_length ({self.max_len}), shorter than the checkpoint's run's: cut there and "
+                "finished, as TRL truncates.")
