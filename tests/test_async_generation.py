@@ -674,6 +674,38 @@ def test_batches_generated_ahead_under_other_sampling_settings_are_generated_aga
         assert log.out == ""
 
 
+@pytest.mark.parametrize("saves_settings, change, regenerated", [
+    (True, {}, False), (True, {"temperature": 0.7}, True), (True, {"max_completion_length": 3}, True),
+    (False, {}, False),  # a checkpoint written before the settings were saved: kept, as before
+    (False, {"max_completion_length": 3}, True),  # ... unless the new cap cut its pool
+])
+def test_the_partial_rollout_round_generated_ahead_under_other_settings_is_generated_again(saves_settings, change,
+                                                                                           regenerated):
+    """Async partial rollout's checkpoint holds the round in flight, which grew the pool as it was: resumed under other
+    sampling settings (or a cap that cut the pool: the round's answers would land on other completions) it is generated
+    again; under the same ones it is kept."""
+    from types import SimpleNamespace
+
+    from bapo_trl.rollout.async_partial import AsyncPartialRollout
+    from bapo_trl.rollout.pool import PartialRolloutPool
+
+    def port(sampling):
+        settings = SimpleNamespace(partial_rollout_budget=4, partial_rollout_max_resumes=3, generation_batch_size=4,
+                                   max_completion_length=sampling["max_completion_length"], max_staleness=1,
+                                   sampling=sampling)
+        return SimpleNamespace(settings=settings, num_generations=2, stop_token_ids=lambda: [99])
+
+    pool = PartialRolloutPool(budget=4, max_resumes=3, max_completion_length=8, eos_token_ids=[99])
+    pool.add_groups([{"id": 0}, {"id": 0}], [[5], [5]], group_size=2)
+    pool.apply(pool.unfinished(), [4, 4], [[1, 2, 3, 4], [1, 2, 3, 4]], [[-1.0] * 4] * 2, None, 0)
+    saved = {"batches_handed": 1, "stream_position": 2, "pool": pool.state_dict(), "round": {"index": ("round", 1)}}
+    if saves_settings:
+        saved["sampled_under"] = SAMPLED
+    source = AsyncPartialRollout(port({**SAMPLED, **change}))
+    source.load_state_dict(saved)
+    assert (source._restored_round is None) == regenerated
+
+
 @pytest.mark.slow  # 3 batches of 200 prompts on a server answering 2 s late: ~25 s
 @pytest.mark.parametrize("push", ["handed_over", "held"])
 def test_a_generation_batch_above_the_old_request_pool_trains_within_a_short_timeout(push, tiny_model_dir, tmp_path,

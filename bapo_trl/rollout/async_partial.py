@@ -9,11 +9,16 @@ the round in flight (waiting for it to end), so a resume continues exactly where
 
 from __future__ import annotations
 
+from transformers.utils import logging
+
 from ..core.metrics import partial_sums, partial_values
 from .async_generation import AsyncGeneration, Handover, decode_batch, encode_batch, request_seed
 from .contract import TrainerPort
 from .pool import Completion, PartialRolloutPool
 from .producer import Work
+from .settings import sampling_differences
+
+logger = logging.get_logger(__name__)
 
 
 class AsyncPartialRollout(AsyncGeneration):
@@ -35,7 +40,8 @@ class AsyncPartialRollout(AsyncGeneration):
 
     def state_dict(self) -> dict:
         position = self.stream.position if self.stream is not None else self.stream_position
-        state = {"batches_handed": self.handed, "stream_position": position, "pool": self.pool.state_dict()}
+        state = {"batches_handed": self.handed, "stream_position": position, "pool": self.pool.state_dict(),
+                 "sampled_under": self.port.settings.sampling}
         if self.producer is not None and self.round_submitted == self.handed:  # the round in flight: its result
             batch = self.producer.wait_for(("round", self.handed))
             state["round"] = encode_batch(batch) | {"context": None}  # its completions are the pool's unfinished
@@ -46,8 +52,15 @@ class AsyncPartialRollout(AsyncGeneration):
             raise RuntimeError("async generation: cannot load state once generation has started")
         self.handed = self.submitted = int(state["batches_handed"])
         self.stream_position = int(state["stream_position"])
-        self.pool.load_state_dict(state["pool"])
+        cut = self.pool.load_state_dict(state["pool"])
         self._restored_round = state.get("round")  # older checkpoints: the round is generated again
+        changed = sampling_differences(state.get("sampled_under", self.port.settings.sampling),
+                                       self.port.settings.sampling)
+        if self._restored_round is not None and (changed or cut):  # it grew the pool as it was, under those settings
+            logger.warning(
+                "resume_from_checkpoint: the partial-rollout round the checkpoint generated ahead is generated again, "
+                f"under this run's settings ({', '.join(changed) or 'max_completion_length cut its pool'}).")
+            self._restored_round = None
 
     def _start(self) -> None:
         if self.producer is None:

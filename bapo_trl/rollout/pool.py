@@ -155,10 +155,10 @@ class PartialRolloutPool:
                            for g in self.groups],
                 "extra_prompts_used": self.extra_prompts_used}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> int:
         """Restore the pool; a completion at or past this run's ``max_completion_length`` (a resume with a shorter
         one) is cut there and finished, as TRL truncates, instead of trained longer than the cap (or, unfinished,
-        asked for a negative number of tokens)."""
+        asked for a negative number of tokens). Returns how many were cut."""
         self.groups = [Group(g["rows"], [Completion(**c) for c in g["completions"]]) for g in state["groups"]]
         self.extra_prompts_used = state.get("extra_prompts_used", 0)  # absent in checkpoints before it was saved
         cut = [c for g in self.groups for c in g.completions if len(c.token_ids) > self.max_len
@@ -172,3 +172,4 @@ class PartialRolloutPool:
                 f"resume_from_checkpoint: {len(cut)} completion(s) of the partial-rollout pool reached this run's "
                 f"max_completion_length ({self.max_len}), shorter than the checkpoint's run's: cut there and "
                 "finished, as TRL truncates.")
+        return len(cut)
