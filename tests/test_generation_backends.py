@@ -109,6 +109,30 @@ SOURCES = {
 }
 
 
+@pytest.mark.parametrize("backend", [None, "in_process_stand_in"])
+@pytest.mark.parametrize("source", ["TRL's default (synchronous)", "partial rollout", "replay"])
+def test_a_batch_of_the_current_version_is_on_policy_only_where_the_trainer_scored_it(source, backend, tiny_model_dir,
+                                                                                     tmp_path):
+    """A micro-batch carrying old log-probs, every row of the current policy's version, keeps the user's window (is
+    exactly on-policy) where those log-probs are the trainer's own (TRL's old-logp forward, a source's scoring); where
+    a backend of the user's own sampled it they are the sampler's, the ratio carries its gap and the search acts. An
+    older row, or no version, is stale either way; no old log-probs is TRL's on-policy path."""
+    from support.harness import tiny_trainer
+
+    args = cpu_config(tmp_path / "out", save_strategy="no", per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=6, max_steps=1, generation_backend=backend or "vllm", **SOURCES[source])
+    trainer = tiny_trainer(tiny_model_dir, args)
+    assert trainer.rollout_source.behaviour_from_sampler == (backend is not None)
+    trainer.model.train()
+    step = trainer.state.global_step
+    current = {"advantages": torch.zeros(4), "old_per_token_logps": torch.zeros(4, 3),
+               "policy_version": torch.full((4,), step)}
+    assert trainer._on_policy(current) == (backend is None)
+    assert not trainer._on_policy({**current, "policy_version": torch.tensor([step, step, step - 1, step])})
+    assert not trainer._on_policy({k: v for k, v in current.items() if k != "policy_version"})
+    assert trainer._on_policy({k: v for k, v in current.items() if k != "old_per_token_logps"})
+
+
 @pytest.mark.parametrize("source", list(SOURCES))
 def test_every_source_trains_through_a_registered_backend(source, tiny_model_dir, tmp_path):
     """Through the registered stand-in (no vLLM, ``use_vllm`` off), 2 updates per batch: it trains; every trained

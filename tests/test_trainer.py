@@ -184,9 +184,12 @@ def test_model_card_names_bapo_and_its_settings(tiny_model_dir, tmp_path):
 
 
 def test_num_iterations_makes_the_second_pass_off_policy_and_bapo_acts(tiny_model_dir, tmp_path, monkeypatch):
-    """num_iterations=2: each generation batch is trained twice; the first pass is on-policy (ratio 1), the second
-    comes after an optimizer step, so the ratio the search sees differs from 1 and the window can move."""
+    """num_iterations=2: each generation batch is trained twice; the first pass is on-policy (ratio 1: TRL computed
+    its old log-probs with the current policy, and the batch is of the current version), so it keeps the user's
+    window (the path's start: TRL's loss exactly, also for a gate's loss value); the second comes after an optimizer
+    step, so the ratio the search sees differs from 1, the run's target is searched for and the window can move."""
     import bapo_trl.trainer.bapo_trainer as trainer_module
+    from bapo_trl.trainer.loss_hook import ON_POLICY_TARGET
 
     seen = []
     search = trainer_module.search_clip_bounds
@@ -194,7 +197,8 @@ def test_num_iterations_makes_the_second_pass_off_policy_and_bapo_acts(tiny_mode
     def recording_search(ratio, advantages, mask, **kwargs):  # a probe around the real search
         result = search(ratio, advantages, mask, **kwargs)
         real = mask.bool()
-        seen.append((float((ratio[real].double() - 1).abs().max()), result.as_floats()))
+        seen.append((float((ratio[real].double() - 1).abs().max()), result.as_floats(),
+                     kwargs["config"].positive_contribution_target))
         return result
 
     monkeypatch.setattr(trainer_module, "search_clip_bounds", recording_search)
@@ -203,9 +207,11 @@ def test_num_iterations_makes_the_second_pass_off_policy_and_bapo_acts(tiny_mode
     trainer.train()
     assert len(seen) == 8  # one search per update (one micro-batch each)
     first, second = seen[0::2], seen[1::2]
-    assert all(gap < 1e-5 for gap, _ in first), [gap for gap, _ in first]
-    assert all(gap > 1e-3 for gap, _ in second), [gap for gap, _ in second]
-    assert any((r["clip_low"], r["clip_high"]) != (0.6, 1.2) for _, r in second)  # BAPO's window moved
+    assert all(gap < 1e-5 for gap, _, _ in first), [gap for gap, _, _ in first]
+    assert all(gap > 1e-3 for gap, _, _ in second), [gap for gap, _, _ in second]
+    assert all(target == ON_POLICY_TARGET and (r["clip_low"], r["clip_high"]) == (0.6, 1.2) for _, r, target in first)
+    assert all(target == 0.5 for _, _, target in second)
+    assert any((r["clip_low"], r["clip_high"]) != (0.6, 1.2) for _, r, _ in second)  # BAPO's window moved
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["bapo/staleness_max"] for h in logs] == [0, 1] * 4
 

@@ -15,7 +15,7 @@ inside:
 * its state round-trips through ``state_dict()`` / ``load_state_dict()`` (one file per process, named by
   ``state_name``; ``None``: nothing to save), ``close()`` ends whatever runs in the background, and ``paused()``
   holds background generation while TRL generates for evaluation (a no-op where nothing runs in the background);
-* what else it can do is declared, not probed: ``plans_ahead``, ``metrics_by_age``.
+* what else it can do is declared, not probed: ``plans_ahead``, ``metrics_by_age``, ``behaviour_from_sampler``.
 
 A source reads the run's configuration through ``port.settings`` (:class:`~.settings.SourceSettings`: the rollout
 fields and the few facts of TRL's it needs), never the config itself.
@@ -64,6 +64,10 @@ class RolloutSource(Protocol):
     plans_ahead: bool
     #: Its tokens differ in age within a batch: the trainer logs the search's share by token age too.
     metrics_by_age: bool
+    #: Its behaviour log-probs are a sampler's own (a backend's or the vLLM server's), not the trainer's computation:
+    #: a batch of the current policy's version still has ratios away from 1 (the sampler's gap), and the search acts
+    #: on it. False: a batch whose tokens are all of the current version is exactly on-policy (TRL's window).
+    behaviour_from_sampler: bool
 
     def next_batch(self, inputs: list[dict], score: ScoreFn) -> dict[str, Any]: ...
 
@@ -184,6 +188,7 @@ class NothingInBackground:
     state_name: str | None = None
     plans_ahead = False
     metrics_by_age = False
+    behaviour_from_sampler = True  # unknown: the search acts on every batch that carries old log-probs
 
     def state_dict(self) -> dict:
         return {}

@@ -63,6 +63,7 @@ class PartialRollout(NothingInBackground):
         self.pool = PartialRolloutPool(settings.partial_rollout_budget, settings.partial_rollout_max_resumes,
                                        settings.max_completion_length, port.stop_token_ids())
         self._extra_prompt_order: list[int] | None = None
+        self.behaviour_from_sampler = port.samples_through_backend  # else each segment's policy, scored here
 
     def state_dict(self) -> dict:
         return self.pool.state_dict()

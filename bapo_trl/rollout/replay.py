@@ -57,6 +57,10 @@ class ReplaySource:
     def metrics_by_age(self) -> bool:
         return self.inner.metrics_by_age
 
+    @property
+    def behaviour_from_sampler(self) -> bool:  # replayed groups keep the log-probs their source recorded
+        return self.inner.behaviour_from_sampler
+
     def state_dict(self) -> dict:
         return {**self.queue.state_dict(), "reserved": self.reserved}
 

@@ -53,6 +53,7 @@ class TRLGeneration(NothingInBackground):
 
     def __init__(self, port: TrainerPort):
         self.port = port
+        self.behaviour_from_sampler = port.samples_through_backend  # else TRL's own old-logp forward
 
     def next_batch(self, inputs: list[dict], score: ScoreFn) -> dict[str, Any]:
         port = self.port

@@ -49,8 +49,9 @@ class BAPOTrainer(VLLMGenerationMixin, CheckpointMixin, ModelCardMixin, Evaluati
     random state as it found it (``loop_hooks.py``), the loss hook's steps on the trainer itself (``loss_hook.py``).
 
     Takes exactly :class:`trl.GRPOTrainer`'s arguments, with ``args`` a :class:`BAPOConfig`. On on-policy
-    micro-batches the ratio is exactly 1 and BAPO changes nothing; it acts on stale data
-    (``steps_per_generation > gradient_accumulation_steps``, ``num_iterations > 1``, vLLM, replay).
+    micro-batches the ratio is exactly 1 and BAPO changes nothing (:meth:`_on_policy`); it acts on stale data
+    (``steps_per_generation > gradient_accumulation_steps``, ``num_iterations > 1``, replay, partial rollout, async
+    generation) and on a sampler's own behaviour log-probs (a generation backend of the user's own).
     """
 
     _tag_names = ["trl", "grpo", "bapo"]
@@ -184,7 +185,7 @@ class BAPOTrainer(VLLMGenerationMixin, CheckpointMixin, ModelCardMixin, Evaluati
         """Hook: the window one micro-batch gets, with what its metrics need. The method: BAPO's search over the loss
         type's path, its sums reduced over all processes. A research candidate with another window overrides only
         this (:mod:`bapo_trl.experimental`)."""
-        settings = search_settings(self._bapo_settings, inputs)
+        settings = search_settings(self._bapo_settings, self._on_policy(inputs))
         path = self.loss.path(settings)
         result = search_clip_bounds(ratio, advantages, mask, config=settings, path=path,
                                     reduce_fn=self.port.sum_over_processes, sums_fn=self.loss.grid_sums)

@@ -28,16 +28,17 @@ class WindowChoice(NamedTuple):
     values: Callable[[metrics.SearchRecord], tuple[dict, tuple]] = metrics.update_values
 
 
-#: The target a micro-batch without old log-probs is searched with (TRL skipped them: the data is exactly on-policy,
-#: every ratio 1). No window changes the gradient there, but a gate's scale changes SAPO's loss value (its 4 / tau),
-#: so the path's start, the user's own window, is taken: TRL's loss and gradient exactly.
+#: The target an exactly on-policy micro-batch is searched with (every ratio 1: :meth:`LossHookMixin._on_policy`).
+#: No clip window changes the gradient there, but a gate's shape does (VESPO's weight where TRL folds its vLLM
+#: importance-sampling weights into it) and so does SAPO's loss value (its 4 / tau): the path's start, the user's own
+#: window, is taken, which is TRL's loss and gradient exactly.
 ON_POLICY_TARGET = 1e-12
 
 
-def search_settings(settings, inputs: dict):
+def search_settings(settings, on_policy: bool):
     """The search's settings for one micro-batch: the run's, or with :data:`ON_POLICY_TARGET` where it is exactly
     on-policy."""
-    if inputs.get("old_per_token_logps") is None:
+    if on_policy:
         return dataclasses.replace(settings, positive_contribution_target=ON_POLICY_TARGET)
     return settings
 
@@ -83,6 +84,22 @@ class LossHookMixin:
                 advantages[:, None] if advantages.dim() == 1 else advantages, logps,
                 inputs.get("sampling_per_token_logps", behaviour), mask, self.off_policy_mask_threshold)
         return mask
+
+    def _on_policy(self, inputs: dict) -> bool:
+        """Whether the micro-batch is exactly on-policy, every ratio 1 by construction: TRL skipped its old log-probs,
+        or they are the trainer's own (TRL's old-logp forward, which it runs with its vLLM importance-sampling
+        correction and on the first pass of num_iterations > 1 or steps_per_generation > gradient_accumulation_steps;
+        or a source's scoring with the trainer's policy) for tokens all of the current policy's version. Not where the
+        behaviour log-probs are a sampler's own (:attr:`~bapo_trl.rollout.contract.RolloutSource.
+        behaviour_from_sampler`): their ratios carry the sampler's gap. One verdict for all processes (the window is
+        one for all; a collective)."""
+        if inputs.get("old_per_token_logps") is None:  # TRL's own on-policy path: the same on every process
+            return True
+        from_sampler = self.model.training and self.rollout_source.behaviour_from_sampler  # evaluation: TRL's own
+        versions = inputs.get("policy_version")  # each row's oldest token's version (every batch is stamped)
+        stale = from_sampler or versions is None or bool((versions != self.state.global_step).any())
+        device = inputs["advantages"].device
+        return not bool(self.port.max_over_processes(torch.tensor(float(stale), device=device)))
 
     def _install_window(self, values: dict, dtype: torch.dtype, saved: dict) -> None:
         """Set what :attr:`LossType.to_trl` returned on the trainer (``"args.<field>"`` on its config); the config
