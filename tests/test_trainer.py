@@ -270,6 +270,32 @@ def test_the_search_balances_only_the_tokens_trls_loss_keeps(tiny_model_dir, tmp
     assert torch.equal(seen["mask"].bool(), (mask * kept).bool())
 
 
+def test_with_both_masks_the_off_policy_mask_reads_every_loss_token_as_trls_does():
+    """``top_entropy_quantile`` < 1 and ``off_policy_mask_threshold`` together: TRL computes the off-policy mask from
+    the loss mask (the sequence's divergence over all its tokens) and multiplies the entropy mask in after. One
+    negative sequence whose divergence sits on its low-entropy tokens: TRL drops it, and so must the search's tokens
+    (it balanced the sequence's high-entropy tokens when the off-policy mask read the entropy-masked mask). TRL's own
+    mask functions, on a STAND-IN trainer (one process: TRL's gather and pad are identities)."""
+    from types import SimpleNamespace
+
+    from bapo_trl.trainer.loss_hook import LossHookMixin
+
+    mask = torch.ones(1, 4)
+    entropies = torch.tensor([[2.0, 2.0, 0.1, 0.1]])  # the top half keeps tokens 0 and 1
+    logps = torch.full((1, 4), -1.0)
+    sampling = torch.tensor([[-1.0, -1.0, 1.0, 1.0]])  # no divergence on the kept tokens, 2 nats on the others
+    inputs = {"advantages": torch.tensor([-1.0]), "old_per_token_logps": sampling, "completion_mask": mask}
+    accelerator = SimpleNamespace(pad_across_processes=lambda t, dim, pad_index: t, gather=lambda t: t)
+    trainer = SimpleNamespace(top_entropy_quantile=0.5, off_policy_mask_threshold=0.5, accelerator=accelerator,
+                              get_off_policy_mask=GRPOTrainer.get_off_policy_mask)
+    trainer.get_high_entropy_mask = lambda e, m, q: GRPOTrainer.get_high_entropy_mask(trainer, e, m, q)
+    trls = GRPOTrainer.get_off_policy_mask(inputs["advantages"][:, None], logps, sampling, mask, 0.5) \
+        * trainer.get_high_entropy_mask(entropies, mask, 0.5)
+    assert trls.sum() == 0  # TRL drops the sequence
+    searched = LossHookMixin._optimised_tokens(trainer, mask, logps, entropies, inputs)
+    assert torch.equal(searched.bool(), trls.bool()), searched
+
+
 def test_the_closed_loop_target_moves_once_per_update(tiny_model_dir, tmp_path):
     """With gradient accumulation the target moves by at most ``target_adapt_rate`` per optimizer step (it moved
     once per micro-batch before: 0.135 over 4 updates at GA 4 and rate 0.01)."""

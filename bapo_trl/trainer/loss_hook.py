@@ -74,16 +74,19 @@ class LossHookMixin:
     def _optimised_tokens(self, mask: torch.Tensor, logps: torch.Tensor, entropies: torch.Tensor | None,
                           inputs: dict) -> torch.Tensor:
         """The tokens TRL's loss keeps after the clip (its high-entropy and off-policy sequence masks, computed as TRL
-        computes them): the search balances the loss that is optimised, not one with tokens TRL then drops."""
+        computes them, each from the loss mask: the off-policy mask's sequence divergence is over every loss token,
+        not only the high-entropy ones): the search balances the loss that is optimised, not one with tokens TRL then
+        drops."""
+        kept = mask
         if self.top_entropy_quantile < 1.0:
-            mask = mask * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+            kept = kept * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
         if self.off_policy_mask_threshold is not None:
             behaviour = inputs.get("old_per_token_logps", logps.detach())
             advantages = inputs["advantages"]
-            mask = mask * self.get_off_policy_mask(
+            kept = kept * self.get_off_policy_mask(
                 advantages[:, None] if advantages.dim() == 1 else advantages, logps,
                 inputs.get("sampling_per_token_logps", behaviour), mask, self.off_policy_mask_threshold)
-        return mask
+        return kept
 
     def _on_policy(self, inputs: dict) -> bool:
         """Whether the micro-batch is exactly on-policy, every ratio 1 by construction: TRL skipped its old log-probs,
