@@ -197,3 +197,19 @@ def test_the_reference_log_ratio_is_trls_but_where_its_exp_overflows_or_nearly_d
                             current[0, 3] - REFERENCE_FLOOR])
     assert torch.equal(inputs["ref_per_token_logps"][0], expected.to(dtype))
     assert torch.isfinite(torch.exp(inputs["ref_per_token_logps"] - current)).all()
+
+
+def test_the_behaviour_log_ratio_is_clamped_and_the_samplers_log_probs_are_left_as_they_are():
+    """``old_per_token_logps`` (the ratio's denominator) is brought within ``max_log_ratio`` of the policy's; the
+    sampler's own log-probs, which only TRL's off-policy mask reads (as a difference, no ``exp``), keep their value 25
+    nats off, as TRL has them (clamped, the mask kept a sequence TRL drops); a NaN among them is still the current
+    log-prob (no divergence there, as TRL's ``nan_to_num``)."""
+    from bapo_trl.core.numerics import sanitize_after_forward
+
+    current = torch.full((1, 4), -2.0)
+    far = current + torch.tensor([[25.0, -25.0, 0.5, float("nan")]])
+    inputs = {"completion_mask": torch.ones(1, 4), "advantages": torch.tensor([-1.0]),
+              "old_per_token_logps": far.clone(), "sampling_per_token_logps": far.clone()}
+    sanitize_after_forward(inputs, current, max_log_ratio=20.0)
+    assert inputs["old_per_token_logps"].tolist() == [[18.0, -22.0, -1.5, -2.0]]
+    assert inputs["sampling_per_token_logps"].tolist() == [[23.0, -27.0, -1.5, -2.0]]

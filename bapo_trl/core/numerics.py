@@ -18,7 +18,10 @@ position (vLLM returns NaN for tokens it could not score) poisons the step. Two 
   (log-probs by the current log-prob, so the ratio is 1 and TRL's off-policy mask reads no divergence there, as its
   own ``nan_to_num`` does; importance weights by 1), and the log-ratio to the behaviour policy is clamped to
   ``[-max_log_ratio, max_log_ratio]`` (the official code clamps at 20), so the ratio's ``exp`` cannot overflow for
-  tokens the other policy all but ruled out. The reference log-ratio, which only TRL's KL term reads, is left as TRL
+  tokens the other policy all but ruled out. That ratio is the one all of TRL's loss reads, so beyond 20 nats the
+  clamp also reaches GSPO's sequence ratio, the weight ``r |A|`` of a negative token without a dual clip, the
+  bias-corrected KL's ratio factor and, without sampler log-probs, the off-policy mask's divergence; the sampler's own
+  log-probs (which only that mask reads, as a difference) are not clamped. The reference log-ratio, which only TRL's KL term reads, is left as TRL
   computes it, but for a reference log-prob more than :func:`reference_log_ratio_limit` above the policy's (44 nats
   in float32 and bfloat16, 10 in float16), where ``exp`` overflows or nearly does, or more than
   :data:`REFERENCE_FLOOR` (10,000 nats) below it: with ``beta > 0`` the KL value and gradient are TRL's for every
@@ -106,12 +109,12 @@ def sanitize_after_forward(inputs: dict, per_token_logps: torch.Tensor, max_log_
             continue
         filler = current if key in LOGP_KEYS else torch.ones_like(value)
         value = torch.where(torch.isfinite(value), value, filler)
-        if key in LOGP_KEYS:  # bounds exp(logp - other): the ratio's at max_log_ratio, TRL's KL estimate's at overflow
-            if key == "ref_per_token_logps":  # TRL's KL term as it is, but where it would overflow
-                above = reference_log_ratio_limit(current.dtype)
-                value = torch.clamp(value, current - REFERENCE_FLOOR, current + above)
-            else:
-                value = torch.clamp(value, current - max_log_ratio, current + max_log_ratio)
+        if key == "ref_per_token_logps":  # TRL's KL term as it is, but where it would overflow
+            above = reference_log_ratio_limit(current.dtype)
+            value = torch.clamp(value, current - REFERENCE_FLOOR, current + above)
+        elif key == "old_per_token_logps":  # the ratio's exp(logp - old), bounded at max_log_ratio
+            value = torch.clamp(value, current - max_log_ratio, current + max_log_ratio)
+        # the sampler's own log-probs are left as they are: only TRL's off-policy mask reads them, as a difference
         inputs[key] = value
     advantages = inputs["advantages"]
     if not bool(torch.isfinite(advantages).all()):  # only where masking is off: rows that are padding or counted
