@@ -15,17 +15,17 @@ position (vLLM returns NaN for tokens it could not score) poisons the step. Two 
   such a token, with IS weight 1 (its correction turns the NaN difference into 0): so does bapo_trl;
 * :func:`sanitize_after_forward`, after the policy forward and before TRL reads the inputs: non-finite values left
   anywhere (padding, real tokens when masking is off, a sampler's log-prob that TRL trains with) are replaced
-  (log-probs by the current log-prob, so the ratio is 1 and TRL's off-policy mask reads no divergence there, as its
-  own ``nan_to_num`` does; importance weights by 1), and the log-ratio to the behaviour policy is clamped to
+  (log-probs by the current log-prob, so the ratio is 1 and TRL's off-policy mask reads no divergence there, as its own
+  ``nan_to_num`` does; importance weights by 1), and the log-ratio to the behaviour policy is clamped to
   ``[-max_log_ratio, max_log_ratio]`` (the official code clamps at 20), so the ratio's ``exp`` cannot overflow for
-  tokens the other policy all but ruled out. That ratio is the one all of TRL's loss reads, so beyond 20 nats the
-  clamp also reaches GSPO's sequence ratio, the weight ``r |A|`` of a negative token without a dual clip, the
-  bias-corrected KL's ratio factor and, without sampler log-probs, the off-policy mask's divergence; the sampler's own
-  log-probs (which only that mask reads, as a difference) are not clamped. The reference log-ratio, which only TRL's KL term reads, is left as TRL
-  computes it, but for a reference log-prob more than :func:`reference_log_ratio_limit` above the policy's (44 nats
-  in float32 and bfloat16, 10 in float16), where ``exp`` overflows or nearly does, or more than
-  :data:`REFERENCE_FLOOR` (10,000 nats) below it: with ``beta > 0`` the KL value and gradient are TRL's for every
-  other token (the official code's 20 changed TRL's KL term from 20 nats on either side).
+  tokens the other policy all but ruled out. That ratio is the one all of TRL's loss reads, so beyond 20 nats the clamp
+  also reaches GSPO's sequence ratio, the weight ``r |A|`` of a negative token without a dual clip, the bias-corrected
+  KL's ratio factor and, without sampler log-probs, the off-policy mask's divergence; the sampler's own log-probs
+  (which only that mask reads, as a difference) are not clamped. The reference log-ratio, which only TRL's KL term
+  reads, is left as TRL computes it, but for a reference log-prob more than :func:`reference_log_ratio_limit` above the
+  policy's (44 nats in float32 and bfloat16, 10 in float16), where ``exp`` overflows or nearly does, or more than
+  :data:`REFERENCE_FLOOR` (10,000 nats) below it: with ``beta > 0`` the KL value and gradient are TRL's for every other
+  token (the official code's 20 changed TRL's KL term from 20 nats on either side).
 
 Both passes work on the micro-batch :meth:`BAPOTrainer.compute_loss` hands to TRL, a shallow copy of the batch it was
 given: TRL feeds the same buffered batch to every one of its ``num_iterations``, and each loss call sanitises against

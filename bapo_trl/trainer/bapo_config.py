@@ -102,11 +102,11 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
             step. Non-finite values on padded positions are always neutralised.
         max_log_ratio (`float`, *optional*, defaults to `20.0`):
             Clamp of the log importance ratio to the behaviour policy, as in the official code, so ``exp`` never
-            overflows. Must exceed ``log(ratio_upper_max)`` so it never interferes with the clipping window; it is
-            the ratio all of TRL's loss reads, so for a token more than this many nats from the behaviour policy it
-            also changes GSPO's sequence ratio, a negative token's weight without a dual clip, the bias-corrected KL's
-            ratio factor and (without sampler log-probs) the off-policy mask. The sampler's own log-probs are not
-            clamped. The reference log-ratio of TRL's KL term (``beta > 0``) is not clamped at it: it is TRL's but where the
+            overflows. Must exceed ``log(ratio_upper_max)`` so it never interferes with the clipping window; it is the
+            ratio all of TRL's loss reads, so for a token more than this many nats from the behaviour policy it also
+            changes GSPO's sequence ratio, a negative token's weight without a dual clip, the bias-corrected KL's ratio
+            factor and (without sampler log-probs) the off-policy mask. The sampler's own log-probs are not clamped.
+            The reference log-ratio of TRL's KL term (``beta > 0``) is not clamped at it: it is TRL's but where the
             reference log-prob is more than 44 nats (float32; 10 in float16) above the policy's, where ``exp``
             overflows or nearly does, or 10,000 below it.
 
