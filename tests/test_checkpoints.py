@@ -315,28 +315,29 @@ def test_resuming_a_finished_run_is_refused_instead_of_training_past_max_steps(t
 
 
 @pytest.mark.parametrize("changed", [dict(steps_per_generation=4), dict(num_iterations=2),
-                                     dict(per_device_train_batch_size=4)], ids=lambda c: next(iter(c)))
-def test_a_checkpoint_written_mid_generation_batch_resumes_only_under_the_settings_that_cut_it(
-        changed, tiny_model_dir, tmp_path):
-    """The generation batch saved part-way was cut into ``steps_per_generation`` micro-batches of
-    ``per_device_train_batch_size`` rows, each trained ``num_iterations`` times: resumed under other values it would be
-    re-cut, cut short or repeated (and TRL's micro-step counter would point elsewhere in it). Refused, naming the field
-    and both values, before the resume supersedes anything (the run's later checkpoint still counts); a checkpoint at
-    a generation boundary resumes under any, generating anew (not training the spent batch again)."""
-    trainer = build(tiny_model_dir, tmp_path / "mid", max_steps=2, steps_per_generation=2, save_total_limit=None)
+                                     dict(per_device_train_batch_size=4), dict(gradient_accumulation_steps=2),
+                                     dict(num_generations=2)], ids=lambda c: next(iter(c)))
+def test_a_checkpoint_resumes_only_under_the_batch_settings_that_ordered_its_data(changed, tiny_model_dir, tmp_path):
+    """A checkpoint's data order counts in its batch settings: TRL's sampler hands generation batches of
+    ``per_device_train_batch_size x steps_per_generation`` rows, each trained over ``steps_per_generation x
+    num_iterations`` micro-steps, transformers skips ``global_step x gradient_accumulation_steps`` micro-batches on a
+    resume, the batch in progress was cut by them and TRL groups ``num_generations`` completions. Resumed under other
+    values, prompts are skipped or trained twice (at a generation boundary too: the review's schedule model lost rows
+    16-31 with GA 1 -> 2, repeated rows 16-23 with S 2 -> 4) or groups regrouped across prompts. Refused, naming the
+    field and both values, before the resume supersedes anything (the run's later checkpoint still counts), from a
+    checkpoint written part-way through a generation batch as from one at a boundary; the same settings resume."""
+    trainer = build(tiny_model_dir, tmp_path / "run", max_steps=2, steps_per_generation=2, save_total_limit=None)
     trainer.train()
     name, value = next(iter(changed.items()))
-    again = build(tiny_model_dir, tmp_path / "mid", max_steps=3, **{"steps_per_generation": 2, **changed})
-    refusal = rf"part-way through a generation batch.*`{name}` \(\d+ there, {value} here\)"
-    with pytest.raises(ValueError, match=refusal):
-        again.train(resume_from_checkpoint=str(tmp_path / "mid" / "checkpoint-1"))
-    assert is_complete(str(tmp_path / "mid" / "checkpoint-2"))  # not superseded by the refused resume
-    build(tiny_model_dir, tmp_path / "boundary", max_steps=1, steps_per_generation=1).train()
-    later = build(tiny_model_dir, tmp_path / "later", max_steps=2, **{"steps_per_generation": 1, **changed})
-    generated, generate = [], later._generate_and_score_completions
-    later._generate_and_score_completions = lambda *a, **k: generated.append(1) or generate(*a, **k)
-    later.train(resume_from_checkpoint=str(tmp_path / "boundary" / "checkpoint-1"))
-    assert later.state.global_step == 2 and generated  # step 2 trained on a batch of its own
+    refusal = rf"written under other batch settings: `{name}` \(\d+ there, {value} here\)"
+    for checkpoint in ("checkpoint-1", "checkpoint-2"):  # part-way through the first batch; at its end
+        again = build(tiny_model_dir, tmp_path / "run", max_steps=3, **{"steps_per_generation": 2, **changed})
+        with pytest.raises(ValueError, match=refusal):
+            again.train(resume_from_checkpoint=str(tmp_path / "run" / checkpoint))
+        assert is_complete(str(tmp_path / "run" / "checkpoint-2"))  # not superseded by the refused resume
+    same = build(tiny_model_dir, tmp_path / "run", max_steps=3, steps_per_generation=2)
+    same.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert same.state.global_step == 3
 
 
 def test_a_rollback_stopped_while_superseding_leaves_the_abandoned_branch_cut_never_holed(tmp_path, monkeypatch):

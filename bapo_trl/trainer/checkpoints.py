@@ -241,9 +241,13 @@ class GenerationBatchState:
     checkpoint, so one written in the middle of a generation batch resumes that batch instead of generating a new one
     (which would lose the rest of it and shift every later generation boundary)."""
 
-    #: The settings that cut a generation batch into micro-batches and say how often each is trained: a batch saved
-    #: part-way resumes only under the same ones.
-    SHAPE = ("steps_per_generation", "num_iterations", "per_device_train_batch_size")
+    #: The settings that say which prompts each step trains: how a generation batch is cut into micro-batches and how
+    #: often each is trained, how many micro-steps make an update, how many completions make a group. A resume
+    #: continues the checkpoint's data order under the same ones only: TRL's sampler, transformers' data skip
+    #: (``global_step x gradient_accumulation_steps`` micro-batches), the saved micro-step counter and every rollout
+    #: source's state count in them (under others, prompts are skipped or trained twice, groups regrouped).
+    SHAPE = ("steps_per_generation", "num_iterations", "per_device_train_batch_size", "gradient_accumulation_steps",
+             "num_generations")
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -254,42 +258,35 @@ class GenerationBatchState:
                 "buffered": None if buffered is None else [_to(batch, "cpu") for batch in buffered],
                 "shape": {name: getattr(self.trainer.args, name) for name in self.SHAPE}}
 
-    def _changed(self, state: dict) -> tuple[list[str], bool]:
-        """The shape settings this run changes (``"`name` (saved there, this here)"``) and whether the checkpoint
-        was written part-way through a batch (older checkpoints saved no shape: none changed)."""
-        shape = state.get("shape", {})
-        changed = [f"`{name}` ({saved} there, {getattr(self.trainer.args, name)} here)"
-                   for name, saved in shape.items() if getattr(self.trainer.args, name) != saved]
-        part_way = bool(shape) and state["micro_step"] % (shape["steps_per_generation"] * shape["num_iterations"])
-        return changed, bool(part_way)
+    def _changed(self, state: dict) -> list[str]:
+        """The shape settings this run changes, ``"`name` (saved there, this here)"`` (a checkpoint saves those it
+        knew: older ones fewer, or none)."""
+        return [f"`{name}` ({saved} there, {getattr(self.trainer.args, name)} here)"
+                for name, saved in state.get("shape", {}).items() if getattr(self.trainer.args, name) != saved]
 
     def refuse_other_shape(self, folder: str, rank: int) -> None:
-        """Before anything of the run is written (the resume supersedes later checkpoints): a batch saved part-way
-        resumes only under the settings that cut it."""
+        """Before anything of the run is written (the resume supersedes later checkpoints): a checkpoint resumes only
+        under the settings that ordered its data (:data:`SHAPE`), at a generation boundary as part-way."""
         import torch
 
         path = _rank_state_path(folder, GENERATION_BATCH, rank)
         if not os.path.exists(path):
             return
-        changed, part_way = self._changed(torch.load(path, weights_only=False))
-        if changed and part_way:
+        changed = self._changed(torch.load(path, weights_only=False))
+        if changed:
             raise ValueError(
-                f"resume_from_checkpoint: {folder} was written part-way through a generation batch, which this run "
-                f"would cut or repeat otherwise: {', '.join(changed)}. Resume with the checkpoint's settings, or from "
-                "a checkpoint written at a generation boundary (every steps_per_generation x num_iterations "
-                "micro-steps).")
+                f"resume_from_checkpoint: {folder} was written under other batch settings: {', '.join(changed)}. A "
+                "resume continues the checkpoint's data order (TRL's sampler, transformers' data skip, the batch in "
+                "progress and the rollout state all count in its batches and groups): under other values it would "
+                "skip or repeat prompts. Resume with the checkpoint's settings; to train on under new ones, start a "
+                f"new run from its weights (model_name_or_path={folder}, without resume_from_checkpoint).")
 
     def load_state_dict(self, state: dict) -> None:
         device = self.trainer.accelerator.device
-        buffered = state["buffered"]
-        changed, part_way = self._changed(state)
-        if changed and not part_way:
-            # At a boundary what TRL buffered is spent: it generates anew, as on its own resume (the saved micro-step
-            # counter, read with other settings, would index past the new batch).
-            self.reset()
-            return
+        changed = self._changed(state)
         if changed:  # refuse_other_shape refused it already, before the resume wrote anything
-            raise ValueError(f"resume_from_checkpoint: a generation batch saved part-way, {', '.join(changed)}.")
+            raise ValueError(f"resume_from_checkpoint: written under other batch settings, {', '.join(changed)}.")
+        buffered = state["buffered"]
         self.trainer._step = int(state["micro_step"])
         self.trainer._buffered_inputs = None if buffered is None else [_to(batch, device) for batch in buffered]
 

@@ -251,8 +251,9 @@ def test_the_window_reaches_gmpo_as_log_space_bounds():
 @pytest.mark.parametrize("mode", ["value", "gradient"])
 def test_trls_gmpo_loss_clips_with_the_window_the_plain_loop_chooses(tiny_model_dir, tmp_path, mode):
     """Stale data (4 updates per generation batch) on BAPOGMPOTrainer: TRL's GMPO loss runs (its clip metrics are
-    logged), and at every update the window installed where it reads it (``epsilon_low = -log c_low``,
-    ``epsilon_high = log c_high``) is the plain loop's choice on that micro-batch."""
+    logged), and at every stale update the window installed where it reads it (``epsilon_low = -log c_low``,
+    ``epsilon_high = log c_high``) is the plain loop's choice on that micro-batch; the first update of each batch is
+    on-policy (every ratio 1, the batch of the current version) and keeps TRL's documented GMPO window."""
     from bapo_trl.core.numerics import loss_mask
     from bapo_trl.experimental.gmpo import BAPOGMPOTrainer
     from support.harness import Probe, cpu_config, tiny_trainer
@@ -275,8 +276,10 @@ def test_trls_gmpo_loss_clips_with_the_window_the_plain_loop_chooses(tiny_model_
     trainer = tiny_trainer(tiny_model_dir, args, cls=GMPOProbe, around={"_adapt_clip_window": adapt})
     trainer.train()
     assert len(calls) == 4
+    (ratio, mask, _, eps_low, eps_high), stale = calls[0], calls[1:]
+    assert float((ratio[mask.bool()] - 1).abs().max()) < 1e-5 and (eps_low, eps_high) == pytest.approx((0.4, 0.4))
     moved = 0
-    for ratio, mask, advantages, eps_low, eps_high in calls:
+    for ratio, mask, advantages, eps_low, eps_high in stale:
         loop = loop_search(ratio, advantages, mask, contributions_fn=gmpo_contributions_reference(
             ratio, advantages, mask), positive_contribution_mode=mode, **PRESET)
         assert (eps_low, eps_high) == pytest.approx((-math.log(loop["clip_low"]), math.log(loop["clip_high"])),
