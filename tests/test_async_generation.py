@@ -678,21 +678,24 @@ def test_batches_generated_ahead_under_other_sampling_settings_are_generated_aga
     (True, {}, False), (True, {"temperature": 0.7}, True), (True, {"max_completion_length": 3}, True),
     (False, {}, False),  # a checkpoint written before the settings were saved: kept, as before
     (False, {"max_completion_length": 3}, True),  # ... unless the new cap cut its pool
+    (True, {"partial_rollout_budget": 8}, True),  # a capped completion would count as finished (the review's F1)
+    (True, {"partial_rollout_max_resumes": 1}, True),
 ])
 def test_the_partial_rollout_round_generated_ahead_under_other_settings_is_generated_again(saves_settings, change,
                                                                                            regenerated):
     """Async partial rollout's checkpoint holds the round in flight, which grew the pool as it was: resumed under other
-    sampling settings (or a cap that cut the pool: the round's answers would land on other completions) it is generated
-    again; under the same ones it is kept."""
+    sampling settings (or a cap that cut the pool: the round's answers would land on other completions), or another
+    budget or max_resumes (its caps: a completion stopped at its old cap would count as finished under a larger one),
+    it is generated again; under the same ones it is kept."""
     from types import SimpleNamespace
 
     from bapo_trl.rollout.async_partial import AsyncPartialRollout
     from bapo_trl.rollout.pool import PartialRolloutPool
 
-    def port(sampling):
-        settings = SimpleNamespace(partial_rollout_budget=4, partial_rollout_max_resumes=3, generation_batch_size=4,
-                                   max_completion_length=sampling["max_completion_length"], max_staleness=1,
-                                   sampling=sampling)
+    def port(sampling, budget=4, max_resumes=3):
+        settings = SimpleNamespace(partial_rollout_budget=budget, partial_rollout_max_resumes=max_resumes,
+                                   generation_batch_size=4, max_completion_length=sampling["max_completion_length"],
+                                   max_staleness=1, sampling=sampling)
         return SimpleNamespace(settings=settings, num_generations=2, stop_token_ids=lambda: [99])
 
     pool = PartialRolloutPool(budget=4, max_resumes=3, max_completion_length=8, eos_token_ids=[99])
@@ -700,8 +703,13 @@ def test_the_partial_rollout_round_generated_ahead_under_other_settings_is_gener
     pool.apply(pool.unfinished(), [4, 4], [[1, 2, 3, 4], [1, 2, 3, 4]], [[-1.0] * 4] * 2, None, 0)
     saved = {"batches_handed": 1, "stream_position": 2, "pool": pool.state_dict(), "round": {"index": ("round", 1)}}
     if saves_settings:
-        saved["sampled_under"] = SAMPLED
-    source = AsyncPartialRollout(port({**SAMPLED, **change}))
+        saved.update(sampled_under=SAMPLED, rounds={"partial_rollout_budget": 4, "partial_rollout_max_resumes": 3})
+    change = dict(change)
+    rounds = {"budget": change.pop("partial_rollout_budget", 4),
+              "max_resumes": change.pop("partial_rollout_max_resumes", 3)}
+    source = AsyncPartialRollout(port({**SAMPLED, **change}, **rounds))
+    assert source.state_dict()["rounds"] == {"partial_rollout_budget": rounds["budget"],
+                                             "partial_rollout_max_resumes": rounds["max_resumes"]}
     source.load_state_dict(saved)
     assert (source._restored_round is None) == regenerated
 

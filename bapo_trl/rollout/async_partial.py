@@ -41,7 +41,7 @@ class AsyncPartialRollout(AsyncGeneration):
     def state_dict(self) -> dict:
         position = self.stream.position if self.stream is not None else self.stream_position
         state = {"batches_handed": self.handed, "stream_position": position, "pool": self.pool.state_dict(),
-                 "sampled_under": self.port.settings.sampling}
+                 "sampled_under": self.port.settings.sampling, "rounds": self._round_settings()}
         if self.producer is not None and self.round_submitted == self.handed:  # the round in flight: its result
             batch = self.producer.wait_for(("round", self.handed))
             state["round"] = encode_batch(batch) | {"context": None}  # its completions are the pool's unfinished
@@ -56,11 +56,21 @@ class AsyncPartialRollout(AsyncGeneration):
         self._restored_round = state.get("round")  # older checkpoints: the round is generated again
         changed = sampling_differences(state.get("sampled_under", self.port.settings.sampling),
                                        self.port.settings.sampling)
+        rounds = state.get("rounds", self._round_settings())  # the round's caps came from them
+        changed += [f"{name} ({saved!r} there, {getattr(self.port.settings, name)!r} here)"
+                    for name, saved in rounds.items() if getattr(self.port.settings, name) != saved]
         if self._restored_round is not None and (changed or cut):  # it grew the pool as it was, under those settings
             logger.warning(
                 "resume_from_checkpoint: the partial-rollout round the checkpoint generated ahead is generated again, "
                 f"under this run's settings ({', '.join(changed) or 'max_completion_length cut its pool'}).")
             self._restored_round = None
+
+    def _round_settings(self) -> dict:
+        """The settings a round's caps are computed from: a round saved under others is not the one this run sends
+        (its answers, applied under the new caps, would mark a completion stopped at its old cap as finished)."""
+        settings = self.port.settings
+        return {"partial_rollout_budget": settings.partial_rollout_budget,
+                "partial_rollout_max_resumes": settings.partial_rollout_max_resumes}
 
     def _start(self) -> None:
         if self.producer is None:
