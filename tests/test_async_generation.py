@@ -672,6 +672,11 @@ def test_batches_generated_ahead_under_other_sampling_settings_are_generated_aga
     else:
         assert (source.handed, source.submitted, list(source._restored)) == (3, 4, [3])
         assert log.out == ""
+        # checkpointed again before its first hand-over (a resume into TRL's saved batch in progress): the batch is
+        # still ahead, saved as it was (it was saved as none: the next resume regenerated it under newer weights)
+        again = source.state_dict()
+        assert (again["batches_submitted"], again["generated"]) == (4, [{**batch, "token_versions": None,
+                                                                          "trainer_step": None}])
 
 
 @pytest.mark.parametrize("saves_settings, change, regenerated", [
@@ -712,6 +717,7 @@ def test_the_partial_rollout_round_generated_ahead_under_other_settings_is_gener
                                              "partial_rollout_max_resumes": rounds["max_resumes"]}
     source.load_state_dict(saved)
     assert (source._restored_round is None) == regenerated
+    assert source.state_dict().get("round") == (None if regenerated else saved["round"])  # re-saved before sending
 
 
 @pytest.mark.slow  # 3 batches of 200 prompts on a server answering 2 s late: ~25 s

@@ -145,6 +145,9 @@ class AsyncGeneration:
         if self.producer is not None:  # main process: the batches generated ahead belong to the checkpoint
             state["generated"] = [encode_batch(self.producer.wait_for(i)) for i in range(self.handed, self.submitted)]
             state["batches_submitted"] = self.submitted
+        elif self._restored:  # resumed, checkpointed again before the first hand-over: those batches are still ahead
+            state["generated"] = [encode_batch(self._restored[i]) for i in sorted(self._restored)]
+            state["batches_submitted"] = self.submitted
         return state
 
     def load_state_dict(self, state: dict) -> None:

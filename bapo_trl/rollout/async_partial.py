@@ -45,6 +45,8 @@ class AsyncPartialRollout(AsyncGeneration):
         if self.producer is not None and self.round_submitted == self.handed:  # the round in flight: its result
             batch = self.producer.wait_for(("round", self.handed))
             state["round"] = encode_batch(batch) | {"context": None}  # its completions are the pool's unfinished
+        elif self.producer is None and self._restored_round is not None:  # resumed, not sent yet: still in flight
+            state["round"] = self._restored_round
         return state
 
     def load_state_dict(self, state: dict) -> None:
