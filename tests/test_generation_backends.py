@@ -109,6 +109,24 @@ SOURCES = {
 }
 
 
+def test_a_second_train_pushes_the_trained_weights_before_it_samples(tiny_model_dir, tmp_path):
+    """A run of one generation batch (its only push at step 0), then ``train()`` again on the same trainer: the second
+    run restarts at step 0 with the first run's trained weights, which the backend does not hold. It pushes them
+    before sampling (it did not: TRL's record of the last push still said step 0, so the second run's first batch was
+    sampled by the first run's initial weights and stamped as the current policy's)."""
+    args = cpu_config(tmp_path / "out", save_strategy="no", per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=6, seed=0, learning_rate=5e-2, max_steps=1, disable_tqdm=True,
+                      generation_backend="in_process_stand_in")
+    trainer = build(tiny_model_dir, args)
+    trainer.train()
+    backend = trainer.port.backend
+    pushed, trained = backend.pushes, {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
+    assert backend.pushes == pushed + 1
+    held = backend.model.state_dict()
+    assert all(torch.equal(held[k], v) for k, v in trained.items())  # what the second run's first batch sampled from
+
+
 @pytest.mark.parametrize("backend", [None, "in_process_stand_in"])
 @pytest.mark.parametrize("source", ["TRL's default (synchronous)", "partial rollout", "replay"])
 def test_a_batch_of_the_current_version_is_on_policy_only_where_the_trainer_scored_it(source, backend, tiny_model_dir,

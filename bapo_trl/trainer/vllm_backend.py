@@ -31,15 +31,16 @@ class VLLMGenerationMixin:
             super().__init__(model, reward_funcs, args=args, **kwargs)
 
     def _close_weight_pushes(self) -> None:
-        """The end of a run (an error's too): the disk push's client unloads its last adapter from every server and
-        removes the weight directories it wrote; the next generation (a later ``train()``, an evaluation) pushes
-        again, on every process (the push is collective under ZeRO-3)."""
+        """The end of a run (an error's too): the next generation (a later ``train()``, an evaluation) pushes again,
+        on every process (the push is collective under ZeRO-3); the disk push's client unloads its last adapter from
+        every server and removes the weight directories it wrote."""
+        self._last_loaded_step = -1  # every path (TRL's NCCL push, colocate, a backend of the user's own too): a
+        # later train() restarts at step 0 with this run's weights, which the sampler does not hold
         backend = getattr(self, "vllm_generation", None)
         if not isinstance(backend, BAPOVLLMGeneration) or not backend.uses_disk_sync:
             return
         if backend.disk_sync is not None:  # the main process's
             backend.disk_sync.close()
-        self._last_loaded_step = -1
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """Add the weight pushes since the last log: ``weight_sync/pushed_bytes`` (bytes written for the servers to
