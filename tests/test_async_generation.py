@@ -639,6 +639,8 @@ SAMPLED = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None, "repetit
     ({"temperature": 0.7}, True),
     ({"generation_kwargs": {"stop_token_ids": [5]}}, True),
     (None, False),  # a checkpoint written before the settings were saved: kept, as before
+    ({"max_staleness": 1}, True),  # generated up to 2 ahead: older than this run's bound
+    ({"max_staleness": 3}, False),  # within it
 ])
 def test_batches_generated_ahead_under_other_sampling_settings_are_generated_again(change, regenerated):
     """A resume whose sampling settings differ from the checkpoint's (a shorter max_completion_length, another
@@ -658,17 +660,19 @@ def test_batches_generated_ahead_under_other_sampling_settings_are_generated_aga
              "completion_ids": [[3], [4]], "logps": [[-1.0], [-1.0]], "version": 2, "seconds": 0.1}
     saved = {"batches_handed": 3, "batches_submitted": 4, "generated": [batch], "planned": {}, "planned_upto": 4}
     if change is not None:
-        saved["sampled_under"] = SAMPLED
-    now = {**SAMPLED, **(change or {})}
-    source = AsyncGeneration(SimpleNamespace(settings=SimpleNamespace(max_staleness=1, sampling=now)))
+        saved.update(sampled_under=SAMPLED, max_staleness=2)
+    change = dict(change or {})
+    bound = change.pop("max_staleness", 2)
+    now = {**SAMPLED, **change}
+    source = AsyncGeneration(SimpleNamespace(settings=SimpleNamespace(max_staleness=bound, sampling=now)))
     assert source.state_dict()["sampled_under"] == now  # what a checkpoint of this run saves
     with CaptureLogger(async_generation.logger) as log:
         source.load_state_dict(saved)
     if regenerated:
         assert (source.handed, source.submitted, source._restored) == (3, 3, {})
-        name = next(iter(change))
-        assert f"{name} ({SAMPLED[name]!r} there, {change[name]!r} here)" in log.out
-        assert "generated again, from the same prompts" in log.out
+        said = f"max_staleness (2 there, {bound} here)" if not change else \
+            f"{next(iter(change))} ({SAMPLED[next(iter(change))]!r} there, {next(iter(change.values()))!r} here)"
+        assert said in log.out and "generated again, from the same prompts" in log.out, log.out
     else:
         assert (source.handed, source.submitted, list(source._restored)) == (3, 4, [3])
         assert log.out == ""

@@ -141,7 +141,8 @@ class AsyncGeneration:
     def state_dict(self) -> dict:
         state = {"batches_handed": self.handed, "batches_submitted": self.handed, "generated": [],
                  "planned": {i: n for i, n in self.planned.items() if i >= self.handed},
-                 "planned_upto": self.planned_upto, "sampled_under": self.port.settings.sampling}
+                 "planned_upto": self.planned_upto, "sampled_under": self.port.settings.sampling,
+                 "max_staleness": self.max_staleness}
         if self.producer is not None:  # main process: the batches generated ahead belong to the checkpoint
             state["generated"] = [encode_batch(self.producer.wait_for(i)) for i in range(self.handed, self.submitted)]
             state["batches_submitted"] = self.submitted
@@ -158,11 +159,14 @@ class AsyncGeneration:
         self._restored = {data["index"]: decode_batch(data) for data in state.get("generated", [])}
         changed = sampling_differences(state.get("sampled_under", self.port.settings.sampling),
                                        self.port.settings.sampling)
+        saved_bound = int(state.get("max_staleness", self.max_staleness))
+        if saved_bound > self.max_staleness:  # generated that far ahead, they can be older than this run's bound
+            changed.append(f"max_staleness ({saved_bound} there, {self.max_staleness} here)")
         if changed and self._restored:  # what the user set now applies to every batch this run trains
             logger.warning(
                 f"resume_from_checkpoint: the checkpoint holds {len(self._restored)} batch(es) generated ahead under "
-                f"other sampling settings: {', '.join(changed)}. They are generated again, from the same prompts, "
-                "under this run's settings.")
+                f"other settings: {', '.join(changed)}. They are generated again, from the same prompts, under this "
+                "run's settings.")
             self._restored, self.submitted = {}, self.handed
         self.planned = dict(state.get("planned", {}))
         self.planned_upto = int(state.get("planned_upto", self.submitted))
