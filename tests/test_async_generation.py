@@ -681,6 +681,7 @@ def test_batches_generated_ahead_under_other_sampling_settings_are_generated_aga
         again = source.state_dict()
         assert (again["batches_submitted"], again["generated"]) == (4, [{**batch, "token_versions": None,
                                                                           "trainer_step": None}])
+        assert again["max_staleness"] == (2 if "sampled_under" in saved else bound)  # the bound they were made under
 
 
 @pytest.mark.parametrize("saves_settings, change, regenerated", [

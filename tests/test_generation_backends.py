@@ -149,6 +149,8 @@ def test_a_batch_of_the_current_version_is_on_policy_only_where_the_trainer_scor
     assert not trainer._on_policy({**current, "policy_version": torch.tensor([step, step, step - 1, step])})
     assert not trainer._on_policy({k: v for k, v in current.items() if k != "policy_version"})
     assert trainer._on_policy({k: v for k, v in current.items() if k != "old_per_token_logps"})
+    trainer.rollout_source = object()  # a source of the user's that does not declare behaviour_from_sampler
+    assert not trainer._on_policy(current)  # the search acts, as before the attribute existed
 
 
 @pytest.mark.parametrize("source", list(SOURCES))

@@ -115,6 +115,7 @@ class AsyncGeneration:
         self.producer: Producer | None = None
         self.stream: PromptStream | None = None
         self._restored: dict[Any, GeneratedBatch] = {}  # generated before the checkpoint we resumed from
+        self._restored_under: tuple[dict, int] | None = None  # ... under these sampling settings and max_staleness
         self._unsent: tuple | None = None  # a push gathered before the producer started
         self.planner: Callable[[int, int], int] | None = None  # see plan_with
         self.planned: dict[int, int] = {}  # batch index -> groups left out of its generation (every process)
@@ -143,6 +144,8 @@ class AsyncGeneration:
                  "planned": {i: n for i, n in self.planned.items() if i >= self.handed},
                  "planned_upto": self.planned_upto, "sampled_under": self.port.settings.sampling,
                  "max_staleness": self.max_staleness}
+        if self.producer is None and self._restored:  # saved again before they were handed: as they were generated
+            state.update(sampled_under=self._restored_under[0], max_staleness=self._restored_under[1])
         if self.producer is not None:  # main process: the batches generated ahead belong to the checkpoint
             state["generated"] = [encode_batch(self.producer.wait_for(i)) for i in range(self.handed, self.submitted)]
             state["batches_submitted"] = self.submitted
@@ -160,6 +163,7 @@ class AsyncGeneration:
         changed = sampling_differences(state.get("sampled_under", self.port.settings.sampling),
                                        self.port.settings.sampling)
         saved_bound = int(state.get("max_staleness", self.max_staleness))
+        self._restored_under = (state.get("sampled_under", self.port.settings.sampling), saved_bound)
         if saved_bound > self.max_staleness:  # generated that far ahead, they can be older than this run's bound
             changed.append(f"max_staleness ({saved_bound} there, {self.max_staleness} here)")
         if changed and self._restored:  # what the user set now applies to every batch this run trains

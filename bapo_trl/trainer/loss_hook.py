@@ -98,7 +98,9 @@ class LossHookMixin:
         one for all; a collective)."""
         if inputs.get("old_per_token_logps") is None:  # TRL's own on-policy path: the same on every process
             return True
-        from_sampler = self.model.training and self.rollout_source.behaviour_from_sampler  # evaluation: TRL's own
+        # evaluation: TRL's own; a source of the user's written before the attribute existed: the search acts, as it
+        # did then
+        from_sampler = self.model.training and getattr(self.rollout_source, "behaviour_from_sampler", True)
         versions = inputs.get("policy_version")  # each row's oldest token's version (every batch is stamped)
         stale = from_sampler or versions is None or bool((versions != self.state.global_step).any())
         device = inputs["advantages"].device
