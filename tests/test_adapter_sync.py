@@ -140,6 +140,54 @@ def test_an_adapter_vllm_cannot_serve_is_refused_at_construction(tiny_model_dir,
         server.close()
 
 
+def tied(model_dir):
+    """The tiny model with its output embedding tied to its input one, as Qwen2.5-0.5B or Llama-3.2-1B ship."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.tie_word_embeddings = True
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("adapter, wraps", [
+    (dict(target_modules=["q_proj", "v_proj"]), None),
+    (dict(target_modules=["lm_head"]), "`lm_head`"),
+    (dict(target_modules=["embed_tokens"]), "`model.embed_tokens`"),
+    (dict(target_modules=["q_proj"], modules_to_save=["lm_head"]), "`lm_head`"),
+])
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_tied_embedding_in_the_adapter_is_refused_for_the_merged_push(adapter, wraps, tie, tiny_model_dir):
+    """A merged push of a model whose lm_head is tied to its input embedding sends the pair as one tensor, which vLLM
+    ties its head to: with the adapter on either (LoRA, or modules_to_save) the sampler's embedding and head were not
+    the trainer's (the review measured logits 4.9 to 111 apart). Refused, naming the module; an untied model, or an
+    adapter elsewhere, is pushed as before."""
+    from transformers import AutoModelForCausalLM
+
+    from bapo_trl.generation.adapter_sync import tied_embedding_refusal
+
+    base = tied(tiny_model_dir) if tie else AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    refusal = tied_embedding_refusal(get_peft_model(base, LoraConfig(r=4, **adapter)))
+    if tie and wraps:
+        assert f"the adapter wraps {wraps}" in refusal and "`tie_word_embeddings=True`" in refusal
+    else:
+        assert refusal is None
+
+
+def test_the_tied_refusal_comes_at_construction_before_any_server_is_reached(tiny_model_dir, tmp_path):
+    """With vllm_lora_sync='merged' and LoRA on the tied input embedding (TRL itself refuses LoRA on lm_head): a
+    ValueError at construction naming the module and both ways out, before the client reaches a server (none listens
+    at the port: reaching it would fail otherwise)."""
+    from support.server_training import server_config
+
+    class Nowhere:
+        url = "http://127.0.0.1:9"
+
+    args = server_config(Nowhere, tmp_path, vllm_lora_sync="merged", vllm_server_timeout=2)
+    with pytest.raises(ValueError, match=r"pushed merged .*wraps `model.embed_tokens`.*vllm_lora_sync='adapter'"):
+        tiny_trainer(tiny_model_dir, args, model=tied(tiny_model_dir),
+                     peft_config=LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
+
+
 def test_server_errors_get_the_flag_to_add():
     assert "--max-lora-rank" in adapter_hint("answered 500: LoRA rank 16 is greater than max_lora_rank 8.", "x")
     assert RUNTIME_LORA_ENV in adapter_hint("answered 404: {\"detail\":\"Not Found\"}", "/v1/load_lora_adapter")

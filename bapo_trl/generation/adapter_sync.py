@@ -74,6 +74,29 @@ def adapter_refusal(peft_config) -> str | None:
     return None
 
 
+def tied_embedding_refusal(model) -> str | None:
+    """Why the merged full push cannot give the sampler this peft model, or None: its base ties the output embedding
+    (``lm_head``) to the input one, and the adapter wraps one of the two (LoRA on it, or ``modules_to_save``). TRL's
+    walk then sends the tied pair as one tensor (the input embedding's name), with the adapter merged into it or not
+    at all, and vLLM ties its head to that tensor (it skips a separate ``lm_head.weight``): the sampler's embedding and
+    head are not the trainer's. The adapter push keeps them apart."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    base = model.get_base_model()
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    if not getattr(config, "tie_word_embeddings", False):
+        return None
+    names = {id(module): name for name, module in base.named_modules()}
+    wrapped = [names.get(id(module), "?") for module in (base.get_input_embeddings(), base.get_output_embeddings())
+               if isinstance(module, (BaseTunerLayer, ModulesToSaveWrapper))]
+    if not wrapped:
+        return None
+    return (f"the model ties its output embedding to its input embedding (`tie_word_embeddings=True`) and the adapter "
+            f"wraps {' and '.join(f'`{n}`' for n in wrapped)} (LoRA on it, or `modules_to_save`): a merged push sends "
+            "the tied pair as one tensor and the sampler would not run the trainer's model")
+
+
 def write_adapter(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], config: dict,
                   root: str | None, prefix: str, on_created: Callable[[str], None] | None = None) -> str:
     """Write an adapter as peft saves it (``adapter_config.json``, ``adapter_model.safetensors``; ``tensors`` under

@@ -24,7 +24,7 @@ from functools import partial
 import requests
 from trl.generation.vllm_generation import VLLMGeneration, is_peft_model
 
-from .adapter_sync import LORA_RANKS
+from .adapter_sync import LORA_RANKS, tied_embedding_refusal
 from .fleet import one_client, server_urls
 from .gather import adapter_shapes, exact_unmerge
 from .http_client import (
@@ -109,6 +109,13 @@ class BAPOVLLMGeneration(LoRAPushMixin, VLLMGeneration):
         return server_urls(self.server_base_url) or [f"http://{self.server_host}:{self.server_port}"]
 
     def _init_vllm(self):
+        merged = is_peft_model(self.model) and not (self.uses_adapter_sync or self.uses_colocate_adapter)
+        refusal = tied_embedding_refusal(self.model) if merged else None
+        if refusal:  # before any server or engine is reached; the same on every process
+            raise ValueError(f"This peft model's weights are pushed merged (vllm_lora_sync='merged', a peft config "
+                             f"the adapter push cannot serve, or colocate with vLLM's sleep mode), and {refusal}. "
+                             "Push the adapter (vllm_lora_sync='adapter', LoRA on the embedding or lm_head), or leave "
+                             "the tied embedding out of the adapter (target_modules, modules_to_save).")
         if self.mode == "server" and not self.uses_disk_sync:  # CUDA: TRL's code and NCCL, its client sends the key
             with building_server_client(self._cuda_client):
                 super()._init_vllm()
