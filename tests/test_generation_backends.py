@@ -127,6 +127,28 @@ def test_a_second_train_pushes_the_trained_weights_before_it_samples(tiny_model_
     assert all(torch.equal(held[k], v) for k, v in trained.items())  # what the second run's first batch sampled from
 
 
+def test_a_users_backend_keeps_its_own_push_record_apart_from_trls_vllm(tiny_model_dir, tmp_path):
+    """With ``use_vllm`` beside a backend of the user's own, TRL's evaluation pushes TRL's vLLM and sets TRL's record
+    of the last push: that record is not the user's backend's. Read as such, the next training batch was sampled by
+    older weights and stamped as the current policy's (and async generation dropped the pushes handed over). The
+    backend's record is its own; TRL's stays TRL's; a run's end resets it."""
+    args = cpu_config(tmp_path / "out", save_strategy="no", per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=6, seed=0, max_steps=1, generation_backend="in_process_stand_in")
+    trainer = build(tiny_model_dir, args)
+    port = trainer.port
+    assert port.weights_step == -1
+    port.push_weights()
+    assert port.weights_step == trainer.state.global_step == 0 and getattr(trainer, "_last_loaded_step", -1) == -1
+    trainer.state.global_step = 3
+    trainer._last_loaded_step = 3  # what TRL's evaluation sets when it pushes its own vLLM at step 3
+    assert port.weights_step == 0
+    pushes = port.backend.pushes
+    port._weights_current()  # the next training batch: the backend is brought to step 3 first
+    assert port.backend.pushes == pushes + 1 and port.weights_step == 3
+    port.close_backend()
+    assert port.weights_step == -1
+
+
 @pytest.mark.parametrize("backend", [None, "in_process_stand_in"])
 @pytest.mark.parametrize("source", ["TRL's default (synchronous)", "partial rollout", "replay"])
 def test_a_batch_of_the_current_version_is_on_policy_only_where_the_trainer_scored_it(source, backend, tiny_model_dir,

@@ -32,6 +32,7 @@ class TRLPort:
     def __init__(self, trainer):
         self._trainer = trainer  # may be built before GRPOTrainer.__init__ ran: every fact is read when asked
         self._backend: GenerationBackend | None = None  # built at its first use
+        self._backend_step = -1  # the step a backend of the user's own was last brought to (-1: none this run)
         self._ready: ReadyCompletions | None = None  # being scored, served by `_rollout`
         self._awaiting_old_logps: ReadyCompletions | None = None  # armed while TRL computes its old-logp forward
 
@@ -210,19 +211,29 @@ class TRLPort:
         self.backend.send_weights(state)
 
     def close_backend(self) -> None:
-        """The run is over (the trainer calls it after its rollout source's ``close``)."""
+        """The run is over (the trainer calls it after its rollout source's ``close``): a later ``train()``, which
+        restarts at step 0 with this run's weights, pushes first."""
+        self._backend_step = -1
         if self._backend is not None:
             self._backend.close()
 
     @property
     def weights_step(self) -> int | None:
-        """The optimizer step whose weights the generation backend holds (TRL's record of its vLLM pushes; -1 before
-        the first)."""
+        """The optimizer step whose weights the generation backend holds, -1 before the first push: TRL's record of
+        its vLLM pushes for the built-in backend; a record of its own for a backend of the user's own (with
+        ``use_vllm`` beside it, TRL's evaluation pushes TRL's vLLM and sets TRL's record, which says nothing of what
+        the user's backend holds)."""
+        if self.samples_through_backend:
+            return self._backend_step
         return getattr(self._trainer, "_last_loaded_step", -1)
 
     def mark_weights_current(self) -> None:
-        """Record that the backend holds the current policy, so TRL's generation path does not push again."""
-        self._trainer._last_loaded_step = self.global_step
+        """Record that the backend holds the current policy (for the built-in one: so TRL's generation path does not
+        push again)."""
+        if self.samples_through_backend:
+            self._backend_step = self.global_step
+        else:
+            self._trainer._last_loaded_step = self.global_step
 
     # -- policy log-probs -------------------------------------------------------------------------------------------
 

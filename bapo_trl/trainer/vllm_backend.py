@@ -34,8 +34,9 @@ class VLLMGenerationMixin:
         """The end of a run (an error's too): the next generation (a later ``train()``, an evaluation) pushes again,
         on every process (the push is collective under ZeRO-3); the disk push's client unloads its last adapter from
         every server and removes the weight directories it wrote."""
-        self._last_loaded_step = -1  # every path (TRL's NCCL push, colocate, a backend of the user's own too): a
-        # later train() restarts at step 0 with this run's weights, which the sampler does not hold
+        self._last_loaded_step = -1  # every path of TRL's vLLM (its NCCL push, colocate, the disk push): a later
+        # train() restarts at step 0 with this run's weights, which the sampler does not hold (a backend of the
+        # user's own keeps a record of its own, reset by TRLPort.close_backend)
         backend = getattr(self, "vllm_generation", None)
         if not isinstance(backend, BAPOVLLMGeneration) or not backend.uses_disk_sync:
             return
