@@ -261,6 +261,43 @@ def test_the_toy_job_takes_gradient_checkpointing_under_either_name(tmp_path):
     assert not args.activation_checkpointing
 
 
+@pytest.mark.parametrize("flags, expect", [
+    (["--generation_batch_size", "64"], dict(generation_batch_size=64, steps_per_generation=2)),  # TRL refused both
+    (["--num_train_epochs", "2"], dict(num_train_epochs=2.0, max_steps=-1)),  # max_steps=160 won
+    (["--warmup_steps", "5"], dict(warmup_steps=5, lr_scheduler_type="constant_with_warmup")),  # constant: no warmup
+    (["--save_steps", "10"], dict(save_steps=10, save_strategy="steps")),  # save_strategy=no: nothing saved
+    (["--save_steps", "10", "--save_strategy", "no"], dict(save_strategy="no")),  # the user's own word wins
+])
+def test_a_flag_that_decides_an_embedded_default_otherwise_wins_over_it(flags, expect, tmp_path):
+    """The embedded job's defaults give way to a flag of their own field, and also to one that decides that field
+    another way: a default left in place refused the flag (generation_batch_size beside the default
+    steps_per_generation) or silently outranked it (max_steps over num_train_epochs, save_strategy='no' over
+    save_steps, a constant schedule over warmup_steps). Seen failing on the old code (the config review, C1)."""
+    _, args, _ = _parse(flags, tmp_path)
+    for name, value in expect.items():
+        got = getattr(args, name)
+        assert getattr(got, "value", got) == value, (name, got)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--dtype", "bfloat16"], "`dtype`"), (["--model_revision", "v2"], "`model_revision`"),
+    (["--attn_implementation", "sdpa"], "`attn_implementation`"),
+    (["--prompt_column", "question"], "`prompt_column`"), (["--dataset_config", "main"], "`dataset_config`"),
+    (["--math_dataset_format", "gsm8k"], "`math_dataset_format`"),
+    (["--dataset_train_split", "other"], "`dataset_train_split`"),
+])
+def test_flags_for_a_model_or_dataset_of_ones_own_are_refused_by_the_embedded_job(flags, named, tmp_path):
+    """The embedded job builds its tiny model and its reversal task: a flag on how a model is loaded, or how a
+    dataset is read, would do nothing (they were dropped silently: the config review, C2 and C3). Refused by name
+    before anything loads."""
+    from bapo_trl.cli.train import SetupError, prepare
+
+    script_args, args, model_args = _parse(flags, tmp_path)
+    with pytest.raises(SetupError) as refused:
+        prepare(script_args, args, model_args)
+    assert named in refused.value.message and "drop them" in refused.value.message, refused.value.message
+
+
 def test_dataset_streaming_is_refused_by_name_before_anything_loads(tmp_path):
     """TRL's ``--dataset_streaming`` (ScriptArguments) is shown by ``bapo train --help``, which loads a split whole:
     refused, naming the field and the Python API's way to stream, instead of loading it all silently."""
@@ -281,6 +318,22 @@ def test_a_config_file_key_wins_too(tmp_path, capsys):
     _, args, _ = _parse(["--config", str(recipe)], tmp_path)
     assert args.use_cpu and not args.bf16 and args.learning_rate == 1e-5
     assert NOTE in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, plan", [
+    (["--fp16", "true"], "fp16 on the CPU"), (["--dtype", "bfloat16"], "bfloat16 weights on the CPU"),
+    ([], "float32 on the CPU"),
+])
+def test_the_cpu_note_and_the_plan_say_the_precision_the_run_has(flags, plan, tmp_path, capsys):
+    """Without CUDA the note said "in float32" beside `--fp16 true` and `--dtype bfloat16` (the config review, C4/C5),
+    and the plan said float32 for bfloat16 weights: float32 is said only where it is the default's choice."""
+    from bapo_trl.cli.train import run_plan
+
+    _, args, model_args = _parse(["--model_name_or_path", "some/model", *flags], tmp_path)
+    out = capsys.readouterr().out
+    assert ("in float32" in out) == (not flags), out
+    assert "training on the CPU" in out
+    assert plan in run_plan(args, model="m", weights_dtype=model_args.dtype)
 
 
 def test_with_cuda_nothing_changes_and_the_embedded_job_needs_no_note(tmp_path, capsys):

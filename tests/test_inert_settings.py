@@ -48,6 +48,12 @@ WARNINGS = [
      "single window [0.8, 1.2], so positive_contribution_target=0.4 only matter(s) for a moving search"),
     ("--replay_buffer_size 2 --replay_ratio 0.5 --replay_max_staleness 64", "`replay_ratio` is never reached"),
     ("--positive_contribution_is_weighted", "only acts on TRL's vLLM importance-sampling weights"),
+    ("--replay_buffer_size 64 --replay_ratio 0.3 --replay_max_staleness 64",
+     "is not a whole number of groups: 10 are replayed per batch (a ratio of 0.3125)"),
+    ("--async_generation --use_vllm --vllm_mode server --positive_contribution_is_weighted "
+     "--vllm_importance_sampling_mode token_truncate",
+     "positive_contribution_is_weighted=True, vllm_importance_sampling_mode='token_truncate' have no effect on the "
+     "batches async_generation samples"),
     ("--delta 2.0", "the upper search path ends at 2.0"),
     ("--epsilon 0.5", "leaves no room to widen c_low below it"),
     ("--loss_type sapo --delta 4.0", "`delta` (4.0) has no effect with loss_type='sapo'"),

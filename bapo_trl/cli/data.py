@@ -45,6 +45,17 @@ def load_prompts(script_args, training_args):
     if script_args.dataset_name is None:
         from ..recipes.toy import make_reverse_dataset
 
+        ignored = [f"`{flag}`" for flag, value, default in (
+            ("dataset_config", script_args.dataset_config, None),
+            ("prompt_column", script_args.prompt_column, "prompt"),
+            ("math_dataset_format", getattr(script_args, "math_dataset_format", None), None),
+            ("dataset_train_split", script_args.dataset_train_split, "train"),
+            ("dataset_test_split", script_args.dataset_test_split, "test")) if value != default]
+        if ignored:  # the embedded task is built, not loaded: a flag for a dataset would do nothing
+            raise ValueError(f"{', '.join(ignored)} set{'s' if len(ignored) == 1 else ''} how a dataset is read, and "
+                             "no `dataset_name` is given (the embedded reversal task is built, not loaded): pass "
+                             "--dataset_name, or drop them.")
+
         train = make_reverse_dataset(script_args.num_train_prompts, seed=training_args.seed)
         evaluation = make_reverse_dataset(64, seed=training_args.seed, split="test") if wants_eval else None
         return train, evaluation

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, TrlParser
 
+from ..rollout.settings import field_default
 from ..trainer.bapo_config import BAPOConfig
 from ..trainer.checkpoints import checkpoint_folders, clear_for_rewrite
 from ..trainer.option_groups import GROUPS
@@ -52,6 +53,13 @@ EMBEDDED_DEFAULTS = dict(
 
 #: Fields transformers also takes under another name (the old one wins over a default set under the new).
 FIELD_ALIASES = {"activation_checkpointing": ("gradient_checkpointing",)}
+#: An embedded default left unset where the user sets a field that decides it otherwise (set together, TRL refuses
+#: ``generation_batch_size`` beside ``steps_per_generation``; ``max_steps`` overrides ``num_train_epochs``; no
+#: checkpoint is written with ``save_strategy="no"`` whatever ``save_steps``).
+EMBEDDED_YIELDS_TO = {"steps_per_generation": ("generation_batch_size",), "max_steps": ("num_train_epochs",),
+                      "save_strategy": ("save_steps",)}
+#: The flags of a model of the user's own, which the embedded job (a tiny model built offline) cannot honour.
+MODEL_FLAGS = ("dtype", "model_revision", "attn_implementation")
 
 #: The help's width, whatever the terminal's: the text is the same everywhere (:mod:`.train_front` stores it).
 HELP_WIDTH = 110
@@ -303,7 +311,8 @@ def apply_cpu_defaults(parser: TrlParser, argv: list[str], cuda_available: bool 
     embedded = not ({"model_name_or_path", "config"} & explicit)  # the embedded job is set up for the CPU anyway
     if not embedded and {"use_cpu", "bf16"} & chosen.keys() and os.environ.get("RANK", "0") == "0":
         settings = ", ".join(f"{k}={v}" for k, v in chosen.items())
-        precision = " in float32" if "bf16" in chosen else ""  # a precision the user chose is theirs, not ours
+        # a precision the user chose (mixed, or the weights' dtype) is theirs, not ours: float32 only where it is ours
+        precision = "" if {"bf16", "fp16", "dtype"} & explicit else " in float32"
         print(f"[bapo_trl] no CUDA device: training on the CPU{precision} ({settings}); pass "
               f"{' / '.join(f'--{k}' for k in chosen)} to choose otherwise.")
     return chosen
@@ -319,8 +328,11 @@ def parse_args(argv: list[str] | None = None, parser: TrlParser | None = None, c
     explicit = explicit_fields(argv)
     if not ({"model_name_or_path", "config"} & explicit or any(a in HELP_FLAGS for a in argv)):
         # a flag overrides the default of its own field, not of the field's other name: none is set under either
-        parser.set_defaults_with_config(**{k: v for k, v in EMBEDDED_DEFAULTS.items()
-                                           if not {k, *FIELD_ALIASES.get(k, ())} & explicit})
+        defaults = {k: v for k, v in EMBEDDED_DEFAULTS.items()
+                    if not {k, *FIELD_ALIASES.get(k, ()), *EMBEDDED_YIELDS_TO.get(k, ())} & explicit}
+        if {"warmup_steps", "warmup_ratio"} & explicit and "lr_scheduler_type" in defaults:
+            defaults["lr_scheduler_type"] = "constant_with_warmup"  # the embedded job's constant rate, after a warmup
+        parser.set_defaults_with_config(**defaults)
     if not any(a in HELP_FLAGS for a in argv):  # the help shows TRL's defaults (the description says the CPU's)
         apply_cpu_defaults(parser, argv, cuda_available)  # before parsing: the config file and the flags override it
     notice = deepspeed_cpu_build_notice(argv, cuda_available=cuda_available)
@@ -485,6 +497,12 @@ def prepare(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_a
         mistakes = launch_errors(training_args)
         if mistakes:
             raise ValueError(" ".join(mistakes))
+        model_flags = [f"`{name}`" for name in MODEL_FLAGS if getattr(model_args, name) != field_default(model_args,
+                                                                                                          name)]
+        if embedded and model_flags:  # the tiny model is built offline, in float32, with the default attention
+            raise ValueError(f"{', '.join(model_flags)} set{'s' if len(model_flags) == 1 else ''} how a model of your "
+                             "own is loaded, and the embedded job builds its tiny model instead: pass "
+                             "--model_name_or_path, or drop them.")
         from .data import shipped_task
 
         task = shipped_task(script_args.dataset_name)
@@ -600,7 +618,7 @@ def _output_plan(args: BAPOConfig, peft: bool) -> str:
 
 
 def run_plan(args: BAPOConfig, script_args: BAPOScriptArguments | None = None, model: str | None = None,
-             train_dataset=None, reward_funcs=None, peft: bool = False) -> str:
+             train_dataset=None, reward_funcs=None, peft: bool = False, weights_dtype: str | None = None) -> str:
     """What the run will do, in one block printed once (rank 0) when the job starts: the model, the data and the
     rewards, the steps, the staleness of the data (:func:`staleness_plan`) and where it writes."""
     world = getattr(args, "world_size", 1)
@@ -608,7 +626,8 @@ def run_plan(args: BAPOConfig, script_args: BAPOScriptArguments | None = None, m
     length = (_count(args.max_steps, "optimizer step") if args.max_steps > 0 else
               f"{args.num_train_epochs:g} epoch(s) of the prompts")
     scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
-    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "float32"
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else \
+        f"{weights_dtype} weights" if weights_dtype not in (None, "float32", "auto") else "float32"
     device = "the CPU" if args.use_cpu else "the accelerator"
     prompts = args.generation_batch_size // args.num_generations
     steps = (f"{length} of {per_step} completions each ({_count(world, 'process')}), learning rate "
@@ -668,7 +687,8 @@ def main(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args
         trained = f"LoRA r={model_args.lora_r}, alpha={model_args.lora_alpha}" if peft_config else "every weight"
         model = (f"the embedded tiny model (~90k parameters, built offline and cached; {trained}): {model_path}"
                  if embedded else f"{model_path} ({trained})")
-        print(run_plan(training_args, script_args, model, train_dataset, reward_funcs, peft=peft_config is not None),
+        print(run_plan(training_args, script_args, model, train_dataset, reward_funcs, peft=peft_config is not None,
+                       weights_dtype=None if embedded else model_args.dtype),
               flush=True)
 
     trainer = BAPOTrainer(

@@ -322,7 +322,14 @@ class RolloutSettings:
                     f"{' or generated' if self.replay_saves_generation else ''}, only what the queue already holds. "
                     f"Lower `replay_ratio` below {1 - 0.5 / groups:.3g}, or put more groups in a batch "
                     "(per_device_train_batch_size x steps_per_generation / num_generations).")))
-            elif self.replay_buffer_size < self.replayed_groups_per_batch:
+            elif abs(self.replayed_groups_per_batch - self.replay_ratio * self.groups_per_batch) > 1e-9:
+                groups = self.groups_per_batch
+                rows.append(("warning", (
+                    f"`replay_ratio` ({self.replay_ratio}) x {groups} groups per generation batch on each process is "
+                    f"not a whole number of groups: {self.replayed_groups_per_batch} are replayed per batch (a ratio "
+                    f"of {self.replayed_groups_per_batch / groups:g}).")))
+            if 0 < self.replayed_groups_per_batch < self.groups_per_batch and \
+                    self.replay_buffer_size < self.replayed_groups_per_batch:
                 rows.append(("warning", (
                     f"`replay_buffer_size` ({self.replay_buffer_size}) holds fewer groups than one batch replays "
                     f"({self.replayed_groups_per_batch} = replay_ratio x groups per batch): `replay_ratio` is never "

@@ -13,6 +13,7 @@ from ..core.clipping import MODES, VARIANTS, BAPOSettings, is_real, settings_err
 from ..core.loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SUPPORTED_LOSS_TYPES
 from ..core.window_rule import RATIO_FIELDS, WIDENING, derived_path, lower_is_clamped
 from ..generation.adapter_sync import LORA_SYNC_MODES
+from ..generation.contract import samples_for_every_source
 from ..generation.fleet import normalized_server_urls, server_urls
 from ..rollout.settings import OnPolicyWarning, RolloutSettings, field_default, rollout_errors
 
@@ -166,7 +167,7 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
         default=SEARCH_DEFAULTS["bapo_variant"],
         metadata={
             "help": "BAPO search variant: 'paper' (Algorithm 1, c_high moves first) or 'verl' (official code: "
-            "c_low first, pos/neg ratio target, dual clip of negatives at 3|A|).",
+            "c_low first, pos/neg ratio target). The dual clip is `dual_clip`'s, for both.",
             "choices": list(VARIANTS),
         },
     )
@@ -330,7 +331,20 @@ class BAPOConfig(RolloutSettings, GRPOConfig):
                 f"(a preset such as gspo_balanced() sets them all) are the whole search path, which starts at "
                 f"[{ratio['ratio_lower_start']}, {ratio['ratio_upper_start']}] whatever your window. Leave the "
                 "ratio_* fields unset for a path derived from your window, or drop the window fields.")))
-        if self.positive_contribution_is_weighted and not (self.use_vllm and self.vllm_importance_sampling_correction):
+        sampler_behaviour = [name for name, on in (("async_generation", self.async_generation), (
+            f"generation_backend={self.generation_backend!r}", samples_for_every_source(self.generation_backend)))
+            if on]
+        is_settings = [f"{name}={getattr(self, name)!r}" for name in (
+            "positive_contribution_is_weighted", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
+            "vllm_importance_sampling_clip_max") if hasattr(self, name) and getattr(self, name) != field_default(
+            self, name)]
+        if sampler_behaviour and is_settings:
+            rows.append(("warning", (
+                f"{', '.join(is_settings)} ha{'s' if len(is_settings) == 1 else 've'} no effect on the batches "
+                f"{' and '.join(sampler_behaviour)} samples: their behaviour log-probs are the sampler's own, so "
+                "TRL's importance-sampling weight is 1 there and the sampler's gap is in BAPO's ratio instead.")))
+        elif self.positive_contribution_is_weighted and not (
+                self.use_vllm and self.vllm_importance_sampling_correction):
             rows.append(("warning", (
                 "`positive_contribution_is_weighted` only acts on TRL's vLLM importance-sampling weights, and this "
                 f"run has none (use_vllm={self.use_vllm}, vllm_importance_sampling_correction="
