@@ -109,8 +109,10 @@ class BAPOVLLMGeneration(LoRAPushMixin, VLLMGeneration):
         return server_urls(self.server_base_url) or [f"http://{self.server_host}:{self.server_port}"]
 
     def _init_vllm(self):
-        merged = is_peft_model(self.model) and not (self.uses_adapter_sync or self.uses_colocate_adapter)
-        refusal = tied_embedding_refusal(self.model) if merged else None
+        model = getattr(self, "model", None)  # TRL's __init__ sets it before it calls this
+        merged = model is not None and is_peft_model(model) and not (self.uses_adapter_sync or
+                                                                     self.uses_colocate_adapter)
+        refusal = tied_embedding_refusal(model) if merged else None
         if refusal:  # before any server or engine is reached; the same on every process
             raise ValueError(f"This peft model's weights are pushed merged (vllm_lora_sync='merged', a peft config "
                              f"the adapter push cannot serve, or colocate with vLLM's sleep mode), and {refusal}. "
