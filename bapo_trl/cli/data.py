@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from ..recipes.datasets_io import FILE_FORMATS, load_split  # noqa: F401  (FILE_FORMATS: re-exported)
+from ..rollout.settings import changed
 
 #: Tasks the package ships, by the name ``--dataset_name`` takes, with the reward that scores them (the default
 #: ``--reward_funcs`` for them): the README's SmolLM2 example as one command.
@@ -35,6 +36,12 @@ def prepare_prompts(dataset, prompt_column: str = "prompt"):
     return dataset
 
 
+def set_flags(args, names: tuple[str, ...]) -> list[str]:
+    """The fields among ``names`` that ``args`` (a dataclass of this command's options) sets away from their
+    defaults, as ``"`name`"``: what a refusal names when those flags would do nothing."""
+    return [f"`{name}`" for name in names if name in args.__dataclass_fields__ and changed(args, name)]
+
+
 def load_prompts(script_args, training_args):
     """``(train, eval)`` datasets; eval only when ``eval_strategy`` is not ``"no"``."""
     wants_eval = str(getattr(training_args.eval_strategy, "value", training_args.eval_strategy)) != "no"
@@ -45,12 +52,8 @@ def load_prompts(script_args, training_args):
     if script_args.dataset_name is None:
         from ..recipes.toy import make_reverse_dataset
 
-        ignored = [f"`{flag}`" for flag, value, default in (
-            ("dataset_config", script_args.dataset_config, None),
-            ("prompt_column", script_args.prompt_column, "prompt"),
-            ("math_dataset_format", getattr(script_args, "math_dataset_format", None), None),
-            ("dataset_train_split", script_args.dataset_train_split, "train"),
-            ("dataset_test_split", script_args.dataset_test_split, "test")) if value != default]
+        ignored = set_flags(script_args, ("dataset_config", "prompt_column", "math_dataset_format",
+                                          "dataset_train_split", "dataset_test_split"))
         if ignored:  # the embedded task is built, not loaded: a flag for a dataset would do nothing
             raise ValueError(f"{', '.join(ignored)} set{'s' if len(ignored) == 1 else ''} how a dataset is read, and "
                              "no `dataset_name` is given (the embedded reversal task is built, not loaded): pass "
@@ -72,9 +75,7 @@ def _prompts(script_args, split: str):
     if task is not None:
         from datasets import Dataset
 
-        ignored = [f"`{flag}`" for flag, value, default in (
-            ("dataset_config", config, None), ("prompt_column", script_args.prompt_column, "prompt"),
-            ("math_dataset_format", getattr(script_args, "math_dataset_format", None), None)) if value != default]
+        ignored = set_flags(script_args, ("dataset_config", "prompt_column", "math_dataset_format"))
         if ignored:  # the shipped task brings its own prompts and format: a flag for another dataset would do nothing
             raise ValueError(f"{', '.join(ignored)} cannot be used with the shipped task {name!r}, which has its own "
                              "prompts (a chat column `prompt`) and answers: drop them.")

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, TrlParser
 
-from ..rollout.settings import field_default
 from ..trainer.bapo_config import BAPOConfig
 from ..trainer.checkpoints import checkpoint_folders, clear_for_rewrite
 from ..trainer.option_groups import GROUPS
@@ -485,7 +484,7 @@ def replaces_previous_run(training_args: BAPOConfig, script_args: BAPOScriptArgu
 
 def prepare(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_args: ModelConfig):
     """Everything that can fail cheaply, before any model is built or loaded: rewards, data, the model path."""
-    from .data import load_prompts
+    from .data import load_prompts, set_flags
     from .launch_info import launch_errors
     from .rewards import resolve_reward_funcs
 
@@ -497,8 +496,7 @@ def prepare(script_args: BAPOScriptArguments, training_args: BAPOConfig, model_a
         mistakes = launch_errors(training_args)
         if mistakes:
             raise ValueError(" ".join(mistakes))
-        model_flags = [f"`{name}`" for name in MODEL_FLAGS if getattr(model_args, name) != field_default(model_args,
-                                                                                                          name)]
+        model_flags = set_flags(model_args, MODEL_FLAGS)
         if embedded and model_flags:  # the tiny model is built offline, in float32, with the default attention
             raise ValueError(f"{', '.join(model_flags)} set{'s' if len(model_flags) == 1 else ''} how a model of your "
                              "own is loaded, and the embedded job builds its tiny model instead: pass "

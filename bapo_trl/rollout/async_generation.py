@@ -30,7 +30,7 @@ from ..generation.processes import raise_everywhere
 from ..generation.seeding import mixed_seed
 from .contract import ReadyCompletions, ScoreFn, TrainerPort, image_column, is_iterable_dataset, stamp_token_versions
 from .producer import GeneratedBatch, Producer, PromptStream, Work
-from .settings import sampling_differences
+from .settings import setting_differences
 
 logger = logging.get_logger(__name__)
 
@@ -144,14 +144,14 @@ class AsyncGeneration:
                  "planned": {i: n for i, n in self.planned.items() if i >= self.handed},
                  "planned_upto": self.planned_upto, "sampled_under": self.port.settings.sampling,
                  "max_staleness": self.max_staleness}
-        if self.producer is None and self._restored:  # saved again before they were handed: as they were generated
-            state.update(sampled_under=self._restored_under[0], max_staleness=self._restored_under[1])
         if self.producer is not None:  # main process: the batches generated ahead belong to the checkpoint
             state["generated"] = [encode_batch(self.producer.wait_for(i)) for i in range(self.handed, self.submitted)]
             state["batches_submitted"] = self.submitted
-        elif self._restored:  # resumed, checkpointed again before the first hand-over: those batches are still ahead
-            state["generated"] = [encode_batch(self._restored[i]) for i in sorted(self._restored)]
-            state["batches_submitted"] = self.submitted
+        elif self._restored:  # resumed, checkpointed again before the first hand-over: those batches are still ahead,
+            # saved as they were generated (the settings and bound they were generated under)
+            state.update(generated=[encode_batch(self._restored[i]) for i in sorted(self._restored)],
+                         batches_submitted=self.submitted, sampled_under=self._restored_under[0],
+                         max_staleness=self._restored_under[1])
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -160,10 +160,10 @@ class AsyncGeneration:
         self.handed = int(state["batches_handed"])
         self.submitted = int(state.get("batches_submitted", self.handed))  # older checkpoints: regenerate the rest
         self._restored = {data["index"]: decode_batch(data) for data in state.get("generated", [])}
-        changed = sampling_differences(state.get("sampled_under", self.port.settings.sampling),
-                                       self.port.settings.sampling)
-        saved_bound = int(state.get("max_staleness", self.max_staleness))
-        self._restored_under = (state.get("sampled_under", self.port.settings.sampling), saved_bound)
+        now = self.port.settings.sampling
+        saved_under, saved_bound = state.get("sampled_under", now), int(state.get("max_staleness", self.max_staleness))
+        self._restored_under = (saved_under, saved_bound)
+        changed = setting_differences(saved_under, now)
         if saved_bound > self.max_staleness:  # generated that far ahead, they can be older than this run's bound
             changed.append(f"max_staleness ({saved_bound} there, {self.max_staleness} here)")
         if changed and self._restored:  # what the user set now applies to every batch this run trains

@@ -16,7 +16,7 @@ from .async_generation import AsyncGeneration, Handover, decode_batch, encode_ba
 from .contract import TrainerPort
 from .pool import Completion, PartialRolloutPool
 from .producer import Work
-from .settings import sampling_differences
+from .settings import setting_differences
 
 logger = logging.get_logger(__name__)
 
@@ -56,11 +56,10 @@ class AsyncPartialRollout(AsyncGeneration):
         self.stream_position = int(state["stream_position"])
         cut = self.pool.load_state_dict(state["pool"])
         self._restored_round = state.get("round")  # older checkpoints: the round is generated again
-        changed = sampling_differences(state.get("sampled_under", self.port.settings.sampling),
-                                       self.port.settings.sampling)
-        rounds = state.get("rounds", self._round_settings())  # the round's caps came from them
-        changed += [f"{name} ({saved!r} there, {getattr(self.port.settings, name)!r} here)"
-                    for name, saved in rounds.items() if getattr(self.port.settings, name) != saved]
+        changed = setting_differences(state.get("sampled_under", self.port.settings.sampling),
+                                      self.port.settings.sampling)
+        rounds = self._round_settings()  # the round's caps came from them
+        changed += setting_differences(state.get("rounds", rounds), rounds)
         if self._restored_round is not None and (changed or cut):  # it grew the pool as it was, under those settings
             logger.warning(
                 "resume_from_checkpoint: the partial-rollout round the checkpoint generated ahead is generated again, "

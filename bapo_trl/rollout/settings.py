@@ -394,10 +394,11 @@ def sampled_under(config) -> dict:
             for name in SAMPLED_UNDER}
 
 
-def sampling_differences(saved: dict, now: dict) -> list[str]:
-    """``"name (saved there, this here)"`` for each :data:`SAMPLED_UNDER` value that differs."""
-    return [f"{name} ({saved.get(name)!r} there, {now.get(name)!r} here)" for name in SAMPLED_UNDER
-            if saved.get(name) != now.get(name)]
+def setting_differences(saved: dict, now: dict) -> list[str]:
+    """``"name (saved there, this here)"`` for each setting of ``now`` (name -> value: :func:`sampled_under`'s, a
+    round's) whose value a checkpoint saved otherwise."""
+    return [f"{name} ({saved.get(name)!r} there, {value!r} here)" for name, value in now.items()
+            if saved.get(name) != value]
 
 
 def _generation_kwargs(cfg) -> dict:
