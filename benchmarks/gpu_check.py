@@ -19,11 +19,16 @@ deepspeed), this script checks, on ``--device cuda``:
    the block's device time and host time, and the host syncs the search makes inside those real training steps;
    **sequence-level settings**: ``gspo_balanced()`` (one window) and ``gspo_length_fair()`` (a window per
    sequence) against the default, interleaved at the largest batch: whole steps and each one's own code per step;
-4. **replay queue** and **partial rollout**, a few BAPO steps each, on the device;
+4. **TRL as the oracle** on the device: ``tests/test_trl_oracle.py`` (BAPO(C) trains TRL(C)'s loss and gradient on
+   on-policy data, and with the path pinned to TRL's window on stale data, every loss type, both ratio levels, TRL's
+   other loss settings, LoRA; the end-to-end rows stay on the CPU) run by pytest with its trainers on ``--device``,
+   the model in float32 and in bfloat16 (``BAPO_TEST_DEVICE`` / ``BAPO_TEST_DTYPE``, ``tests/support/trainers.py``);
+   on CPU in bfloat16 only, at the documented windows (CI's fast tier runs it all in float32);
+5. **replay queue** and **partial rollout**, a few BAPO steps each, on the device;
    **LoRA adapter push**: a LoRA run in server mode pushing its adapter from the device (gather, peft's files, the
    bytes and seconds of each push) to the stand-in server of ``tests/support/policy_server.py`` (no vLLM GPU wheel
    travels);
-5. **DeepSpeed**: a 1-process ZeRO-3 launch of ``train_bapo.py`` (``accelerate_configs/deepspeed_zero3.yaml``),
+6. **DeepSpeed**: a 1-process ZeRO-3 launch of ``train_bapo.py`` (``accelerate_configs/deepspeed_zero3.yaml``),
    and, on CUDA, a JIT build of DeepSpeed's FusedAdam op with the machine's nvcc, then one step of it (last: the
    longest, and what a short lease can lose).
 
@@ -43,9 +48,9 @@ then send the working tree with ``.gpu_wheels`` (ignored by git, under 64 MiB) a
 (``$PWD`` first: the checkout's ``bapo_trl`` is what gets checked; the wheel of it is there for installing without
 the checkout.) About 6.5 minutes on an H200 (2026-11-26: 342 s with the op build failing at once; the step timing
 293 s, a passing DeepSpeed section 57-80 s with the op's build 32-39 s; 2026-11-27: the sequence-level settings 95
-s). ``--skip`` leaves sections out (``search,steps,variants,replay,lora,deepspeed``); ``--batches`` and ``--rounds``
-set the step comparison's micro-batch sizes and rounds (a repeat of it alone: ``--skip
-search,variants,replay,lora,deepspeed``).
+s; 2026-11-29: the oracle 2 x 43 s). ``--skip`` leaves sections out
+(``search,steps,variants,oracle,replay,lora,deepspeed``); ``--batches`` and ``--rounds`` set the step comparison's
+micro-batch sizes and rounds (a repeat of it alone: ``--skip search,variants,oracle,replay,lora,deepspeed``).
 
 Output: one table row per check, then one machine-readable line::
 
@@ -53,7 +58,7 @@ Output: one table row per check, then one machine-readable line::
     step_time_ratio=<bapo/grpo> peak_memory_ratio=<bapo/grpo or nan> search_device_share=<x or nan>
     adapt_host_share=<x> step_syncs=<n> decoupled_step_ratio=<decoupled/bapo>
     length_fair_step_ratio=<length-fair/gspo-scale-x10> length_fair_own_ms=<ms> balanced_own_ms=<ms>
-    zero3=<pass|fail|skip>
+    zero3=<pass|fail|skip> oracle=<...>
     replay=<...> partial_rollout=<...> lora_push=<...>
 
 (all on one line; over the batch sizes of the step comparison, the ratios and shares are the largest and
@@ -113,7 +118,7 @@ GPU_STEP_ARGS = dict(per_device_train_batch_size=16, num_generations=8, steps_pe
 #: The micro-batch sizes the step comparison runs at on CUDA (8 completions per group): 2 and 8 groups.
 GPU_STEP_BATCHES = (16, 64)
 #: The sections, in the order they run (``--skip`` names some of them).
-SECTIONS = ("search", "steps", "variants", "replay", "lora", "deepspeed")
+SECTIONS = ("search", "steps", "variants", "oracle", "replay", "lora", "deepspeed")
 #: The LoRA push's adapter: rank 16 on q_proj and v_proj, as benchmarks/lora_push.py measures it on SmolLM2.
 LORA = dict(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"])
 
@@ -537,6 +542,26 @@ def build_deepspeed_op() -> dict:
                 "detail": f"{type(err).__name__}: {str(err)[-1500:]}{note}"}
 
 
+def section_oracle(device: str) -> list[dict]:
+    """``tests/test_trl_oracle.py`` with its trainers on ``device``, one pytest run per model dtype (module docstring,
+    item 4): a row each, passing where every test passed."""
+    rows = []
+    for dtype, only in (("float32", None), ("bfloat16", None)) if device == "cuda" else (("bfloat16", "documented"),):
+        env = dict(os.environ, BAPO_TEST_DEVICE=device, BAPO_TEST_DTYPE=dtype, PYTHONPATH=os.pathsep.join(
+            filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        command = [sys.executable, "-m", "pytest", "tests/test_trl_oracle.py", "-q", "-p", "no:cacheprovider",
+                   "-W", "ignore", "--tb=short", *(["-k", only] if only else []),
+                   *(["-n", str(min(8, os.cpu_count() or 1))] if device == "cuda" else [])]
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+        summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
+        failures = [line for line in done.stdout.splitlines() if line.startswith("FAILED")]
+        rows.append({"check": f"TRL as the oracle on {device}, {dtype}", "ok": done.returncode == 0,
+                     "detail": f"tests/test_trl_oracle.py{f' -k {only}' if only else ''}: {summary.strip('= ')}"
+                               + ("; " + "; ".join(failures[:5]) if failures else "")
+                               + (f"; {done.stderr.strip()[-500:]}" if done.returncode not in (0, 1) else "")})
+    return rows
+
+
 def section_replay(device: str, tmp: str) -> list[dict]:
     """A few BAPO steps with the replay queue, then with partial rollout, on the device (the tiny default)."""
     model_dir = build_tiny_model()
@@ -704,6 +729,7 @@ def main(argv=None) -> int:
     sections = {"search": lambda tmp: section_search(args.device, args.quick),
                 "steps": lambda tmp: section_steps(args.device, args.quick, tmp, batches, args.rounds),
                 "variants": lambda tmp: section_variants(args.device, args.quick, tmp, args.rounds),
+                "oracle": lambda tmp: section_oracle(args.device),
                 "replay": lambda tmp: section_replay(args.device, tmp),
                 "lora": lambda tmp: section_lora(args.device, args.quick, tmp),
                 "deepspeed": lambda tmp: section_deepspeed(args.device, tmp)}
@@ -743,6 +769,8 @@ def main(argv=None) -> int:
         return ("pass" if found[0]["ok"] else "fail") if found else "skip"
 
     failed = sum(not r["ok"] for r in rows)
+    oracle_rows = [r for r in rows if r["section"] == "oracle"]
+    oracle = "skip" if not oracle_rows else "pass" if all(r["ok"] for r in oracle_rows) else "fail"
     print(f"device={args.device} checks={len(rows)} failed={failed} search_tokens={pick('tokens', 0)} "
           f"speedup_vs_loop={pick('speedup'):.1f} floor_ratio={pick('floor_ratio'):.2f} "
           f"host_syncs={pick('host_syncs', -1)} step_time_ratio={pick('step_ratio', combine=max):.4f} "
@@ -755,6 +783,7 @@ def main(argv=None) -> int:
           f"length_fair_own_ms={pick('length_fair_own_ms'):.2f} "
           f"balanced_own_ms={pick('balanced_own_ms'):.2f} "
           f"zero3={status('DeepSpeed ZeRO-3 launch of train_bapo.py')} "
+          f"oracle={oracle} "
           f"replay={status('replay queue')} partial_rollout={status('partial rollout')} "
           f"lora_push={status('LoRA adapter push (server mode, stand-in server)')}")
     return 1 if failed else 0

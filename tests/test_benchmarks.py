@@ -103,18 +103,18 @@ def test_staleness_study_quick_prints_its_summary():
 def test_gpu_check_cpu_quick_passes_every_check():
     """The GPU check's CPU mode: 16k-token search (same choice as the loops, no host sync in 6 searches), BAPO vs
     GRPO steps on the random model, BAPO's share of a profiled block (host time only on CPU; no host sync in the
-    searches of real training steps), a 1-process ZeRO-3 launch of train_bapo.py, replay and partial rollout, a LoRA
-    adapter push through the stand-in server."""
+    searches of real training steps), TRL as the oracle with the model in bfloat16, a 1-process ZeRO-3 launch of
+    train_bapo.py, replay and partial rollout, a LoRA adapter push through the stand-in server."""
     last = run_quick("gpu_check.py", "--device", "cpu")
     match = re.fullmatch(
         rf"device=cpu checks=(\d+) failed=0 search_tokens=16384 speedup_vs_loop=({NUMBER}) floor_ratio=({NUMBER}) "
         rf"host_syncs=0 step_time_ratio=({NUMBER}) peak_memory_ratio=nan search_device_share=nan "
         rf"adapt_host_share=({NUMBER}) step_syncs=0 decoupled_step_ratio=({NUMBER}) "
         rf"length_fair_step_ratio=({NUMBER}) length_fair_own_ms=({NUMBER}) balanced_own_ms=({NUMBER}) zero3=pass "
-        rf"replay=pass partial_rollout=pass lora_push=pass",
+        rf"oracle=pass replay=pass partial_rollout=pass lora_push=pass",
         last)
     assert match, last
-    assert int(match[1]) == 9 and float(match[2]) > 0 and float(match[4]) > 0 and 0 < float(match[5]) < 1
+    assert int(match[1]) == 10 and float(match[2]) > 0 and float(match[4]) > 0 and 0 < float(match[5]) < 1
     assert all(float(match[i]) > 0 for i in (7, 8, 9))  # the sequence-level settings ran, inside BAPO's code too
 
 
@@ -137,7 +137,7 @@ def test_core_contention_quick_prints_its_summary():
     ("async_overlap", ["--quick", "--warmup", "1"], "--warmup must be >= 2 (the replay rows generate whole batches"),
     ("async_overlap", ["--steps", "x"], "argument --steps: must be a positive integer, got 'x'"),
     ("gpu_check", ["--device", "cpu", "--skip", "serach"], "--skip: unknown section(s) serach; the sections are "
-                                                          "search,steps,variants,replay,lora,deepspeed"),
+                                                          "search,steps,variants,oracle,replay,lora,deepspeed"),
     ("gpu_check", ["--device", "cpu", "--batches", "16,12"], "--batches must be positive multiples of 8"),
     ("gpu_check", ["--device", "cpu", "--batches", "x"], "--batches must be positive multiples of 8"),
     ("gpu_check", ["--device", "cpu", "--rounds", "0"], "--rounds must be >= 1, got 0"),

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from trl import GRPOConfig, GRPOTrainer
 
 from bapo_trl import BAPOConfig, BAPOTrainer
-from support.trainers import make_trainer, stale_batch
+from support.trainers import make_trainer, stale_batch, to_device
 
 #: (loss_type, importance_sampling_level) pairs TRL's GRPOConfig accepts.
 CASES = [(loss, level) for loss in ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
@@ -41,7 +41,7 @@ def on_policy_batch(trainer) -> dict:
 
 def loss_and_gradient(trainer, batch) -> tuple[torch.Tensor, torch.Tensor]:
     trainer.model.zero_grad()
-    loss = trainer.compute_loss(trainer.model, dict(batch))
+    loss = trainer.compute_loss(trainer.model, to_device(batch, trainer))
     loss.backward()
     grad = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
     return loss.detach(), grad
@@ -186,12 +186,12 @@ def with_setting_inputs(batch: dict, current: torch.Tensor, setting: dict, seed:
 def trls_old_logps(trl, batch: dict) -> torch.Tensor:
     """The old log-probs TRL's own forward gives this batch (what ``_generate_and_score_completions`` computes with
     its vLLM importance-sampling correction, or for the first pass of num_iterations > 1): the current policy's."""
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"].long()], 1)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1).to(trl.model.device)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"].long()], 1).to(trl.model.device)
     with torch.no_grad():
         logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trl, trl.model, ids, attention,
                                                                         batch["completion_ids"].size(1))
-    return logps
+    return logps.float().cpu()
 
 
 @pytest.mark.parametrize("setting", LOSS_SETTINGS)
