@@ -307,3 +307,35 @@ def test_a_backend_that_fails_on_one_process_ends_the_run_on_every_process(case,
     assert errors[other].exists(), f"process {other} raised nothing: it was stopped inside a collective"
     assert other_error in errors[other].read_text()
     assert not (tmp_path / "out" / "checkpoint-1").exists()
+
+
+def test_trls_push_failing_on_the_main_process_under_zero3_raises_on_every_process(tiny_model_dir, tmp_path):
+    """TRL's weight push (CUDA's NCCL path, here through a stand-in client: tests/dist_scripts/trl_push_failure.py)
+    failing on the main process, at once (the server gone), part-way through the walk, or at the prefix-cache reset,
+    raises on both ranks of a ZeRO-3 launch, each after walking every weight (the gathers are collectives), and the
+    next push goes through whole. Seen failing on the old code: the main process raised at once and went on to the
+    next case's collectives while rank 1 was still gathering weights; here gloo then aborted the launch (rank 1:
+    "Connection reset by peer"); where the mismatch is not detected (NCCL) a rank waits until the process group's
+    timeout."""
+    script = REPO / "tests" / "dist_scripts" / "trl_push_failure.py"
+    try:
+        accelerate_launch(script, tiny_model_dir, tmp_path, config_file=CONFIGS / "deepspeed_zero3.yaml",
+                          extra_launch=NO_MIXED, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the launch did not end: a rank waited in a collective for the main process, whose push failed")
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    weights = ranks[0]["parameters"]
+    for rank, record in enumerate(ranks):
+        assert record["world_size"] == 2 and record["zero3"], record
+        cases = record["cases"]
+        for case in ("push fails at once", "push fails part-way", "prefix-cache reset fails"):
+            error = cases[case]["error"]
+            assert error is not None and "stand-in" in error, (rank, case, error)
+            assert rank == 0 or error.startswith("RuntimeError: pushing the weights: on process 0: ConnectionError")
+        # every rank walked every weight in every case (the first push also walks them for TRL's metadata)
+        assert cases["push fails at once"]["walked"] == 2 * weights, (rank, cases)
+        assert all(cases[case]["walked"] == weights for case in list(cases)[1:]), (rank, cases)
+        assert cases["push succeeds"]["error"] is None
+    received = {case: value["received"] for case, value in ranks[0]["cases"].items()}
+    assert received == {"push fails at once": 0, "push fails part-way": 5, "prefix-cache reset fails": weights,
+                        "push succeeds": weights}

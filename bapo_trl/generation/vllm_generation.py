@@ -35,7 +35,7 @@ from .http_client import (
     check_logprobs_mode,
 )
 from .lora_push import LoRAPushMixin
-from .processes import broadcast_from_main, raise_everywhere
+from .processes import broadcast_from_main, gather_from_all, raise_everywhere, raise_if_any
 from .seeding import mixed_seed, seed_salt
 from .trl_patches import building_engine, building_server_client, seeded_engine
 from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError
@@ -194,7 +194,7 @@ class BAPOVLLMGeneration(LoRAPushMixin, VLLMGeneration):
         if self.uses_colocate_reload:
             return self._reload_colocated()
         if not self.uses_disk_sync:
-            return super().sync_weights()
+            return self._sync_through_trl()
         state = self.gather_state()
         error = None
         if self.accelerator.is_main_process:
@@ -204,8 +204,35 @@ class BAPOVLLMGeneration(LoRAPushMixin, VLLMGeneration):
                 error = exc
         self._raise_everywhere(error)
 
+    def _sync_through_trl(self) -> None:
+        """TRL's push (server mode on CUDA: NCCL; colocate: the engine in this process). An error on a process (on the
+        main one, a server gone or restarted mid-push: the client's requests fail) is raised on every process, after
+        that process has walked the rest of the weights: the others gather each weight with it (a collective under
+        ZeRO-3) and, without the walk, would wait in a gather, or in the next collective, until the process group's
+        timeout. The server then holds a mix of old and new weights; the trainer stops, as with any failed push."""
+        processes = self.accelerator.num_processes
+        error = None
+        self._walk = None
+        try:
+            super().sync_weights()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
+            if processes == 1:
+                raise
+            error = exc
+            for _ in self._walk or ():  # the rest of the walk the client left (empty where the walk ended)
+                pass
+        finally:
+            self._walk = None
+        raise_if_any(error, processes, partial(gather_from_all, num_processes=processes), "pushing the weights")
+
     def _iter_named_params(self):
-        """TRL's walk over the weights to push; with a peft model the merged walk leaves the base weights bit-exact
+        """TRL's walk over the weights to push (kept as ``_walk`` until :meth:`_sync_through_trl` is over, so that a
+        push that failed part-way can finish the walk's gathers)."""
+        self._walk = self._walk_named_params()
+        return self._walk
+
+    def _walk_named_params(self):
+        """TRL's walk; with a peft model the merged walk leaves the base weights bit-exact
         (:func:`~.gather.exact_unmerge`: in bfloat16 TRL's merge and unmerge moved them)."""
         if not is_peft_model(self.model):
             yield from super()._iter_named_params()

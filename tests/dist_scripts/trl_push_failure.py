@@ -1,0 +1,87 @@
+"""Under `accelerate launch --num_processes 2` with DeepSpeed ZeRO-3: TRL's weight push (the path CUDA takes, NCCL to
+the server) failing on the main process part-way must raise on every rank, none left waiting in a weight gather.
+
+The push goes through ``BAPOVLLMGeneration.sync_weights``'s TRL branch with a STAND-IN client on the main process (no
+NCCL, no server here): it takes ``stop_after`` weights of TRL's walk, then raises ``ConnectionError`` as TRL's client
+does when the server is gone; ``reset_fails`` makes the prefix-cache reset after the walk fail instead. The weights are
+the trainer's own, partitioned by ZeRO-3 (each gather is a collective). Each rank writes rank<N>.json: per case, the
+error it raised and how many weights it walked. argv: model_dir out_dir."""
+
+import json
+import os
+import sys
+
+import torch
+from transformers import AutoTokenizer
+from trl.distributed import DistributedBackend
+
+from bapo_trl import BAPOConfig, BAPOTrainer
+from bapo_trl.cli.train import exit_past_gloo_teardown
+from bapo_trl.generation.vllm_generation import BAPOVLLMGeneration
+from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
+
+model_dir, out_dir = sys.argv[1], sys.argv[2]
+torch.set_num_threads(1)
+args = BAPOConfig(output_dir=out_dir, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
+                  per_device_train_batch_size=4, num_generations=4, max_completion_length=4)
+trainer = BAPOTrainer(model=model_dir, reward_funcs=reverse_reward, args=args,
+                      train_dataset=make_reverse_dataset(16, seed=0),
+                      processing_class=AutoTokenizer.from_pretrained(model_dir))
+accelerator = trainer.accelerator
+
+
+class StandInClient:
+    """TRL's client as the push sees it: it streams the walk (``update_named_params``) and resets the prefix cache."""
+
+    def __init__(self, stop_after=None, reset_fails=False):
+        self.stop_after, self.reset_fails, self.received = stop_after, reset_fails, 0
+
+    def update_named_params(self, metadata, named_params):
+        for _ in named_params:
+            if self.received == self.stop_after:
+                raise ConnectionError("the server is gone (stand-in)")
+            self.received += 1
+
+    def reset_prefix_cache(self):
+        if self.reset_fails:
+            raise ConnectionError("the prefix-cache reset failed (stand-in)")
+
+
+BAPOVLLMGeneration.uses_disk_sync = property(lambda self: False)  # CUDA's branch: TRL's push
+backend = BAPOVLLMGeneration.__new__(BAPOVLLMGeneration)
+backend.mode, backend.enable_sleep_mode, backend.lora_sync = "server", False, "merged"
+backend.accelerator, backend.model, backend._weight_metadata = accelerator, trainer.model, None
+backend._dist = DistributedBackend(accelerator)
+
+walked = {"count": 0}
+walk = BAPOVLLMGeneration._walk_named_params
+
+
+def counted(self):  # every weight this rank's walk yielded (the metadata walk of the first push included)
+    for item in walk(self):
+        walked["count"] += 1
+        yield item
+
+
+BAPOVLLMGeneration._walk_named_params = counted
+record = {"rank": accelerator.process_index, "world_size": accelerator.num_processes,
+          "zero3": bool(getattr(next(trainer.model.parameters()), "ds_numel", 0)), "cases": {}}
+for case, client in (("push fails at once", StandInClient(stop_after=0)),
+                     ("push fails part-way", StandInClient(stop_after=5)),
+                     ("prefix-cache reset fails", StandInClient(reset_fails=True)),
+                     ("push succeeds", StandInClient())):
+    backend.vllm_client = client if accelerator.is_main_process else None  # TRL builds the client there only
+    walked["count"] = 0
+    error = None
+    try:
+        backend.sync_weights()
+    except Exception as exc:  # noqa: BLE001 - recorded for the test
+        error = f"{type(exc).__name__}: {exc}"
+    record["cases"][case] = {"error": error, "walked": walked["count"],
+                             "received": client.received if accelerator.is_main_process else None}
+accelerator.wait_for_everyone()  # every rank is past every case
+record["parameters"] = len(list(trainer.model.named_parameters()))
+with open(os.path.join(out_dir, f"rank{record['rank']}.json"), "w") as f:
+    json.dump(record, f)
+
+exit_past_gloo_teardown()  # gloo can abort a finished process while the interpreter finalizes (see its docstring)
