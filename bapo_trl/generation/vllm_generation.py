@@ -46,6 +46,8 @@ class BAPOVLLMGeneration(LoRAPushMixin, VLLMGeneration):
     wherever TRL's path works; on a non-CUDA device in server mode, HTTP and weights through disk; see the module doc
     for the rest (LoRA, colocate, seeds)."""
 
+    _walks: list | None = None  # TRL's weight walks of the push in progress (:meth:`_sync_through_trl`)
+
     disk_sync: DiskWeightSync | None = None
     #: What training does with the sampler's log-probs (:func:`bapo_trl.rollout.settings.sampler_logprobs_use`); None:
     #: no check of the servers.
@@ -209,27 +211,34 @@ class BAPOVLLMGeneration(LoRAPushMixin, VLLMGeneration):
         main one, a server gone or restarted mid-push: the client's requests fail) is raised on every process, after
         that process has walked the rest of the weights: the others gather each weight with it (a collective under
         ZeRO-3) and, without the walk, would wait in a gather, or in the next collective, until the process group's
-        timeout. The server then holds a mix of old and new weights; the trainer stops, as with any failed push."""
+        timeout. The server then holds a mix of old and new weights; the trainer stops, as with any failed push. With
+        one process the walk is closed at once (a merged LoRA walk then leaves the adapter unmerged, not whenever the
+        traceback that holds the walk is freed)."""
         processes = self.accelerator.num_processes
         error = None
-        self._walk = None
+        self._walks = []
         try:
             super().sync_weights()
         except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
+            error = exc
+            for walk in self._walks:
+                if processes > 1:
+                    for _ in walk:  # the rest of the walk the client left (nothing where the walk ended)
+                        pass
+                walk.close()
             if processes == 1:
                 raise
-            error = exc
-            for _ in self._walk or ():  # the rest of the walk the client left (empty where the walk ended)
-                pass
         finally:
-            self._walk = None
+            self._walks = None
         raise_if_any(error, processes, partial(gather_from_all, num_processes=processes), "pushing the weights")
 
     def _iter_named_params(self):
-        """TRL's walk over the weights to push (kept as ``_walk`` until :meth:`_sync_through_trl` is over, so that a
-        push that failed part-way can finish the walk's gathers)."""
-        self._walk = self._walk_named_params()
-        return self._walk
+        """TRL's walk over the weights to push (:meth:`_walk_named_params`); inside :meth:`_sync_through_trl` each walk
+        is kept until the push is over, so that a push that failed part-way can finish the walk's gathers."""
+        walk = self._walk_named_params()
+        if self._walks is not None:
+            self._walks.append(walk)
+        return walk
 
     def _walk_named_params(self):
         """TRL's walk; with a peft model the merged walk leaves the base weights bit-exact
