@@ -90,8 +90,9 @@ def exact_unmerge(model) -> Iterator[None]:
     ``merge_adapter`` merged into. Why: TRL's merged push merges the adapter in place and unmerges it after; in
     bfloat16 ``W + BA - BA`` is not ``W``, so every push moved the frozen base (huggingface/trl#6688). The weights are
     copied to the CPU at the merge (the push reads the whole model then anyway; the cost is one host copy of the
-    targeted base tensors on each process during a push), inside TRL's gather, so a ZeRO-3 shard gets the restored
-    values when it is partitioned again.
+    targeted base tensors on each process during a push), inside TRL's gather. Under ZeRO-3 that gather
+    (``modifier_rank=None``) discards what changed inside it anyway, except in the small parameters DeepSpeed keeps
+    whole on every process: the copy restores those.
 
     A walk closed between the merge and the unmerge (an exception or Ctrl-C while pushing, then training goes on with
     the same object) leaves nothing merged: the context's exit puts the saved base back and clears peft's merged
