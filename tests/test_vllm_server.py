@@ -57,6 +57,8 @@ def test_training_generates_through_the_server_with_weights_in_sync(tiny_server,
     diffs = logp_differences(trainer)
     assert len(diffs) == 3, trainer.state.log_history  # 6 steps, one generation every 2 steps
     assert backend.disk_sync.num_syncs == 3  # one sync before each generation
+    # the server's worker extension kept the mark of each push (so a restarted server would have been found)
+    assert backend.disk_sync._marks == {tiny_server.url: True} and backend.disk_sync.restarts == []
     assert max(diffs) < IN_SYNC, diffs
     # The second step of each generation trains on stale data, which is where BAPO's search acts.
     assert any(h.get("bapo/staleness_max") == 1 for h in trainer.state.log_history)

@@ -145,3 +145,78 @@ def test_a_push_of_gathered_copies_is_written_without_a_second_copy(tmp_path):
         directory = write_weights(gathered, str(tmp_path), "push-", handed_over=handed_over)
         written = load_file(f"{directory}/model.safetensors")
         assert written.keys() == gathered.keys() and all(torch.equal(written[k], v) for k, v in gathered.items())
+
+
+def test_a_restarted_server_loads_the_last_pushed_weights_again_before_the_next_request(stand_in, tmp_path):
+    """A server restarted between two pushes holds its checkpoint's weights; its completions would be stamped with the
+    pushed version. The worker extension keeps the name of the weights it loaded last (``bapo_weights_mark``): a
+    restarted server holds none, so before the next request it loads the last pushed weights again (once: a server
+    that holds them costs one RPC and no reload). After ``close`` (the files gone) nothing is asked."""
+    import os
+
+    sync = DiskWeightSync(stand_in.url, timeout=10, root=str(tmp_path), mark_weights=True)
+    try:
+        assert sync.reload_if_restarted() == []  # nothing pushed yet
+        pushed = shifted(stand_in, 0.5)
+        sync.push(pushed)
+        assert stand_in.mark == os.path.basename(sync.current_dir)
+        assert sync.reload_if_restarted() == [] and stand_in.reloads == 1
+        stand_in.restart()
+        assert not server_holds(stand_in, pushed)
+        assert sync.reload_if_restarted() == [stand_in.url] and server_holds(stand_in, pushed)
+        assert stand_in.reloads == 2 and sync.restarts == [stand_in.url]
+        assert sync.reload_if_restarted() == [] and stand_in.reloads == 2
+    finally:
+        sync.close()
+    asked = stand_in.requests["RPC", "bapo_weights_mark"]
+    assert sync.reload_if_restarted() == [] and stand_in.requests["RPC", "bapo_weights_mark"] == asked
+
+
+def test_a_server_without_the_worker_extension_is_not_asked_after_its_first_load(tiny_model_dir, tmp_path):
+    server = PolicyServer(tiny_model_dir, marks=False)
+    sync = DiskWeightSync(server.url, timeout=10, root=str(tmp_path), mark_weights=True)
+    try:
+        sync.push(shifted(server, 0.5))
+        server.restart()
+        assert sync.reload_if_restarted() == [] and server.reloads == 1  # it cannot tell
+        sync.push(shifted(server, 0.25))
+        assert server.requests["RPC", "bapo_weights_mark"] == 1
+    finally:
+        sync.close()
+        server.close()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async_k1"])
+def test_a_server_restarted_just_after_a_push_samples_from_the_pushed_weights(tiny_model_dir, tmp_path,
+                                                                                asynchronous):
+    """Full-weight training through the stand-in server, which restarts (its checkpoint's weights again) just after
+    it loaded the second push: the request that follows finds it restarted and it loads that push again, so every
+    generation samples from the weights the trainer pushed (synchronous: the sampler/trainer log-prob gap TRL logs
+    stays at float32 noise). Seen failing without the check: the generation after the restart sampled from the
+    checkpoint's weights."""
+    from support.harness import tiny_trainer
+    from support.server_training import LOGP_DIFF, server_config
+
+    server = PolicyServer(tiny_model_dir)
+    try:
+        extra = dict(async_generation=True, max_staleness=1) if asynchronous else {}
+        trainer = tiny_trainer(tiny_model_dir, server_config(server, tmp_path, max_steps=6, steps_per_generation=1,
+                                                             **extra))
+        sync = trainer.vllm_generation.disk_sync
+        load = sync.load
+
+        def load_then_restart(*args, **kwargs):
+            seconds = load(*args, **kwargs)
+            if sync.num_syncs == 2:
+                server.restart()
+            return seconds
+
+        sync.load = load_then_restart
+        with pytest.warns(UserWarning, match="had restarted since the last weight push"):
+            trainer.train()
+        assert sync.restarts == [server.url]
+        if not asynchronous:
+            diffs = [h[LOGP_DIFF] for h in trainer.state.log_history if LOGP_DIFF in h]
+            assert len(diffs) == 6 and max(diffs) < 1e-4, diffs
+    finally:
+        server.close()

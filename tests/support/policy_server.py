@@ -64,7 +64,7 @@ class PolicyServer:
     def __init__(self, model_dir: str, stall_on: tuple[int, ...] = (), seed: int = 0, seconds_per_token: float = 0.0,
                  busy_resets: int = 0, latency: float = 0.0, logprobs_mode: str | None = "processed_logprobs",
                  nan_logprob_every: int = 0, lora: bool | None = True, data_parallel_size: int | None = None,
-                 perturb: float = 0.0):
+                 perturb: float = 0.0, marks: bool = True):
         from transformers import AutoModelForCausalLM
 
         self.model_dir = model_dir
@@ -100,6 +100,9 @@ class PolicyServer:
         # path -> how its next POSTs are lost: "before" (the connection closes before the request runs: a keep-alive
         # connection the server closed as it was reused) or "after" (it ran, the answer never comes back)
         self.drops: dict[str, list[str]] = {}
+        # the worker extension's mark of the weights loaded last (bapo_weights_mark), kept as `bapo serve` keeps it;
+        # ``marks=False``: a server without the extension (the RPC is accepted and answers nothing)
+        self.marks, self.mark = marks, None
         self.release = threading.Event()
         self.stalled_at: float | None = None  # time.perf_counter() when the first stalled request arrived
         server = self
@@ -184,6 +187,11 @@ class PolicyServer:
                     server.requests["RPC", body.get("method")] += 1  # by method: a start-up probe is an RPC too
                     if body.get("method") == "reload_weights":
                         server.reload(body["kwargs"]["weights_path"])
+                    elif body.get("method") == "bapo_weights_mark" and server.marks:  # the worker extension's
+                        if body.get("kwargs", {}).get("name") is not None:
+                            server.mark = body["kwargs"]["name"]
+                        self.answer({"results": [server.mark]})  # vLLM's answer: one result per worker
+                        return
                     self.answer({})
                 else:
                     self.answer({})
@@ -305,6 +313,7 @@ class PolicyServer:
         with self.lock:
             self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
             self.adapters.clear()
+            self.mark = None
             self.lora_events.append(("restart", ""))
 
     def resent(self) -> list[tuple]:
