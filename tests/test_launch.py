@@ -311,12 +311,14 @@ def test_a_backend_that_fails_on_one_process_ends_the_run_on_every_process(case,
 
 def test_trls_push_failing_on_the_main_process_under_zero3_raises_on_every_process(tiny_model_dir, tmp_path):
     """TRL's weight push (CUDA's NCCL path, here through a stand-in client: tests/dist_scripts/trl_push_failure.py)
-    failing on the main process, at once (the server gone), part-way through the walk, or at the prefix-cache reset,
-    raises on both ranks of a ZeRO-3 launch, each after walking every weight (the gathers are collectives), and the
-    next push goes through whole. Seen failing on the old code: the main process raised at once and went on to the
-    next case's collectives while rank 1 was still gathering weights; here gloo then aborted the launch (rank 1:
-    "Connection reset by peer"); where the mismatch is not detected (NCCL) a rank waits until the process group's
-    timeout."""
+    failing on the main process, at once (the server gone), part-way through the walk, or at the prefix-cache
+    reset, raises on both ranks of a ZeRO-3 launch, each after walking every weight (the gathers are collectives),
+    and the next push goes through whole; so does colocate's push failing on rank 1 before TRL's walk begins there
+    (vLLM's sleep mode: its engine's wake-up; a stand-in engine). Seen failing on the old code: the main process
+    raised at once and went on to the next case's collectives while rank 1 was still gathering weights; here gloo
+    then aborted the launch (rank 1: "Connection reset by peer"); where the mismatch is not detected (NCCL) a rank
+    waits until the process group's timeout. The colocate case was seen failing without the walks made for one not
+    begun (gloo aborted the launch)."""
     script = REPO / "tests" / "dist_scripts" / "trl_push_failure.py"
     try:
         accelerate_launch(script, tiny_model_dir, tmp_path, config_file=CONFIGS / "deepspeed_zero3.yaml",
@@ -338,4 +340,9 @@ def test_trls_push_failing_on_the_main_process_under_zero3_raises_on_every_proce
         assert cases["push succeeds"]["error"] is None
     received = {case: value["received"] for case, value in ranks[0]["cases"].items()}
     assert received == {"push fails at once": 0, "push fails part-way": 5, "prefix-cache reset fails": weights,
-                        "push succeeds": weights}
+                        "push succeeds": weights, "colocate wake-up fails on rank 1": weights}
+    colocate = [record["cases"]["colocate wake-up fails on rank 1"] for record in ranks]
+    assert colocate[1]["error"] == "RuntimeError: the engine could not wake up (stand-in)"
+    assert colocate[1]["received"] == 0
+    assert colocate[0]["error"].startswith("RuntimeError: pushing the weights: on process 1: RuntimeError: the engine")
+    assert colocate[0]["walked"] == colocate[1]["walked"] == weights  # rank 1 walked with rank 0 all the same

@@ -71,19 +71,23 @@ def test_fifty_merged_pushes_a_run_and_a_resume_leave_the_bf16_base_bit_exact(ti
 
 class FailingClient:
     """A STAND-IN for TRL's client on CUDA's push path (NCCL): it takes 3 tensors of the walk, then the server is
-    gone."""
+    gone (or the user pressed Ctrl-C)."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
 
     def update_named_params(self, metadata, named_params):
         for index, _ in enumerate(named_params):
             if index == 2:
-                raise ConnectionError("the server is gone (stand-in)")
+                raise self.error
 
 
-@pytest.mark.parametrize("abort", ["closed", "raised", "push failed"])
+@pytest.mark.parametrize("abort", ["closed", "raised", "push failed", "push interrupted"])
 def test_a_merged_walk_cut_short_leaves_the_adapter_counted_once(tiny_model_dir, tmp_path, monkeypatch, abort):
     """Issue 75, finding 2: TRL's merged walk closed after 3 tensors (``closed``: the push's generator closed, as an
     interrupted push does; ``raised``: the consumer raises and drops it; ``push failed``: TRL's own push, the path CUDA
-    takes, whose client fails with the error still held, as a notebook holds the last one) leaves the model as it was:
+    takes, whose client fails with the error still held, as a notebook holds the last one; ``push interrupted``: the
+    same with Ctrl-C) leaves the model as it was:
     the bf16 base bit exact, no layer flagged merged, the same logits; the next whole push sends the same merged
     weights as one made before the abort (the adapter merged once, not saved into the "base" and added again). ``push
     failed`` was seen failing with the walk left open until the error was freed."""
@@ -99,12 +103,13 @@ def test_a_merged_walk_cut_short_leaves_the_adapter_counted_once(tiny_model_dir,
         before, logits = base_weights(trainer.model), trainer.model(input_ids=ids).logits.detach()
         pushed = generation.gather_state()
         walk = generation._iter_named_params()
-        if abort == "push failed":
+        if abort.startswith("push"):
             del walk
+            error = ConnectionError("the server is gone (stand-in)") if abort == "push failed" else KeyboardInterrupt()
             with monkeypatch.context() as patch:
                 patch.setattr(type(generation), "uses_disk_sync", property(lambda self: False))
-                patch.setattr(generation, "vllm_client", FailingClient())
-                with pytest.raises(ConnectionError, match="stand-in") as held:  # the error, held
+                patch.setattr(generation, "vllm_client", FailingClient(error))
+                with pytest.raises(type(error)) as held:  # the error, held
                     generation.sync_weights()
         elif abort == "closed":
             for _ in range(3):
@@ -124,6 +129,6 @@ def test_a_merged_walk_cut_short_leaves_the_adapter_counted_once(tiny_model_dir,
         assert torch.equal(trainer.model(input_ids=ids).logits.detach(), logits)
         again = generation.gather_state()
         assert all(torch.equal(pushed[name], again[name]) for name in pushed)
-        assert abort != "push failed" or held.value is not None
+        assert not abort.startswith("push") or held.value is not None
     finally:
         server.close()

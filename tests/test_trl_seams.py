@@ -564,7 +564,7 @@ def test_a_private_name_of_our_own_objects_is_not_a_seam():
 
 @pytest.mark.parametrize("removed, reported", [
     ("transformers.trainer:Trainer._load_optimizer_and_scheduler", "bapo_trl/trainer/checkpoints.py"),
-    ("trl.generation.vllm_generation:VLLMGeneration._iter_named_params", "bapo_trl/generation/vllm_generation.py"),
+    ("trl.generation.vllm_generation:VLLMGeneration._iter_named_params", "bapo_trl/generation/trl_push.py"),
     ("trl.trainer.grpo_trainer:GRPOTrainer._tag_names", "bapo_trl/trainer/bapo_trainer.py"),
     ("trl.generation.vllm_client:VLLMClient.check_server", "bapo_trl/generation/http_client.py"),
 ])

@@ -172,6 +172,22 @@ def test_a_restarted_server_loads_the_last_pushed_weights_again_before_the_next_
     assert sync.reload_if_restarted() == [] and stand_in.requests["RPC", "bapo_weights_mark"] == asked
 
 
+def test_a_server_restarted_without_the_worker_extension_is_taken_for_restarted(stand_in, tmp_path):
+    """A server that kept a mark and restarts as a plain vLLM server (no worker extension: the mark's method is gone)
+    has restarted too: it loads the last push again, and is not asked afterwards (it can keep no mark)."""
+    sync = DiskWeightSync(stand_in.url, timeout=10, root=str(tmp_path), mark_weights=True)
+    try:
+        pushed = shifted(stand_in, 0.5)
+        sync.push(pushed)
+        stand_in.restart()
+        stand_in.marks = False
+        assert sync.reload_if_restarted() == [stand_in.url] and server_holds(stand_in, pushed)
+        asked = stand_in.requests["RPC", "bapo_weights_mark"]
+        assert sync.reload_if_restarted() == [] and stand_in.requests["RPC", "bapo_weights_mark"] == asked
+    finally:
+        sync.close()
+
+
 def test_a_server_without_the_worker_extension_is_not_asked_after_its_first_load(tiny_model_dir, tmp_path):
     server = PolicyServer(tiny_model_dir, marks=False)
     sync = DiskWeightSync(server.url, timeout=10, root=str(tmp_path), mark_weights=True)
@@ -187,7 +203,7 @@ def test_a_server_without_the_worker_extension_is_not_asked_after_its_first_load
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async_k1"])
-def test_a_server_restarted_just_after_a_push_samples_from_the_pushed_weights(tiny_model_dir, tmp_path,
+def test_a_server_restarted_just_after_a_push_samples_from_the_pushed_weights(tiny_model_dir, tmp_path, caplog,
                                                                                 asynchronous):
     """Full-weight training through the stand-in server, which restarts (its checkpoint's weights again) just after
     it loaded the second push: the request that follows finds it restarted and it loads that push again, so every
@@ -212,9 +228,9 @@ def test_a_server_restarted_just_after_a_push_samples_from_the_pushed_weights(ti
             return seconds
 
         sync.load = load_then_restart
-        with pytest.warns(UserWarning, match="had restarted since the last weight push"):
-            trainer.train()
+        trainer.train()
         assert sync.restarts == [server.url]
+        assert any("did not hold the last pushed weights" in record.getMessage() for record in caplog.records)
         if not asynchronous:
             diffs = [h[LOGP_DIFF] for h in trainer.state.log_history if LOGP_DIFF in h]
             assert len(diffs) == 6 and max(diffs) < 1e-4, diffs

@@ -18,16 +18,16 @@ swap of a TRL name): it defers to TRL's code wherever TRL's path works, and take
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from functools import partial
 
 import requests
+from transformers.utils import logging
 from trl.generation.vllm_generation import VLLMGeneration, is_peft_model
 
 from .adapter_sync import LORA_RANKS, tied_embedding_refusal
 from .fleet import one_client, server_urls
-from .gather import adapter_shapes, exact_unmerge
+from .gather import adapter_shapes
 from .http_client import (
     HTTPVLLMClient,
     KeyedVLLMClient,
@@ -36,18 +36,18 @@ from .http_client import (
     check_logprobs_mode,
 )
 from .lora_push import LoRAPushMixin
-from .processes import broadcast_from_main, gather_from_all, raise_everywhere, raise_if_any
+from .processes import broadcast_from_main, raise_everywhere
 from .seeding import mixed_seed, seed_salt
 from .trl_patches import building_engine, building_server_client, seeded_engine
+from .trl_push import TRLPushMixin
 from .weight_sync import SERVE_HINT, DiskWeightSync, WeightSyncError
 
+logger = logging.get_logger(__name__)
 
-class BAPOVLLMGeneration(LoRAPushMixin, VLLMGeneration):
+class BAPOVLLMGeneration(TRLPushMixin, LoRAPushMixin, VLLMGeneration):
     """TRL's vLLM backend, built by TRL in place of its own (:func:`.trl_patches.building_generation`): TRL's code
     wherever TRL's path works; on a non-CUDA device in server mode, HTTP and weights through disk; see the module doc
     for the rest (LoRA, colocate, seeds)."""
-
-    _walks: list | None = None  # TRL's weight walks of the push in progress (:meth:`_sync_through_trl`)
 
     disk_sync: DiskWeightSync | None = None
     #: What training does with the sampler's log-probs (:func:`bapo_trl.rollout.settings.sampler_logprobs_use`); None:
@@ -70,7 +70,7 @@ class BAPOVLLMGeneration(LoRAPushMixin, VLLMGeneration):
         optimizer step, the call's index in that step and, in colocate mode, this process's engine group (TRL spreads
         a group's members over processes, which would otherwise hold the same prompts and seeds and sample copies;
         the ranks of one tensor-parallel engine share a group, and must share seeds)."""
-        self._reload_restarted_servers()
+        self._reload_restarted_servers(everywhere=True)
         if (self.generation_kwargs or {}).get("seed") is None:
             return super().generate(prompts, images, num_generations, profiler)
         step = self.seed_round() if self.seed_round is not None else 0
@@ -209,49 +209,6 @@ class BAPOVLLMGeneration(LoRAPushMixin, VLLMGeneration):
                 error = exc
         self._raise_everywhere(error)
 
-    def _sync_through_trl(self) -> None:
-        """TRL's push (server mode on CUDA: NCCL; colocate: the engine in this process). An error on a process (on the
-        main one, a server gone or restarted mid-push: the client's requests fail) is raised on every process, after
-        that process has walked the rest of the weights: the others gather each weight with it (a collective under
-        ZeRO-3) and, without the walk, would wait in a gather, or in the next collective, until the process group's
-        timeout. The server then holds a mix of old and new weights; the trainer stops, as with any failed push. With
-        one process the walk is closed at once (a merged LoRA walk then leaves the adapter unmerged, not whenever the
-        traceback that holds the walk is freed)."""
-        processes = self.accelerator.num_processes
-        error = None
-        self._walks = []
-        try:
-            super().sync_weights()
-        except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
-            error = exc
-            for walk in self._walks:
-                if processes > 1:
-                    for _ in walk:  # the rest of the walk the client left (nothing where the walk ended)
-                        pass
-                walk.close()
-            if processes == 1:
-                raise
-        finally:
-            self._walks = None
-        raise_if_any(error, processes, partial(gather_from_all, num_processes=processes), "pushing the weights")
-
-    def _iter_named_params(self):
-        """TRL's walk over the weights to push (:meth:`_walk_named_params`); inside :meth:`_sync_through_trl` each walk
-        is kept until the push is over, so that a push that failed part-way can finish the walk's gathers."""
-        walk = self._walk_named_params()
-        if self._walks is not None:
-            self._walks.append(walk)
-        return walk
-
-    def _walk_named_params(self):
-        """TRL's walk; with a peft model the merged walk leaves the base weights bit-exact
-        (:func:`~.gather.exact_unmerge`: in bfloat16 TRL's merge and unmerge moved them)."""
-        if not is_peft_model(self.model):
-            yield from super()._iter_named_params()
-            return
-        with exact_unmerge(self.model):
-            yield from super()._iter_named_params()
-
     def gather_state(self) -> dict:
         """The current weights as CPU copies on the main process (empty elsewhere); every process must call it, the
         gather is collective under ZeRO-3. With :attr:`disk_sync` they can be pushed later, from another thread.
@@ -275,7 +232,7 @@ class BAPOVLLMGeneration(LoRAPushMixin, VLLMGeneration):
         ``seed`` in ``generation_kwargs`` (then mixed with ``seed``), the sampling is reproducible, and a call with
         several prompts is one request per prompt, each with a seed of its own (:mod:`.seeding`): vLLM gives every
         prompt of one request the same seed, so a group's members would be sampled identically."""
-        self._reload_restarted_servers()
+        self._reload_restarted_servers(everywhere=False)
         kwargs = dict(self.generation_kwargs or {})
         if seed is not None:
             user_seed = kwargs.get("seed")
@@ -289,16 +246,29 @@ class BAPOVLLMGeneration(LoRAPushMixin, VLLMGeneration):
         logps = [[float("nan") if lp[0] is None else float(lp[0]) for lp in seq] for seq in output["logprobs"]]
         return {"completion_ids": output["completion_ids"], "logps": logps}
 
-    def _reload_restarted_servers(self) -> None:
-        """Main process, before requests, full-weight disk pushes: a server restarted since the last push loads the
-        pushed weights again (:meth:`.weight_sync.DiskWeightSync.reload_if_restarted`), with a warning. The adapter
-        push finds such a server from its requests' answers; TRL's NCCL push (CUDA) is not checked."""
-        if self.disk_sync is None or self.uses_adapter_sync or not self.accelerator.is_main_process:
+    def _reload_restarted_servers(self, everywhere: bool) -> None:
+        """Before requests, full-weight disk pushes: a server that does not hold the last push (restarted, or a push
+        failed there) loads it again (:meth:`.weight_sync.DiskWeightSync.reload_if_restarted`, main process), with a
+        warning. ``everywhere`` (TRL's generate, which every process calls): an error there is raised on every
+        process (one broadcast). The adapter push finds such a server from its requests' answers; TRL's NCCL push
+        (CUDA) is not checked."""
+        if everywhere:
+            if not self.uses_disk_sync or self.uses_adapter_sync:  # the same on every process
+                return
+        elif self.disk_sync is None or self.uses_adapter_sync:
             return
-        for url in self.disk_sync.reload_if_restarted():
-            warnings.warn(f"BAPO: the vLLM server at {url} had restarted since the last weight push (it held its "
-                          "checkpoint's weights): it loaded the last pushed weights again before sampling.",
-                          stacklevel=3)
+        error = None
+        if self.disk_sync is not None:  # the main process's
+            try:
+                for url in self.disk_sync.reload_if_restarted():
+                    logger.warning(f"BAPO: the vLLM server at {url} did not hold the last pushed weights (it "
+                                   "restarted, or a push failed there): it loaded them again before sampling.")
+            except Exception as exc:  # noqa: BLE001 - raised below
+                error = exc
+        if everywhere:
+            self._raise_everywhere(error)
+        elif error is not None:
+            raise error
 
     def _requests(self):
         """The requests client over ``vllm_client`` (made at the first request, kept for later runs)."""

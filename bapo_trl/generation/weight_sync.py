@@ -94,7 +94,7 @@ class DiskWeightSync:
         refresh_output_layers: also call the worker extension that re-packs a tied LM head (needed for models
             with tied embeddings on vLLM's CPU backend; the server must run our worker extension, as the serve
             command does).
-        mark_weights: leave the name of each push with the servers' worker extension (:meth:`reload_if_restarted`).
+        mark_weights: mark each push on the servers (:meth:`reload_if_restarted`); full weights only.
     """
 
     def __init__(self, base_url: str | Sequence[str], timeout: float = 240.0, root: str | None = None,
@@ -118,8 +118,7 @@ class DiskWeightSync:
         self._dirs: list[str] = []  # directories written by this client and not yet removed, oldest first
         self._dirs_lock = threading.Lock()  # the writer thread adds, the loading thread removes
         self._loaded: str | None = None
-        # loads and restart checks one at a time: a check between a reload and the new directory becoming current
-        self._load_lock = threading.RLock()  # would take the server for a restarted one and load the older weights
+        self._load_lock = threading.RLock()  # loads and restart checks one at a time (a check mid-load: older weights)
         self.mark_weights, self._marks = mark_weights, {}  # _marks: server -> whether it keeps a mark (extension)
         self.restarts: list[str] = []  # servers found restarted, which loaded the last pushed weights again
         self._writer: ThreadPoolExecutor | None = None  # one thread: directories are written in push order
@@ -327,15 +326,16 @@ class DiskWeightSync:
                 return []
 
             def check(base_url: str) -> str | None:
-                marks = self._mark(base_url) if self._marks.get(base_url) else None
-                if marks is None or all(mark == os.path.basename(loaded) for mark in marks):
+                if not self._marks.get(base_url):  # it never kept a mark: it cannot tell
                     return None
-                self._load(base_url, loaded)  # and the mark again
+                marks = self._mark(base_url)  # None: the extension is gone (restarted without it)
+                if marks is not None and all(mark == os.path.basename(loaded) for mark in marks):
+                    return None
+                self._load(base_url, loaded)  # and the mark again, where it can keep one
+                self.restarts.append(base_url)
                 return base_url
 
-            found = [url for url in self._on_every_server(check) if url is not None]
-            self.restarts += found
-            return found
+            return [url for url in self._on_every_server(check) if url is not None]
 
     def _reset_prefix_cache(self, base_url: str) -> None:
         """Drop the KV blocks cached under the old weights. vLLM answers 200 with ``{"success": false}`` while a

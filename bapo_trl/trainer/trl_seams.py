@@ -143,7 +143,9 @@ SEAMS: tuple[Seam, ...] = (
          "enabled, for the one call _init_vllm makes (generation/trl_patches.py: building_engine)",
          looked_up_by="trl.generation.vllm_generation:VLLMGeneration._init_vllm",
          only_if="trl.import_utils:is_vllm_available"),
-    Seam("trl.generation.vllm_generation:VLLMGeneration.sync_weights", "CPU server: weights through disk"),
+    Seam("trl.generation.vllm_generation:VLLMGeneration.sync_weights", "CPU server: weights through disk; TRL's own "
+         "push (generation/trl_push.py) counts its walks over the weights: a metadata walk while _weight_metadata is "
+         "None, then one", mentions=("if self._weight_metadata is None:", "self._iter_named_params()")),
     Seam("trl.generation.vllm_generation:VLLMGeneration.generate", "colocate: the engine (self.llm, wrapped in "
          "generation/seeding.py's SeededEngine by generation/trl_patches.py) gives each prompt of a seeded call a "
          "seed of its own",

@@ -4,8 +4,9 @@ the server) failing on the main process part-way must raise on every rank, none 
 The push goes through ``BAPOVLLMGeneration.sync_weights``'s TRL branch with a STAND-IN client on the main process (no
 NCCL, no server here): it takes ``stop_after`` weights of TRL's walk, then raises ``ConnectionError`` as TRL's client
 does when the server is gone; ``reset_fails`` makes the prefix-cache reset after the walk fail instead. The weights are
-the trainer's own, partitioned by ZeRO-3 (each gather is a collective). Each rank writes rank<N>.json: per case, the
-error it raised and how many weights it walked. argv: model_dir out_dir."""
+the trainer's own, partitioned by ZeRO-3 (each gather is a collective). Last, colocate mode with vLLM's sleep mode
+(a STAND-IN engine): rank 1's engine fails to wake up, before TRL's walk begins there. Each rank writes rank<N>.json:
+per case, the error it raised and how many weights it walked. argv: model_dir out_dir."""
 
 import json
 import os
@@ -47,7 +48,28 @@ class StandInClient:
             raise ConnectionError("the prefix-cache reset failed (stand-in)")
 
 
+class StandInEngine:
+    """The colocated engine as TRL's push sees it (vLLM's sleep mode on): woken up, then each weight loaded."""
+
+    def __init__(self, wake_fails: bool):
+        self.wake_fails, self.loaded = wake_fails, 0
+        runner = type("Runner", (), {"model": self})()
+        self.llm_engine = type("Engine", (), {"model_executor": type("Executor", (), {
+            "driver_worker": type("Worker", (), {"model_runner": runner})()})()})()
+
+    def wake_up(self, tags):
+        if self.wake_fails:
+            raise RuntimeError("the engine could not wake up (stand-in)")
+
+    def load_weights(self, weights):
+        self.loaded += len(weights)
+
+    def reset_prefix_cache(self):
+        pass
+
+
 BAPOVLLMGeneration.uses_disk_sync = property(lambda self: False)  # CUDA's branch: TRL's push
+BAPOVLLMGeneration.uses_colocate_reload = property(lambda self: False)  # CUDA's colocate branch too
 backend = BAPOVLLMGeneration.__new__(BAPOVLLMGeneration)
 backend.mode, backend.enable_sleep_mode, backend.lora_sync = "server", False, "merged"
 backend.accelerator, backend.model, backend._weight_metadata = accelerator, trainer.model, None
@@ -80,6 +102,18 @@ for case, client in (("push fails at once", StandInClient(stop_after=0)),
     record["cases"][case] = {"error": error, "walked": walked["count"],
                              "received": client.received if accelerator.is_main_process else None}
 accelerator.wait_for_everyone()  # every rank is past every case
+# colocate with vLLM's sleep mode: rank 1's engine fails to wake up, before TRL's walk begins there
+backend.mode, backend.enable_sleep_mode = "colocate", True
+backend.llm = StandInEngine(wake_fails=accelerator.process_index == 1)
+walked["count"] = 0
+try:
+    backend.sync_weights()
+    error = None
+except Exception as exc:  # noqa: BLE001 - recorded for the test
+    error = f"{type(exc).__name__}: {exc}"
+record["cases"]["colocate wake-up fails on rank 1"] = {"error": error, "walked": walked["count"],
+                                                      "received": backend.llm.loaded}
+accelerator.wait_for_everyone()
 record["parameters"] = len(list(trainer.model.named_parameters()))
 with open(os.path.join(out_dir, f"rank{record['rank']}.json"), "w") as f:
     json.dump(record, f)
