@@ -5,7 +5,8 @@ The push goes through ``BAPOVLLMGeneration.sync_weights``'s TRL branch with a ST
 NCCL, no server here): it takes ``stop_after`` weights of TRL's walk, then raises ``ConnectionError`` as TRL's client
 does when the server is gone; ``reset_fails`` makes the prefix-cache reset after the walk fail instead. The weights are
 the trainer's own, partitioned by ZeRO-3 (each gather is a collective). Last, colocate mode with vLLM's sleep mode
-(a STAND-IN engine): rank 1's engine fails to wake up, before TRL's walk begins there. Each rank writes rank<N>.json:
+(a STAND-IN engine): rank 1's engine fails to wake up, before TRL's walk begins there; then the disk path's restart
+check before TRL's generate failing on the main process. Each rank writes rank<N>.json:
 per case, the error it raised and how many weights it walked. argv: model_dir out_dir."""
 
 import json
@@ -19,6 +20,7 @@ from trl.distributed import DistributedBackend
 from bapo_trl import BAPOConfig, BAPOTrainer
 from bapo_trl.cli.train import exit_past_gloo_teardown
 from bapo_trl.generation.vllm_generation import BAPOVLLMGeneration
+from bapo_trl.generation.weight_sync import WeightSyncError
 from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
 
 model_dir, out_dir = sys.argv[1], sys.argv[2]
@@ -113,6 +115,26 @@ except Exception as exc:  # noqa: BLE001 - recorded for the test
     error = f"{type(exc).__name__}: {exc}"
 record["cases"]["colocate wake-up fails on rank 1"] = {"error": error, "walked": walked["count"],
                                                       "received": backend.llm.loaded}
+accelerator.wait_for_everyone()
+
+
+class UnreachableSync:
+    """The main process's disk push client (STAND-IN) when the server cannot be reached for the restart check."""
+
+    def reload_if_restarted(self):
+        raise WeightSyncError("the vLLM server is gone (stand-in)")
+
+
+# the restart check before TRL's generate (disk path): its error on the main process is raised on every process
+BAPOVLLMGeneration.uses_disk_sync = property(lambda self: True)
+backend.mode = "server"
+backend.disk_sync = UnreachableSync() if accelerator.is_main_process else None
+try:
+    backend._reload_restarted_servers(everywhere=True)
+    error = None
+except Exception as exc:  # noqa: BLE001 - recorded for the test
+    error = f"{type(exc).__name__}: {exc}"
+record["cases"]["restart check fails on the main process"] = {"error": error}
 accelerator.wait_for_everyone()
 record["parameters"] = len(list(trainer.model.named_parameters()))
 with open(os.path.join(out_dir, f"rank{record['rank']}.json"), "w") as f:
