@@ -247,21 +247,19 @@ def lora_pair(loss_type: str, level: str, tiny_model_dir, folder, **pins) -> tup
     """BAPO(C) and TRL(C) with the same LoRA adapter (BAPO's copied into TRL's; ``lora_B`` drawn non-zero, so the
     gradient reaches ``lora_A`` too and the adapter moves the logits)."""
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM
 
     from support.harness import cpu_config, tiny_trainer
-    from support.trainers import COMMON, DEVICE, DTYPE
+    from support.trainers import COMMON, PLACEMENT, load_model
 
     kw = dict(loss_type=loss_type, importance_sampling_level=level,
               **(dict(epsilon_high=5.0) if loss_type == "cispo" else {}))
-    placement = {} if DEVICE == "cpu" else dict(use_cpu=False)  # as make_trainer places its trainers
     trainers = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for cls, config_cls, extra in ((BAPOTrainer, BAPOConfig, pins), (GRPOTrainer, GRPOConfig, {})):
-            args = cpu_config(folder / cls.__name__, config_cls=config_cls, **{**COMMON, **placement, **kw, **extra})
+            args = cpu_config(folder / cls.__name__, config_cls=config_cls, **{**COMMON, **PLACEMENT, **kw, **extra})
             trainer = tiny_trainer(tiny_model_dir, args, cls=cls, prompts=32, peft_config=LoraConfig(**LORA),
-                                   model=AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=DTYPE))
+                                   model=load_model(tiny_model_dir))
             trainer.model.train()
             trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
             trainers.append(trainer)

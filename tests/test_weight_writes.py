@@ -211,7 +211,7 @@ def test_a_server_restarted_just_after_a_push_samples_from_the_pushed_weights(ti
     stays at float32 noise). Seen failing without the check: the generation after the restart sampled from the
     checkpoint's weights."""
     from support.harness import tiny_trainer
-    from support.server_training import LOGP_DIFF, server_config
+    from support.server_training import logp_differences, server_config
 
     server = PolicyServer(tiny_model_dir)
     try:
@@ -232,7 +232,7 @@ def test_a_server_restarted_just_after_a_push_samples_from_the_pushed_weights(ti
         assert sync.restarts == [server.url]
         assert any("did not hold the last pushed weights" in record.getMessage() for record in caplog.records)
         if not asynchronous:
-            diffs = [h[LOGP_DIFF] for h in trainer.state.log_history if LOGP_DIFF in h]
+            diffs = logp_differences(trainer)
             assert len(diffs) == 6 and max(diffs) < 1e-4, diffs
     finally:
         server.close()

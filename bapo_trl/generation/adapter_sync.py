@@ -148,7 +148,6 @@ class AdapterSync(DiskWeightSync):
         self.loaded_names: list[str] = []  # every adapter loaded, in push order (what a test or a log reads)
         self.base_pushed = False
         self._base_dir: str | None = None  # the base weights as first pushed (they never change): a restarted server's
-        self.restarts: list[str] = []  # servers found restarted (they got the base weights and the adapter again)
         # After close(): the servers hold no adapter of ours, so a restart between two runs cannot be seen from it;
         # the next run's first push reloads the base weights first pushed, whatever happened to the servers meanwhile.
         self.base_unknown = False

@@ -120,7 +120,7 @@ class DiskWeightSync:
         self._loaded: str | None = None
         self._load_lock = threading.RLock()  # loads and restart checks one at a time (a check mid-load: older weights)
         self.mark_weights, self._marks = mark_weights, {}  # _marks: server -> whether it keeps a mark (extension)
-        self.restarts: list[str] = []  # servers found restarted, which loaded the last pushed weights again
+        self.restarts: list[str] = []  # servers found restarted, which loaded the last push again (adapter: + base)
         self._writer: ThreadPoolExecutor | None = None  # one thread: directories are written in push order
         self._finalizer = weakref.finalize(self, _remove_all, self._dirs)
         self.last_seconds: float | None = None

@@ -15,6 +15,13 @@ from support.harness import cpu_config, tiny_trainer
 #: Where :func:`make_trainer` puts its trainers, and the dtype of their model (see the module's docstring).
 DEVICE = os.environ.get("BAPO_TEST_DEVICE", "cpu")
 DTYPE = getattr(torch, os.environ.get("BAPO_TEST_DTYPE", "float32"))
+#: The config settings that put a trainer on :data:`DEVICE` (over the harness's CPU settings).
+PLACEMENT = {} if DEVICE == "cpu" else dict(use_cpu=False)
+
+
+def load_model(model_dir):
+    """The model of ``model_dir`` in :data:`DTYPE`."""
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPE)
 
 COMMON = dict(
     save_strategy="no",
@@ -27,9 +34,8 @@ COMMON = dict(
 
 
 def make_trainer(cls, config_cls, model_dir, tmp_path, **overrides):
-    placement = {} if DEVICE == "cpu" else dict(use_cpu=False)
-    args = cpu_config(tmp_path, config_cls=config_cls, **{**COMMON, **placement, **overrides})
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPE)
+    args = cpu_config(tmp_path, config_cls=config_cls, **{**COMMON, **PLACEMENT, **overrides})
+    model = load_model(model_dir)
     model.train()  # compute_loss reads train/eval mode; the training loop would set it
     trainer = tiny_trainer(model_dir, args, cls=cls, model=model, prompts=32, prompt_seed=0)
     trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by the training loop
