@@ -85,6 +85,30 @@ def test_a_prefix_cache_reset_refused_while_blocks_are_held_is_retried_then_an_e
         server.close()
 
 
+@pytest.mark.parametrize("client", ["KeyedVLLMClient", "HTTPVLLMClient"])
+def test_the_reset_after_trls_own_push_is_checked_too(client, tiny_model_dir, monkeypatch):
+    """TRL's push (NCCL on CUDA) ends with ``vllm_client.reset_prefix_cache()``, whose ``{"success": false}`` TRL
+    ignored: later requests reused prefixes computed by the old weights. Both clients the backend builds retry it as
+    the disk push does, then name the server."""
+    import trl.generation.vllm_client as trl_client
+
+    from bapo_trl.generation import http_client
+
+    monkeypatch.setattr(trl_client, "is_vllm_available", lambda *a, **k: True)  # only checked, never used here
+    server = PolicyServer(tiny_model_dir, busy_resets=2)
+    try:
+        timeout = {"connection_timeout": 10} if client == "KeyedVLLMClient" else {"request_timeout": 10}
+        vllm_client = getattr(http_client, client)(base_url=server.url, **timeout)
+        vllm_client.reset_prefix_cache()
+        assert server.requests["POST", "/reset_prefix_cache"] == 3
+        server.busy_resets = 10**6
+        setattr(vllm_client, "reset_timeout" if client == "KeyedVLLMClient" else "request_timeout", 0.3)
+        with pytest.raises(WeightSyncError, match=rf"{server.url} could not reset its prefix cache within 0.3 s"):
+            vllm_client.reset_prefix_cache()
+    finally:
+        server.close()
+
+
 def test_writes_run_on_the_writer_thread_in_push_order(stand_in, tmp_path):
     sync = DiskWeightSync(stand_in.url, timeout=10, root=str(tmp_path))
     seen = []

@@ -29,6 +29,7 @@ from .resend import ResendOnLostConnection
 from .seeding import PerPromptSeeds
 from .server_auth import authorize_session
 from .trl_patches import client_without_vllm
+from .weight_sync import reset_succeeded, reset_within
 
 #: Connections a client keeps open to one server: a seeded batch is one request per prompt, all in flight at once (TRL
 #: keeps 64, so a larger batch would open and drop connections beyond those at every call).
@@ -94,11 +95,26 @@ class _OnceAdapter(ResendOnLostConnection):
         return super().send(request, timeout=self.default_timeout if timeout is None else timeout, **kwargs)
 
 
+def reset_checked(client, timeout: float) -> None:
+    """``client``'s prefix-cache reset, retried until vLLM says it took (:func:`~.weight_sync.reset_within`)."""
+    def once() -> bool:
+        try:
+            return reset_succeeded(client._post(f"{client.base_url}/reset_prefix_cache"))
+        except ValueError:  # an empty 200: vLLM < 0.26, which answers once the cache is reset
+            return True
+
+    reset_within(once, client.base_url, timeout)
+
+
 class KeyedVLLMClient(PerPromptSeeds, VLLMClient):
     """TRL's ``VLLMClient`` (CUDA: NCCL weight transfer) that sends ``$VLLM_API_KEY`` with every request of its
     session, keeps :data:`CONNECTIONS` connections open (TRL's retries kept) and sends a seeded call with several
     prompts one request per prompt (:mod:`.seeding`). ``VLLMClient.__init__`` builds the session and then calls
     ``check_server`` (whose ``/health`` probe needs no key) before its first request that does: both are set there."""
+
+    def __init__(self, *args, connection_timeout: float = 0.0, **kwargs):
+        self.reset_timeout = float(connection_timeout) or 240.0  # TRL passes vllm_server_timeout
+        super().__init__(*args, connection_timeout=connection_timeout, **kwargs)
 
     def check_server(self, total_timeout: float = 0.0, retry_interval: float = 2.0):
         for prefix in ("http://", "https://"):
@@ -106,6 +122,11 @@ class KeyedVLLMClient(PerPromptSeeds, VLLMClient):
             self.session.mount(prefix, HTTPAdapter(max_retries=retries, pool_maxsize=CONNECTIONS))
         authorize_session(self.session)
         return super().check_server(total_timeout, retry_interval)
+
+    def reset_prefix_cache(self):
+        """TRL's reset after its push, checked (:func:`~.weight_sync.reset_within`): TRL ignores vLLM's
+        ``{"success": false}``, and later requests reused prefixes computed by the old weights."""
+        reset_checked(self, self.reset_timeout)
 
 
 class HTTPVLLMClient(PerPromptSeeds, VLLMClient):
@@ -199,7 +220,8 @@ class HTTPVLLMClient(PerPromptSeeds, VLLMClient):
         return self._once("/server_info", super().get_server_info)
 
     def reset_prefix_cache(self):
-        self._post(f"{self.base_url}/reset_prefix_cache")  # vLLM >= 0.26 answers with JSON
+        """Checked, as :meth:`KeyedVLLMClient.reset_prefix_cache`."""
+        reset_checked(self, self.request_timeout)
 
 
 def request_client(client, timeout: float):

@@ -64,3 +64,13 @@ def directory_bytes(directory: str) -> int:
 def _remove_all(paths: list[str]) -> None:
     while paths:
         shutil.rmtree(paths.pop(), ignore_errors=True)
+
+
+def not_shared_message(base_url: str, path: str, detail: str | None = None) -> str:
+    """The error for a weight directory that the trainer wrote and the server cannot read."""
+    root = os.environ.get("BAPO_VLLM_WEIGHTS_DIR")
+    where = f"BAPO_VLLM_WEIGHTS_DIR={root}" if root else f"BAPO_VLLM_WEIGHTS_DIR is unset: {tempfile.gettempdir()}"
+    return (f"the vLLM server at {base_url} cannot read {path}, which this trainer wrote"
+            + (f" ({detail})" if detail else "") + f". The weight sync without CUDA passes weights through a "
+            f"directory ({where}); when the server runs on another machine, set BAPO_VLLM_WEIGHTS_DIR to a directory "
+            "both machines see at the same path (a shared mount such as NFS), for the trainer's processes.")

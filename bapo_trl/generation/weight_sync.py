@@ -36,7 +36,7 @@ import torch
 from .resend import ResendOnLostConnection
 from .seeding import at_once
 from .server_auth import API_KEY_ENV, VLLMServerAuthError, api_key_headers, authorize_session  # noqa: F401
-from .weight_files import _remove_all, directory_bytes, writable, write_weights  # noqa: F401
+from .weight_files import _remove_all, directory_bytes, not_shared_message, writable, write_weights  # noqa: F401
 
 SERVE_HINT = "start it with `bapo serve MODEL --port PORT` or `python -m bapo_trl.cli.serve MODEL --port PORT`"
 #: The worker extension's method that reads the start-up probe file (bapo_vllm_worker.BAPOWorkerExtension).
@@ -52,6 +52,29 @@ class WeightSyncError(RuntimeError):
     """The vLLM server could not be reached, or did not load the new weights."""
 
 
+def reset_succeeded(answer) -> bool:
+    """Whether a ``/reset_prefix_cache`` answer (a response or its JSON) says the cache was reset: vLLM answers 200
+    with ``{"success": false}`` while a running request holds KV blocks; an older vLLM an empty 200 once done."""
+    try:
+        body = answer.json() if hasattr(answer, "json") else answer
+    except ValueError:
+        return True
+    return not isinstance(body, dict) or bool(body.get("success", True))
+
+
+def reset_within(reset_once, base_url: str, timeout: float) -> None:
+    """``reset_once()`` (one reset; whether it took) until it takes, within ``timeout`` seconds: a refused reset (a
+    request in flight) left later requests reusing prefixes computed by the old weights, off the new policy."""
+    deadline = time.monotonic() + timeout
+    while not reset_once():
+        if time.monotonic() > deadline:
+            raise WeightSyncError(
+                f"weight sync: the vLLM server at {base_url} could not reset its prefix cache within {timeout:g} s "
+                "(requests still running hold KV blocks computed by the old weights, which later requests would "
+                "reuse). Is another client generating on this server?")
+        time.sleep(0.05)
+
+
 def rpc_results(response) -> list | None:
     """A ``/collective_rpc`` answer's results, one per worker; None where it holds none (a stand-in server)."""
     try:
@@ -59,16 +82,6 @@ def rpc_results(response) -> list | None:
     except (ValueError, AttributeError):
         return None
     return results if isinstance(results, list) and results else None
-
-
-def not_shared_message(base_url: str, path: str, detail: str | None = None) -> str:
-    """The error for a weight directory that the trainer wrote and the server cannot read."""
-    root = os.environ.get("BAPO_VLLM_WEIGHTS_DIR")
-    where = f"BAPO_VLLM_WEIGHTS_DIR={root}" if root else f"BAPO_VLLM_WEIGHTS_DIR is unset: {tempfile.gettempdir()}"
-    return (f"the vLLM server at {base_url} cannot read {path}, which this trainer wrote"
-            + (f" ({detail})" if detail else "") + f". The weight sync without CUDA passes weights through a "
-            f"directory ({where}); when the server runs on another machine, set BAPO_VLLM_WEIGHTS_DIR to a directory "
-            "both machines see at the same path (a shared mount such as NFS), for the trainer's processes.")
 
 
 class WrittenWeights:
@@ -338,30 +351,11 @@ class DiskWeightSync:
             return [url for url in self._on_every_server(check) if url is not None]
 
     def _reset_prefix_cache(self, base_url: str) -> None:
-        """Drop the KV blocks cached under the old weights. vLLM answers 200 with ``{"success": false}`` while a
-        running request holds blocks (e.g. a request the previous ``train()`` left in flight); the cache then keeps
-        serving prefixes computed by the old weights, and the sampler's log-probs are no longer the new policy's. So
-        retry until it succeeds, within the sync's timeout, then fail loudly."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            if self._reset_once(base_url):
-                return
-            if time.monotonic() > deadline:
-                raise WeightSyncError(
-                    f"weight sync: the vLLM server at {base_url} could not reset its prefix cache within "
-                    f"{self.timeout:g} s (requests still running hold KV blocks computed by the old weights, which "
-                    "later requests would reuse). Is another client generating on this server?")
-            time.sleep(0.05)
+        reset_within(lambda: self._reset_once(base_url), base_url, self.timeout)
 
     def _reset_once(self, base_url: str) -> bool:
-        """One ``/reset_prefix_cache``: whether the server reset it (``{"success": false}`` while a request holds
-        blocks; an older vLLM answers an empty 200 once done)."""
-        response = self._post("/reset_prefix_cache", "weight sync (prefix cache reset) failed", base_url=base_url)
-        try:
-            body = response.json()
-        except ValueError:
-            return True
-        return not isinstance(body, dict) or bool(body.get("success", True))
+        return reset_succeeded(self._post("/reset_prefix_cache", "weight sync (prefix cache reset) failed",
+                                          base_url=base_url))
 
     @property
     def current_dir(self) -> str | None:

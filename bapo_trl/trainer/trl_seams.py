@@ -171,7 +171,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{CLIENT}.check_server", "HTTP client: bounded health probes, then requests that are never retried",
          params=("total_timeout", "retry_interval")),
     Seam(f"{CLIENT}.get_server_info", "HTTP client: a stalled server is an error naming the endpoint"),
-    Seam(f"{CLIENT}.reset_prefix_cache", "HTTP client: one bounded request, answered with JSON"),
+    Seam(f"{CLIENT}.reset_prefix_cache", "both clients: retried until vLLM says it took (TRL ignores success)"),
     Seam(f"{CLIENT}._get", "request timeouts", params=("url",)),
     Seam(f"{CLIENT}._post", "request timeouts", params=("url",)),
     Seam("trl.generation.vllm_client:is_vllm_available", "HTTP client without vllm installed: answers True for the "
