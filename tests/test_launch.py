@@ -271,7 +271,8 @@ def test_two_processes_replace_an_earlier_run_once_both_have_built_their_trainer
 #: tests/support/failing_backend_launch.py's cases: (the process whose backend fails, its error, the other's error).
 FAILING_BACKEND = {
     "sync": (1, "RuntimeError: the sampler of process 1 is down",
-             "'fails_on_process_one': sampling failed on another process"),
+             "RuntimeError: generation backend 'fails_on_process_one': sampling: on process 1: RuntimeError: the "
+             "sampler of process 1 is down"),
     "checkpoint": (0, "RuntimeError: the sampler failed on the batch generated ahead",
                    "RuntimeError: checkpoint: collecting the rollout state failed: on process 0: RuntimeError: the "
                    "sampler failed on the batch generated ahead"),

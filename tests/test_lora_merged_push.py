@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from support.harness import cpu_config, tiny_trainer
 from support.policy_server import PolicyServer
+from support.trl_stand_ins import StandInClient
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")
 
@@ -69,28 +70,17 @@ def test_fifty_merged_pushes_a_run_and_a_resume_leave_the_bf16_base_bit_exact(ti
         server.close()
 
 
-class FailingClient:
-    """A STAND-IN for TRL's client on CUDA's push path (NCCL): it takes 3 tensors of the walk, then the server is
-    gone (or the user pressed Ctrl-C)."""
-
-    def __init__(self, error: BaseException):
-        self.error = error
-
-    def update_named_params(self, metadata, named_params):
-        for index, _ in enumerate(named_params):
-            if index == 2:
-                raise self.error
-
-
-@pytest.mark.parametrize("abort", ["closed", "raised", "push failed", "push interrupted"])
+@pytest.mark.parametrize("abort", ["closed", "raised", "push failed", "push interrupted", "gather interrupted",
+                                   "reload interrupted"])
 def test_a_merged_walk_cut_short_leaves_the_adapter_counted_once(tiny_model_dir, tmp_path, monkeypatch, abort):
     """Issue 75, finding 2: TRL's merged walk closed after 3 tensors (``closed``: the push's generator closed, as an
     interrupted push does; ``raised``: the consumer raises and drops it; ``push failed``: TRL's own push, the path CUDA
     takes, whose client fails with the error still held, as a notebook holds the last one; ``push interrupted``: the
-    same with Ctrl-C) leaves the model as it was:
+    same with Ctrl-C; ``gather interrupted``, ``reload interrupted``: Ctrl-C while the disk push, or the colocated
+    reload (CPU), copies the walk's third tensor, the error held) leaves the model as it was:
     the bf16 base bit exact, no layer flagged merged, the same logits; the next whole push sends the same merged
     weights as one made before the abort (the adapter merged once, not saved into the "base" and added again). ``push
-    failed`` was seen failing with the walk left open until the error was freed."""
+    failed`` and ``reload interrupted`` were seen failing with the walk left open until the error was freed."""
     monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
     server = PolicyServer(tiny_model_dir)
     try:
@@ -108,9 +98,25 @@ def test_a_merged_walk_cut_short_leaves_the_adapter_counted_once(tiny_model_dir,
             error = ConnectionError("the server is gone (stand-in)") if abort == "push failed" else KeyboardInterrupt()
             with monkeypatch.context() as patch:
                 patch.setattr(type(generation), "uses_disk_sync", property(lambda self: False))
-                patch.setattr(generation, "vllm_client", FailingClient(error))
+                patch.setattr(generation, "vllm_client", StandInClient(stop_after=2, error=error))
                 with pytest.raises(type(error)) as held:  # the error, held
                     generation.sync_weights()
+        elif abort.endswith("interrupted"):
+            del walk
+            walked = generation._walk_named_params
+
+            class Interrupting:  # the third tensor's copy to the CPU is where Ctrl-C lands
+                def detach(self):
+                    raise KeyboardInterrupt
+
+            def interrupted_walk():
+                for index, (name, param) in enumerate(walked()):
+                    yield name, Interrupting() if index == 2 else param
+
+            with monkeypatch.context() as patch:
+                patch.setattr(generation, "_walk_named_params", interrupted_walk)
+                with pytest.raises(KeyboardInterrupt) as held:
+                    generation.gather_state() if abort.startswith("gather") else generation._reload_colocated()
         elif abort == "closed":
             for _ in range(3):
                 next(walk)
@@ -129,6 +135,6 @@ def test_a_merged_walk_cut_short_leaves_the_adapter_counted_once(tiny_model_dir,
         assert torch.equal(trainer.model(input_ids=ids).logits.detach(), logits)
         again = generation.gather_state()
         assert all(torch.equal(pushed[name], again[name]) for name in pushed)
-        assert not abort.startswith("push") or held.value is not None
+        assert abort in ("closed", "raised") or held.value is not None
     finally:
         server.close()

@@ -7,6 +7,7 @@ engine and clients, and appends each push's ``(bytes, seconds)`` to ``_pushes``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -116,8 +117,8 @@ class LoRAPushMixin:
         """Every process: gather the weights (collective under ZeRO-3), write them, and have this process's engine
         reload them (``reload_weights``, which re-packs the layers), refresh a tied head, reset the prefix cache."""
         start = time.perf_counter()
-        directory = write_weights(self._iter_named_params(), None,
-                                  f"bapo-vllm-colocate-rank{self.accelerator.process_index}-")
+        with contextlib.closing(self._iter_named_params()) as walk:  # a merged walk cut short unmerges at once
+            directory = write_weights(walk, None, f"bapo-vllm-colocate-rank{self.accelerator.process_index}-")
         written = directory_bytes(directory)
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": directory})

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..generation.contract import GenerationBackend, build_backend, sampled_or_error, samples_for_every_source
-from ..generation.processes import broadcast_from_main
+from ..generation.processes import broadcast_from_main, gather_from_all, raise_if_any
 from ..generation.trl_patches import serving_rollout
 from ..rollout.contract import ReadyCompletions, ScoreFn, right_pad
 from ..rollout.settings import SourceSettings
@@ -167,20 +167,16 @@ class TRLPort:
 
     def _sample_on_every_process(self, prompts: list[list[int]], n: int, max_tokens: int) -> dict[str, list]:
         """:meth:`sample` where every process samples its own prompts (the synchronous sources with a backend of the
-        user's own): a failure on one process is raised on every process, naming the backend (the others would
-        otherwise enter the next collective, the sampler-gap reduction or a ZeRO-3 gather, alone). One collective,
-        every call."""
-        error = None
+        user's own): a failure on one process is raised on every process, naming the backend, the process and its
+        error (the others would otherwise enter the next collective, the sampler-gap reduction or a ZeRO-3 gather,
+        alone). One collective, every call."""
+        error, output = None, None
         try:
             output = self.sample(prompts, n, max_tokens)
         except Exception as exc:  # raised below, on every process
             error = exc
-        failed = self.max_over_processes(torch.tensor(float(error is not None), device=self.device))
-        if error is not None:
-            raise error
-        if float(failed) > 0:
-            raise RuntimeError(f"generation backend {self.settings.generation_backend!r}: sampling failed on another "
-                               "process (its error is in that process's output)")
+        raise_if_any(error, self.num_processes, functools.partial(gather_from_all, num_processes=self.num_processes),
+                     f"generation backend {self.settings.generation_backend!r}: sampling")
         return output
 
     def _weights_current(self) -> None:

@@ -12,16 +12,20 @@ per case, the error it raised and how many weights it walked. argv: model_dir ou
 import json
 import os
 import sys
+from pathlib import Path
 
-import torch
-from transformers import AutoTokenizer
-from trl.distributed import DistributedBackend
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support.*
 
-from bapo_trl import BAPOConfig, BAPOTrainer
-from bapo_trl.cli.train import exit_past_gloo_teardown
-from bapo_trl.generation.vllm_generation import BAPOVLLMGeneration
-from bapo_trl.generation.weight_sync import WeightSyncError
-from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward
+import torch  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+from trl.distributed import DistributedBackend  # noqa: E402
+
+from bapo_trl import BAPOConfig, BAPOTrainer  # noqa: E402
+from bapo_trl.cli.train import exit_past_gloo_teardown  # noqa: E402
+from bapo_trl.generation.vllm_generation import BAPOVLLMGeneration  # noqa: E402
+from bapo_trl.generation.weight_sync import WeightSyncError  # noqa: E402
+from bapo_trl.recipes.toy import make_reverse_dataset, reverse_reward  # noqa: E402
+from support.trl_stand_ins import StandInClient, StandInEngine  # noqa: E402
 
 model_dir, out_dir = sys.argv[1], sys.argv[2]
 torch.set_num_threads(1)
@@ -31,43 +35,6 @@ trainer = BAPOTrainer(model=model_dir, reward_funcs=reverse_reward, args=args,
                       train_dataset=make_reverse_dataset(16, seed=0),
                       processing_class=AutoTokenizer.from_pretrained(model_dir))
 accelerator = trainer.accelerator
-
-
-class StandInClient:
-    """TRL's client as the push sees it: it streams the walk (``update_named_params``) and resets the prefix cache."""
-
-    def __init__(self, stop_after=None, reset_fails=False):
-        self.stop_after, self.reset_fails, self.received = stop_after, reset_fails, 0
-
-    def update_named_params(self, metadata, named_params):
-        for _ in named_params:
-            if self.received == self.stop_after:
-                raise ConnectionError("the server is gone (stand-in)")
-            self.received += 1
-
-    def reset_prefix_cache(self):
-        if self.reset_fails:
-            raise ConnectionError("the prefix-cache reset failed (stand-in)")
-
-
-class StandInEngine:
-    """The colocated engine as TRL's push sees it (vLLM's sleep mode on): woken up, then each weight loaded."""
-
-    def __init__(self, wake_fails: bool):
-        self.wake_fails, self.loaded = wake_fails, 0
-        runner = type("Runner", (), {"model": self})()
-        self.llm_engine = type("Engine", (), {"model_executor": type("Executor", (), {
-            "driver_worker": type("Worker", (), {"model_runner": runner})()})()})()
-
-    def wake_up(self, tags):
-        if self.wake_fails:
-            raise RuntimeError("the engine could not wake up (stand-in)")
-
-    def load_weights(self, weights):
-        self.loaded += len(weights)
-
-    def reset_prefix_cache(self):
-        pass
 
 
 BAPOVLLMGeneration.uses_disk_sync = property(lambda self: False)  # CUDA's branch: TRL's push
