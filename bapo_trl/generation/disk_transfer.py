@@ -14,6 +14,10 @@ server whose pause kept blocks would answer ``false`` while its requests are hel
 forever), and later requests would reuse prefixes computed by the old weights: the sync then fails, naming it. The
 server must read the directory at the same path (``$BAPO_VLLM_WEIGHTS_DIR`` on a shared mount), which
 :meth:`init_weight_transfer` checks once.
+
+What it sends is what TRL streams: with a peft model on TRL's merged path, TRL's own in-place merge and unmerge
+around the send (in bfloat16 ``W + BA - BA`` is not ``W``, huggingface/trl#6688) are TRL's, not this transfer's;
+``BAPOTrainer``'s merged push puts the base back bit for bit (:func:`.gather.exact_unmerge`).
 """
 
 from __future__ import annotations
