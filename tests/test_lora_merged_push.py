@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from support.harness import cpu_config, tiny_trainer
 from support.policy_server import PolicyServer
-from support.trl_stand_ins import StandInClient
+from support.trl_stand_ins import HoldingClient, StandInClient
 
 pytestmark = pytest.mark.usefixtures("use_test_cache")
 
@@ -136,5 +136,36 @@ def test_a_merged_walk_cut_short_leaves_the_adapter_counted_once(tiny_model_dir,
         again = generation.gather_state()
         assert all(torch.equal(pushed[name], again[name]) for name in pushed)
         assert abort in ("closed", "raised") or held.value is not None
+    finally:
+        server.close()
+
+
+def test_trls_push_sends_the_merged_weights_to_a_client_that_reads_them_after_the_walk(tiny_model_dir, tmp_path,
+                                                                                        monkeypatch):
+    """Review s8, F1: on CUDA, TRL's push hands the merged walk to vLLM's packed NCCL transfer, which keeps views of
+    the tensors and concatenates its last chunk (the whole model under 1 GB) after the walk has ended, when TRL's walk
+    has unmerged in place: the server got the base weights, the adapter was never sampled. A stand-in client that
+    reads the walk's tensors only after the walk (as ``pack_tensors`` does) receives exactly the merged weights the
+    disk push writes. Seen failing before the walk yielded copies inside TRL's push."""
+    monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
+    server = PolicyServer(tiny_model_dir)
+    try:
+        args = cpu_config(tmp_path / "out", bf16=True, use_vllm=True, vllm_mode="server",
+                          vllm_server_base_url=server.url, vllm_server_timeout=30, vllm_lora_sync="merged",
+                          per_device_train_batch_size=8, num_generations=4, max_completion_length=6)
+        trainer = tiny_trainer(tiny_model_dir, args, model=bf16_peft_model(tiny_model_dir))
+        generation, before = trainer.vllm_generation, base_weights(trainer.model)
+        merged = generation.gather_state()  # copied as the walk goes
+        assert any(not torch.equal(merged[plain(name)], value) for name, value in before.items()
+                   if ".base_layer." in name)
+        client = HoldingClient()
+        with monkeypatch.context() as patch:
+            patch.setattr(type(generation), "uses_disk_sync", property(lambda self: False))
+            patch.setattr(generation, "vllm_client", client)
+            generation.sync_weights()
+        assert set(client.values) == set(merged)
+        differ = [name for name in merged if not torch.equal(client.values[name], merged[name])]
+        assert not differ, f"{len(differ)} tensors reached the server unmerged, e.g. {differ[:3]}"
+        assert all(torch.equal(before[name], value) for name, value in base_weights(trainer.model).items())
     finally:
         server.close()

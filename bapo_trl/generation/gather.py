@@ -111,7 +111,15 @@ def exact_unmerge(model) -> Iterator[None]:
         saved.clear()
         for layer in layers:
             saved.extend((p, p.data.to("cpu", copy=True)) for p in layer.get_base_layer().parameters(recurse=False))
-        return merge(*args, **kwargs)
+        result = merge(*args, **kwargs)
+        synchronize()
+        return result
+
+    def synchronize() -> None:
+        """On CUDA, every stream waits for what is queued: vLLM's packed transfer reads the walk's tensors on streams
+        of its own, which nothing orders after the merge's kernels, nor the unmerge after their reads."""
+        if any(param.is_cuda for param, _ in saved):
+            torch.cuda.synchronize()
 
     def restore_the_base() -> None:
         for param, value in saved:
@@ -120,6 +128,7 @@ def exact_unmerge(model) -> Iterator[None]:
         saved.clear()
 
     def unmerge_restoring_the_base(*args, **kwargs):
+        synchronize()
         result = unmerge(*args, **kwargs)
         restore_the_base()
         return result

@@ -70,9 +70,15 @@ class TRLPushMixin:
 
     def _walk_named_params(self):
         """TRL's walk; with a peft model the merged walk leaves the base weights bit-exact
-        (:func:`~.gather.exact_unmerge`: in bfloat16 TRL's merge and unmerge moved them)."""
+        (:func:`~.gather.exact_unmerge`: in bfloat16 TRL's merge and unmerge moved them), and inside TRL's push
+        yields copies of the merged weights: vLLM's packed NCCL transfer (``pack_tensors``) keeps views of what the
+        walk yields and concatenates its last chunk only once the walk has ended, after TRL's walk has unmerged in
+        place, so that chunk (the whole model under 1 GB) reached the server unmerged: the adapter was never sampled
+        (TRL's own merged walk does the same)."""
         if not is_peft_model(self.model):
             yield from super()._iter_named_params()
             return
+        copies = self._walks is not None  # inside TRL's push: the consumer may hold what it is given
         with exact_unmerge(self.model):
-            yield from super()._iter_named_params()
+            for name, tensor in super()._iter_named_params():
+                yield name, tensor.detach().clone() if copies else tensor

@@ -26,6 +26,16 @@ class StandInClient:
             raise ConnectionError("the prefix-cache reset failed (stand-in)")
 
 
+class HoldingClient(StandInClient):
+    """A client that reads what the walk yields only once the walk has ended, as vLLM's packed NCCL transfer does with
+    its last chunk (``pack_tensors`` keeps views, concatenated after the iterator's end): ``values`` holds what it
+    read then."""
+
+    def update_named_params(self, metadata, named_params):
+        held = list(named_params)
+        self.values = {name: tensor.clone() for name, tensor in held}
+
+
 class StandInEngine:
     """The colocated engine as TRL's push sees it (vLLM's sleep mode on): woken up (``wake_fails``: that fails), then
     each weight loaded."""
