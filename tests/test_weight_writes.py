@@ -10,6 +10,7 @@ Against the stand-in server (``tests/support/policy_server.py``), which reloads 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -89,7 +90,8 @@ def test_a_prefix_cache_reset_refused_while_blocks_are_held_is_retried_then_an_e
 def test_the_reset_after_trls_own_push_is_checked_too(client, tiny_model_dir, monkeypatch):
     """TRL's push (NCCL on CUDA) ends with ``vllm_client.reset_prefix_cache()``, whose ``{"success": false}`` TRL
     ignored: later requests reused prefixes computed by the old weights. Both clients the backend builds retry it as
-    the disk push does, then name the server."""
+    the disk push does, then name the server; a stalled server is an error too (TRL's session resent and never timed
+    out)."""
     import trl.generation.vllm_client as trl_client
 
     from bapo_trl.generation import http_client
@@ -105,6 +107,11 @@ def test_the_reset_after_trls_own_push_is_checked_too(client, tiny_model_dir, mo
         setattr(vllm_client, "reset_timeout" if client == "KeyedVLLMClient" else "request_timeout", 0.3)
         with pytest.raises(WeightSyncError, match=rf"{server.url} could not reset its prefix cache within 0.3 s"):
             vllm_client.reset_prefix_cache()
+        server.busy_resets, server.reset_delay = 0, 30.0  # a stalled server: each request is bounded too
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError, match=r"did not answer /reset_prefix_cache within 1 s"):
+            vllm_client.reset_prefix_cache()
+        assert time.monotonic() - started < 10
     finally:
         server.close()
 

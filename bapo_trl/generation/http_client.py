@@ -29,7 +29,7 @@ from .resend import ResendOnLostConnection
 from .seeding import PerPromptSeeds
 from .server_auth import authorize_session
 from .trl_patches import client_without_vllm
-from .weight_sync import reset_succeeded, reset_within
+from .weight_sync import WeightSyncError, reset_succeeded, reset_within
 
 #: Connections a client keeps open to one server: a seeded batch is one request per prompt, all in flight at once (TRL
 #: keeps 64, so a larger batch would open and drop connections beyond those at every call).
@@ -95,13 +95,25 @@ class _OnceAdapter(ResendOnLostConnection):
         return super().send(request, timeout=self.default_timeout if timeout is None else timeout, **kwargs)
 
 
-def reset_checked(client, timeout: float) -> None:
-    """``client``'s prefix-cache reset, retried until vLLM says it took (:func:`~.weight_sync.reset_within`)."""
+def reset_checked(client, timeout: float, session: requests.Session | None = None) -> None:
+    """``client``'s prefix-cache reset, retried until vLLM says it took (:func:`~.weight_sync.reset_within`), each
+    request bounded by what is left of ``timeout``; ``session``: send through it (one that never retries) instead of
+    the client's own."""
+    deadline, url = time.monotonic() + timeout, f"{client.base_url}/reset_prefix_cache"
+
     def once() -> bool:
+        wait = max(deadline - time.monotonic(), 1.0)
         try:
-            return reset_succeeded(client._post(f"{client.base_url}/reset_prefix_cache"))
+            answer = client._post(url, timeout=wait) if session is None else session.post(url, timeout=wait)
+        except requests.Timeout as exc:
+            raise WeightSyncError(f"weight sync: the vLLM server at {client.base_url} did not answer "
+                                  f"/reset_prefix_cache within {wait:.3g} s") from exc
         except ValueError:  # an empty 200: vLLM < 0.26, which answers once the cache is reset
             return True
+        if isinstance(answer, requests.Response) and answer.status_code != 200:
+            raise WeightSyncError(f"weight sync: the vLLM server at {client.base_url} answered /reset_prefix_cache "
+                                  f"with {answer.status_code}: {answer.text[:300]}")
+        return reset_succeeded(answer)
 
     reset_within(once, client.base_url, timeout)
 
@@ -125,8 +137,12 @@ class KeyedVLLMClient(PerPromptSeeds, VLLMClient):
 
     def reset_prefix_cache(self):
         """TRL's reset after its push, checked (:func:`~.weight_sync.reset_within`): TRL ignores vLLM's
-        ``{"success": false}``, and later requests reused prefixes computed by the old weights."""
-        reset_checked(self, self.reset_timeout)
+        ``{"success": false}``, and later requests reused prefixes computed by the old weights. Sent without TRL's
+        retries (its session resends a timed-out POST, backing off, and sets no timeout)."""
+        if getattr(self, "_reset_session", None) is None:
+            self._reset_session = requests.Session()
+            authorize_session(self._reset_session)
+        reset_checked(self, self.reset_timeout, self._reset_session)
 
 
 class HTTPVLLMClient(PerPromptSeeds, VLLMClient):

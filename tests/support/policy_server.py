@@ -83,6 +83,7 @@ class PolicyServer:
         # each generate request answers this much later, outside the model lock: concurrent requests overlap, as a
         # server that batches them (vLLM) answers a batch in about one request's time
         self.latency = latency
+        self.reset_delay = 0.0  # seconds before each prefix-cache reset is answered (a stalled server)
         self.in_flight = self.most_in_flight = 0  # generate requests open at once (now, and the most seen)
         # what /server_info reports (its sampled tokens' log-probs are processed ones whatever it reports)
         self.model_config = {} if logprobs_mode is None else {"logprobs_mode": logprobs_mode}
@@ -180,6 +181,7 @@ class PolicyServer:
                         server.lora_events.append(("unload", body["lora_name"]))
                     self.answer({})
                 elif self.path == "/reset_prefix_cache":
+                    time.sleep(server.reset_delay)
                     with server.counting:
                         busy, server.busy_resets = server.busy_resets > 0, max(server.busy_resets - 1, 0)
                     self.answer({"success": not busy})  # vLLM: 200 either way, success false while blocks are held
