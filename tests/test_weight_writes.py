@@ -219,6 +219,49 @@ def test_a_server_restarted_without_the_worker_extension_is_taken_for_restarted(
         sync.close()
 
 
+def test_a_restarted_server_whose_last_push_was_removed_by_something_else_is_an_error(stand_in, tmp_path):
+    """Review s8, F5: the last push's directory removed by something else (a temp-dir cleaner on a long run) and the
+    server restarted: it cannot load that push again, and sampling from its checkpoint's weights stamped with the
+    pushed version would be silent. The check raises, naming the directory (it skipped every server before)."""
+    import shutil
+
+    sync = DiskWeightSync(stand_in.url, timeout=10, root=str(tmp_path), mark_weights=True)
+    try:
+        sync.push(shifted(stand_in, 0.5))
+        shutil.rmtree(sync.current_dir)
+        assert sync.reload_if_restarted() == []  # the server still holds it: nothing to load
+        stand_in.restart()
+        with pytest.raises(WeightSyncError, match=rf"{stand_in.url} lost the weights it loaded last .* is gone"):
+            sync.reload_if_restarted()
+    finally:
+        sync.close()
+
+
+def test_a_server_restarted_with_another_logprobs_mode_is_refused_before_it_samples(tiny_model_dir, tmp_path):
+    """Review s8, F2: a server restarted with vLLM's default ``--logprobs-mode`` (raw_logprobs, before temperature)
+    loads the last push again and would then put an offset into every ratio; its mode is checked again, as at start.
+    """
+    from bapo_trl.generation.http_client import VLLMLogprobsModeError
+    from support.harness import tiny_trainer
+    from support.server_training import server_config
+
+    server = PolicyServer(tiny_model_dir)
+    try:
+        trainer = tiny_trainer(tiny_model_dir, server_config(server, tmp_path, max_steps=1))
+        generation = trainer.vllm_generation
+        assert generation.sampler_logprobs_use is not None
+        generation.sync_weights()
+        server.restart()
+        generation._reload_restarted_servers(everywhere=True)  # the same flags: loaded again, nothing refused
+        server.restart()
+        server.model_config = {"logprobs_mode": "raw_logprobs"}
+        with pytest.raises(VLLMLogprobsModeError, match=rf"{server.url} runs with `--logprobs-mode raw_logprobs`"):
+            generation._reload_restarted_servers(everywhere=True)
+        assert generation.disk_sync.restarts == [server.url, server.url]
+    finally:
+        server.close()
+
+
 def test_a_server_without_the_worker_extension_is_not_asked_after_its_first_load(tiny_model_dir, tmp_path):
     server = PolicyServer(tiny_model_dir, marks=False)
     sync = DiskWeightSync(server.url, timeout=10, root=str(tmp_path), mark_weights=True)

@@ -250,8 +250,9 @@ class BAPOVLLMGeneration(TRLPushMixin, LoRAPushMixin, VLLMGeneration):
         """Before requests, full-weight disk pushes: a server that does not hold the last push (restarted, or a push
         failed there) loads it again (:meth:`.weight_sync.DiskWeightSync.reload_if_restarted`, main process), with a
         warning. ``everywhere`` (TRL's generate, which every process calls): an error there is raised on every
-        process (one broadcast). The adapter push finds such a server from its requests' answers; TRL's NCCL push
-        (CUDA) is not checked."""
+        process (one broadcast). A restarted server's ``--logprobs-mode`` is checked again (restarted with vLLM's
+        default, its log-probs would be taken before temperature). The adapter push finds such a server from its
+        requests' answers; TRL's NCCL push (CUDA) is not checked."""
         if everywhere:
             if not self.uses_disk_sync or self.uses_adapter_sync:  # the same on every process
                 return
@@ -260,9 +261,14 @@ class BAPOVLLMGeneration(TRLPushMixin, LoRAPushMixin, VLLMGeneration):
         error = None
         if self.disk_sync is not None:  # the main process's
             try:
-                for url in self.disk_sync.reload_if_restarted():
+                restarted = self.disk_sync.reload_if_restarted()
+                for url in restarted:
                     logger.warning(f"BAPO: the vLLM server at {url} did not hold the last pushed weights (it "
                                    "restarted, or a push failed there): it loaded them again before sampling.")
+                if restarted and self.sampler_logprobs_use is not None:  # restarted with other flags?
+                    for client in getattr(self.vllm_client, "clients", [self.vllm_client]):
+                        if client.base_url.rstrip("/") in restarted:
+                            check_logprobs_mode(client, self.sampler_logprobs_use)
             except Exception as exc:  # noqa: BLE001 - raised below
                 error = exc
         if everywhere:

@@ -335,7 +335,7 @@ class DiskWeightSync:
         (no worker extension) cannot tell."""
         with self._load_lock:
             loaded = self._loaded
-            if loaded is None or not os.path.isdir(loaded):  # nothing pushed yet, or the run's files removed (close)
+            if loaded is None:  # nothing pushed yet, or the run's files removed (close)
                 return []
 
             def check(base_url: str) -> str | None:
@@ -344,6 +344,11 @@ class DiskWeightSync:
                 marks = self._mark(base_url)  # None: the extension is gone (restarted without it)
                 if marks is not None and all(mark == os.path.basename(loaded) for mark in marks):
                     return None
+                if not os.path.isdir(loaded):
+                    raise WeightSyncError(f"the vLLM server at {base_url} lost the weights it loaded last (it "
+                                          f"restarted) and the last push's directory {loaded} is gone (removed by "
+                                          "something else, a temp-dir cleaner?): set BAPO_VLLM_WEIGHTS_DIR to a "
+                                          "directory nothing else cleans.")
                 self._load(base_url, loaded)  # and the mark again, where it can keep one
                 self.restarts.append(base_url)
                 return base_url
