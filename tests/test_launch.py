@@ -320,7 +320,8 @@ def test_trls_push_failing_on_the_main_process_under_zero3_raises_on_every_proce
     then aborted the launch (rank 1: "Connection reset by peer"); where the mismatch is not detected (NCCL) a rank
     waits until the process group's timeout. The colocate case was seen failing without the walks made for one not
     begun (gloo aborted the launch). Last, the disk path's restart check before TRL's generate failing on the main
-    process raises on both ranks."""
+    process raises on both ranks, and so do the CPU colocate reload failing on rank 1 and the disk push's gather
+    whose copy fails on the main process, after both walked every weight (review s8, F3, F4)."""
     script = REPO / "tests" / "dist_scripts" / "trl_push_failure.py"
     try:
         accelerate_launch(script, tiny_model_dir, tmp_path, config_file=CONFIGS / "deepspeed_zero3.yaml",
@@ -352,3 +353,9 @@ def test_trls_push_failing_on_the_main_process_under_zero3_raises_on_every_proce
     checks = [record["cases"]["restart check fails on the main process"]["error"] for record in ranks]
     assert checks == ["WeightSyncError: the vLLM server is gone (stand-in)",
                       "WeightSyncError: on the main process: WeightSyncError: the vLLM server is gone (stand-in)"]
+    reloads = [record["cases"]["colocate reload fails on rank 1"]["error"] for record in ranks]
+    failed = "RuntimeError: the engine could not reload the weights (stand-in)"
+    assert reloads == [f"RuntimeError: pushing the weights: on process 1: {failed}", failed]
+    gathers = [record["cases"]["disk gather fails on the main process"]["error"] for record in ranks]
+    assert gathers == ["RuntimeError: host memory exhausted (stand-in)", "RuntimeError: gathering the weights: on "
+                       "process 0: RuntimeError: host memory exhausted (stand-in)"]

@@ -7,7 +7,6 @@ engine and clients, and appends each push's ``(bytes, seconds)`` to ``_pushes``.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import time
@@ -115,10 +114,14 @@ class LoRAPushMixin:
 
     def _reload_colocated(self) -> None:
         """Every process: gather the weights (collective under ZeRO-3), write them, and have this process's engine
-        reload them (``reload_weights``, which re-packs the layers), refresh a tied head, reset the prefix cache."""
+        reload them (``reload_weights``, which re-packs the layers), refresh a tied head, reset the prefix cache. A
+        failure on one process is raised on every process (:meth:`sync_weights`)."""
         start = time.perf_counter()
-        with contextlib.closing(self._iter_named_params()) as walk:  # a merged walk cut short unmerges at once
-            directory = write_weights(walk, None, f"bapo-vllm-colocate-rank{self.accelerator.process_index}-")
+        state, error = self._walk_copies(keep=True)  # the walk made whole on every process, whatever fails here
+        if error is not None:
+            raise error
+        directory = write_weights(state, None, f"bapo-vllm-colocate-rank{self.accelerator.process_index}-",
+                                  handed_over=True)
         written = directory_bytes(directory)
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": directory})

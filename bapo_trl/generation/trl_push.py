@@ -7,6 +7,7 @@ every weight there before the error is raised everywhere. A mixin of the backend
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 from trl.generation.vllm_generation import is_peft_model
@@ -59,6 +60,20 @@ class TRLPushMixin:
                     pass
         except Exception:  # noqa: BLE001 - see the docstring
             pass
+
+    def _walk_copies(self, keep: bool) -> tuple[dict, BaseException | None]:
+        """TRL's walk made whole, each weight copied to the CPU where ``keep``: ``(copies, error)``. A copy that fails
+        (host memory) stops the copies, not the walk: the other processes gather every weight with this one (ZeRO-3),
+        and the caller raises the error on every process once all have walked. Ctrl-C closes the walk at once."""
+        copies, error = {}, None
+        with contextlib.closing(self._iter_named_params()) as walk:
+            for name, param in walk:
+                if keep and error is None:
+                    try:
+                        copies[name] = param.detach().to("cpu", copy=True)
+                    except Exception as exc:  # noqa: BLE001 - returned, see the docstring
+                        copies, error = {}, exc
+        return copies, error
 
     def _iter_named_params(self):
         """TRL's walk over the weights to push (:meth:`_walk_named_params`); inside :meth:`_sync_through_trl` each walk

@@ -36,7 +36,7 @@ from .http_client import (
     check_logprobs_mode,
 )
 from .lora_push import LoRAPushMixin
-from .processes import broadcast_from_main, raise_everywhere
+from .processes import broadcast_from_main, gather_from_all, raise_everywhere, raise_if_any
 from .seeding import mixed_seed, seed_salt
 from .trl_patches import building_engine, building_server_client, seeded_engine
 from .trl_push import TRLPushMixin
@@ -194,10 +194,15 @@ class BAPOVLLMGeneration(TRLPushMixin, LoRAPushMixin, VLLMGeneration):
         return one_client(clients)
 
     def sync_weights(self):
-        if self.uses_colocate_adapter:
-            return self._load_colocated_adapter()
-        if self.uses_colocate_reload:
-            return self._reload_colocated()
+        if self.uses_colocate_adapter or self.uses_colocate_reload:  # each process's engine: raised on every process
+            error = None
+            try:
+                self._load_colocated_adapter() if self.uses_colocate_adapter else self._reload_colocated()
+            except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
+                error = exc
+            processes = self.accelerator.num_processes
+            return raise_if_any(error, processes, partial(gather_from_all, num_processes=processes),
+                                "pushing the weights")
         if not self.uses_disk_sync:
             return self._sync_through_trl()
         state = self.gather_state()
@@ -212,14 +217,13 @@ class BAPOVLLMGeneration(TRLPushMixin, LoRAPushMixin, VLLMGeneration):
     def gather_state(self) -> dict:
         """The current weights as CPU copies on the main process (empty elsewhere); every process must call it, the
         gather is collective under ZeRO-3. With :attr:`disk_sync` they can be pushed later, from another thread.
-        With the adapter push, only the adapter (:meth:`gather_adapter`)."""
+        With the adapter push, only the adapter (:meth:`gather_adapter`). A copy that fails on the main process is
+        raised on every process after the walk (they gather each weight with it)."""
         if self.uses_adapter_sync:
             return self.gather_adapter()
-        main = self.accelerator.is_main_process
-        state = {}
-        for name, param in self._iter_named_params():
-            if main:
-                state[name] = param.detach().to("cpu", copy=True)
+        processes = self.accelerator.num_processes
+        state, error = self._walk_copies(self.accelerator.is_main_process)
+        raise_if_any(error, processes, partial(gather_from_all, num_processes=processes), "gathering the weights")
         return state
 
     # -- the generation contract (bapo_trl.generation.contract), for async generation ------------------------------

@@ -6,7 +6,8 @@ NCCL, no server here): it takes ``stop_after`` weights of TRL's walk, then raise
 does when the server is gone; ``reset_fails`` makes the prefix-cache reset after the walk fail instead. The weights are
 the trainer's own, partitioned by ZeRO-3 (each gather is a collective). Last, colocate mode with vLLM's sleep mode
 (a STAND-IN engine): rank 1's engine fails to wake up, before TRL's walk begins there; then the disk path's restart
-check before TRL's generate failing on the main process. Each rank writes rank<N>.json:
+check before TRL's generate failing on the main process, the CPU colocate reload failing on rank 1, and the disk
+push's gather whose copy fails on the main process. Each rank writes rank<N>.json:
 per case, the error it raised and how many weights it walked. argv: model_dir out_dir."""
 
 import json
@@ -48,10 +49,18 @@ walked = {"count": 0}
 walk = BAPOVLLMGeneration._walk_named_params
 
 
+class HostMemoryExhausted:
+    """A weight whose copy to the CPU fails (STAND-IN for the host running out of memory)."""
+
+    def detach(self):
+        raise RuntimeError("host memory exhausted (stand-in)")
+
+
 def counted(self):  # every weight this rank's walk yielded (the metadata walk of the first push included)
     for item in walk(self):
         walked["count"] += 1
-        yield item
+        failing = walked.get("copy fails at") == walked["count"] and accelerator.is_main_process
+        yield (item[0], HostMemoryExhausted()) if failing else item
 
 
 BAPOVLLMGeneration._walk_named_params = counted
@@ -102,6 +111,29 @@ try:
 except Exception as exc:  # noqa: BLE001 - recorded for the test
     error = f"{type(exc).__name__}: {exc}"
 record["cases"]["restart check fails on the main process"] = {"error": error}
+accelerator.wait_for_everyone()
+# colocate on CPU (the engine reloads a directory): rank 1's engine fails to reload, after both walked every weight
+BAPOVLLMGeneration.uses_colocate_reload = property(lambda self: True)
+backend.mode, backend._pushes = "colocate", []
+backend.llm = StandInEngine(reload_fails=accelerator.process_index == 1)
+walked["count"] = 0
+try:
+    backend.sync_weights()
+    error = None
+except Exception as exc:  # noqa: BLE001 - recorded for the test
+    error = f"{type(exc).__name__}: {exc}"
+record["cases"]["colocate reload fails on rank 1"] = {"error": error, "walked": walked["count"]}
+BAPOVLLMGeneration.uses_colocate_reload = property(lambda self: False)
+backend.mode = "server"
+accelerator.wait_for_everyone()
+# the disk push's gather: the main process's copy of the third weight fails; every rank still walks every weight
+walked.update(count=0, **{"copy fails at": 3})
+try:
+    backend.gather_state()
+    error = None
+except Exception as exc:  # noqa: BLE001 - recorded for the test
+    error = f"{type(exc).__name__}: {exc}"
+record["cases"]["disk gather fails on the main process"] = {"error": error, "walked": walked["count"]}
 accelerator.wait_for_everyone()
 record["parameters"] = len(list(trainer.model.named_parameters()))
 with open(os.path.join(out_dir, f"rank{record['rank']}.json"), "w") as f:

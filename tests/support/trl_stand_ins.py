@@ -38,10 +38,11 @@ class HoldingClient(StandInClient):
 
 class StandInEngine:
     """The colocated engine as TRL's push sees it (vLLM's sleep mode on): woken up (``wake_fails``: that fails), then
-    each weight loaded."""
+    each weight loaded; or, as the CPU reload sees it, a directory reloaded (``collective_rpc``; ``reload_fails``: that
+    fails)."""
 
-    def __init__(self, wake_fails: bool):
-        self.wake_fails, self.loaded = wake_fails, 0
+    def __init__(self, wake_fails: bool = False, reload_fails: bool = False):
+        self.wake_fails, self.reload_fails, self.loaded = wake_fails, reload_fails, 0
         runner = type("Runner", (), {"model": self})()
         self.llm_engine = type("Engine", (), {"model_executor": type("Executor", (), {
             "driver_worker": type("Worker", (), {"model_runner": runner})()})()})()
@@ -55,3 +56,8 @@ class StandInEngine:
 
     def reset_prefix_cache(self):
         pass
+
+    def collective_rpc(self, method, kwargs=None):
+        if method == "reload_weights" and self.reload_fails:
+            raise RuntimeError("the engine could not reload the weights (stand-in)")
+        return []
