@@ -108,7 +108,7 @@ def reset_checked(client, timeout: float, session: requests.Session | None = Non
         except requests.Timeout as exc:
             raise WeightSyncError(f"weight sync: the vLLM server at {client.base_url} did not answer "
                                   f"/reset_prefix_cache within {wait:.3g} s") from exc
-        except ValueError:  # an empty 200: vLLM < 0.26, which answers once the cache is reset
+        except requests.JSONDecodeError:  # an empty 200: vLLM < 0.26, which answers once the cache is reset
             return True
         if isinstance(answer, requests.Response) and answer.status_code != 200:
             raise WeightSyncError(f"weight sync: the vLLM server at {client.base_url} answered /reset_prefix_cache "

@@ -65,14 +65,15 @@ def reset_succeeded(answer) -> bool:
 def reset_within(reset_once, base_url: str, timeout: float) -> None:
     """``reset_once()`` (one reset; whether it took) until it takes, within ``timeout`` seconds: a refused reset (a
     request in flight) left later requests reusing prefixes computed by the old weights, off the new policy."""
-    deadline = time.monotonic() + timeout
+    deadline, pause = time.monotonic() + timeout, 0.05
     while not reset_once():
         if time.monotonic() > deadline:
             raise WeightSyncError(
                 f"weight sync: the vLLM server at {base_url} could not reset its prefix cache within {timeout:g} s "
                 "(requests still running hold KV blocks computed by the old weights, which later requests would "
                 "reuse). Is another client generating on this server?")
-        time.sleep(0.05)
+        time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+        pause = min(pause * 2, 1.0)  # vLLM logs a warning for each refused reset
 
 
 def rpc_results(response) -> list | None:
