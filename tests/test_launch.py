@@ -321,7 +321,8 @@ def test_trls_push_failing_on_the_main_process_under_zero3_raises_on_every_proce
     waits until the process group's timeout. The colocate case was seen failing without the walks made for one not
     begun (gloo aborted the launch). Last, the disk path's restart check before TRL's generate failing on the main
     process raises on both ranks, and so do the CPU colocate reload failing on rank 1 and the disk push's gather
-    whose copy fails on the main process, after both walked every weight (review s8, F3, F4)."""
+    whose copy fails on the main process, after both walked every weight (review s8, F3, F4), and TRL's generate
+    whose request fails on the main process (F6: the other rank waited in TRL's broadcast)."""
     script = REPO / "tests" / "dist_scripts" / "trl_push_failure.py"
     try:
         accelerate_launch(script, tiny_model_dir, tmp_path, config_file=CONFIGS / "deepspeed_zero3.yaml",
@@ -359,3 +360,6 @@ def test_trls_push_failing_on_the_main_process_under_zero3_raises_on_every_proce
     gathers = [record["cases"]["disk gather fails on the main process"]["error"] for record in ranks]
     assert gathers == ["RuntimeError: host memory exhausted (stand-in)", "RuntimeError: gathering the weights: on "
                        "process 0: RuntimeError: host memory exhausted (stand-in)"]
+    generations = [record["cases"]["generation fails on the main process"]["error"] for record in ranks]
+    assert generations == ["ConnectionError: the server is gone (stand-in)", "RuntimeError: generation on the main "
+                           "process: ConnectionError: the server is gone (stand-in)"]

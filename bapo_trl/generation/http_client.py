@@ -25,6 +25,7 @@ from requests.adapters import HTTPAdapter
 from trl.generation.vllm_client import VLLMClient
 
 from .fleet import ServerFleet, naming, one_client
+from .processes import FailedHere
 from .resend import ResendOnLostConnection
 from .seeding import PerPromptSeeds
 from .server_auth import authorize_session
@@ -238,6 +239,35 @@ class HTTPVLLMClient(PerPromptSeeds, VLLMClient):
     def reset_prefix_cache(self):
         """Checked, as :meth:`KeyedVLLMClient.reset_prefix_cache`."""
         reset_checked(self, self.request_timeout)
+
+
+class FailureSharingClient:
+    """The main process's client inside TRL's generate with several processes (TRL sends the request there and
+    broadcasts the answer): a failed request (or image-feature request) answers :class:`~.processes.FailedHere`,
+    which TRL broadcasts and every process raises on using it, instead of an error on the main process alone while the
+    others wait in the broadcast forever. ``failed``: the errors, for the main process to raise its own."""
+
+    def __init__(self, client):
+        self.client, self.failed = client, []
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def image_features(self, images, *args, **kwargs):
+        try:
+            return self.client.image_features(images, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - shared with every process by the generate call after it
+            self.failed.append(exc)
+            return [None] * len(images)  # TRL pairs them with the prompts before it sends the request
+
+    def generate(self, *args, **kwargs):
+        if not self.failed:
+            try:
+                return self.client.generate(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - shared with every process (the docstring)
+                self.failed.append(exc)
+        failed = FailedHere("generation on the main process", self.failed[0])
+        return {"prompt_ids": failed, "completion_ids": None, "logprobs": None}
 
 
 def request_client(client, timeout: float):

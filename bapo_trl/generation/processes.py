@@ -54,3 +54,15 @@ def raise_if_any(error: BaseException | None, num_processes: int, gather: Callab
             raise RuntimeError(f"{where}: on process {i}: {name}: {message}")
     if error is not None:
         raise error
+
+
+class FailedHere:
+    """Sent in place of a result that failed on the process that computes it for all (the main process's server
+    request, which TRL broadcasts): using it (iterating it) raises, on every process that received it, an error
+    naming the failure, after the collective that shares it, which the others would otherwise wait in forever."""
+
+    def __init__(self, where: str, error: BaseException):
+        self.message = f"{where}: {type(error).__name__}: {error}"
+
+    def __iter__(self):
+        raise RuntimeError(self.message)

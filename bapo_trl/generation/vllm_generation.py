@@ -18,6 +18,7 @@ swap of a TRL name): it defers to TRL's code wherever TRL's path works, and take
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from functools import partial
 
@@ -29,6 +30,7 @@ from .adapter_sync import LORA_RANKS, tied_embedding_refusal
 from .fleet import one_client, server_urls
 from .gather import adapter_shapes
 from .http_client import (
+    FailureSharingClient,
     HTTPVLLMClient,
     KeyedVLLMClient,
     VLLMLogprobsModeError,
@@ -71,15 +73,36 @@ class BAPOVLLMGeneration(TRLPushMixin, LoRAPushMixin, VLLMGeneration):
         a group's members over processes, which would otherwise hold the same prompts and seeds and sample copies;
         the ranks of one tensor-parallel engine share a group, and must share seeds)."""
         self._reload_restarted_servers(everywhere=True)
-        if (self.generation_kwargs or {}).get("seed") is None:
-            return super().generate(prompts, images, num_generations, profiler)
-        step = self.seed_round() if self.seed_round is not None else 0
-        last, calls = self._round_calls
-        calls = calls + 1 if step == last else 0
-        self._round_calls = (step, calls)
-        group = self.accelerator.process_index // self.tensor_parallel_size if self.mode == "colocate" else 0
-        with seed_salt(step, calls, group):
-            return super().generate(prompts, images, num_generations, profiler)
+        seeded = contextlib.nullcontext()
+        if (self.generation_kwargs or {}).get("seed") is not None:
+            step = self.seed_round() if self.seed_round is not None else 0
+            last, calls = self._round_calls
+            calls = calls + 1 if step == last else 0
+            self._round_calls = (step, calls)
+            group = self.accelerator.process_index // self.tensor_parallel_size if self.mode == "colocate" else 0
+            seeded = seed_salt(step, calls, group)
+        with seeded, self._requests_failing_everywhere() as failed:
+            try:
+                return super().generate(prompts, images, num_generations, profiler)
+            except RuntimeError:
+                if failed:  # the main process: its own error, not the sentinel's
+                    raise failed[0] from None
+                raise
+
+    @contextlib.contextmanager
+    def _requests_failing_everywhere(self):
+        """Server mode with several processes: TRL's main process sends the request and broadcasts the answer, so a
+        request that failed there (the server gone, stalled) left the others waiting in the broadcast. Inside TRL's
+        generate the main process's client is a :class:`~.http_client.FailureSharingClient`; yields its failures."""
+        if self.mode != "server" or self.accelerator.num_processes == 1 or not self.accelerator.is_main_process:
+            yield []
+            return
+        client = self.vllm_client
+        self.vllm_client = FailureSharingClient(client)
+        try:
+            yield self.vllm_client.failed
+        finally:
+            self.vllm_client = client
 
     @property
     def uses_adapter_sync(self) -> bool:

@@ -7,7 +7,8 @@ does when the server is gone; ``reset_fails`` makes the prefix-cache reset after
 the trainer's own, partitioned by ZeRO-3 (each gather is a collective). Last, colocate mode with vLLM's sleep mode
 (a STAND-IN engine): rank 1's engine fails to wake up, before TRL's walk begins there; then the disk path's restart
 check before TRL's generate failing on the main process, the CPU colocate reload failing on rank 1, and the disk
-push's gather whose copy fails on the main process. Each rank writes rank<N>.json:
+push's gather whose copy fails on the main process; last, TRL's generate whose request fails on the main process.
+Each rank writes rank<N>.json:
 per case, the error it raised and how many weights it walked. argv: model_dir out_dir."""
 
 import json
@@ -134,6 +135,21 @@ try:
 except Exception as exc:  # noqa: BLE001 - recorded for the test
     error = f"{type(exc).__name__}: {exc}"
 record["cases"]["disk gather fails on the main process"] = {"error": error, "walked": walked["count"]}
+accelerator.wait_for_everyone()
+# TRL's generate (server mode): the main process's request fails (the server gone during it); TRL broadcasts the
+# answer from there, so the other rank waited in the broadcast
+BAPOVLLMGeneration.uses_disk_sync = property(lambda self: False)
+backend.disk_sync = None
+backend.temperature, backend.top_p, backend.top_k, backend.min_p, backend.repetition_penalty = 1.0, 1.0, -1, 0.0, 1.0
+backend.max_completion_length, backend.logprobs, backend.structured_outputs_regex = 4, 0, None
+backend.generation_kwargs = {}
+backend.vllm_client = StandInClient() if accelerator.is_main_process else None
+try:
+    backend.generate([[1, 2, 3]] * 2, None, 2)
+    error = None
+except Exception as exc:  # noqa: BLE001 - recorded for the test
+    error = f"{type(exc).__name__}: {exc}"
+record["cases"]["generation fails on the main process"] = {"error": error}
 accelerator.wait_for_everyone()
 record["parameters"] = len(list(trainer.model.named_parameters()))
 with open(os.path.join(out_dir, f"rank{record['rank']}.json"), "w") as f:

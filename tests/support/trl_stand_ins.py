@@ -8,7 +8,7 @@ from __future__ import annotations
 class StandInClient:
     """TRL's client as the push sees it: it streams the walk (``update_named_params``), raising ``error`` (default:
     a lost server's ``ConnectionError``) once ``stop_after`` weights have gone, and resets the prefix cache
-    (``reset_fails``: that fails instead)."""
+    (``reset_fails``: that fails instead). A generation request raises ``error``."""
 
     def __init__(self, stop_after: int | None = None, reset_fails: bool = False,
                  error: BaseException | None = None):
@@ -24,6 +24,9 @@ class StandInClient:
     def reset_prefix_cache(self):
         if self.reset_fails:
             raise ConnectionError("the prefix-cache reset failed (stand-in)")
+
+    def generate(self, **kwargs):
+        raise self.error  # a generation request: the server is gone
 
 
 class HoldingClient(StandInClient):
