@@ -65,6 +65,16 @@ def counted(self):  # every weight this rank's walk yielded (the metadata walk o
 
 
 BAPOVLLMGeneration._walk_named_params = counted
+
+
+def attempt(call) -> str | None:
+    """``call()``'s error as the test reads it (``"Type: message"``), or None."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - recorded for the test
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
 record = {"rank": accelerator.process_index, "world_size": accelerator.num_processes,
           "zero3": bool(getattr(next(trainer.model.parameters()), "ds_numel", 0)), "cases": {}}
 for case, client in (("push fails at once", StandInClient(stop_after=0)),
@@ -73,11 +83,7 @@ for case, client in (("push fails at once", StandInClient(stop_after=0)),
                      ("push succeeds", StandInClient())):
     backend.vllm_client = client if accelerator.is_main_process else None  # TRL builds the client there only
     walked["count"] = 0
-    error = None
-    try:
-        backend.sync_weights()
-    except Exception as exc:  # noqa: BLE001 - recorded for the test
-        error = f"{type(exc).__name__}: {exc}"
+    error = attempt(backend.sync_weights)
     record["cases"][case] = {"error": error, "walked": walked["count"],
                              "received": client.received if accelerator.is_main_process else None}
 accelerator.wait_for_everyone()  # every rank is past every case
@@ -85,11 +91,7 @@ accelerator.wait_for_everyone()  # every rank is past every case
 backend.mode, backend.enable_sleep_mode = "colocate", True
 backend.llm = StandInEngine(wake_fails=accelerator.process_index == 1)
 walked["count"] = 0
-try:
-    backend.sync_weights()
-    error = None
-except Exception as exc:  # noqa: BLE001 - recorded for the test
-    error = f"{type(exc).__name__}: {exc}"
+error = attempt(backend.sync_weights)
 record["cases"]["colocate wake-up fails on rank 1"] = {"error": error, "walked": walked["count"],
                                                       "received": backend.llm.loaded}
 accelerator.wait_for_everyone()
@@ -106,11 +108,7 @@ class UnreachableSync:
 BAPOVLLMGeneration.uses_disk_sync = property(lambda self: True)
 backend.mode = "server"
 backend.disk_sync = UnreachableSync() if accelerator.is_main_process else None
-try:
-    backend._reload_restarted_servers(everywhere=True)
-    error = None
-except Exception as exc:  # noqa: BLE001 - recorded for the test
-    error = f"{type(exc).__name__}: {exc}"
+error = attempt(lambda: backend._reload_restarted_servers(everywhere=True))
 record["cases"]["restart check fails on the main process"] = {"error": error}
 accelerator.wait_for_everyone()
 # colocate on CPU (the engine reloads a directory): rank 1's engine fails to reload, after both walked every weight
@@ -118,22 +116,14 @@ BAPOVLLMGeneration.uses_colocate_reload = property(lambda self: True)
 backend.mode, backend._pushes = "colocate", []
 backend.llm = StandInEngine(reload_fails=accelerator.process_index == 1)
 walked["count"] = 0
-try:
-    backend.sync_weights()
-    error = None
-except Exception as exc:  # noqa: BLE001 - recorded for the test
-    error = f"{type(exc).__name__}: {exc}"
+error = attempt(backend.sync_weights)
 record["cases"]["colocate reload fails on rank 1"] = {"error": error, "walked": walked["count"]}
 BAPOVLLMGeneration.uses_colocate_reload = property(lambda self: False)
 backend.mode = "server"
 accelerator.wait_for_everyone()
 # the disk push's gather: the main process's copy of the third weight fails; every rank still walks every weight
 walked.update(count=0, **{"copy fails at": 3})
-try:
-    backend.gather_state()
-    error = None
-except Exception as exc:  # noqa: BLE001 - recorded for the test
-    error = f"{type(exc).__name__}: {exc}"
+error = attempt(backend.gather_state)
 record["cases"]["disk gather fails on the main process"] = {"error": error, "walked": walked["count"]}
 accelerator.wait_for_everyone()
 # TRL's generate (server mode): the main process's request fails (the server gone during it); TRL broadcasts the
@@ -144,11 +134,7 @@ backend.temperature, backend.top_p, backend.top_k, backend.min_p, backend.repeti
 backend.max_completion_length, backend.logprobs, backend.structured_outputs_regex = 4, 0, None
 backend.generation_kwargs = {}
 backend.vllm_client = StandInClient() if accelerator.is_main_process else None
-try:
-    backend.generate([[1, 2, 3]] * 2, None, 2)
-    error = None
-except Exception as exc:  # noqa: BLE001 - recorded for the test
-    error = f"{type(exc).__name__}: {exc}"
+error = attempt(lambda: backend.generate([[1, 2, 3]] * 2, None, 2))
 record["cases"]["generation fails on the main process"] = {"error": error}
 accelerator.wait_for_everyone()
 record["parameters"] = len(list(trainer.model.named_parameters()))
