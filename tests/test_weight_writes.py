@@ -116,6 +116,30 @@ def test_the_reset_after_trls_own_push_is_checked_too(client, tiny_model_dir, mo
         server.close()
 
 
+def test_trls_weight_transfer_requests_are_not_sent_again_on_cuda(tiny_model_dir, monkeypatch):
+    """Review s8, F7: TRL's session resends a POST after a 5xx or a read error (3 times for a 500); a weight-transfer
+    request sent again leaves the server's workers waiting for NCCL data that never comes (the push hangs, no error).
+    The CUDA client sends those once and fails; other requests keep TRL's retries."""
+    import trl.generation.vllm_client as trl_client
+
+    from bapo_trl.generation.http_client import KeyedVLLMClient
+
+    monkeypatch.setattr(trl_client, "is_vllm_available", lambda *a, **k: True)  # only checked, never used here
+    server = PolicyServer(tiny_model_dir)
+    try:
+        client = KeyedVLLMClient(base_url=server.url, connection_timeout=10)
+        client.session.get_adapter("http://").max_retries.backoff_factor = 0  # TRL's: 2 s, 4 s, ... between resends
+        server.failing = {"/update_weights", "/v1/completions"}
+        with pytest.raises(Exception):
+            client._post(f"{server.url}/update_weights", json={})
+        assert server.requests["POST", "/update_weights"] == 1
+        with pytest.raises(Exception):
+            client._post(f"{server.url}/v1/completions", json={})
+        assert server.requests["POST", "/v1/completions"] == 4  # TRL's: once, then 3 retries on a 500
+    finally:
+        server.close()
+
+
 def test_writes_run_on_the_writer_thread_in_push_order(stand_in, tmp_path):
     sync = DiskWeightSync(stand_in.url, timeout=10, root=str(tmp_path))
     seen = []

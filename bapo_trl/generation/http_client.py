@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 
 import requests
 import trl.generation.vllm_client as _trl_vllm_client
-from requests.adapters import HTTPAdapter
+from requests.adapters import HTTPAdapter, Retry
 from trl.generation.vllm_client import VLLMClient
 
 from .fleet import ServerFleet, naming, one_client
@@ -119,9 +119,32 @@ def reset_checked(client, timeout: float, session: requests.Session | None = Non
     reset_within(once, client.base_url, timeout)
 
 
+#: The requests of TRL's NCCL weight transfer: each one opens, drives or closes a transfer the server's workers take
+#: part in, so sending one again (TRL's session resends a POST after a 5xx or a read error) leaves the server waiting
+#: for data that never comes, and the push hangs without an error.
+WEIGHT_TRANSFER_PATHS = ("/init_communicator", "/close_communicator", "/start_weight_update", "/update_weights",
+                         "/finish_weight_update")
+
+
+class TRLRetryButWeightTransfer(Retry):
+    """TRL's retries (``Retry`` of its session), except for :data:`WEIGHT_TRANSFER_PATHS`, which fail at once."""
+
+    @classmethod
+    def like(cls, retry: Retry) -> TRLRetryButWeightTransfer:
+        copy = cls.__new__(cls)
+        copy.__dict__.update(retry.__dict__)
+        return copy
+
+    def increment(self, method=None, url=None, *args, **kwargs):
+        if method == "POST" and url and urlparse(url).path.rstrip("/") in WEIGHT_TRANSFER_PATHS:
+            return Retry.increment(self.new(total=0), method, url, *args, **kwargs)  # raises: exhausted
+        return super().increment(method, url, *args, **kwargs)
+
+
 class KeyedVLLMClient(PerPromptSeeds, VLLMClient):
     """TRL's ``VLLMClient`` (CUDA: NCCL weight transfer) that sends ``$VLLM_API_KEY`` with every request of its
-    session, keeps :data:`CONNECTIONS` connections open (TRL's retries kept) and sends a seeded call with several
+    session, keeps :data:`CONNECTIONS` connections open (TRL's retries kept, but for the weight transfer's requests:
+    :class:`TRLRetryButWeightTransfer`) and sends a seeded call with several
     prompts one request per prompt (:mod:`.seeding`). ``VLLMClient.__init__`` builds the session and then calls
     ``check_server`` (whose ``/health`` probe needs no key) before its first request that does: both are set there."""
 
@@ -131,7 +154,7 @@ class KeyedVLLMClient(PerPromptSeeds, VLLMClient):
 
     def check_server(self, total_timeout: float = 0.0, retry_interval: float = 2.0):
         for prefix in ("http://", "https://"):
-            retries = self.session.get_adapter(prefix).max_retries
+            retries = TRLRetryButWeightTransfer.like(self.session.get_adapter(prefix).max_retries)
             self.session.mount(prefix, HTTPAdapter(max_retries=retries, pool_maxsize=CONNECTIONS))
         authorize_session(self.session)
         return super().check_server(total_timeout, retry_interval)

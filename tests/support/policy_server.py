@@ -84,6 +84,7 @@ class PolicyServer:
         # server that batches them (vLLM) answers a batch in about one request's time
         self.latency = latency
         self.reset_delay = 0.0  # seconds before each prefix-cache reset is answered (a stalled server)
+        self.failing: set[str] = set()  # POST paths answered with a 500
         self.in_flight = self.most_in_flight = 0  # generate requests open at once (now, and the most seen)
         # what /server_info reports (its sampled tokens' log-probs are processed ones whatever it reports)
         self.model_config = {} if logprobs_mode is None else {"logprobs_mode": logprobs_mode}
@@ -131,6 +132,9 @@ class PolicyServer:
                     server.requests["POST", self.path] += 1
                 if how == "before":  # the connection closes before the request runs: no answer at all
                     self.close_connection = True
+                    return
+                if self.path in server.failing:  # an internal error, as a server in trouble answers
+                    self.answer({"error": {"message": "stand-in failure", "code": 500}}, 500)
                     return
                 self.answer_lost = how == "after"
                 with server.counting:
