@@ -14,6 +14,9 @@ STUDY=$(realpath -m ../bapo-confirm-study) PROBE=$(realpath -m ../bapo-confirm-p
 mkdir -p "$OUT"
 [ -s "$OUT/confirm.jsonl" ] || zcat docs/data/async_anchor_runs.jsonl.gz > "$OUT/confirm.jsonl"
 [ -s "$OUT/probe_confirm.jsonl" ] || zcat docs/data/async_anchor_probe_runs.jsonl.gz > "$OUT/probe_confirm.jsonl"
+# The CPU each pass ran on (the rows do not record it; another CPU kind changes seconds per step): one line per start.
+echo "$(date -u +%FT%TZ) $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs), torch CPU capability" \
+  "$(python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')" >> "$OUT/machines.log"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false BAPO_TRL_EXPERIMENTAL_SILENCE=1
 quiet() { grep --line-buffered -Ev '^(\||#|$|heldout|Paired|Each)' | sed -u 's/, reward .*//'; }
 in_tree() { (cd "$1" && shift && PYTHONPATH="$PWD" BAPO_STUDY_COMMIT=$(git rev-parse HEAD) python "$@" | quiet); }
