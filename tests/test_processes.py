@@ -4,7 +4,7 @@ function returning what the main process sent); the real collective runs in the 
 
 import pytest
 
-from bapo_trl.generation.processes import raise_everywhere, raise_if_any
+from bapo_trl.generation.processes import raise_everywhere, raise_if_any, raised_on_every_process
 
 
 class Sent:
@@ -75,19 +75,45 @@ def test_any_process_error_is_raised_on_every_process_each_raising_its_own(error
     for index, own in enumerate(errors):
         if own is not None:
             with pytest.raises(type(own)) as caught:
-                raise_if_any(own, len(errors), gathered(*errors), "save")
+                raise_if_any(own, len(errors), "save", gathered(*errors))
             assert caught.value is own, index
         elif raised is None:
-            raise_if_any(None, len(errors), gathered(*errors), "save")
+            raise_if_any(None, len(errors), "save", gathered(*errors))
         else:
             with pytest.raises(RuntimeError, match=raised):
-                raise_if_any(None, len(errors), gathered(*errors), "save")
+                raise_if_any(None, len(errors), "save", gathered(*errors))
 
 
 def test_one_process_raises_its_own_error_without_a_collective():
     def no_collective(obj):
         pytest.fail("collective called")
 
-    raise_if_any(None, 1, no_collective, "x")
+    raise_if_any(None, 1, "x", no_collective)
     with pytest.raises(KeyError):
-        raise_if_any(KeyError("k"), 1, no_collective, "x")
+        raise_if_any(KeyError("k"), 1, "x", no_collective)
+
+
+def test_a_block_left_failed_or_not_enters_the_same_collective():
+    """``raised_on_every_process``: the process whose block failed raises its own error, the others the first
+    failure's, and each went through one gather (the failed one too, else the others would wait in it)."""
+    calls = []
+
+    def gather_with(*errors):
+        def gather(obj):
+            calls.append(obj)
+            return gathered(*errors)(obj)
+        return gather
+
+    with pytest.raises(KeyError):
+        with raised_on_every_process(2, "saving", gather_with(KeyError("k"), None)):
+            raise KeyError("k")
+    with pytest.raises(RuntimeError, match="^saving: on process 0: KeyError: 'k'$"):
+        with raised_on_every_process(2, "saving", gather_with(KeyError("k"), None)):
+            pass
+    with raised_on_every_process(2, "saving", gather_with(None, None)):
+        pass
+    assert calls == [("KeyError", "'k'"), None, None]
+    with pytest.raises(KeyboardInterrupt):  # an interrupt is not shared: it stops this process where it is
+        with raised_on_every_process(2, "saving", gather_with(None, None)):
+            raise KeyboardInterrupt
+    assert len(calls) == 3

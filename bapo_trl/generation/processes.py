@@ -4,7 +4,8 @@ not wait forever in a collective the failed one skips."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 
 def broadcast_from_main(obj: Any, num_processes: int) -> Any:
@@ -41,12 +42,14 @@ def gather_from_all(obj: Any, num_processes: int) -> list[Any]:
     return gather_object([obj])
 
 
-def raise_if_any(error: BaseException | None, num_processes: int, gather: Callable[[Any], list[Any]], where: str
-                 ) -> None:
+def raise_if_any(error: BaseException | None, num_processes: int, where: str,
+                 gather: Callable[[Any], list[Any]] | None = None) -> None:
     """Raise on every process when ``error`` is not None on any of them. ``gather(obj)`` returns every process's
-    ``obj`` in process order (a collective: all call this at the same point). A process raises its own error; one that
-    had none raises ``RuntimeError("{where}: on process {i}: {class name}: {message}")`` for the first that had one."""
+    ``obj`` in process order (a collective: all call this at the same point; default :func:`gather_from_all`). A
+    process raises its own error; one that had none raises ``RuntimeError("{where}: on process {i}: {class name}:
+    {message}")`` for the first that had one."""
     if num_processes > 1:
+        gather = gather or (lambda obj: gather_from_all(obj, num_processes))
         sent = gather(None if error is None else (type(error).__name__, str(error)))
         failed = [(i, s) for i, s in enumerate(sent) if s is not None]
         if failed and error is None:
@@ -54,6 +57,19 @@ def raise_if_any(error: BaseException | None, num_processes: int, gather: Callab
             raise RuntimeError(f"{where}: on process {i}: {name}: {message}")
     if error is not None:
         raise error
+
+
+@contextmanager
+def raised_on_every_process(num_processes: int, where: str,
+                            gather: Callable[[Any], list[Any]] | None = None) -> Iterator[None]:
+    """Run the block on every process, then :func:`raise_if_any` its error: one process's failure is raised on all
+    (every process leaves the block through the same collective, failed or not)."""
+    error = None
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - raised below, on every process
+        error = exc
+    raise_if_any(error, num_processes, where, gather)
 
 
 class FailedHere:

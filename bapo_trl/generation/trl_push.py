@@ -8,12 +8,11 @@ every weight there before the error is raised everywhere. A mixin of the backend
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 
 from trl.generation.vllm_generation import is_peft_model
 
 from .gather import exact_unmerge
-from .processes import gather_from_all, raise_if_any
+from .processes import raise_if_any
 
 
 class TRLPushMixin:
@@ -46,7 +45,7 @@ class TRLPushMixin:
             walks, self._walks = self._walks, None
             for walk in walks:
                 walk.close()  # a walk that ended: nothing; one left part-way: its gather and merge undone
-        raise_if_any(error, processes, partial(gather_from_all, num_processes=processes), "pushing the weights")
+        raise_if_any(error, processes, "pushing the weights")
 
     def _finish_walks(self, due: int) -> None:
         """After a failed push: the rest of every walk begun, then walks until ``due`` were made (a failure before

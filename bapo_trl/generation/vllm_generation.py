@@ -38,7 +38,7 @@ from .http_client import (
     check_logprobs_mode,
 )
 from .lora_push import LoRAPushMixin
-from .processes import broadcast_from_main, gather_from_all, raise_everywhere, raise_if_any
+from .processes import broadcast_from_main, raise_everywhere, raise_if_any, raised_on_every_process
 from .seeding import mixed_seed, seed_salt
 from .trl_patches import building_engine, building_server_client, seeded_engine
 from .trl_push import TRLPushMixin
@@ -218,14 +218,9 @@ class BAPOVLLMGeneration(TRLPushMixin, LoRAPushMixin, VLLMGeneration):
 
     def sync_weights(self):
         if self.uses_colocate_adapter or self.uses_colocate_reload:  # each process's engine: raised on every process
-            error = None
-            try:
+            with raised_on_every_process(self.accelerator.num_processes, "pushing the weights"):
                 self._load_colocated_adapter() if self.uses_colocate_adapter else self._reload_colocated()
-            except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
-                error = exc
-            processes = self.accelerator.num_processes
-            return raise_if_any(error, processes, partial(gather_from_all, num_processes=processes),
-                                "pushing the weights")
+            return
         if not self.uses_disk_sync:
             return self._sync_through_trl()
         state = self.gather_state()
@@ -246,7 +241,7 @@ class BAPOVLLMGeneration(TRLPushMixin, LoRAPushMixin, VLLMGeneration):
             return self.gather_adapter()
         processes = self.accelerator.num_processes
         state, error = self._walk_copies(self.accelerator.is_main_process)
-        raise_if_any(error, processes, partial(gather_from_all, num_processes=processes), "gathering the weights")
+        raise_if_any(error, processes, "gathering the weights")
         return state
 
     # -- the generation contract (bapo_trl.generation.contract), for async generation ------------------------------

@@ -342,16 +342,11 @@ class CheckpointMixin:
         """This process's rollout state for the checkpoint (stem -> state dict), or an error on every process if it
         failed on any: the main process's async generation waits for the batches generated ahead, which can fail (a
         stalled server, the producer's error) while the other processes would go on into the next collective."""
-        from ..generation.processes import gather_from_all, raise_if_any
+        from ..generation.processes import raised_on_every_process
 
-        states, error = None, None
-        try:
-            states = {stem: obj.state_dict() for stem, obj in self._checkpoint_states().items()}
-        except Exception as failed:  # raised below, on every process
-            error = failed
         processes = self.accelerator.num_processes
-        raise_if_any(error, processes, lambda obj: gather_from_all(obj, processes),
-                     "checkpoint: collecting the rollout state failed")
+        with raised_on_every_process(processes, "checkpoint: collecting the rollout state failed"):
+            states = {stem: obj.state_dict() for stem, obj in self._checkpoint_states().items()}
         return states
 
     def _save_training_args(self, path: str) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..generation.contract import GenerationBackend, build_backend, sampled_or_error, samples_for_every_source
-from ..generation.processes import broadcast_from_main, gather_from_all, raise_if_any
+from ..generation.processes import broadcast_from_main, raised_on_every_process
 from ..generation.trl_patches import serving_rollout
 from ..rollout.contract import ReadyCompletions, ScoreFn, right_pad
 from ..rollout.settings import SourceSettings
@@ -170,13 +170,9 @@ class TRLPort:
         user's own): a failure on one process is raised on every process, naming the backend, the process and its
         error (the others would otherwise enter the next collective, the sampler-gap reduction or a ZeRO-3 gather,
         alone). One collective, every call."""
-        error, output = None, None
-        try:
+        with raised_on_every_process(self.num_processes,
+                                     f"generation backend {self.settings.generation_backend!r}: sampling"):
             output = self.sample(prompts, n, max_tokens)
-        except Exception as exc:  # raised below, on every process
-            error = exc
-        raise_if_any(error, self.num_processes, functools.partial(gather_from_all, num_processes=self.num_processes),
-                     f"generation backend {self.settings.generation_backend!r}: sampling")
         return output
 
     def _weights_current(self) -> None:
