@@ -230,9 +230,11 @@ class DevServer:
     """A stand-in vLLM server in dev mode (no model). ``key``: refuse (401) every path but /health without it.
     ``sees_trainer_files``: False makes it a server on another machine without the shared mount (every path the
     trainer names is missing there). ``extension``: False answers the probe as vLLM does for a method the worker lacks.
-    Missing reload paths are answered as vLLM does (the path is taken for a hub id)."""
+    ``rpc_errors``: method -> the error message a call of it is answered with (500). Missing reload paths are
+    answered as vLLM does (the path is taken for a hub id)."""
 
-    def __init__(self, key: str | None = None, sees_trainer_files: bool = True, extension: bool = True):
+    def __init__(self, key: str | None = None, sees_trainer_files: bool = True, extension: bool = True,
+                 rpc_errors: dict[str, str] | None = None):
         fake = self
         self.seen: list[tuple[str, str, str | None]] = []  # (method, path, Authorization header)
         self.reloaded: list[str] = []
@@ -259,6 +261,9 @@ class DevServer:
                 if self.path != "/collective_rpc":
                     return self.answer({})
                 method, kwargs = body.get("method"), body.get("kwargs", {})
+                if method in (rpc_errors or {}):
+                    return self.answer({"error": {"message": "Call to collective_rpc method failed: Worker failed "
+                                                  f"with error '{rpc_errors[method]}'"}}, 500)
                 if method == "bapo_read_probe":
                     if not extension:
                         return self.answer({"error": {"message": "Call to collective_rpc method failed: Worker "
@@ -311,6 +316,37 @@ def build_trainer(model_dir: str, output_dir: Path, url: str, **overrides):
                       max_steps=1, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
                       vllm_server_timeout=10, **overrides)
     return tiny_trainer(model_dir, args, prompts=16, prompt_seed=0)
+
+
+# -- a server without the worker extension, and one too busy --------------------------------------------------------
+
+
+@pytest.mark.parametrize("answer, lacks", [
+    ("Method '{m}' is not implemented.", True),  # vLLM 0.32 (vllm/v1/serial_utils.py run_method)
+    ("'CPUWorker' object has no attribute '{m}'", True),  # earlier releases
+    ("RPC call to {m} timed out.", False),  # vLLM 0.32's multiproc executor: a busy server, not a missing method
+])
+def test_only_a_missing_method_is_read_as_a_server_without_the_extension(dev_server, tmp_path, answer, lacks):
+    """The start-up probe and the weight mark: a server whose workers lack the method cannot tell (the check is
+    skipped, restarts go undetected); any other failure, a timed-out RPC naming the method included, is an error
+    (it turned the shared-directory check and the restart check off for the whole run, silently)."""
+    from bapo_trl.generation.weight_sync import MARK_METHOD, PROBE_METHOD, DiskWeightSync, WeightSyncError
+
+    server = dev_server(rpc_errors={m: answer.format(m=m) for m in (PROBE_METHOD, MARK_METHOD)})
+    sync = DiskWeightSync(server.url, timeout=5, root=str(tmp_path), mark_weights=True)
+    try:
+        if lacks:
+            assert sync.check_shared_directory() is False
+            sync.push({"w": torch.ones(2)})
+            assert sync._marks == {server.url: False}  # it keeps no mark: reload_if_restarted cannot tell
+            assert sync.reload_if_restarted() == []
+        else:
+            with pytest.raises(WeightSyncError, match="timed out"):
+                sync.check_shared_directory()
+            with pytest.raises(WeightSyncError, match="timed out"):
+                sync.push({"w": torch.ones(2)})
+    finally:
+        sync.close()
 
 
 # -- the trainer sends the key ----------------------------------------------------------------------------------------

