@@ -294,6 +294,47 @@ def test_every_tensor_peft_trains_is_pushed(tiny_model_dir, tmp_path, targets):
         server.close()
 
 
+def test_a_failed_adapter_copy_is_raised_on_every_process_after_every_gather(tiny_model_dir, tmp_path, monkeypatch):
+    """Review s9, F4: the main process's CPU copy of the third tensor fails (host memory) during the first adapter
+    push, which carries the base weights too. The other processes gather every adapter and base tensor with it
+    (collective under ZeRO-3 and FSDP2), so it gathers on to the end, then the error is shared through one gather of
+    errors, which every process enters. STAND-IN collectives: one process told it is the first of two (accelerate's
+    gathers are then no-ops); the gathers counted are the project's calls of ``full``, the error gather that of
+    ``processes.gather_from_all``. Seen failing before: the copy's error left after 3 gathers, sharing nothing (the
+    other ranks waited in the 4th gather)."""
+    from bapo_trl.generation import gather, processes
+
+    server = PolicyServer(tiny_model_dir)
+    try:
+        trainer = tiny_trainer(tiny_model_dir, server_config(server, tmp_path), model=peft_model(tiny_model_dir))
+        backend, model = trainer.vllm_generation, trainer.model
+        assert not backend.disk_sync.base_pushed
+        gathered, shared, real_full, real_gather = [], [], gather.full, processes.gather_from_all
+
+        class HostMemoryExhausted:
+            def to(self, *args, **kwargs):
+                raise RuntimeError("host memory exhausted (stand-in)")
+
+        def full(param):
+            gathered.append(param)
+            return HostMemoryExhausted() if len(gathered) == 3 else real_full(param)
+
+        def gather_from_all(obj, num_processes):
+            shared.append(obj)
+            return real_gather(obj, 1)
+
+        monkeypatch.setattr(gather, "full", full)
+        monkeypatch.setattr(processes, "gather_from_all", gather_from_all)
+        monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+        with pytest.raises(RuntimeError, match=r"^host memory exhausted \(stand-in\)$"):
+            backend.gather_state()
+        base = [n for n, _ in model.named_parameters() if model.prefix not in n and "original_module" not in n]
+        assert len(gathered) == len(adapter_parameters(model, "default")) + len(base)
+        assert shared == [("RuntimeError", "host memory exhausted (stand-in)")]
+    finally:
+        server.close()
+
+
 @pytest.mark.parametrize("config", [dict(target_modules=["embed_tokens", "q_proj"]),
                                     dict(target_modules=["v_proj", "down_proj"]),
                                     dict(init_lora_weights="pissa"), dict(init_lora_weights="olora")],
@@ -330,14 +371,20 @@ def test_the_server_samples_with_the_adapter_the_trainer_trains(tiny_model_dir, 
 
 class RestartAt(TrainerCallback):
     """Restarts the stand-in server (its checkpoint's weights again, no adapter) at the end of optimizer step ``step``:
-    between two pushes."""
+    between two pushes; with ``logprobs_mode``, restarted with that ``--logprobs-mode``."""
 
-    def __init__(self, server, step: int):
-        self.server, self.step = server, step
+    def __init__(self, server, step: int, logprobs_mode: str | None = None):
+        self.server, self.step, self.logprobs_mode = server, step, logprobs_mode
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
-            self.server.restart()
+            restart(self.server, self.logprobs_mode)
+
+
+def restart(server, logprobs_mode: str | None = None) -> None:
+    server.restart()
+    if logprobs_mode is not None:
+        server.model_config = {"logprobs_mode": logprobs_mode}
 
 
 @pytest.mark.parametrize("when", ["between_steps", "after_a_push"])
@@ -385,6 +432,39 @@ def test_a_server_restarted_mid_run_gets_the_base_weights_and_the_adapter_again(
             diffs = [h["sampling/sampling_logp_difference/mean"] for h in trainer.state.log_history
                      if "sampling/sampling_logp_difference/mean" in h]
             assert len(diffs) == 3 and max(diffs) < 1e-4, diffs
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("when", ["between_steps", "after_a_push"])
+def test_a_server_restarted_with_another_logprobs_mode_is_refused_before_it_samples(tiny_model_dir, tmp_path, when):
+    """Review s9, F3: restarted with vLLM's default ``--logprobs-mode`` (raw_logprobs, before temperature), the server
+    would put an offset into every ratio. Found by the next push (the adapter it gave last is gone) or by a request's
+    404, it is checked before it reloads anything: the run stops naming the flag, and nothing is sampled there after
+    the restart. Seen failing before the check: the run went on, sampling from the raw-mode server."""
+    from bapo_trl.generation.http_client import VLLMLogprobsModeError
+
+    server = PolicyServer(tiny_model_dir)
+    try:
+        trainer = tiny_trainer(tiny_model_dir, server_config(server, tmp_path, max_steps=6),
+                               model=peft_model(tiny_model_dir),
+                               callbacks=[RestartAt(server, 2, "raw_logprobs")] if when == "between_steps" else [])
+        sync = trainer.vllm_generation.disk_sync
+        if when == "after_a_push":
+            load = sync.load
+
+            def load_then_restart(*args, **kwargs):
+                seconds = load(*args, **kwargs)
+                if len(sync.loaded_names) == 2:
+                    restart(server, "raw_logprobs")
+                return seconds
+
+            sync.load = load_then_restart
+        with pytest.raises(VLLMLogprobsModeError, match=rf"{server.url} runs with `--logprobs-mode raw_logprobs`"):
+            trainer.train()
+        events = server.lora_events
+        assert sync.restarts == [server.url] and ("restart", "") in events
+        assert not [e for e in events[events.index(("restart", "")):] if e[0] in ("generate", "load")], events
     finally:
         server.close()
 

@@ -122,22 +122,41 @@ def test_trls_weight_transfer_requests_are_not_sent_again_on_cuda(tiny_model_dir
     The CUDA client sends those once and fails; other requests keep TRL's retries."""
     import trl.generation.vllm_client as trl_client
 
-    from bapo_trl.generation.http_client import KeyedVLLMClient
+    from bapo_trl.generation.http_client import WEIGHT_TRANSFER_PATHS, KeyedVLLMClient
 
     monkeypatch.setattr(trl_client, "is_vllm_available", lambda *a, **k: True)  # only checked, never used here
     server = PolicyServer(tiny_model_dir)
     try:
         client = KeyedVLLMClient(base_url=server.url, connection_timeout=10)
         client.session.get_adapter("http://").max_retries.backoff_factor = 0  # TRL's: 2 s, 4 s, ... between resends
-        server.failing = {"/update_weights", "/v1/completions"}
-        with pytest.raises(Exception):
-            client._post(f"{server.url}/update_weights", json={})
-        assert server.requests["POST", "/update_weights"] == 1
+        server.failing = {*WEIGHT_TRANSFER_PATHS, "/v1/completions"}
+        for path in WEIGHT_TRANSFER_PATHS:
+            with pytest.raises(Exception):
+                client._post(f"{server.url}{path}", json={})
+            assert server.requests["POST", path] == 1, path
         with pytest.raises(Exception):
             client._post(f"{server.url}/v1/completions", json={})
         assert server.requests["POST", "/v1/completions"] == 4  # TRL's: once, then 3 retries on a 500
     finally:
         server.close()
+
+
+def test_every_post_of_trls_weight_transfer_is_sent_once():
+    """Review s9, F1: the paths TRL's own weight-transfer methods POST (read from its source: a TRL that renames one
+    fails here) are those the CUDA client sends once. The list named /init_communicator and /close_communicator, which
+    TRL 1.16 does not send: it opens the transfer with /init_weight_transfer_engine, which its session still resent."""
+    import inspect
+    import re
+
+    from trl.generation.vllm_client import VLLMClient
+
+    from bapo_trl.generation.http_client import WEIGHT_TRANSFER_PATHS
+
+    methods = ("init_communicator", "_start_weight_update", "update_named_params", "update_named_param",
+               "_finish_weight_update", "close_communicator")
+    posted = {path for name in methods
+              for path in re.findall(r'f"\{self\.base_url\}(/[\w/]+)"', inspect.getsource(getattr(VLLMClient, name)))}
+    assert posted == set(WEIGHT_TRANSFER_PATHS)
 
 
 def test_writes_run_on_the_writer_thread_in_push_order(stand_in, tmp_path):
@@ -279,9 +298,41 @@ def test_a_server_restarted_with_another_logprobs_mode_is_refused_before_it_samp
         generation._reload_restarted_servers(everywhere=True)  # the same flags: loaded again, nothing refused
         server.restart()
         server.model_config = {"logprobs_mode": "raw_logprobs"}
-        with pytest.raises(VLLMLogprobsModeError, match=rf"{server.url} runs with `--logprobs-mode raw_logprobs`"):
+        refused = rf"{server.url} runs with `--logprobs-mode raw_logprobs`"
+        with pytest.raises(VLLMLogprobsModeError, match=refused):
             generation._reload_restarted_servers(everywhere=True)
-        assert generation.disk_sync.restarts == [server.url, server.url]
+        with pytest.raises(VLLMLogprobsModeError, match=refused):  # as found: refused again (review s9, F2)
+            generation._reload_restarted_servers(everywhere=True)
+        assert generation.disk_sync.restarts == [server.url] * 3
+    finally:
+        server.close()
+
+
+def test_a_server_restarted_between_two_pushes_has_its_logprobs_mode_checked_by_the_push(tiny_model_dir, tmp_path):
+    """Review s9, F2: TRL pushes right before it generates, so a server restarted during the optimizer step (where
+    most of the time goes) gets the next push before any request could find it restarted: the push itself finds the
+    mark of the push before gone, and checks the server's ``--logprobs-mode`` before loading (it re-marked the server
+    and the restart went unseen). Refused at every push until the server runs with the right flag again."""
+    from bapo_trl.generation.http_client import VLLMLogprobsModeError
+    from support.harness import tiny_trainer
+    from support.server_training import server_config
+
+    server = PolicyServer(tiny_model_dir)
+    try:
+        generation = tiny_trainer(tiny_model_dir, server_config(server, tmp_path, max_steps=1)).vllm_generation
+        generation.sync_weights()
+        reloads = server.reloads
+        server.restart()
+        server.model_config = {"logprobs_mode": "raw_logprobs"}
+        for _ in range(2):
+            with pytest.raises(VLLMLogprobsModeError, match=rf"{server.url} runs with `--logprobs-mode raw_logprobs`"):
+                generation.sync_weights()
+            assert server.reloads == reloads  # nothing loaded there
+        server.restart()
+        server.model_config = {"logprobs_mode": "processed_logprobs"}
+        generation.sync_weights()
+        generation._reload_restarted_servers(everywhere=True)
+        assert server.reloads == reloads + 1 and generation.disk_sync.restarts == [server.url] * 3
     finally:
         server.close()
 

@@ -185,7 +185,7 @@ class AdapterSync(DiskWeightSync):
         elif self.base_unknown:
             super()._load(base_url, self._base_dir)
         elif self.active_name is not None and self.active_name not in self.served_adapters(base_url):
-            self.restarts.append(base_url)
+            self._found_restarted(base_url)
             super()._load(base_url, self._base_dir)
         self._lora_call(LOAD, "LoRA adapter push failed", base_url, self.adapter_name(directory),
                         {"lora_path": directory})
@@ -217,7 +217,7 @@ class AdapterSync(DiskWeightSync):
                 return False
             if name in self.served_adapters(base_url):
                 return True  # another request's restore did it
-            self.restarts.append(base_url)
+            self._found_restarted(base_url)
             DiskWeightSync._load(self, base_url, self._base_dir)
             self._lora_call(LOAD, "LoRA adapter restore failed", base_url, name, {"lora_path": self._loaded})
             return True

@@ -49,6 +49,27 @@ def adapter_shapes(model) -> dict[str, tuple[int, ...]]:
     return dict(zip(saved, shapes.values()))
 
 
+class _Copies:
+    """CPU copies of gathered tensors where ``keep``. A copy that fails (host memory) stops the copies, not the
+    gathers: the other processes gather each parameter with this one (collective under ZeRO-3 and FSDP2), so the error
+    is raised once every gather is done (:meth:`raise_failure`), for the caller to raise on every process."""
+
+    def __init__(self, keep: bool):
+        self.keep, self.error = keep, None
+
+    def __call__(self, into: dict, name: str, tensor) -> None:
+        if self.keep and self.error is None:
+            try:
+                into[name] = tensor.to("cpu", copy=True)
+            except Exception as exc:  # noqa: BLE001 - raised by raise_failure, after the gathers
+                into.clear()
+                self.error = exc
+
+    def raise_failure(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
 def gathered_adapter(model, dist, keep: bool) -> dict:
     """The active adapter under peft's saved names, CPU copies where ``keep`` (empty elsewhere); peft's copy of the
     base embeddings left out (the base goes with the base push). Every process calls it (``dist``: TRL's
@@ -56,12 +77,11 @@ def gathered_adapter(model, dist, keep: bool) -> dict:
     from peft import get_peft_model_state_dict
 
     named = adapter_parameters(model, model.active_adapter)
-    state = {}
+    state, copy = {}, _Copies(keep)
     with dist.gather_params([p for _, p in named]):
         for name, param in named:
-            tensor = full(param)  # every process
-            if keep:
-                state[name] = tensor.to("cpu", copy=True)
+            copy(state, name, full(param))  # gathered on every process
+    copy.raise_failure()
     if not keep:
         return {}
     return get_peft_model_state_dict(model, state_dict=state, adapter_name=model.active_adapter,
@@ -72,15 +92,13 @@ def gathered_base(model, dist, vllm_name: Callable[[str], str], keep: bool) -> d
     """A peft model's base weights under vLLM's names (``vllm_name`` of the peft name without its wrapping; adapter
     layers skipped, nothing merged), one parameter gathered at a time; CPU copies where ``keep``. Every process calls
     it."""
-    base = {}
+    base, copy = {}, _Copies(keep)
     for name, param in model.named_parameters():
         if model.prefix in name or "original_module" in name:
             continue
         with dist.gather_params([param]):
-            tensor = full(param)  # every process
-            if keep:
-                base[vllm_name(name.removeprefix("base_model.model.").replace(".base_layer", ""))] = tensor.to(
-                    "cpu", copy=True)
+            copy(base, vllm_name(name.removeprefix("base_model.model.").replace(".base_layer", "")), full(param))
+    copy.raise_failure()
     return base
 
 

@@ -28,9 +28,9 @@ from .fleet import ServerFleet, naming, one_client
 from .processes import FailedHere
 from .resend import ResendOnLostConnection
 from .seeding import PerPromptSeeds
+from .server_answers import WeightSyncError, reset_succeeded, reset_within
 from .server_auth import authorize_session
 from .trl_patches import client_without_vllm
-from .weight_sync import WeightSyncError, reset_succeeded, reset_within
 
 #: Connections a client keeps open to one server: a seeded batch is one request per prompt, all in flight at once (TRL
 #: keeps 64, so a larger batch would open and drop connections beyond those at every call).
@@ -119,10 +119,11 @@ def reset_checked(client, timeout: float, session: requests.Session | None = Non
     reset_within(once, client.base_url, timeout)
 
 
-#: The requests of TRL's NCCL weight transfer: each one opens, drives or closes a transfer the server's workers take
-#: part in, so sending one again (TRL's session resends a POST after a 5xx or a read error) leaves the server waiting
-#: for data that never comes, and the push hangs without an error.
-WEIGHT_TRANSFER_PATHS = ("/init_communicator", "/close_communicator", "/start_weight_update", "/update_weights",
+#: The requests of TRL's NCCL weight transfer (TRL 1.16's ``VLLMClient.init_communicator``, ``_start_weight_update``,
+#: ``update_named_params``, ``_finish_weight_update``; ``close_communicator`` sends none): each one opens or drives a
+#: transfer the server's workers take part in, so sending one again (TRL's session resends a POST after a 5xx or a
+#: read error) leaves the server waiting for data that never comes, and the push hangs without an error.
+WEIGHT_TRANSFER_PATHS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                          "/finish_weight_update")
 
 

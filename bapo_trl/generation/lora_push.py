@@ -60,9 +60,25 @@ class LoRAPushMixin:
         main = self.accelerator.is_main_process
         need_base = broadcast_from_main(bool(main and not self.disk_sync.base_pushed),
                                         self.accelerator.num_processes)
-        state = self._gathered_adapter()
-        base = self._gather_base() if need_base else None
+        state, base = self._gathered_adapter_and_base(need_base)
         return AdapterPush(state, base) if main else {}
+
+    def _gathered_adapter_and_base(self, need_base: bool, every_process: bool = False) -> tuple[dict, dict | None]:
+        """:meth:`_gathered_adapter`, then :meth:`_gather_base` where ``need_base``, both made whole on this process
+        whatever fails in the first (the other processes gather with it): a failed copy is raised after both."""
+        error, state, base = None, {}, None
+        try:
+            state = self._gathered_adapter(every_process)
+        except Exception as exc:  # noqa: BLE001 - raised below, once the base was gathered too
+            error = exc
+        if need_base:
+            try:
+                base = self._gather_base(every_process)
+            except Exception as exc:  # noqa: BLE001 - raised below
+                error = error or exc
+        if error is not None:
+            raise error
+        return state, base
 
     def _gathered_adapter(self, every_process: bool = False) -> dict:
         """The active adapter under peft's saved names, CPU copies on the main process (``every_process``: on each;
@@ -77,12 +93,12 @@ class LoRAPushMixin:
         from vllm.lora.request import LoRARequest
 
         start, llm = time.perf_counter(), self.llm
-        state = self._gathered_adapter(every_process=True)
+        first = getattr(llm, "lora_request", None) is None  # the base weights too, once
+        state, base_state = self._gathered_adapter_and_base(first, every_process=True)
         rank = self.accelerator.process_index
         written = 0
-        if getattr(llm, "lora_request", None) is None:  # the base weights, once
-            base = write_weights(self._gather_base(every_process=True), None, f"bapo-vllm-colocate-base-rank{rank}-",
-                                 handed_over=True)
+        if first:
+            base = write_weights(base_state, None, f"bapo-vllm-colocate-base-rank{rank}-", handed_over=True)
             try:
                 written += directory_bytes(base)
                 llm.collective_rpc("reload_weights", kwargs={"weights_path": base})

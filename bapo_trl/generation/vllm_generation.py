@@ -192,6 +192,7 @@ class BAPOVLLMGeneration(TRLPushMixin, LoRAPushMixin, VLLMGeneration):
                     else:
                         self.disk_sync = DiskWeightSync(urls, timeout=self.server_timeout, refresh_output_layers=tied,
                                                         mark_weights=True)
+                    self.disk_sync.on_restart = self._on_server_restart
                     # the server must read the directory the weights go to (another machine: a shared mount)
                     self.disk_sync.check_shared_directory()
                     if self.uses_adapter_sync:  # and take the run's adapters (--enable-lora, rank)
@@ -237,9 +238,11 @@ class BAPOVLLMGeneration(TRLPushMixin, LoRAPushMixin, VLLMGeneration):
         gather is collective under ZeRO-3. With :attr:`disk_sync` they can be pushed later, from another thread.
         With the adapter push, only the adapter (:meth:`gather_adapter`). A copy that fails on the main process is
         raised on every process after the walk (they gather each weight with it)."""
-        if self.uses_adapter_sync:
-            return self.gather_adapter()
         processes = self.accelerator.num_processes
+        if self.uses_adapter_sync:
+            with raised_on_every_process(processes, "gathering the adapter"):
+                state = self.gather_adapter()
+            return state
         state, error = self._walk_copies(self.accelerator.is_main_process)
         raise_if_any(error, processes, "gathering the weights")
         return state
@@ -270,11 +273,10 @@ class BAPOVLLMGeneration(TRLPushMixin, LoRAPushMixin, VLLMGeneration):
 
     def _reload_restarted_servers(self, everywhere: bool) -> None:
         """Before requests, full-weight disk pushes: a server that does not hold the last push (restarted, or a push
-        failed there) loads it again (:meth:`.weight_sync.DiskWeightSync.reload_if_restarted`, main process), with a
-        warning. ``everywhere`` (TRL's generate, which every process calls): an error there is raised on every
-        process (one broadcast). A restarted server's ``--logprobs-mode`` is checked again (restarted with vLLM's
-        default, its log-probs would be taken before temperature). The adapter push finds such a server from its
-        requests' answers; TRL's NCCL push (CUDA) is not checked."""
+        failed there) loads it again (:meth:`.weight_sync.DiskWeightSync.reload_if_restarted`, main process).
+        ``everywhere`` (TRL's generate, which every process calls): an error there is raised on every process (one
+        broadcast). The adapter push finds such a server from its requests' answers; TRL's NCCL push (CUDA) is not
+        checked."""
         if everywhere:
             if not self.uses_disk_sync or self.uses_adapter_sync:  # the same on every process
                 return
@@ -283,20 +285,25 @@ class BAPOVLLMGeneration(TRLPushMixin, LoRAPushMixin, VLLMGeneration):
         error = None
         if self.disk_sync is not None:  # the main process's
             try:
-                restarted = self.disk_sync.reload_if_restarted()
-                for url in restarted:
-                    logger.warning(f"BAPO: the vLLM server at {url} did not hold the last pushed weights (it "
-                                   "restarted, or a push failed there): it loaded them again before sampling.")
-                if restarted and self.sampler_logprobs_use is not None:  # restarted with other flags?
-                    for client in getattr(self.vllm_client, "clients", [self.vllm_client]):
-                        if client.base_url.rstrip("/") in restarted:
-                            check_logprobs_mode(client, self.sampler_logprobs_use)
+                self.disk_sync.reload_if_restarted()
             except Exception as exc:  # noqa: BLE001 - raised below
                 error = exc
         if everywhere:
             self._raise_everywhere(error)
         elif error is not None:
             raise error
+
+    def _on_server_restart(self, url: str) -> None:
+        """A server found restarted (or not holding the last push), before it loads weights again, wherever it was
+        found (before a request, in a push, by the adapter push's requests): a warning, and its ``--logprobs-mode``
+        checked again (restarted with vLLM's default, its log-probs would be taken before temperature). A check that
+        fails leaves the server as found: it is checked again, and refused again, at the next push or request."""
+        logger.warning(f"BAPO: the vLLM server at {url} did not hold the last pushed weights (it restarted, or a push "
+                       "failed there): it loads them again before sampling.")
+        if self.sampler_logprobs_use is not None:
+            for client in getattr(self.vllm_client, "clients", [self.vllm_client]):
+                if client.base_url.rstrip("/") == url:
+                    check_logprobs_mode(client, self.sampler_logprobs_use)
 
     def _requests(self):
         """The requests client over ``vllm_client`` (made at the first request, kept for later runs)."""

@@ -28,14 +28,21 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from .resend import ResendOnLostConnection
-from .rpc_answers import PATH_NOT_FOUND, lacks_method, rpc_results
 from .seeding import at_once
+from .server_answers import (
+    PATH_NOT_FOUND,
+    WeightSyncError,
+    lacks_method,
+    reset_succeeded,
+    reset_within,
+    rpc_results,
+)
 from .server_auth import API_KEY_ENV, VLLMServerAuthError, api_key_headers, authorize_session  # noqa: F401
 from .weight_files import _remove_all, directory_bytes, not_shared_message, writable, write_weights  # noqa: F401
 
@@ -44,34 +51,6 @@ SERVE_HINT = "start it with `bapo serve MODEL --port PORT` or `python -m bapo_tr
 PROBE_METHOD = "bapo_read_probe"
 #: The worker extension's RPC that keeps (and tells) the name of the weight directory a server loaded last.
 MARK_METHOD = "bapo_weights_mark"
-
-
-class WeightSyncError(RuntimeError):
-    """The vLLM server could not be reached, or did not load the new weights."""
-
-
-def reset_succeeded(answer) -> bool:
-    """Whether a ``/reset_prefix_cache`` answer (a response or its JSON) says the cache was reset: vLLM answers 200
-    with ``{"success": false}`` while a running request holds KV blocks; an older vLLM an empty 200 once done."""
-    try:
-        body = answer.json() if hasattr(answer, "json") else answer
-    except ValueError:
-        return True
-    return not isinstance(body, dict) or bool(body.get("success", True))
-
-
-def reset_within(reset_once, base_url: str, timeout: float) -> None:
-    """``reset_once()`` (one reset; whether it took) until it takes, within ``timeout`` seconds: a refused reset (a
-    request in flight) left later requests reusing prefixes computed by the old weights, off the new policy."""
-    deadline, pause = time.monotonic() + timeout, 0.05
-    while not reset_once():
-        if time.monotonic() > deadline:
-            raise WeightSyncError(
-                f"weight sync: the vLLM server at {base_url} could not reset its prefix cache within {timeout:g} s "
-                "(requests still running hold KV blocks computed by the old weights, which later requests would "
-                "reuse). Is another client generating on this server?")
-        time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
-        pause = min(pause * 2, 1.0)  # vLLM logs a warning for each refused reset
 
 
 class WrittenWeights:
@@ -124,6 +103,9 @@ class DiskWeightSync:
         self._load_lock = threading.RLock()  # loads and restart checks one at a time (a check mid-load: older weights)
         self.mark_weights, self._marks = mark_weights, {}  # _marks: server -> whether it keeps a mark (extension)
         self.restarts: list[str] = []  # servers found restarted, which loaded the last push again (adapter: + base)
+        #: ``on_restart(url)``: called when a server is found restarted (or not holding the last push), before it
+        #: loads weights again; the backend checks the server's flags there. An error leaves the server as found.
+        self.on_restart: Callable[[str], None] | None = None
         self._writer: ThreadPoolExecutor | None = None  # one thread: directories are written in push order
         self._finalizer = weakref.finalize(self, _remove_all, self._dirs)
         self.last_seconds: float | None = None
@@ -257,7 +239,8 @@ class DiskWeightSync:
         with self._load_lock:
             loading = time.perf_counter()  # the push's own time is its write's plus this load's (not the wait between)
             try:
-                self._on_every_server(lambda url: self._load(url, directory))
+                previous = self._loaded
+                self._on_every_server(lambda url: self._load_after(url, directory, previous))
                 self._after_load(directory)
             except BaseException:
                 with self._dirs_lock:
@@ -282,6 +265,20 @@ class DiskWeightSync:
             self._loaded = directory
             self.num_syncs += 1
             return end - start
+
+    def _load_after(self, base_url: str, directory: str, previous: str | None) -> None:
+        """One server's part of a push: a server that keeps a mark and no longer holds ``previous`` (the push before,
+        now replaced: it restarted since) is reported first (:meth:`_found_restarted`), as before a request."""
+        if previous is not None and self.mark_weights and self._marks.get(base_url):
+            marks = self._mark(base_url)
+            if marks is None or any(mark != os.path.basename(previous) for mark in marks):
+                self._found_restarted(base_url)
+        self._load(base_url, directory)
+
+    def _found_restarted(self, base_url: str) -> None:
+        self.restarts.append(base_url)
+        if self.on_restart is not None:
+            self.on_restart(base_url)
 
     def _after_load(self, directory: str) -> None:
         """Every server has loaded ``directory`` (a subclass's next step: the adapter push switches names here)."""
@@ -339,8 +336,8 @@ class DiskWeightSync:
                                           f"restarted) and the last push's directory {loaded} is gone (removed by "
                                           "something else, a temp-dir cleaner?): set BAPO_VLLM_WEIGHTS_DIR to a "
                                           "directory nothing else cleans.")
+                self._found_restarted(base_url)
                 self._load(base_url, loaded)  # and the mark again, where it can keep one
-                self.restarts.append(base_url)
                 return base_url
 
             return [url for url in self._on_every_server(check) if url is not None]
