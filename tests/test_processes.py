@@ -117,3 +117,28 @@ def test_a_block_left_failed_or_not_enters_the_same_collective():
         with raised_on_every_process(2, "saving", gather_with(None, None)):
             raise KeyboardInterrupt
     assert len(calls) == 3
+
+
+def test_a_prompt_whose_image_tokens_miss_its_images_fails_on_every_process():
+    """Review s9, F6: TRL's ``_place_features`` raises on the main process (two image feature sets, one run of image
+    tokens), between the image-feature request and the generation request, outside the failure-sharing client: the
+    other processes waited in TRL's broadcast. Inside it the error goes to that client, whose generate call answers
+    the failure (which every process raises on using it); with one process it is raised as TRL raises it. STAND-IN
+    client, no broadcast (the launch test's generation row runs the collective)."""
+    from types import SimpleNamespace
+
+    from bapo_trl.generation.http_client import FailureSharingClient
+    from bapo_trl.generation.vllm_generation import BAPOVLLMGeneration
+    from support.trl_stand_ins import StandInClient
+
+    backend = BAPOVLLMGeneration.__new__(BAPOVLLMGeneration)
+    backend.processing_class = SimpleNamespace(image_token_id=7)
+    two_images = {"mm_placeholders": {"image": [{"offset": 0, "length": 1}, {"offset": 4, "length": 1}]}}
+    backend.vllm_client = StandInClient()
+    with pytest.raises(ValueError, match="1 runs of image tokens in the prompt but 2 images"):
+        backend._place_features(two_images, [7, 1, 2, 3])
+    backend.vllm_client = FailureSharingClient(StandInClient())
+    assert backend._place_features(two_images, [7, 1, 2, 3]) is None
+    answer = backend.vllm_client.generate(prompts=[[7, 1, 2, 3]], features=[None])
+    with pytest.raises(RuntimeError, match="^generation on the main process: ValueError: Found 1 runs of image"):
+        list(answer["prompt_ids"])  # what TRL does first with the broadcast answer, on every process

@@ -103,6 +103,9 @@ def test_the_reset_after_trls_own_push_is_checked_too(client, tiny_model_dir, mo
         vllm_client = getattr(http_client, client)(base_url=server.url, **timeout)
         vllm_client.reset_prefix_cache()
         assert server.requests["POST", "/reset_prefix_cache"] == 3
+        server.drops["/reset_prefix_cache"] = ["before"]  # an idle connection the server closed (review s9, F5)
+        vllm_client.reset_prefix_cache()
+        assert server.requests["POST", "/reset_prefix_cache"] == 5
         server.busy_resets = 10**6
         setattr(vllm_client, "reset_timeout" if client == "KeyedVLLMClient" else "request_timeout", 0.3)
         with pytest.raises(WeightSyncError, match=rf"{server.url} could not reset its prefix cache within 0.3 s"):

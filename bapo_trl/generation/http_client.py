@@ -163,9 +163,13 @@ class KeyedVLLMClient(PerPromptSeeds, VLLMClient):
     def reset_prefix_cache(self):
         """TRL's reset after its push, checked (:func:`~.weight_sync.reset_within`): TRL ignores vLLM's
         ``{"success": false}``, and later requests reused prefixes computed by the old weights. Sent without TRL's
-        retries (its session resends a timed-out POST, backing off, and sets no timeout)."""
+        retries (its session resends a timed-out POST, backing off, and sets no timeout); a request lost before any
+        answer on a reused connection (idle between two pushes, closed by the server) goes once more (:mod:`.resend`).
+        """
         if getattr(self, "_reset_session", None) is None:
             self._reset_session = requests.Session()
+            for prefix in ("http://", "https://"):
+                self._reset_session.mount(prefix, ResendOnLostConnection())
             authorize_session(self._reset_session)
         reset_checked(self, self.reset_timeout, self._reset_session)
 

@@ -89,6 +89,18 @@ class BAPOVLLMGeneration(TRLPushMixin, LoRAPushMixin, VLLMGeneration):
                     raise failed[0] from None
                 raise
 
+    def _place_features(self, features, prompt_ids):
+        """TRL's, except that inside :meth:`_requests_failing_everywhere` its error (a prompt whose runs of image
+        tokens do not match its images) goes to the failure-sharing client, whose generate call then answers the
+        failure for TRL to broadcast: raised here, on the main process alone, it left the others in the broadcast."""
+        try:
+            return super()._place_features(features, prompt_ids)
+        except Exception as exc:  # noqa: BLE001 - shared with every process by the generate call after it
+            if not isinstance(self.vllm_client, FailureSharingClient):
+                raise
+            self.vllm_client.failed.append(exc)
+            return None
+
     @contextlib.contextmanager
     def _requests_failing_everywhere(self):
         """Server mode with several processes: TRL's main process sends the request and broadcasts the answer, so a

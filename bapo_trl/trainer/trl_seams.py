@@ -151,6 +151,10 @@ SEAMS: tuple[Seam, ...] = (
          "seed of its own",
          mentions=("self.llm.generate(vllm_prompts, sampling_params=sampling_params",)),
     Seam("trl.generation.vllm_generation:VLLMGeneration._iter_named_params", "CPU server gathers weights"),
+    Seam("trl.generation.vllm_generation:VLLMGeneration._place_features", "server mode, several processes: a prompt "
+         "whose image tokens do not match its images fails on the main process, between the image-feature request "
+         "and the generation request; shared with every process as a failed request is (FailureSharingClient)",
+         params=("features", "prompt_ids")),
     Seam("trl.generation.vllm_generation:VLLMGeneration._fix_param_name_to_vllm", "the LoRA adapter push's one base "
          "push names the base weights as TRL's merged push does", params=("name", "extra_prefixes")),
 
