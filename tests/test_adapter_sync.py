@@ -312,6 +312,9 @@ def test_a_failed_adapter_copy_is_raised_on_every_process_after_every_gather(tin
         gathered, shared, real_full, real_gather = [], [], gather.full, processes.gather_from_all
 
         class HostMemoryExhausted:
+            def detach(self):
+                return self
+
             def to(self, *args, **kwargs):
                 raise RuntimeError("host memory exhausted (stand-in)")
 
@@ -387,6 +390,19 @@ def restart(server, logprobs_mode: str | None = None) -> None:
         server.model_config = {"logprobs_mode": logprobs_mode}
 
 
+def restart_after_second_load(sync, server, logprobs_mode: str | None = None) -> None:
+    """Restart ``server`` just after it loaded ``sync``'s second adapter push (before any request names it)."""
+    load = sync.load
+
+    def load_then_restart(*args, **kwargs):
+        seconds = load(*args, **kwargs)
+        if len(sync.loaded_names) == 2:
+            restart(server, logprobs_mode)
+        return seconds
+
+    sync.load = load_then_restart
+
+
 @pytest.mark.parametrize("when", ["between_steps", "after_a_push"])
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async_k1"])
 def test_a_server_restarted_mid_run_gets_the_base_weights_and_the_adapter_again(tiny_model_dir, tmp_path,
@@ -404,15 +420,7 @@ def test_a_server_restarted_mid_run_gets_the_base_weights_and_the_adapter_again(
                                callbacks=[RestartAt(server, 2)] if when == "between_steps" else [])
         sync = trainer.vllm_generation.disk_sync
         if when == "after_a_push":
-            load = sync.load
-
-            def load_then_restart(*args, **kwargs):
-                seconds = load(*args, **kwargs)
-                if len(sync.loaded_names) == 2:
-                    server.restart()
-                return seconds
-
-            sync.load = load_then_restart
+            restart_after_second_load(sync, server)
         trainer.train()
         assert sync.restarts == [server.url] and server.requests["RPC", "reload_weights"] == 2
         events = server.lora_events
@@ -451,15 +459,7 @@ def test_a_server_restarted_with_another_logprobs_mode_is_refused_before_it_samp
                                callbacks=[RestartAt(server, 2, "raw_logprobs")] if when == "between_steps" else [])
         sync = trainer.vllm_generation.disk_sync
         if when == "after_a_push":
-            load = sync.load
-
-            def load_then_restart(*args, **kwargs):
-                seconds = load(*args, **kwargs)
-                if len(sync.loaded_names) == 2:
-                    restart(server, "raw_logprobs")
-                return seconds
-
-            sync.load = load_then_restart
+            restart_after_second_load(sync, server, "raw_logprobs")
         with pytest.raises(VLLMLogprobsModeError, match=rf"{server.url} runs with `--logprobs-mode raw_logprobs`"):
             trainer.train()
         events = server.lora_events

@@ -49,7 +49,7 @@ def adapter_shapes(model) -> dict[str, tuple[int, ...]]:
     return dict(zip(saved, shapes.values()))
 
 
-class _Copies:
+class CpuCopies:
     """CPU copies of gathered tensors where ``keep``. A copy that fails (host memory) stops the copies, not the
     gathers: the other processes gather each parameter with this one (collective under ZeRO-3 and FSDP2), so the error
     is raised once every gather is done (:meth:`raise_failure`), for the caller to raise on every process."""
@@ -60,7 +60,7 @@ class _Copies:
     def __call__(self, into: dict, name: str, tensor) -> None:
         if self.keep and self.error is None:
             try:
-                into[name] = tensor.to("cpu", copy=True)
+                into[name] = tensor.detach().to("cpu", copy=True)
             except Exception as exc:  # noqa: BLE001 - raised by raise_failure, after the gathers
                 into.clear()
                 self.error = exc
@@ -77,7 +77,7 @@ def gathered_adapter(model, dist, keep: bool) -> dict:
     from peft import get_peft_model_state_dict
 
     named = adapter_parameters(model, model.active_adapter)
-    state, copy = {}, _Copies(keep)
+    state, copy = {}, CpuCopies(keep)
     with dist.gather_params([p for _, p in named]):
         for name, param in named:
             copy(state, name, full(param))  # gathered on every process
@@ -92,7 +92,7 @@ def gathered_base(model, dist, vllm_name: Callable[[str], str], keep: bool) -> d
     """A peft model's base weights under vLLM's names (``vllm_name`` of the peft name without its wrapping; adapter
     layers skipped, nothing merged), one parameter gathered at a time; CPU copies where ``keep``. Every process calls
     it."""
-    base, copy = {}, _Copies(keep)
+    base, copy = {}, CpuCopies(keep)
     for name, param in model.named_parameters():
         if model.prefix in name or "original_module" in name:
             continue

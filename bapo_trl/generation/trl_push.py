@@ -11,7 +11,7 @@ import contextlib
 
 from trl.generation.vllm_generation import is_peft_model
 
-from .gather import exact_unmerge
+from .gather import CpuCopies, exact_unmerge
 from .processes import raise_if_any
 
 
@@ -64,15 +64,11 @@ class TRLPushMixin:
         """TRL's walk made whole, each weight copied to the CPU where ``keep``: ``(copies, error)``. A copy that fails
         (host memory) stops the copies, not the walk: the other processes gather every weight with this one (ZeRO-3),
         and the caller raises the error on every process once all have walked. Ctrl-C closes the walk at once."""
-        copies, error = {}, None
+        copies, copy = {}, CpuCopies(keep)
         with contextlib.closing(self._iter_named_params()) as walk:
             for name, param in walk:
-                if keep and error is None:
-                    try:
-                        copies[name] = param.detach().to("cpu", copy=True)
-                    except Exception as exc:  # noqa: BLE001 - returned, see the docstring
-                        copies, error = {}, exc
-        return copies, error
+                copy(copies, name, param)
+        return copies, copy.error
 
     def _iter_named_params(self):
         """TRL's walk over the weights to push (:meth:`_walk_named_params`); inside :meth:`_sync_through_trl` each walk
