@@ -36,8 +36,9 @@ train: install
 # The slow tier must collect tests: pytest's exit code 5 ("no tests collected") fails the target.
 # The fast tier runs on 2 pytest-xdist workers (-n 2: each test holds one torch thread, tests/conftest.py), and so do
 # the slow tests marked side_by_side (the guarantee rows on the in-process stand-in server, the benchmarks' quick runs
-# with servers of their own); the rest of the slow tier runs one test at a time (multi-process launches, servers
-# shared between tests, timing bounds).
+# with servers of their own; the tests of the session's real server in one xdist_group, so one worker starts it);
+# the rest of the slow tier runs one test at a time (multi-process launches, servers shared between tests, timing
+# bounds).
 FAST_WORKERS ?= 2
 
 # Each tier writes a JUnit file; the last line holds the run to the suite's time budget on its own clock (fast tier 5
@@ -48,7 +49,7 @@ DURATIONS_CHECK ?= $(PYTHON) scripts/durations_table.py --check $(JUNIT_DIR)/fas
 
 test: install-test
 	$(PYTHON) -m pytest -m "not slow" -q -n $(FAST_WORKERS) --durations=0 --junitxml=$(JUNIT_DIR)/fast.xml
-	$(PYTHON) -m pytest -m "slow and side_by_side" -q -n $(FAST_WORKERS) --durations=0 \
+	$(PYTHON) -m pytest -m "slow and side_by_side" -q -n $(FAST_WORKERS) --dist loadgroup --durations=0 \
 		--junitxml=$(JUNIT_DIR)/slow-side.xml
 	$(PYTHON) -m pytest -m "slow and not side_by_side" -q --durations=0 --junitxml=$(JUNIT_DIR)/slow-serial.xml
 	$(DURATIONS_CHECK)

@@ -28,16 +28,25 @@ def _one_thread():
 
 @pytest.fixture(autouse=True)
 def _give_memory_back(request):
-    """After each slow test, collect what it left and hand freed heap back to the OS: the slow tier trains SmolLM2 in
-    this process and then launches two ZeRO-3 ranks beside two vLLM servers, which once ran a 24 GiB machine out of
-    memory (the kernel killed a rank) while this process still held the earlier tests' freed memory."""
+    """After each test, collect what it left, then freeze what is still alive (``gc.freeze``: torch's, transformers'
+    and TRL's modules, the session's fixtures) out of the collector's reach. Every ``train()`` runs a full collection
+    (accelerate's ``free_memory``), which scanned the whole heap of a worker that had imported the stack: 0.3-0.6 s a
+    call, half of a tiny trainer's build-and-train (measured 2.06 s -> 0.93 s for three). What a test creates is not
+    frozen while it runs, so a test that checks what a collection frees sees it freed. What dies after its test
+    (a module fixture's trainer) is left to reference counting.
+
+    After a slow test, also hand freed heap back to the OS: the slow tier trains SmolLM2 in this process and then
+    launches two ZeRO-3 ranks beside two vLLM servers, which once ran a 24 GiB machine out of memory (the kernel killed
+    a rank) while this process still held the earlier tests' freed memory."""
     yield
-    if request.node.get_closest_marker("slow") is None:
-        return
-    import ctypes
     import gc
 
     gc.collect()
+    gc.freeze()
+    if request.node.get_closest_marker("slow") is None:
+        return
+    import ctypes
+
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
@@ -73,15 +82,53 @@ def test_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("bapo_trl_cache")
 
 
+def _built_models_dir():
+    """Where the test runs of this checkout keep the embedded model they built (``build/test-models/KEY``), so that
+    each pytest process (every xdist worker, every tier of ``make test``) copies it instead of building it again
+    (~10 s of CPU each). KEY: the toy recipe's code, torch's and transformers' versions and the CPU kind, everything
+    the warm start's numbers depend on."""
+    import hashlib
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    from bapo_trl.recipes import toy
+
+    digest = hashlib.sha256()
+    for source in sorted(Path(toy.__file__).parent.glob("*.py")):
+        digest.update(source.read_bytes())
+    vendor = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id")),
+                  "unknown") if os.path.exists("/proc/cpuinfo") else "unknown"
+    digest.update(f"{torch.__version__} {transformers.__version__} {vendor} "
+                  f"{torch.backends.cpu.get_cpu_capability()}".encode())
+    return Path(__file__).resolve().parent.parent / "build" / "test-models" / digest.hexdigest()[:16]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(test_cache):
-    """The embedded model (warm-started), built once in the test cache, at the path train_bapo.py resolves there (so
-    a train_bapo.py launch on the embedded model and an in-process test share one model and one vLLM server)."""
+    """The embedded model (warm-started), in the test cache, at the path train_bapo.py resolves there (so a
+    train_bapo.py launch on the embedded model and an in-process test share one model and one vLLM server): built
+    once per checkout and machine kind (:func:`_built_models_dir`; the build writes a complete directory or nothing),
+    copied into each session's cache."""
+    import shutil
+    import tempfile
+
     from bapo_trl.recipes.toy import build_tiny_model
 
     with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BAPO_TRL_CACHE", str(_built_models_dir()))
+        built = build_tiny_model()
+    target = os.path.join(str(test_cache), os.path.basename(built))
+    if not os.path.exists(target):
+        staging = tempfile.mkdtemp(dir=str(test_cache))
+        shutil.copytree(built, os.path.join(staging, "model"))
+        os.rename(os.path.join(staging, "model"), target)
+        os.rmdir(staging)
+    with pytest.MonkeyPatch.context() as patch:
         patch.setenv("BAPO_TRL_CACHE", str(test_cache))
-        return build_tiny_model()
+        assert build_tiny_model() == target  # found complete where train_bapo.py looks
+    return target
 
 
 def _machine_busy_seconds() -> float:
@@ -116,8 +163,8 @@ def pytest_runtest_protocol(item, nextitem):
 def pytest_collection_modifyitems(config, items):
     """SmolLM2's tests run last: they need the large model's vLLM server, and only one server lives at a time
     (tests/support/vllm_servers.OneLiveServer); every earlier module then shares the tiny model's server."""
-    # and the tiny model's LoRA-ready server just before them (one switch of server each)
-    late = {"test_lora_real_server": 1, "test_smollm2": 2}
+    # and the tiny model's LoRA-ready server just before them (one switch of server each), for both modules that use it
+    late = {"test_adapter_sync": 1, "test_lora_real_server": 1, "test_smollm2": 2}
     items.sort(key=lambda item: late.get(item.module.__name__, 0))  # stable: the order within stays
 
 

@@ -347,6 +347,7 @@ def test_agreement_by_chance_is_the_rate_agreement_gives_two_runs_of_one_distrib
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("tiny_server")  # one worker, one start of the session's server (Makefile: --dist loadgroup)
 def test_async_study_quick_prints_its_summary(tiny_server):
     """On the session's tiny-model server (the study's own model: the embedded one, in the test cache)."""
     last = run_quick("async_study.py", "--server-url", tiny_server.url)
@@ -391,6 +392,7 @@ def test_evidence_study_quick_pairs_every_method_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("tiny_server")
 def test_evidence_study_quick_runs_replay_and_async_on_the_real_server(tmp_path, tiny_server):
     """The scenarios the default quick run leaves out, briefly: replay and async K=1 (generation in a real vLLM CPU
     server: the worker's server of the embedded model, the study's own, through ``--server-url``, so no second start),

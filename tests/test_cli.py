@@ -737,6 +737,8 @@ def test_deepspeed_is_told_the_cpu_where_no_accelerator_is_found():
     assert environ == {"DS_ACCELERATOR": "npu"}
 
 
+@pytest.mark.slow
+@pytest.mark.side_by_side  # two fresh processes (~20 s), no server, no timing bound
 def test_a_run_prints_no_warning_of_the_projects_own_making(tmp_path, tiny_model_dir, test_cache):
     """The embedded job in a fresh process: no DeepSpeed accelerator warning and no deprecation warning of a setting
     the project passes (transformers' `gradient_checkpointing` rename). A trainer built through the Python API, in a

@@ -36,10 +36,7 @@ from bapo_trl import BAPOConfig
 from bapo_trl.rollout.settings import staleness_bound
 from support.guarantee_rows import (
     FAST,
-    HELD_PUSH,
-    LORA,
     SECONDS_PER_TOKEN,
-    SERVERS,
     SOURCES,
     TIMING_DEPENDENT,
     USER_SAMPLING,
@@ -63,22 +60,30 @@ from support.policy_server import PolicyServer
 #: are fast, their combination only slow), replay_async (10 s; replay and async_k1 are fast: replay under async is
 #: checked in the slow tier only), the LoRA rows (11 s each; the adapter push's steps are checked fast against the
 #: stand-in in test_adapter_sync.py).
-SLOW_ROWS = {"async_inflight", "async_k2_two_servers", "async_k2", "async_partial", "replay_async", "async_k2_lazy",
-             "async_partial_held_push", "async_k2_eval", "async_sync3_eval", "async_partial_lora",
-             "async_inflight_lora", "async_k2_two_servers_lora", "async_k1_lora", "async_sync3", "replay_saves_async"}
-#: Rows run at the fast setting only, on the stand-in: weight_sync_steps and the held push change when and how the
-#: trainer pushes, not what a server or a setting does; evaluation with TRL's own generation changes only the random
-#: state (the async evaluating row runs at every setting). 7 steps at u = 2 updates per batch reach staleness 4, past
-#: the bound with W = 1 (3). The LoRA rows change what is pushed, not what a setting does (the plain rows run every
-#: setting); their async K=1 row was seen to pass at every setting once (2026-11, 4 settings, 29 s).
-ONE_SETTING = {"async_sync3", "async_sync3_eval", "trl_eval"} | HELD_PUSH | LORA
+SLOW_ROWS = {"async_inflight", "async_k2", "async_partial", "replay_async", "async_k2_lazy", "async_partial_held_push",
+             "async_k2_eval", "async_sync3_eval", "async_partial_lora", "async_inflight_lora",
+             "async_k2_two_servers_lora", "async_sync3", "replay_saves_async"}
+#: The sources the slow tier crosses with every other setting: one per feature (TRL's own generation, replay, partial
+#: rollout, the async pipeline at K = 1 and K = 2). Every other source runs at FAST (and the user's sampling settings
+#: through the server below), so each feature meets every setting through its base source, and every combination of
+#: features meets the setting with the most mid-batch checkpoints. Not run: a combination of features at another
+#: setting (async partial rollout at u = 8, say), which the full cross once ran (2026-11, all rows passed) and which
+#: cost 5 minutes of CI per run.
+ACROSS_SETTINGS = ("trl", "replay", "partial", "async_k1", "async_k2")
+#: Rows whose guarantees other rows prove: two servers with full-weight pushes (async_k2_two_servers_lora pushes to a
+#: fleet with resumes; the fast fleet tests push full weights to two servers), the adapter push at K = 1 (its
+#: guarantees run on real vLLM in test_lora_real_server.py, its order of events in the three other LoRA rows).
+PROVEN_BY_OTHER_ROWS = {"async_k2_two_servers", "async_k1_lora"}
+#: The async rows that also run against the real vLLM server: the pipeline, partial rollout across versions, in-flight
+#: updates (the others differ from these on the trainer's side only, which the stand-in rows check).
+ON_THE_REAL_SERVER = ("async_k1", "async_partial", "async_inflight")
 #: (steps_per_generation, num_iterations, gradient_accumulation_steps), pairwise over {1, 4} x {1, 2} x {1, 2}
 SETTINGS = [(1, 1, 1), (1, 2, 2), (4, 1, 2), (4, 2, 1)]
 
 
 @pytest.mark.side_by_side
 @pytest.mark.parametrize("source", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_ROWS else s
-                                    for s in SOURCES])
+                                    for s in SOURCES if s not in PROVEN_BY_OTHER_ROWS])
 def test_guarantees_fast_rows(source, tiny_model_dir, tmp_path):
     run_row(source, FAST, tiny_model_dir, tmp_path)
 
@@ -102,15 +107,13 @@ def test_async_k2_reaches_its_staleness_bound_and_never_passes_it(tiny_model_dir
 @pytest.mark.slow
 @pytest.mark.side_by_side
 @pytest.mark.parametrize("setting", [s for s in SETTINGS if s != FAST], ids=lambda s: "S{}_I{}_GA{}".format(*s))
-# a fleet adds nothing per setting; ONE_SETTING rows run at the fast setting only
-@pytest.mark.parametrize("source", [s for s in SOURCES if s not in SERVERS.keys() | ONE_SETTING])
+@pytest.mark.parametrize("source", ACROSS_SETTINGS)
 def test_guarantees_slow_rows(source, setting, tiny_model_dir, tmp_path):
     run_row(source, setting, tiny_model_dir, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", [s for s in SOURCES
-                                    if "async" in s and s not in SERVERS.keys() | ONE_SETTING | LORA])
+@pytest.mark.parametrize("source", ON_THE_REAL_SERVER)
 def test_async_rows_with_the_real_server(source, tiny_server, tiny_model_dir, tmp_path):
     """The async rows against the real vLLM CPU server: its log-probs match the trainer's recomputation, and every
     resume, regenerating past what its checkpoint saved, trains what the uninterrupted run trained. (async_partial

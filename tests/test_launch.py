@@ -18,7 +18,6 @@ from support.launching import (
     PORT_ATTEMPTS,
     REPO,
     accelerate_launch,
-    accelerate_launch_machines,
     assert_zero3_partitioned,
     free_port,
     launch_infos,
@@ -102,28 +101,6 @@ def assert_two_ranks(infos: list[dict], kind: str, stage: int | None) -> None:
         assert info["rank"] == rank and info["world_size"] == 2
         assert info["distributed_type"] == ("MULTI_CPU" if kind == "MULTI_GPU" else kind)
         assert info["zero_stage"] == stage
-
-
-def assert_one_process_per_machine(infos: list[dict]) -> None:
-    """The launch_info records show the topology of ``--num_machines 2``, one process on each machine."""
-    for rank, info in enumerate(infos):
-        assert info["machine_rank"] == rank and info["local_rank"] == 0 and info["processes_on_machine"] == 1, info
-
-
-def test_two_machines_zero3(tmp_path):
-    """Two launchers as on two nodes (``--num_machines 2 --machine_rank 0|1``, rendezvous at 127.0.0.1 on one free
-    port), one process each, ZeRO-3: one world of 2 whose weights are split across the machines, machine 0 alone
-    prints the summary and saves. No ``--use_cpu``: train_bapo.py picks the CPU without CUDA."""
-    out = tmp_path / "run"
-    outputs = accelerate_launch_machines(
-        TRAIN, *SHORT_RUN, "--output_dir", out, config_file=CONFIGS / "deepspeed_zero3.yaml", extra_launch=NO_MIXED,
-        timeout=1200, log_dir=tmp_path,
-    )
-    infos = assert_zero3_partitioned(out)
-    assert_one_process_per_machine(infos)
-    assert all(info["backend"] == "gloo" and info["device"].startswith("cpu") for info in infos)
-    assert "BAPO run summary" in outputs[0] and "BAPO run summary" not in outputs[1]
-    assert (out / "model.safetensors").exists()
 
 
 @pytest.mark.side_by_side  # about one core (BAPO_TEST_CPU_LOG), no shared server, no timing bound

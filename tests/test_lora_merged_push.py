@@ -169,3 +169,56 @@ def test_trls_push_sends_the_merged_weights_to_a_client_that_reads_them_after_th
         assert all(torch.equal(before[name], value) for name, value in base_weights(trainer.model).items())
     finally:
         server.close()
+
+
+class NotTheMainProcess:
+    """The generation's accelerator as another process of a launch sees it (a STAND-IN: one process here)."""
+
+    is_main_process = False
+
+    def __init__(self, accelerator):
+        self._accelerator = accelerator
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
+
+
+@pytest.mark.parametrize("main", [True, False], ids=["the main process", "another process"])
+def test_trls_push_copies_the_merged_weights_only_for_the_main_process_transfer(main, tiny_model_dir, tmp_path,
+                                                                                 monkeypatch):
+    """Review s9, F7: the merged walk's copies (for vLLM's packed transfer, above) hold a second copy of the model's
+    weights while the walk lasts (on CUDA, GPU memory), so they are made only where a consumer may hold what it is
+    given: the main process's transfer walk in server mode. TRL's metadata walk (names, shapes, dtypes) and another
+    process's walk (its gathers only) yield the model's own tensors. Seen failing when every walk of TRL's push
+    copied."""
+    monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
+    server = PolicyServer(tiny_model_dir)
+    try:
+        args = cpu_config(tmp_path / "out", bf16=True, use_vllm=True, vllm_mode="server",
+                          vllm_server_base_url=server.url, vllm_server_timeout=30, vllm_lora_sync="merged",
+                          per_device_train_batch_size=8, num_generations=4, max_completion_length=6)
+        trainer = tiny_trainer(tiny_model_dir, args, model=bf16_peft_model(tiny_model_dir))
+        generation = trainer.vllm_generation
+        own = {p.data_ptr() for p in trainer.model.parameters()}
+        walks, walk = [], generation._iter_named_params
+
+        def recording():  # per walk: whether each tensor yielded is the model's own
+            walks.append([])
+            for name, tensor in walk():
+                walks[-1].append(tensor.data_ptr() in own)
+                yield name, tensor
+
+        client = HoldingClient()
+        with monkeypatch.context() as patch:
+            patch.setattr(type(generation), "uses_disk_sync", property(lambda self: False))
+            patch.setattr(generation, "vllm_client", client)
+            patch.setattr(generation, "_iter_named_params", recording)
+            if not main:
+                patch.setattr(generation, "accelerator", NotTheMainProcess(generation.accelerator))
+            generation._weight_metadata = None  # a first push: TRL walks for the metadata, then for the transfer
+            generation.sync_weights()
+        assert len(walks) == 2 and all(walks[0]) and walks[1], walks  # the metadata walk: the model's own tensors
+        assert not any(walks[1]) if main else all(walks[1]), walks  # the transfer: copies on the main process only
+        assert bool(getattr(client, "values", None)) == main  # only the main process sends
+    finally:
+        server.close()

@@ -1,9 +1,12 @@
 """Nothing a user trained is lost: kill -9 inside the write of a checkpoint, resume, and the run continues from the
 complete checkpoint before it exactly like one that was never interrupted (CPU, fixed seed), with replay, partial
-rollout, and async generation against the real vLLM CPU server. The complete checkpoint is in the MIDDLE of a
-generation batch (step 6 of batches of 4 updates): the resumed run trains the rest of that batch, then generates what
-the uninterrupted run generated. The kill lands at a point the run itself signals (no timing): inside the save of
-checkpoint-12, once its weights and per-rank state are on disk and before its optimizer, trainer state and marker.
+rollout (beside a second run, no server), and async generation against the real vLLM CPU server. The complete
+checkpoint is in the MIDDLE of a generation batch (step 3 of batches of 4 updates): the resumed run trains the rest
+of that batch, then generates what the uninterrupted run generated. The kill lands at a point the run itself signals
+(no timing): inside the save of checkpoint-6, once its weights and per-rank state are on disk and before its
+optimizer, trainer state and marker. (Replay's state through resumes from every checkpoint: the guarantee rows of
+tests/test_guarantees.py and the 2-process replay launch of tests/test_launch.py; the kill itself does not depend on
+the source.)
 
 CPU runs are deterministic, so a run that ignored the checkpoint and started over would log the same history: the
 test also checks that the resumed process ran only the steps after the checkpoint and left the checkpoint alone."""
@@ -25,14 +28,14 @@ from support.server_training import reset_server_weights
 
 pytestmark = pytest.mark.slow
 
-RUN = ["--max_steps", "24", "--save_strategy", "steps", "--save_steps", "6", "--steps_per_generation", "4",
+STEPS = 12
+RUN = ["--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", "3", "--steps_per_generation", "4",
        "--per_device_train_batch_size", "16", "--disable_tqdm", "true", "--seed", "5"]
 SOURCES = {
-    "replay": ["--replay_buffer_size", "16", "--replay_ratio", "0.25"],
     "partial": ["--partial_rollout_budget", "4"],
     "async": ["--use_vllm", "--vllm_mode", "server", "--async_generation"],  # + the server's URL
 }
-CHECKPOINT = 6  # mid-batch: 4 updates per generation batch
+CHECKPOINT = 3  # mid-batch: 4 updates per generation batch
 TORN = 2 * CHECKPOINT  # the checkpoint whose write the kill cuts short
 
 # train_bapo.py, except that the save of checkpoint-<step> stops once the weights and the per-rank state are on disk
@@ -69,7 +72,7 @@ def tail(logs):
 
 
 def history(out):
-    state = json.loads((out / "checkpoint-24" / "trainer_state.json").read_text())
+    state = json.loads((out / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
     return {h["step"]: h for h in state["log_history"] if "loss" in h}
 
 
@@ -103,7 +106,7 @@ def source_flags(request, tmp_path, monkeypatch):
     return request.param, flags
 
 
-# side_by_side: replay and partial train on their own cache with no server (about one core each); async shares the
+# side_by_side: partial trains on its own cache with no server (about one core); async shares the
 # session's server, so it runs one at a time
 @pytest.mark.parametrize("source_flags", [s if s == "async" else pytest.param(s, marks=pytest.mark.side_by_side)
                                           for s in SOURCES], indirect=True)
@@ -112,7 +115,7 @@ def test_kill_9_then_resume_continues_exactly(source_flags, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     reference = train(tmp_path / "reference", env=env, logs=tmp_path / "reference-log", source=flags)
     assert reference.wait(timeout=600) == 0, tail(tmp_path / "reference-log")
-    assert steps_logged(tmp_path / "reference") == list(range(1, 25))
+    assert steps_logged(tmp_path / "reference") == list(range(1, STEPS + 1))
 
     event = tmp_path / "inside-the-save"
     victim = train(tmp_path / "victim", env=env, logs=tmp_path / "victim-log", source=flags,
@@ -126,8 +129,8 @@ def test_kill_9_then_resume_continues_exactly(source_flags, tmp_path):
     victim.wait()
     assert victim.returncode == -signal.SIGKILL
 
-    # The write of checkpoint-12 was cut short (new weights on disk, no optimizer): no marker, so
-    # `--resume_from_checkpoint latest` takes checkpoint-6, which that write left alone.
+    # The write of checkpoint-6 was cut short (new weights on disk, no optimizer): no marker, so
+    # `--resume_from_checkpoint latest` takes checkpoint-3, which that write left alone.
     kept, torn = f"checkpoint-{CHECKPOINT}", tmp_path / "victim" / f"checkpoint-{TORN}"
     assert {n for n in os.listdir(tmp_path / "victim") if n.startswith("checkpoint-")} == {kept, torn.name}
     assert (torn / "model.safetensors").exists() and not (torn / "optimizer.pt").exists()
@@ -141,23 +144,23 @@ def test_kill_9_then_resume_continues_exactly(source_flags, tmp_path):
                     source=flags)
     assert resumed.wait(timeout=600) == 0, tail(tmp_path / "resumed-log")
 
-    # It resumed (a fresh start would rewrite the checkpoint at step 6), and metrics.jsonl holds each step once: the
+    # It resumed (a fresh start would rewrite the checkpoint at step 3), and metrics.jsonl holds each step once: the
     # crashed run's lines past the checkpoint were dropped, not logged twice (issue 75, finding 7).
-    assert steps_logged(tmp_path / "victim") == list(range(1, 25))
+    assert steps_logged(tmp_path / "victim") == list(range(1, STEPS + 1))
     assert fingerprint(tmp_path / "victim" / kept) == before
     assert (torn / "bapo_checkpoint_complete.json").exists() and (torn / "optimizer.pt").exists()  # written again
 
     ref, res = history(tmp_path / "reference"), history(tmp_path / "victim")
-    assert sorted(ref) == sorted(res) == list(range(1, 25))  # equal lengths before comparing step by step
-    for step in range(CHECKPOINT + 1, 25):
+    assert sorted(ref) == sorted(res) == list(range(1, STEPS + 1))  # equal lengths before comparing step by step
+    for step in range(CHECKPOINT + 1, STEPS + 1):
         for key in ("loss", "grad_norm", "bapo/clip_low", "bapo/clip_high", "bapo/positive_contribution",
                     "replay/size", "replay/fraction", "reward", "partial/carried", "async/staleness_max"):
             if key in ref[step]:
                 assert res[step][key] == pytest.approx(ref[step][key], abs=1e-5, nan_ok=True), (step, key)
-    a = load_file(tmp_path / "reference" / "checkpoint-24" / "model.safetensors")
-    b = load_file(tmp_path / "victim" / "checkpoint-24" / "model.safetensors")
+    a = load_file(tmp_path / "reference" / f"checkpoint-{STEPS}" / "model.safetensors")
+    b = load_file(tmp_path / "victim" / f"checkpoint-{STEPS}" / "model.safetensors")
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
     state_file = {"replay": "replay_queue", "partial": "partial_rollout", "async": "async_generation"}[name]
     for file in (f"{state_file}_rank0.pt", "generation_batch_rank0.pt", "optimizer.pt", "scheduler.pt",
                  "rng_state.pth"):
-        assert (tmp_path / "victim" / "checkpoint-24" / file).exists(), file
+        assert (tmp_path / "victim" / f"checkpoint-{STEPS}" / file).exists(), file

@@ -83,34 +83,13 @@ def test_without_weight_sync_the_server_goes_stale(tiny_server, tiny_model_dir, 
 
 
 @pytest.mark.slow
-def test_zero3_two_processes_with_the_server(tiny_server, tiny_model_dir, tmp_path):
-    """`accelerate launch` ZeRO-3 on 2 processes + the server: parameters are gathered for each sync, rank 0 pushes
-    them, and the log-probs still agree (measured ~15-25 s, so the 2 cores allow it). train_bapo.py's default model
-    is the same tiny model the server was started with."""
-    from support.launching import REPO, accelerate_launch, assert_zero3_partitioned
-
-    reset_server_weights(tiny_server.url, tiny_model_dir)
-    out = tmp_path / "run"
-    proc = accelerate_launch(
-        REPO / "train_bapo.py", "--max_steps", "4",
-        "--per_device_train_batch_size", "8", "--num_generations", "4", "--steps_per_generation", "2",
-        "--max_completion_length", "8", "--logging_steps", "1", "--output_dir", out,
-        "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", tiny_server.url,
-        config_file=REPO / "accelerate_configs" / "deepspeed_zero3.yaml", extra_launch=["--mixed_precision", "no"],
-        timeout=1200,
-    )
-    from support.run_logs import values
-
-    assert_zero3_partitioned(out)
-    diffs = values(out, LOGP_DIFF)
-    assert len(diffs) == 2 and max(diffs) < IN_SYNC, (diffs, (proc.stdout + proc.stderr)[-3000:])
-
-
-@pytest.mark.slow
 def test_two_machines_zero3_with_the_server(tiny_server, tiny_model_dir, tmp_path):
     """Two launchers as on two trainer nodes (``--num_machines 2``, one process each, ZeRO-3) and the server as a
-    third: machine 0's main process alone writes the weights (under its BAPO_VLLM_WEIGHTS_DIR) and talks to the
-    server; machine 1's BAPO_VLLM_WEIGHTS_DIR does not even exist, and the sampler stays in sync."""
+    third: parameters are gathered for each sync, machine 0's main process alone writes the weights (under its
+    BAPO_VLLM_WEIGHTS_DIR) and talks to the server; machine 1's BAPO_VLLM_WEIGHTS_DIR does not even exist, and the
+    sampler stays in sync; one world of 2 over gloo on the CPU (no ``--use_cpu``: train_bapo.py picks it without
+    CUDA), machine 0 alone prints the summary and saves. (ZeRO-3 on 2 processes of one machine with the server: the
+    partial-rollout launch below.)"""
     from support.launching import REPO, accelerate_launch_machines, assert_zero3_partitioned
 
     reset_server_weights(tiny_server.url, tiny_model_dir)
@@ -129,6 +108,9 @@ def test_two_machines_zero3_with_the_server(tiny_server, tiny_model_dir, tmp_pat
     infos = assert_zero3_partitioned(out)
     for rank, info in enumerate(infos):
         assert info["machine_rank"] == rank and info["processes_on_machine"] == 1, info
+        assert info["local_rank"] == 0 and info["backend"] == "gloo" and info["device"].startswith("cpu"), info
+    assert "BAPO run summary" in outputs[0] and "BAPO run summary" not in outputs[1]
+    assert (out / "model.safetensors").exists()
     from support.run_logs import training_steps, values
 
     diffs = values(out, LOGP_DIFF)
@@ -211,10 +193,12 @@ def test_partial_rollout_ranks_agree_on_the_server_request(tiny_server, tiny_mod
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [1, 2])
+# One process: test_partial_rollout_through_the_server (in process, per-round caps and log-probs per version) and the
+# single-process launch of tests/test_launch.py; each launch costs 30-35 s of the slow tier.
+@pytest.mark.parametrize("processes", [2])
 def test_partial_rollout_from_train_bapo_with_the_server(tiny_server, tiny_model_dir, tmp_path, processes):
-    """`train_bapo.py` with partial rollout and the server, on one process and on two with ZeRO-3 (one server
-    request per round serves both ranks)."""
+    """`train_bapo.py` with partial rollout and the server on two processes with ZeRO-3 (one server request per
+    round serves both ranks; parameters gathered for each sync, the sampler in sync)."""
     from support.launching import REPO, accelerate_launch
 
     reset_server_weights(tiny_server.url, tiny_model_dir)

@@ -84,11 +84,14 @@ class TRLPushMixin:
         yields copies of the merged weights: vLLM's packed NCCL transfer (``pack_tensors``) keeps views of what the
         walk yields and concatenates its last chunk only once the walk has ended, after TRL's walk has unmerged in
         place, so that chunk (the whole model under 1 GB) reached the server unmerged: the adapter was never sampled
-        (TRL's own merged walk does the same)."""
+        (TRL's own merged walk does the same). Only that walk copies (each copy is a second copy of the model's memory
+        while the walk lasts): TRL's metadata walk reads shapes, another process's walk only gathers, and colocate's
+        engine loads each weight as it comes."""
         if not is_peft_model(self.model):
             yield from super()._iter_named_params()
             return
-        copies = self._walks is not None  # inside TRL's push: the consumer may hold what it is given
+        copies = (self._walks is not None and self.mode == "server" and self.accelerator.is_main_process
+                  and self._weight_metadata is not None)  # TRL walks for its metadata before it sets it
         with exact_unmerge(self.model):
             for name, tensor in super()._iter_named_params():
                 yield name, tensor.detach().clone() if copies else tensor

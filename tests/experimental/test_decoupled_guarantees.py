@@ -13,9 +13,10 @@ from support.guarantee_rows import FAST, run_row
 from support.harness import logps_under
 
 #: The sources the decoupled correction runs on (the method's rows of the same names): replay, partial rollout,
-#: async K=1, in-flight updates, two servers, LoRA. Only replay runs in the fast tier: the others wait on a slowed
-#: server, start a second one or take 15-30 s, and their sources' own rows are in the method's table.
-ROWS = ["replay", "partial", "async_k1", "async_inflight", "async_k2_two_servers", "async_k1_lora"]
+#: async K=1, in-flight updates, LoRA (a fleet of servers changes generation, not the loss: the method's fleet rows).
+#: Only replay runs in the fast tier: the others wait on a slowed server or take 15-30 s, and their sources' own rows
+#: are in the method's table.
+ROWS = ["replay", "partial", "async_k1", "async_inflight", "async_k1_lora"]
 FAST_ROWS = {"replay"}
 
 
