@@ -186,9 +186,9 @@ class NotTheMainProcess:
 @pytest.mark.parametrize("main", [True, False], ids=["the main process", "another process"])
 def test_trls_push_copies_the_merged_weights_only_for_the_main_process_transfer(main, tiny_model_dir, tmp_path,
                                                                                  monkeypatch):
-    """Review s9, F7: the merged walk's copies (for vLLM's packed transfer, above) hold a second copy of the model's
-    weights while the walk lasts (on CUDA, GPU memory), so they are made only where a consumer may hold what it is
-    given: the main process's transfer walk in server mode. TRL's metadata walk (names, shapes, dtypes) and another
+    """Review s9, F7: the merged walk's copies (for vLLM's packed transfer, above) cost memory and time on the
+    weights' device (on CUDA, the GPU), so they are made only where a consumer may hold what it is given: the main
+    process's transfer walk in server mode. TRL's metadata walk (names, shapes, dtypes) and another
     process's walk (its gathers only) yield the model's own tensors. Seen failing when every walk of TRL's push
     copied."""
     monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))

@@ -84,9 +84,9 @@ class TRLPushMixin:
         yields copies of the merged weights: vLLM's packed NCCL transfer (``pack_tensors``) keeps views of what the
         walk yields and concatenates its last chunk only once the walk has ended, after TRL's walk has unmerged in
         place, so that chunk (the whole model under 1 GB) reached the server unmerged: the adapter was never sampled
-        (TRL's own merged walk does the same). Only that walk copies (each copy is a second copy of the model's memory
-        while the walk lasts): TRL's metadata walk reads shapes, another process's walk only gathers, and colocate's
-        engine loads each weight as it comes."""
+        (TRL's own merged walk does the same). Only that walk copies (a copy costs memory and time on the weights'
+        device): TRL's metadata walk reads shapes, another process's walk only gathers, and colocate's engine loads
+        each weight as it comes."""
         if not is_peft_model(self.model):
             yield from super()._iter_named_params()
             return
