@@ -18,7 +18,7 @@ export DS_BUILD_OPS ?= 0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install install-test install-torch train test test-fast test-experimental
+.PHONY: install install-test install-torch train test test-fast test-on-demand test-experimental
 
 install: install-torch
 	$(PIP) install -q -e .
@@ -49,13 +49,19 @@ DURATIONS_CHECK ?= $(PYTHON) scripts/durations_table.py --check $(JUNIT_DIR)/fas
 
 test: install-test
 	$(PYTHON) -m pytest -m "not slow" -q -n $(FAST_WORKERS) --durations=0 --junitxml=$(JUNIT_DIR)/fast.xml
-	$(PYTHON) -m pytest -m "slow and side_by_side" -q -n $(FAST_WORKERS) --dist loadgroup --durations=0 \
-		--junitxml=$(JUNIT_DIR)/slow-side.xml
-	$(PYTHON) -m pytest -m "slow and not side_by_side" -q --durations=0 --junitxml=$(JUNIT_DIR)/slow-serial.xml
+	$(PYTHON) -m pytest -m "slow and side_by_side and not on_demand" -q -n $(FAST_WORKERS) --dist loadgroup \
+		--durations=0 --junitxml=$(JUNIT_DIR)/slow-side.xml
+	$(PYTHON) -m pytest -m "slow and not side_by_side and not on_demand" -q --durations=0 \
+		--junitxml=$(JUNIT_DIR)/slow-serial.xml
 	$(DURATIONS_CHECK)
 
 test-fast: install-test
 	$(PYTHON) -m pytest -m "not slow" -q -n $(FAST_WORKERS) --durations=20
+
+# Tests `make test` leaves out for their time (marker on_demand: the benchmarks' own quick runs with servers of their
+# own, 75-165 s each, and a launch whose parts CI tests); run them when you change benchmarks/ or before a GPU session.
+test-on-demand: install-test
+	$(PYTHON) -m pytest -m on_demand -q -n $(FAST_WORKERS) --durations=0
 
 # The research candidates (bapo_trl/experimental) alone, both tiers; `make test` runs them too.
 test-experimental: install-test

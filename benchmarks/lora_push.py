@@ -3,7 +3,7 @@
 
     python benchmarks/lora_push.py                 # SmolLM2, rank 16, 3 pairs of runs, then the ZeRO-3 memory part
     python benchmarks/lora_push.py --no-zero3      # without the ZeRO-3 part
-    python benchmarks/lora_push.py --quick         # the tiny model, rank 8, 1 pair, no ZeRO-3 (CI's smoke run)
+    python benchmarks/lora_push.py --quick         # the tiny model, rank 8, 1 pair, no ZeRO-3 (a smoke run)
 
 Part 1. One real vLLM CPU server (``bapo serve MODEL --lora-rank R``) pinned to core 1, this process on core 0. For
 each of ``--pairs`` pairs, a synchronous run in each mode, then an async K=1 run in each mode (the order of the modes

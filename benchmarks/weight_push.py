@@ -5,7 +5,7 @@ Why: with async generation the reload sits between two requests, on generation's
 the slower side (``async/load_seconds``). This splits it, so a change to it can be aimed at the part that costs.
 
     python benchmarks/weight_push.py [--repeats 20] [--hidden 256] [--layers 4]
-    python benchmarks/weight_push.py --quick     # a smoke run (CI's): 2 repeats, a smaller model
+    python benchmarks/weight_push.py --quick     # a smoke run: 2 repeats, a smaller model
 
 One real vLLM CPU server pinned to core 1 (``server_bench.Server``), this process on core 0; the model is
 ``server_bench``'s random-init Llama. Each part is timed ``--repeats`` times, interleaved (write, reload, reset,
@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke run (CI's): 2 repeats of a model of hidden 64, 2 layers, unless given")
+                        help="a smoke run: 2 repeats of a model of hidden 64, 2 layers, unless given")
     opts = parser.parse_args()
     if opts.quick:  # its own defaults; values given beside it still win
         parser.set_defaults(repeats=2, hidden=64, layers=2)

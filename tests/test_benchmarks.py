@@ -100,6 +100,7 @@ def test_staleness_study_quick_prints_its_summary():
 
 
 @pytest.mark.slow
+@pytest.mark.on_demand  # `make test-on-demand` (before a GPU session), not CI: 100 s of CI's 2 cores
 def test_gpu_check_cpu_quick_passes_every_check():
     """The GPU check's CPU mode: 16k-token search (same choice as the loops, no host sync in 6 searches), BAPO vs
     GRPO steps on the random model, BAPO's share of a profiled block (host time only on CPU; no host sync in the
@@ -213,6 +214,7 @@ def test_trls_async_trainer_trains_on_the_cpu_server_through_the_anchor(vllm_cpu
 
 
 @pytest.mark.slow
+@pytest.mark.on_demand  # `make test-on-demand`, not CI: 165 s of CI's 2 cores (the anchor's quick run stays)
 def test_async_overlap_quick_runs_on_a_real_server(vllm_cpu_venv, tmp_path):
     """Real vLLM CPU server, the default ``--quick`` (every row, its in-flight row with ``ignore_eos`` included: the
     config once refused that and the default invocation ended in ValueError): sync, K=1, K=2 (paired with K=1 in its
@@ -347,6 +349,7 @@ def test_agreement_by_chance_is_the_rate_agreement_gives_two_runs_of_one_distrib
 
 
 @pytest.mark.slow
+@pytest.mark.on_demand  # `make test-on-demand`, not CI: 90 s of CI's 2 cores with its server's start
 @pytest.mark.xdist_group("tiny_server")  # one worker, one start of the session's server (Makefile: --dist loadgroup)
 def test_async_study_quick_prints_its_summary(tiny_server):
     """On the session's tiny-model server (the study's own model: the embedded one, in the test cache)."""
@@ -410,6 +413,7 @@ def test_evidence_study_quick_runs_replay_and_async_on_the_real_server(tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.on_demand  # `make test-on-demand`, not CI: 75-140 s each of CI's 2 cores
 @pytest.mark.parametrize("script, summary", [
     ("weight_push.py", "write_ms="),
     ("code_ab.py", "b_over_a_sync="),
@@ -417,6 +421,9 @@ def test_evidence_study_quick_runs_replay_and_async_on_the_real_server(tmp_path,
     ("lora_push.py", "pair_push_bytes="),
 ])
 def test_the_other_server_benchmarks_run_their_quick_mode(script, summary, vllm_cpu_venv):
-    """Every benchmark's default smoke invocation runs (real vLLM CPU servers; 30-70 s each) and ends with its
-    summary line; code_ab's --quick times this checkout against itself."""
+    """Every benchmark's default smoke invocation runs (real vLLM CPU servers of its own, one or two each) and ends
+    with its summary line; code_ab's --quick times this checkout against itself. What they exercise of the package
+    is proven in CI by other tests (the disk push and its loads: test_vllm_server.py, test_weight_writes.py; LoRA
+    pushes to a real server: test_lora_real_server.py; two real servers: test_server_fleet.py; code_ab's runner is
+    async_overlap's, above); their own scripts are run here, on demand (7 minutes of CI's 2 cores when CI ran them)."""
     assert run_quick(script).startswith(summary)

@@ -72,8 +72,10 @@ SLOW_ROWS = {"async_inflight", "async_k2", "async_partial", "replay_async", "asy
 ACROSS_SETTINGS = ("trl", "replay", "partial", "async_k1", "async_k2")
 #: Rows whose guarantees other rows prove: two servers with full-weight pushes (async_k2_two_servers_lora pushes to a
 #: fleet with resumes; the fast fleet tests push full weights to two servers), the adapter push at K = 1 (its
-#: guarantees run on real vLLM in test_lora_real_server.py, its order of events in the three other LoRA rows).
-PROVEN_BY_OTHER_ROWS = {"async_k2_two_servers", "async_k1_lora"}
+#: guarantees run on real vLLM in test_lora_real_server.py, its order of events in the three other LoRA rows), the
+#: held (CUDA-shaped) push with partial rollout (the held push: async_k1_held_push; partial rollout across versions:
+#: async_partial, here and on the real server).
+PROVEN_BY_OTHER_ROWS = {"async_k2_two_servers", "async_k1_lora", "async_partial_held_push"}
 #: The async rows that also run against the real vLLM server: the pipeline, partial rollout across versions, in-flight
 #: updates (the others differ from these on the trainer's side only, which the stand-in rows check).
 ON_THE_REAL_SERVER = ("async_k1", "async_partial", "async_inflight")

@@ -93,6 +93,9 @@ def test_lora_adapter_push_to_the_colocated_engine(vllm_trainer_python, tiny_mod
 # The first shape (per-device batch 1, num_generations=4: a group spread over both processes and over
 # micro-steps); per-device batch 2 (2,1,4) and one copy of a group per process (1,1,2) are the same derivation with
 # other offsets (the offsets are unit-tested fast), and each launch costs 35-45 s of the slow tier.
+@pytest.mark.on_demand  # on demand (`make test-on-demand`), not CI: 60 s of CI's 2 cores; the derivation is
+# tested fast (test_request_seeds.py: a colocated process seeds its prompts with its engine group), a real engine's
+# per-prompt seeds through the server (test_request_seeds.py, slow)
 @pytest.mark.parametrize("shape", ["1,2,4"], ids=["per_device_1_group_4"])
 def test_a_user_seed_gives_every_member_of_a_spread_group_its_own_numbers(vllm_trainer_python, tiny_model_dir,
                                                                            tmp_path, shape):
