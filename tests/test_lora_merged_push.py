@@ -140,35 +140,42 @@ def test_a_merged_walk_cut_short_leaves_the_adapter_counted_once(tiny_model_dir,
         server.close()
 
 
-def test_trls_push_sends_the_merged_weights_to_a_client_that_reads_them_after_the_walk(tiny_model_dir, tmp_path,
-                                                                                        monkeypatch):
-    """Review s8, F1: on CUDA, TRL's push hands the merged walk to vLLM's packed NCCL transfer, which keeps views of
-    the tensors and concatenates its last chunk (the whole model under 1 GB) after the walk has ended, when TRL's walk
-    has unmerged in place: the server got the base weights, the adapter was never sampled. A stand-in client that
-    reads the walk's tensors only after the walk (as ``pack_tensors`` does) receives exactly the merged weights the
-    disk push writes. Seen failing before the walk yielded copies inside TRL's push."""
+@pytest.fixture
+def merged_push_trainer(tiny_model_dir, tmp_path, monkeypatch):
+    """A bfloat16 LoRA trainer whose pushes merge the adapter (``vllm_lora_sync="merged"``), beside a stand-in server
+    (closed after the test)."""
     monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
     server = PolicyServer(tiny_model_dir)
     try:
         args = cpu_config(tmp_path / "out", bf16=True, use_vllm=True, vllm_mode="server",
                           vllm_server_base_url=server.url, vllm_server_timeout=30, vllm_lora_sync="merged",
                           per_device_train_batch_size=8, num_generations=4, max_completion_length=6)
-        trainer = tiny_trainer(tiny_model_dir, args, model=bf16_peft_model(tiny_model_dir))
-        generation, before = trainer.vllm_generation, base_weights(trainer.model)
-        merged = generation.gather_state()  # copied as the walk goes
-        assert any(not torch.equal(merged[plain(name)], value) for name, value in before.items()
-                   if ".base_layer." in name)
-        client = HoldingClient()
-        with monkeypatch.context() as patch:
-            patch.setattr(type(generation), "uses_disk_sync", property(lambda self: False))
-            patch.setattr(generation, "vllm_client", client)
-            generation.sync_weights()
-        assert set(client.values) == set(merged)
-        differ = [name for name in merged if not torch.equal(client.values[name], merged[name])]
-        assert not differ, f"{len(differ)} tensors reached the server unmerged, e.g. {differ[:3]}"
-        assert all(torch.equal(before[name], value) for name, value in base_weights(trainer.model).items())
+        yield tiny_trainer(tiny_model_dir, args, model=bf16_peft_model(tiny_model_dir))
     finally:
         server.close()
+
+
+def test_trls_push_sends_the_merged_weights_to_a_client_that_reads_them_after_the_walk(merged_push_trainer,
+                                                                                        monkeypatch):
+    """Review s8, F1: on CUDA, TRL's push hands the merged walk to vLLM's packed NCCL transfer, which keeps views of
+    the tensors and concatenates its last chunk (the whole model under 1 GB) after the walk has ended, when TRL's walk
+    has unmerged in place: the server got the base weights, the adapter was never sampled. A stand-in client that
+    reads the walk's tensors only after the walk (as ``pack_tensors`` does) receives exactly the merged weights the
+    disk push writes. Seen failing before the walk yielded copies inside TRL's push."""
+    trainer = merged_push_trainer
+    generation, before = trainer.vllm_generation, base_weights(trainer.model)
+    merged = generation.gather_state()  # copied as the walk goes
+    assert any(not torch.equal(merged[plain(name)], value) for name, value in before.items()
+               if ".base_layer." in name)
+    client = HoldingClient()
+    with monkeypatch.context() as patch:
+        patch.setattr(type(generation), "uses_disk_sync", property(lambda self: False))
+        patch.setattr(generation, "vllm_client", client)
+        generation.sync_weights()
+    assert set(client.values) == set(merged)
+    differ = [name for name in merged if not torch.equal(client.values[name], merged[name])]
+    assert not differ, f"{len(differ)} tensors reached the server unmerged, e.g. {differ[:3]}"
+    assert all(torch.equal(before[name], value) for name, value in base_weights(trainer.model).items())
 
 
 class NotTheMainProcess:
@@ -184,41 +191,33 @@ class NotTheMainProcess:
 
 
 @pytest.mark.parametrize("main", [True, False], ids=["the main process", "another process"])
-def test_trls_push_copies_the_merged_weights_only_for_the_main_process_transfer(main, tiny_model_dir, tmp_path,
+def test_trls_push_copies_the_merged_weights_only_for_the_main_process_transfer(main, merged_push_trainer,
                                                                                  monkeypatch):
     """Review s9, F7: the merged walk's copies (for vLLM's packed transfer, above) cost memory and time on the
     weights' device (on CUDA, the GPU), so they are made only where a consumer may hold what it is given: the main
     process's transfer walk in server mode. TRL's metadata walk (names, shapes, dtypes) and another
     process's walk (its gathers only) yield the model's own tensors. Seen failing when every walk of TRL's push
     copied."""
-    monkeypatch.setenv("BAPO_VLLM_WEIGHTS_DIR", str(tmp_path))
-    server = PolicyServer(tiny_model_dir)
-    try:
-        args = cpu_config(tmp_path / "out", bf16=True, use_vllm=True, vllm_mode="server",
-                          vllm_server_base_url=server.url, vllm_server_timeout=30, vllm_lora_sync="merged",
-                          per_device_train_batch_size=8, num_generations=4, max_completion_length=6)
-        trainer = tiny_trainer(tiny_model_dir, args, model=bf16_peft_model(tiny_model_dir))
-        generation = trainer.vllm_generation
-        own = {p.data_ptr() for p in trainer.model.parameters()}
-        walks, walk = [], generation._iter_named_params
+    trainer = merged_push_trainer
+    generation = trainer.vllm_generation
+    own = {p.data_ptr() for p in trainer.model.parameters()}
+    walks, walk = [], generation._iter_named_params
 
-        def recording():  # per walk: whether each tensor yielded is the model's own
-            walks.append([])
-            for name, tensor in walk():
-                walks[-1].append(tensor.data_ptr() in own)
-                yield name, tensor
+    def recording():  # per walk: whether each tensor yielded is the model's own
+        walks.append([])
+        for name, tensor in walk():
+            walks[-1].append(tensor.data_ptr() in own)
+            yield name, tensor
 
-        client = HoldingClient()
-        with monkeypatch.context() as patch:
-            patch.setattr(type(generation), "uses_disk_sync", property(lambda self: False))
-            patch.setattr(generation, "vllm_client", client)
-            patch.setattr(generation, "_iter_named_params", recording)
-            if not main:
-                patch.setattr(generation, "accelerator", NotTheMainProcess(generation.accelerator))
-            generation._weight_metadata = None  # a first push: TRL walks for the metadata, then for the transfer
-            generation.sync_weights()
-        assert len(walks) == 2 and all(walks[0]) and walks[1], walks  # the metadata walk: the model's own tensors
-        assert not any(walks[1]) if main else all(walks[1]), walks  # the transfer: copies on the main process only
-        assert bool(getattr(client, "values", None)) == main  # only the main process sends
-    finally:
-        server.close()
+    client = HoldingClient()
+    with monkeypatch.context() as patch:
+        patch.setattr(type(generation), "uses_disk_sync", property(lambda self: False))
+        patch.setattr(generation, "vllm_client", client)
+        patch.setattr(generation, "_iter_named_params", recording)
+        if not main:
+            patch.setattr(generation, "accelerator", NotTheMainProcess(generation.accelerator))
+        generation._weight_metadata = None  # a first push: TRL walks for the metadata, then for the transfer
+        generation.sync_weights()
+    assert len(walks) == 2 and all(walks[0]) and walks[1], walks  # the metadata walk: the model's own tensors
+    assert not any(walks[1]) if main else all(walks[1]), walks  # the transfer: copies on the main process only
+    assert bool(getattr(client, "values", None)) == main  # only the main process sends
