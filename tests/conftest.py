@@ -88,6 +88,7 @@ def _built_models_dir():
     (~10 s of CPU each). KEY: the toy recipe's code, torch's and transformers' versions and the CPU kind, everything
     the warm start's numbers depend on."""
     import hashlib
+    import importlib.util
     from pathlib import Path
 
     import torch
@@ -95,14 +96,15 @@ def _built_models_dir():
 
     from bapo_trl.recipes import toy
 
+    repo = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("execute_notebooks", repo / "scripts" / "execute_notebooks.py")
+    notebooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(notebooks)  # its cpu_kind(): the CPU's vendor and the kernels torch picks on it
     digest = hashlib.sha256()
     for source in sorted(Path(toy.__file__).parent.glob("*.py")):
         digest.update(source.read_bytes())
-    vendor = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id")),
-                  "unknown") if os.path.exists("/proc/cpuinfo") else "unknown"
-    digest.update(f"{torch.__version__} {transformers.__version__} {vendor} "
-                  f"{torch.backends.cpu.get_cpu_capability()}".encode())
-    return Path(__file__).resolve().parent.parent / "build" / "test-models" / digest.hexdigest()[:16]
+    digest.update(f"{torch.__version__} {transformers.__version__} {notebooks.cpu_kind()}".encode())
+    return repo / "build" / "test-models" / digest.hexdigest()[:16]
 
 
 @pytest.fixture(scope="session")
